@@ -1,0 +1,30 @@
+"""The one error type users can cause, and its subclasses: each message says what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class OffloadError(Exception):
+    """A mistake in what the user gave us (config, checkpoint, device map, folder).
+
+    The runner prints ``str(error)`` as a single line and exits non-zero; no traceback.
+    """
+
+
+class ConfigError(OffloadError):
+    """A config value that cannot be used (unknown name, bad size, impossible budget)."""
+
+
+class DeviceMapError(OffloadError):
+    """A device map that does not cover the model exactly once or names unknown devices."""
+
+
+class CheckpointError(OffloadError):
+    """A checkpoint that is missing, truncated, inconsistent or unsafe to read."""
+
+
+class StorageError(OffloadError):
+    """An offload folder or store that cannot be used as asked."""
+
+
+class PluginError(OffloadError):
+    """A plugin that is unknown, duplicated or failed to load."""

@@ -1,0 +1,55 @@
+"""Plugin hook specifications: how a plugin adds placements, stores and module-hook policies to offload_core.
+
+Every plugin, built-in or third-party, implements one or more of these with ``@hookimpl``. Each hook
+is handed a ``register`` callback instead of returning values:
+
+    register(name: str, factory: type, config: type) -> None
+
+``factory`` is the strategy class, built as ``factory(config_instance)``; ``config`` is a dataclass
+whose fields are the strategy's options and whose ``name`` field defaults to ``name``. The dataclass
+becomes a Hydra option of the matching config group (``placement``, ``storage``, ``hook``) with no YAML.
+Registering a name twice is an error naming both plugins.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pluggy
+
+PROJECT = "offload_core"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[[str, type, type], None]
+
+
+@hookspec
+def offload_register_placements(register: Register) -> None:
+    """Register placement strategies (config group ``placement``).
+
+    Called once when the plugin manager is built, for every plugin. A placement's factory builds an
+    object with ``make_device_map(request: PlacementRequest) -> dict[str, int | str]``.
+    All implementations are called; results are ignored (use ``register``).
+    """
+
+
+@hookspec
+def offload_register_storages(register: Register) -> None:
+    """Register storage backends (config group ``storage``).
+
+    Called once when the plugin manager is built, for every plugin. A storage's factory builds an
+    object with ``open(context: StoreContext) -> Store``; see :mod:`offload_core.storage`.
+    All implementations are called; results are ignored (use ``register``).
+    """
+
+
+@hookspec
+def offload_register_module_hook_policies(register: Register) -> None:
+    """Register module-hook policies (config group ``hook``).
+
+    Called once when the plugin manager is built, for every plugin. A policy's factory builds an
+    object with ``attach(model, plan: DispatchPlan) -> PolicyHandle``; see
+    :mod:`offload_core.module_hooks`. All implementations are called; results are ignored.
+    """

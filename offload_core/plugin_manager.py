@@ -1,0 +1,179 @@
+"""Builds the one plugin manager: specs, built-in plugins, entry points, then a registry of strategies by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Iterable
+
+import pluggy
+
+from offload_core import hookspecs
+from offload_core.errors import PluginError
+
+ENTRY_POINT_GROUP = "offload_core"
+DISABLE_ENV = "OFFLOAD_CORE_DISABLE_PLUGINS"
+
+KINDS = {
+    "placement": "offload_register_placements",
+    "storage": "offload_register_storages",
+    "hook": "offload_register_module_hook_policies",
+}
+
+BUILTIN_PLUGINS = (
+    "offload_core_plugins.placement_sequential",
+    "offload_core_plugins.placement_balanced",
+    "offload_core_plugins.placement_balanced_low_0",
+    "offload_core_plugins.storage_pinned_cpu",
+    "offload_core_plugins.storage_memmap",
+    "offload_core_plugins.storage_safetensors",
+    "offload_core_plugins.hook_align_per_call",
+    "offload_core_plugins.hook_chained",
+    "offload_core_plugins.hook_functional_call",
+)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One registered strategy: its kind, name, factory class, config dataclass and the plugin it came from."""
+
+    kind: str
+    name: str
+    factory: type
+    config: type
+    plugin: str
+    version: str
+
+    def build(self, config: Any = None) -> Any:
+        """Instantiate the strategy with ``config`` (a dataclass, a mapping, or ``None`` for defaults)."""
+        if config is None:
+            config = self.config()
+        elif not isinstance(config, self.config):
+            values = {k: v for k, v in dict(config).items() if k != "_target_"}
+            known = {f.name for f in dataclasses.fields(self.config)}
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise PluginError(
+                    f"{self.kind} {self.name!r} has no option(s) {', '.join(unknown)}: "
+                    f"its options are {', '.join(sorted(known))}"
+                )
+            config = self.config(**values)
+        return self.factory(config)
+
+
+@dataclass
+class Registry:
+    """Strategies by kind and name, plus what was loaded and what failed to load."""
+
+    strategies: dict[str, dict[str, Strategy]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    plugins: dict[str, str] = field(default_factory=dict)  # plugin name -> version
+    failed: dict[str, str] = field(default_factory=dict)  # plugin name -> one-line reason
+    manager: pluggy.PluginManager | None = None
+
+    def get(self, kind: str, name: str) -> Strategy:
+        """Return the strategy ``name`` of ``kind``; an unknown name lists the available ones."""
+        if kind not in self.strategies:
+            raise PluginError(f"unknown strategy kind {kind!r}: expected one of {', '.join(KINDS)}")
+        found = self.strategies[kind].get(name)
+        if found is None:
+            available = ", ".join(sorted(self.strategies[kind])) or "none"
+            failed = "".join(f"; plugin {p!r} failed to load: {why}" for p, why in self.failed.items())
+            raise PluginError(f"unknown {kind} {name!r}: available are {available}{failed}")
+        return found
+
+    def create(self, kind: str, name: str, config: Any = None) -> Any:
+        """Build the strategy ``name`` of ``kind`` with ``config``."""
+        return self.get(kind, name).build(config)
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.strategies[kind])
+
+
+def _version_of(module: Any, dist: importlib.metadata.Distribution | None) -> str:
+    if dist is not None:
+        return dist.version
+    try:
+        return importlib.metadata.version("offload_core")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"
+
+
+def _disabled() -> set[str]:
+    return {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+
+
+def build_registry(
+    extra_plugins: Iterable[Any] = (),
+    load_entry_points: bool = True,
+    builtins: Iterable[str] = BUILTIN_PLUGINS,
+) -> Registry:
+    """Build a fresh plugin manager and registry.
+
+    Built-ins are registered exactly like third-party plugins; entry points of group ``offload_core``
+    are loaded next (a failing one is recorded, not fatal); ``extra_plugins`` (modules or objects) last.
+    Plugins named in ``$OFFLOAD_CORE_DISABLE_PLUGINS`` (comma-separated) are skipped.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    registry = Registry(manager=pm)
+    disabled = _disabled()
+    sources: dict[Any, tuple[str, str]] = {}
+
+    def add(plugin: Any, name: str, version: str) -> None:
+        if name in disabled:
+            return
+        pm.register(plugin, name=name)
+        sources[plugin] = (name, version)
+        registry.plugins[name] = version
+
+    for module_name in builtins:
+        module = importlib.import_module(module_name)
+        add(module, module_name, _version_of(module, None))
+    if load_entry_points:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in disabled:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken third-party plugin must not take the tool down
+                registry.failed[ep.name] = f"{type(exc).__name__}: {exc}"
+                continue
+            add(plugin, ep.name, ep.dist.version if ep.dist else "unknown")
+    for plugin in extra_plugins:
+        add(plugin, getattr(plugin, "__name__", type(plugin).__name__), "local")
+    pm.check_pending()
+
+    for kind, hook_name in KINDS.items():
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            plugin_name, version = sources[impl.plugin]
+
+            def register(name: str, factory: type, config: type, *, _k=kind, _p=plugin_name, _v=version) -> None:
+                _check_config(_k, name, config)
+                existing = registry.strategies[_k].get(name)
+                if existing is not None:
+                    raise PluginError(
+                        f"{_k} {name!r} is registered twice: by plugin {existing.plugin!r} and by plugin "
+                        f"{_p!r}; disable one with {DISABLE_ENV}={_p}"
+                    )
+                registry.strategies[_k][name] = Strategy(_k, name, factory, config, _p, _v)
+
+            impl.function(register=register)
+    return registry
+
+
+def _check_config(kind: str, name: str, config: type) -> None:
+    if not dataclasses.is_dataclass(config):
+        raise PluginError(f"{kind} {name!r}: its config must be a dataclass, got {config!r}")
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    if "name" not in fields or fields["name"].default != name:
+        raise PluginError(f"{kind} {name!r}: its config dataclass needs a field `name: str = {name!r}`")
+
+
+@lru_cache(maxsize=1)
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use (never on import)."""
+    return build_registry()

@@ -1,0 +1,94 @@
+"""Byte sizes: parse the strings users write ("2GiB", "500MB") once, at the edge, into ints."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from offload_core.errors import ConfigError
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?[Bb]|B)?\s*$")
+
+
+def parse_size(size: int | str, what: str = "size") -> int:
+    """Return ``size`` in bytes.
+
+    ``GiB/MiB/KiB`` are powers of 2, ``GB/MB/KB`` powers of 10, an int (or a digit string) is bytes.
+    A lowercase ``b`` means bits (``"8Mb"`` is 1 MB). Anything else, negative numbers and ``"10G"``
+    included, raises :class:`ConfigError`.
+    """
+    if isinstance(size, bool):
+        raise ConfigError(f"{what}={size!r} is not a size: give bytes or a string like '2GiB' or '500MB'")
+    if isinstance(size, int):
+        if size < 0:
+            raise ConfigError(f"{what}={size} is negative: give a size of 0 bytes or more")
+        return size
+    if isinstance(size, float) and size.is_integer() and size >= 0:
+        return int(size)
+    match = _SIZE.match(str(size))
+    if match is None:
+        raise ConfigError(
+            f"{what}={size!r} is not a size: use bytes or a number with one of "
+            "B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '2GiB'"
+        )
+    number, unit = match.groups()
+    unit = unit or "B"
+    bits = unit.endswith("b") and unit != "B"
+    value = float(number) * _UNITS[unit.upper()]
+    if bits:
+        value /= 8
+    return int(value)
+
+
+def format_size(num_bytes: int) -> str:
+    """Human-readable size in powers of 2 (``1.50 GiB``)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"  # pragma: no cover
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
+    """Turn ``"bfloat16"``/``"bf16"``/``torch.bfloat16`` into a torch dtype; ``None``/``"auto"`` stay ``None``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        return None
+    if name not in _DTYPES:
+        raise ConfigError(f"{what}={dtype!r} is unknown: use one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def dtype_byte_size(dtype: torch.dtype) -> float:
+    """Bytes per element (``bool`` counts 1/8, as a bit, like the reference sizing)."""
+    if dtype == torch.bool:
+        return 1 / 8
+    return torch.empty((), dtype=dtype).element_size()
