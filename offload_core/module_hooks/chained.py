@@ -1,0 +1,156 @@
+"""chained (seed 000's cpu_offload_with_hook): a unit moves in when called and stays until the next unit in the chain is called."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.module_hooks.align import attach_io_hooks
+from offload_core.module_hooks.base import ModuleHook, ModuleHookHandle, add_hook_to_module, send_to_device
+from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, Slot, TransferStats, Unit, find_units
+
+
+class ChainedHook(ModuleHook):
+    """Loads its unit on call (if not loaded) after offloading ``prev`` (a :class:`ChainHandle`), and keeps it."""
+
+    name = "chained_offload"
+
+    def __init__(self, unit: Unit, store: Mapping[str, torch.Tensor], execution_device: torch.device,
+                 stats: TransferStats, non_blocking: bool = False, chain: "Chain | None" = None) -> None:
+        self.unit = unit
+        self.store = store
+        self.execution_device = execution_device
+        self.stats = stats
+        self.non_blocking = non_blocking
+        self.chain = chain
+        self.prev: ChainHandle | None = None
+        self.offloads = 0
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.chain is not None:
+            self.chain.activate(self)
+        elif self.prev is not None:
+            self.prev.offload()
+        self.unit.load(self.store, self.execution_device, self.stats, self.non_blocking)
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+    def offload(self) -> None:
+        if self.unit.loaded:
+            self.unit.release()
+            self.offloads += 1
+
+    def on_error(self, module: nn.Module) -> None:
+        self.offload()
+
+    def detach_hook(self, module: nn.Module) -> None:
+        self.offload()
+
+
+class Chain:
+    """A dynamic chain: calling a unit offloads whichever unit of the chain was called before it."""
+
+    def __init__(self) -> None:
+        self.current: ChainedHook | None = None
+
+    def activate(self, hook: ChainedHook) -> None:
+        if self.current is not None and self.current is not hook:
+            self.current.offload()
+        self.current = hook
+
+
+class ChainHandle:
+    """Returned by :func:`cpu_offload_with_hook`: ``offload()`` drops the model's weights, ``remove()`` restores it."""
+
+    def __init__(self, model: nn.Module, hook: ChainedHook, module_handle: ModuleHookHandle, policy: PolicyHandle) -> None:
+        self.model = model
+        self.hook = hook
+        self.module_handle = module_handle
+        self.policy = policy
+
+    @property
+    def stats(self) -> TransferStats:
+        return self.hook.stats
+
+    def offload(self) -> None:
+        self.hook.offload()
+
+    def remove(self) -> nn.Module:
+        return self.policy.remove()
+
+
+def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str | int | None = None,
+                          prev_module_hook: ChainHandle | None = None) -> tuple[nn.Module, ChainHandle]:
+    """Offload ``model`` to host memory; it moves to ``execution_device`` when called and stays there
+    until the next model of the chain (whose ``prev_module_hook`` is this handle) is called.
+
+    The last model of a chain needs an explicit ``handle.offload()``. ``handle.remove()`` puts the
+    weights back in the model (on the CPU) and removes the module hook.
+    """
+    from offload_core.storage import StoreContext
+    from offload_core.storage.memory import HostMemoryStore
+
+    if execution_device is None:
+        execution_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if isinstance(execution_device, int):
+        execution_device = f"cuda:{execution_device}"
+    device = torch.device(execution_device)
+    store = HostMemoryStore(StoreContext(names=[], pin_memory=device.type == "cuda"))
+    slots = []
+    seen: dict[int, str] = {}
+    meta_of: dict[int, torch.Tensor] = {}
+    for sub_name, sub in model.named_modules():
+        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for local, tensor in table.items():
+                if tensor is None:
+                    continue
+                full = f"{sub_name}.{local}" if sub_name else local
+                key = seen.setdefault(id(tensor), full)
+                if key == full:
+                    store.put(full, tensor.detach(), owned=True)
+                    placeholder = tensor.to("meta")
+                    meta_of[id(tensor)] = nn.Parameter(placeholder, requires_grad=False) if is_param else placeholder
+                slots.append(Slot(sub, local, full, key, is_param, meta_of[id(tensor)]))
+    unit = Unit("", model, slots)
+    for slot in slots:
+        slot.set(slot.original)
+    plan = DispatchPlan(device_map={"": "cpu"}, execution_device=device, store=store,
+                        offloaded={s.full: s.key for s in slots})
+    hook = ChainedHook(unit, store, device, plan.stats, non_blocking=store.pinned)
+    hook.prev = prev_module_hook
+    module_handle = add_hook_to_module(model, hook)
+    policy = PolicyHandle(model, plan, [unit], [module_handle])
+    return model, ChainHandle(model, hook, module_handle, policy)
+
+
+@dataclass
+class ChainedConfig:
+    name: str = "chained"
+    #: keyword arguments never moved between devices
+    skip_keys: list[str] = field(default_factory=list)
+
+
+class Chained:
+    """Policy: the model's blocks are chained in execution order; each stays loaded until the next is called."""
+
+    def __init__(self, config: ChainedConfig) -> None:
+        self.config = config
+
+    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
+        units = find_units(model, plan.offloaded, plan.no_split_module_classes, "block")
+        handles = attach_io_hooks(model, plan, True, self.config.skip_keys)
+        chain = Chain()
+        nested = {u.name for u in units if any(o.name.startswith(u.name + ".") or (u.name == "" and o.name) for o in units if o is not u)}
+        for unit in units:
+            if unit.name in nested:
+                # A container whose own tensors are offloaded runs around its children: keep it per call.
+                from offload_core.module_hooks.align import AlignDevicesHook
+
+                hook: ModuleHook = AlignDevicesHook(plan.execution_device, offload=True, unit=unit, store=plan.store,
+                                                    stats=plan.stats, non_blocking=plan.non_blocking, name="align_offload")
+            else:
+                hook = ChainedHook(unit, plan.store, plan.execution_device, plan.stats, plan.non_blocking, chain)
+            handles.append(add_hook_to_module(unit.module, hook))
+        return PolicyHandle(model, plan, units, handles)

@@ -1,0 +1,94 @@
+"""functional_call (seed 003, vLLM's --cpu-offload-gb): offloaded parameters are passed to ``torch.func.functional_call``; the module's own parameters are never rebound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from offload_core.module_hooks.align import attach_io_hooks
+from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
+from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, TransferStats, Unit, find_units
+
+
+class FunctionalCallHook(ModuleHook):
+    """Runs the unit's forward through ``functional_call`` with its offloaded tensors copied to the device."""
+
+    name = "functional_call_offload"
+
+    def __init__(self, unit: Unit, store: Mapping[str, torch.Tensor], execution_device: torch.device,
+                 stats: TransferStats, non_blocking: bool = False) -> None:
+        self.unit = unit
+        self.store = store
+        self.execution_device = execution_device
+        self.stats = stats
+        self.non_blocking = non_blocking
+        prefix = unit.name + "." if unit.name else ""
+        self._names = [(s.full[len(prefix):], s.key) for s in unit.slots]
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+    def call_forward(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        fetched = self.unit.fetch(self.store, self.execution_device, self.non_blocking)
+        self.stats.add(len(fetched), sum(t.numel() * t.element_size() for t in fetched.values()))
+        self.stats.unit_calls += 1
+        tensors = {name: fetched[key] for name, key in self._names}
+        hooked_forward = module.__dict__["forward"]
+        module.forward = forward  # functional_call calls the module: run the inner forward, not this hook again
+        try:
+            return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
+        finally:
+            module.forward = hooked_forward
+
+
+def offload_by_budget(model: nn.Module, budget: int, tier: str = "cpu") -> dict[str, int | str]:
+    """vLLM's rule: walk parameters front to back and offload each to ``tier`` until ``budget`` bytes
+    are spent (a module may end up half offloaded). Returns a tensor-level device map whose other
+    entries say ``"resident"``-style placement on the execution device is the caller's to fill in.
+    """
+    offloaded: dict[str, int | str] = {}
+    spent = 0
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            offloaded[name] = tier  # a tied alias follows its first name
+            continue
+        seen.add(id(param))
+        size = param.numel() * param.element_size()
+        if spent + size > budget:
+            continue
+        spent += size
+        offloaded[name] = tier
+    return offloaded
+
+
+@dataclass
+class FunctionalCallConfig:
+    name: str = "functional_call"
+    #: "block": one functional_call per no-split block (vLLM wraps each layer); "module": per owning module
+    granularity: str = "block"
+    #: vLLM's --cpu-offload-gb: when set (e.g. "4GiB" or bytes), parameters are offloaded front to back
+    #: until this many bytes are offloaded, instead of following the placement's map
+    cpu_offload: Optional[str] = None
+
+
+class FunctionalCall:
+    """Policy: offloaded tensors go in as ``functional_call`` arguments for the duration of one call."""
+
+    def __init__(self, config: FunctionalCallConfig) -> None:
+        if config.granularity not in ("module", "block"):
+            from offload_core.errors import ConfigError
+
+            raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
+        self.config = config
+
+    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
+        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.config.granularity)
+        handles = attach_io_hooks(model, plan, True, ())
+        for unit in units:
+            hook = FunctionalCallHook(unit, plan.store, plan.execution_device, plan.stats, plan.non_blocking)
+            handles.append(add_hook_to_module(unit.module, hook))
+        return PolicyHandle(model, plan, units, handles)

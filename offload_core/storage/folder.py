@@ -1,0 +1,234 @@
+"""An offload folder: one raw data file per tensor plus accelerate's ``index.json``, written atomically and reused when still valid.
+
+Layout (readable by accelerate's ``load_offloaded_weights``): ``index.json`` maps each tensor name to
+``{"dtype": ..., "shape": [...]}``; ``<name>.dat`` holds its bytes. Beside them, files of our own:
+``.offload_core`` (our tag: the names of every file we wrote, so only those are ever removed),
+``.offload_complete`` (written last: the fingerprint of what the folder holds), and ``.lock``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from offload_core.errors import StorageError
+from offload_core.storage.base import Store, StoreContext
+
+log = logging.getLogger(__name__)
+
+INDEX = "index.json"
+TAG = ".offload_core"
+COMPLETE = ".offload_complete"
+LOCK = ".lock"
+_OURS = {INDEX, TAG, COMPLETE, LOCK}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise StorageError(f"offload index names an unknown dtype {name!r}: delete the offload folder and run again")
+    return dtype
+
+
+def _safe_file_name(folder: Path, name: str) -> Path:
+    """``<name>.dat`` inside ``folder``; a name that would escape the folder is refused."""
+    if "/" in name or "\\" in name or name.startswith(".") or "\x00" in name:
+        raise StorageError(
+            f"offload index in {folder} names tensor {name!r}, which would escape the folder; "
+            "delete that offload folder (it was not written by offload_core) and run again"
+        )
+    return folder / f"{name}.dat"
+
+
+class FolderStore(Store):
+    """Offloaded tensors in an offload folder, read back through memory maps (file-backed pages, no copy)."""
+
+    def __init__(self, context: StoreContext) -> None:
+        self.fingerprint = {"store": "memmap/1", **context.fingerprint}
+        self.temporary = context.offload_folder is None
+        if self.temporary:
+            self.folder = Path(tempfile.mkdtemp(prefix="offload_core-"))
+            atexit.register(self.close)
+        else:
+            self.folder = Path(context.offload_folder).expanduser().resolve()
+        self._maps: dict[str, torch.Tensor] = {}
+        self._index: dict[str, dict] = {}
+        self._written: list[str] = []
+        self._lock_fd: int | None = None
+        self.bytes_written = 0
+        self._prepare()
+
+    # -- opening ---------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        folder = self.folder
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create offload_folder {folder}: {exc.strerror}; choose a writable folder") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StorageError(f"offload_folder {folder} is not writable; choose a folder you can write to")
+        entries = {p.name for p in folder.iterdir()}
+        if entries and TAG not in entries and not self.temporary:
+            raise StorageError(
+                f"offload_folder {folder} holds files offload_core did not create ({', '.join(sorted(entries)[:3])}"
+                f"{', ...' if len(entries) > 3 else ''}); give an empty or new folder (nothing was changed)"
+            )
+        self._lock()
+        if self._is_complete():
+            self._index = self._read_index()
+            self.reused = True
+            log.info("memmap: reusing complete offload folder %s", folder)
+            return
+        if TAG in entries:
+            log.info("memmap: offload folder %s is stale or incomplete; rebuilding it", folder)
+            self._remove_our_files()
+        self._write_tag([])
+
+    def _lock(self) -> None:
+        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("memmap: offload folder %s is in use by another run; waiting for it", self.folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        self._lock_fd = fd
+
+    def _is_complete(self) -> bool:
+        try:
+            marker = json.loads((self.folder / COMPLETE).read_text())
+        except (OSError, ValueError):
+            return False
+        if marker != json.loads(json.dumps(self.fingerprint)):
+            return False
+        try:
+            index = self._read_index()
+        except StorageError:
+            return False
+        for name, info in index.items():
+            path = _safe_file_name(self.folder, name)
+            expected = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
+            if not path.exists() or path.stat().st_size != expected:
+                return False
+        return True
+
+    def _read_index(self) -> dict[str, dict]:
+        try:
+            index = json.loads((self.folder / INDEX).read_text())
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"offload index {self.folder / INDEX} is unreadable ({exc}); delete the folder and run again") from None
+        for name in index:
+            _safe_file_name(self.folder, name)
+        return index
+
+    def _tagged_files(self) -> list[str]:
+        try:
+            return json.loads((self.folder / TAG).read_text()).get("files", [])
+        except (OSError, ValueError):
+            return []
+
+    def _write_tag(self, files: list[str]) -> None:
+        tmp = self.folder / (TAG + ".tmp")
+        tmp.write_text(json.dumps({"files": files}))
+        os.replace(tmp, self.folder / TAG)
+
+    def _remove_our_files(self) -> None:
+        for name in self._tagged_files() + [INDEX, COMPLETE]:
+            path = self.folder / name
+            if path.parent == self.folder and path.name not in (TAG, LOCK):
+                path.unlink(missing_ok=True)
+        for path in self.folder.glob("*.tmp"):
+            if path.name.endswith(".dat.tmp") or path.name in (INDEX + ".tmp", TAG + ".tmp"):
+                path.unlink(missing_ok=True)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        path = _safe_file_name(self.folder, name)
+        tmp = path.with_name(path.name + ".tmp")
+        # Record the file before writing it, so an interrupted run's leftovers are ours to remove.
+        self._written.append(path.name)
+        self._write_tag(self._written)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(data))
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._abort()
+            if exc.errno == errno.ENOSPC:
+                raise StorageError(
+                    f"no space left on the device of offload_folder {self.folder} while writing {name!r}; "
+                    "free space or point offload_folder at a larger disk (the partial folder was removed)"
+                ) from None
+            raise StorageError(f"cannot write offload file {path}: {exc.strerror}; check the folder") from None
+        self._index[name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        self.bytes_written += data.nbytes
+
+    def _abort(self) -> None:
+        self._remove_our_files()
+        self._written.clear()
+        self._write_tag([])
+
+    def finalize(self) -> None:
+        if self.reused:
+            return
+        for name, content in ((INDEX, self._index), (COMPLETE, self.fingerprint)):
+            tmp = self.folder / (name + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(content, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.folder / name)
+        self._written.append(INDEX)
+        self._write_tag(self._written)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._maps.get(name)
+        if tensor is None:
+            info = self._index[name]
+            dtype = _dtype_from_name(info["dtype"])
+            shape = tuple(info["shape"])
+            numel = int(np.prod(shape, dtype=np.int64))
+            if numel == 0:
+                tensor = torch.empty(shape, dtype=dtype)
+            else:
+                # mode "c": private copy-on-write mapping, so the tensor is writable for torch and the
+                # file can never be changed through it; pages stay file-backed until written.
+                array = np.memmap(_safe_file_name(self.folder, name), dtype=np.uint8, mode="c",
+                                  shape=(numel * dtype.itemsize,))
+                tensor = torch.from_numpy(array).view(dtype).reshape(shape)
+            self._maps[name] = tensor
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def file_of(self, name: str) -> Path:
+        return _safe_file_name(self.folder, name)
+
+    def close(self) -> None:
+        self._maps.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if self.temporary and self.folder.exists():
+            shutil.rmtree(self.folder, ignore_errors=True)

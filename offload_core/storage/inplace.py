@@ -1,0 +1,74 @@
+"""A store that writes nothing: offloaded tensors are read in place from the checkpoint's own safetensors shards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from offload_core.errors import StorageError
+from offload_core.storage.base import Store, StoreContext, convert_dtype
+
+log = logging.getLogger(__name__)
+
+
+class InPlaceStore(Store):
+    """``store[name]`` is a zero-copy view of the shard's mapped bytes (file-backed pages, no second copy).
+
+    When the run's dtype differs from a tensor's stored dtype, the tensor is converted on every read
+    (one copy per read, into fresh memory that is dropped after the module runs); nothing is cached.
+    """
+
+    def __init__(self, context: StoreContext) -> None:
+        checkpoint = context.checkpoint
+        if checkpoint is None or not getattr(checkpoint, "is_safetensors", False):
+            raise StorageError(
+                "storage=safetensors reads offloaded tensors in place from .safetensors shards, but this "
+                "checkpoint has none; use storage=memmap (or convert the checkpoint to safetensors)"
+            )
+        self.checkpoint = checkpoint
+        self.dtype = context.dtype
+        self._refs: dict[str, str] = {}
+        self._views: dict[str, torch.Tensor] = {}
+        self.converting: set[str] = set()
+        self.bytes_written = 0
+
+    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+        # Only the header is consulted; the tensor's bytes are not read while loading.
+        self._refs[name] = key
+        stored = checkpoint.dtype(key)
+        if dtype is not None and stored.is_floating_point and stored != dtype:
+            self.converting.add(name)
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        raise StorageError(
+            f"storage=safetensors cannot hold {name!r}: it only references tensors of the checkpoint; "
+            "use storage=memmap or pinned_cpu for tensors that are not in the checkpoint"
+        )
+
+    def finalize(self) -> None:
+        if self.converting:
+            log.info(
+                "safetensors: %d offloaded tensors are stored in another dtype than the run's %s; "
+                "they are converted on each read (storage=memmap converts once, at load)",
+                len(self.converting), self.dtype,
+            )
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is None:
+            view = self.checkpoint.get(self._refs[name])
+            self._views[name] = view
+        if name in self.converting:
+            return convert_dtype(view, self.dtype)
+        return view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def close(self) -> None:
+        self._views.clear()

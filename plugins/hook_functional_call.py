@@ -1,0 +1,9 @@
+"""Built-in module-hook policy ``functional_call``: seed 003's vLLM offload through torch.func.functional_call."""
+
+from offload_core.hookspecs import hookimpl
+from offload_core.module_hooks.functional import FunctionalCall, FunctionalCallConfig
+
+
+@hookimpl
+def offload_register_module_hook_policies(register):
+    register("functional_call", FunctionalCall, FunctionalCallConfig)

@@ -1,0 +1,27 @@
+"""Built-in storage ``memmap``: an offload folder (accelerate's index layout) read back through memory maps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload_core.hookspecs import hookimpl
+from offload_core.storage import StoreContext
+from offload_core.storage.folder import FolderStore
+
+
+@dataclass
+class MemmapConfig:
+    name: str = "memmap"
+
+
+class Memmap:
+    def __init__(self, config: MemmapConfig) -> None:
+        self.config = config
+
+    def open(self, context: StoreContext) -> FolderStore:
+        return FolderStore(context)
+
+
+@hookimpl
+def offload_register_storages(register):
+    register("memmap", Memmap, MemmapConfig)

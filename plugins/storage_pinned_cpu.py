@@ -1,0 +1,29 @@
+"""Built-in storage ``pinned_cpu``: offloaded tensors held in host memory, page-locked when an accelerator is present."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload_core.hookspecs import hookimpl
+from offload_core.storage import StoreContext
+from offload_core.storage.memory import HostMemoryStore
+
+
+@dataclass
+class PinnedCpuConfig:
+    name: str = "pinned_cpu"
+    #: page-lock the memory when an accelerator is present (faster, non-blocking copies)
+    pin: bool = True
+
+
+class PinnedCpu:
+    def __init__(self, config: PinnedCpuConfig) -> None:
+        self.config = config
+
+    def open(self, context: StoreContext) -> HostMemoryStore:
+        return HostMemoryStore(context, pin=self.config.pin)
+
+
+@hookimpl
+def offload_register_storages(register):
+    register("pinned_cpu", PinnedCpu, PinnedCpuConfig)

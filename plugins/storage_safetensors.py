@@ -1,0 +1,27 @@
+"""Built-in storage ``safetensors``: zero copy, offloaded tensors read in place from the checkpoint's shards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload_core.hookspecs import hookimpl
+from offload_core.storage import StoreContext
+from offload_core.storage.inplace import InPlaceStore
+
+
+@dataclass
+class SafetensorsConfig:
+    name: str = "safetensors"
+
+
+class Safetensors:
+    def __init__(self, config: SafetensorsConfig) -> None:
+        self.config = config
+
+    def open(self, context: StoreContext) -> InPlaceStore:
+        return InPlaceStore(context)
+
+
+@hookimpl
+def offload_register_storages(register):
+    register("safetensors", Safetensors, SafetensorsConfig)
