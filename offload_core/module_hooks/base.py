@@ -93,7 +93,7 @@ def _run(module: nn.Module, hooks: list[ModuleHook], old_forward: Callable, args
             args, kwargs = hook.pre_forward(module, args, kwargs)
         call = old_forward
         for hook in reversed(current):
-            call = functools.partial(hook.call_forward, module, call)
+            call = _wrap_call(hook, module, call)
         output = call(*args, **kwargs)
         for hook in reversed(current):
             output = hook.post_forward(module, output)
@@ -102,6 +102,13 @@ def _run(module: nn.Module, hooks: list[ModuleHook], old_forward: Callable, args
         for hook in reversed(started):
             hook.on_error(module)
         raise
+
+
+def _wrap_call(hook: ModuleHook, module: nn.Module, inner: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return hook.call_forward(module, inner, args, kwargs)
+
+    return call
 
 
 def remove_hook_from_module(module: nn.Module, name: str | None = None, recurse: bool = False) -> nn.Module:

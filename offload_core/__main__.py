@@ -1,0 +1,46 @@
+"""``python -m offload_core plugins``: list loaded plugins, their versions and the strategies each provides."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def list_plugins() -> str:
+    from offload_core.plugin_manager import DISABLE_ENV, KINDS, get_registry
+
+    registry = get_registry()
+    provided: dict[str, list[str]] = {name: [] for name in registry.plugins}
+    for kind in KINDS:
+        for name in registry.names(kind):
+            strategy = registry.get(kind, name)
+            provided.setdefault(strategy.plugin, []).append(f"{kind}={name}")
+    lines = []
+    width = max((len(p) for p in provided), default=10)
+    for plugin, strategies in provided.items():
+        version = registry.plugins.get(plugin, "?")
+        lines.append(f"{plugin:<{width}}  {version:<10}  {', '.join(strategies) or '(no strategies)'}")
+    for plugin, why in registry.failed.items():
+        lines.append(f"{plugin:<{width}}  FAILED      {why}")
+    lines.append(f"(disable plugins by name with {DISABLE_ENV}=name1,name2)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from offload_core.errors import OffloadError
+
+    parser = argparse.ArgumentParser(prog="python -m offload_core", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plugins", help="list loaded plugins and the strategies they provide")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plugins":
+            print(list_plugins())
+    except OffloadError as error:
+        print(f"offload_core: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Memory and time readings for a run: peak anonymous and file-backed RSS (sampled with psutil), GPU peaks, token timings."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+from transformers import StoppingCriteria
+
+
+def rss_split() -> tuple[int, int]:
+    """(anonymous, file-backed) resident bytes of this process; psutil's ``shared`` is the file-backed part."""
+    info = psutil.Process().memory_info()
+    shared = getattr(info, "shared", 0)
+    return info.rss - shared, shared
+
+
+class MemoryMonitor:
+    """Samples this process's RSS on a thread; peaks are reported relative to the baseline at start."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.baseline_anon, self.baseline_file = rss_split()
+        self.peak_anon, self.peak_file = self.baseline_anon, self.baseline_file
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="offload-memory-monitor", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        anon, file = rss_split()
+        self.peak_anon = max(self.peak_anon, anon)
+        self.peak_file = max(self.peak_file, file)
+
+    def __enter__(self) -> "MemoryMonitor":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    @property
+    def anon_delta(self) -> int:
+        return self.peak_anon - self.baseline_anon
+
+    @property
+    def file_delta(self) -> int:
+        return self.peak_file - self.baseline_file
+
+
+class TokenTimer(StoppingCriteria):
+    """A stopping criterion that never stops: it stamps the time each new token is produced."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.stamps[0] - self.start if self.stamps else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        if len(self.stamps) < 2:
+            return float("nan")
+        return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
+
+
+@dataclass
+class RunFigures:
+    """The figures every run reports (written to ``metrics.json``)."""
+
+    load_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    peak_anon_rss_bytes: int = 0
+    peak_file_rss_bytes: int = 0
+    peak_gpu_bytes: dict[str, int] = field(default_factory=dict)
+    bytes_moved_per_token: float = 0.0
+    transfers_per_token: float = 0.0
+    offloaded_bytes: int = 0
+    store_bytes_written: int = 0

@@ -1,0 +1,358 @@
+"""The thin runner: compose a placement, a store and a module-hook policy from a config, load, generate, report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from offload_core.errors import ConfigError
+from offload_core.sizes import format_size, parse_dtype, parse_size
+
+log = logging.getLogger("offload_core")
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` returns (and writes as ``metrics.json`` / ``device_map.json``)."""
+
+    text: str
+    token_ids: list[int]
+    device_map: dict[str, Any]
+    figures: dict[str, Any]
+    summary: dict[str, Any]
+    matches_in_memory: bool | None = None
+    output_dir: Path | None = None
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+def _section(cfg: Any, key: str) -> dict:
+    node = cfg.get(key) if isinstance(cfg, DictConfig) else cfg[key]
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def _execution_device(value: str | None) -> torch.device:
+    if value in (None, "", "auto"):
+        return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ConfigError(f"execution_device={value!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ConfigError(f"execution_device={value!r} does not exist: this machine has {count} CUDA device(s); use cpu")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ConfigError(f"execution_device={value!r} is not supported: use cpu or cuda:N")
+    return device
+
+
+def _max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
+    budgets: dict[Any, int] = {}
+    for key, value in raw.items():
+        key_s = str(key)
+        if key_s in ("cpu", "disk"):
+            dev: Any = key_s
+        elif key_s.removeprefix("cuda:").isdigit():
+            dev = int(key_s.removeprefix("cuda:"))
+            if execution_device.type == "cuda" and dev >= torch.cuda.device_count():
+                raise ConfigError(f"max_memory.{key_s}: GPU {dev} does not exist (this machine has {torch.cuda.device_count()}); remove it")
+            if execution_device.type == "cpu":
+                raise ConfigError(f"max_memory.{key_s}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
+        else:
+            raise ConfigError(f"max_memory has an unknown device {key_s!r}: use cpu, disk or a GPU index like 0")
+        if value is None:
+            continue
+        size = parse_size(value, what=f"max_memory.{key_s}")
+        if size == 0 and dev != "disk":
+            raise ConfigError(f"max_memory.{key_s}=0 leaves nothing to run with: give a size above 0 or remove the key")
+        budgets[dev] = size
+    return budgets
+
+
+def resolve_checkpoint(model_cfg: dict, progress: bool = True) -> Path:
+    """The local checkpoint folder the model config names (converting/creating it once if needed)."""
+    from offload_core import models
+
+    if model_cfg.get("path"):
+        path = Path(model_cfg["path"]).expanduser()
+        if not path.exists():
+            raise ConfigError(f"model.path={str(path)!r} does not exist: give a local Hugging Face checkpoint folder")
+        return path
+    name = model_cfg.get("name")
+    if name == "smollm2":
+        return models.smollm2_checkpoint()
+    if name == "synthetic":
+        return models.synthetic_checkpoint(**models.synthetic_preset(model_cfg.get("preset", "tiny")))
+    raise ConfigError(f"model.name={name!r} needs model.path=<a local checkpoint folder> (known names: smollm2, synthetic)")
+
+
+def build_empty_model(checkpoint: Path, dtype: torch.dtype | None):
+    """The model of ``checkpoint``'s config with every weight on the meta device; returns (model, dtype)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from offload_core.empty import init_empty_weights
+
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{checkpoint} has no usable config.json ({str(exc).splitlines()[0]}); point model.path at a Hugging Face checkpoint folder") from None
+    if dtype is None:
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        dtype = parse_dtype(str(stored)) if stored is not None else torch.float32
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model, dtype
+
+
+def reservation(policy_name: str, policy_cfg: dict, store_name: str, execution_device: torch.device,
+                block_bytes: int, module_bytes: int, converts: bool) -> dict[Any, int]:
+    """Bytes the placement must hold back, knowing the store and the module-hook policy.
+
+    On a CPU run, mapped stores hand module hooks views of file-backed pages: nothing is copied, no
+    room is needed, unless tensors are converted on read (then one unit's converted copy). On a GPU
+    run the execution device holds the offloaded unit in flight (one block, or one module).
+    """
+    granular = policy_cfg.get("granularity", "block" if policy_name != "align_per_call" else "module")
+    unit = module_bytes if granular == "module" else block_bytes
+    if policy_name == "chained":
+        unit = block_bytes
+    depth = int(policy_cfg.get("depth", 0)) + 1 if "depth" in policy_cfg else 1
+    if execution_device.type == "cpu":
+        return {"cpu": unit * depth if converts else 0}
+    return {execution_device.index or 0: unit * depth, "cpu": 0}
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool, vocab_size: int) -> torch.Tensor:
+    if tokenizer is None:
+        # Synthetic models have no tokenizer: a deterministic id per prompt byte.
+        return torch.tensor([[1 + b % (vocab_size - 1) for b in prompt.encode()]], dtype=torch.long)
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        return ids if torch.is_tensor(ids) else ids["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def _generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
+    from transformers import StoppingCriteriaList
+
+    from offload_core.metrics import TokenTimer
+
+    torch.manual_seed(int(cfg.seed))
+    timer = TokenTimer()
+    kwargs: dict[str, Any] = {"max_new_tokens": int(cfg.max_new_tokens), "do_sample": bool(cfg.do_sample)}
+    if cfg.do_sample:
+        kwargs.update(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
+    pad = getattr(model.generation_config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None)
+    with torch.inference_mode():
+        out = model.generate(input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
+                             stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad, **kwargs)
+    return out[0, input_ids.shape[1]:].tolist(), timer
+
+
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any) -> list[int]:
+    """Greedy tokens of the same checkpoint loaded fully in memory by transformers (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    model.eval()
+    tokens, _ = _generate(model, input_ids, cfg, torch.device("cpu"))
+    del model
+    return tokens
+
+
+def run(cfg: Any, output_dir: str | Path | None = None) -> RunResult:
+    """Run one job from a composed config (``run.py`` calls this; tests call it directly)."""
+    from offload_core import models
+    from offload_core.checkpoint import Checkpoint
+    from offload_core.dispatch import load_checkpoint_and_dispatch
+    from offload_core.metrics import MemoryMonitor
+    from offload_core.planning import (
+        PlacementRequest,
+        check_device_map,
+        largest_block_size,
+        normalize_device_map,
+        summarize_device_map,
+    )
+    from offload_core.plugin_manager import get_registry
+
+    registry = get_registry()
+    placement_cfg, storage_cfg, hook_cfg, model_cfg = (_section(cfg, k) for k in ("placement", "storage", "hook", "model"))
+    placement = registry.create("placement", placement_cfg["name"], placement_cfg)
+    storage = registry.create("storage", storage_cfg["name"], storage_cfg)
+    policy = registry.create("hook", hook_cfg["name"], hook_cfg)
+    execution_device = _execution_device(cfg.execution_device)
+    max_memory = _max_memory(dict(_section(cfg, "max_memory")), execution_device)
+    headroom = parse_size(cfg.headroom, what="headroom")
+    run_dtype = parse_dtype(cfg.dtype)
+    out_dir = Path(output_dir) if output_dir else Path.cwd()
+
+    checkpoint_dir = resolve_checkpoint(model_cfg, progress=cfg.progress)
+    model, dtype = build_empty_model(checkpoint_dir, run_dtype)
+    no_split = model_cfg.get("no_split_module_classes") or list(getattr(model, "_no_split_modules", None) or [])
+    with Checkpoint.open(checkpoint_dir) as ckpt:
+        converts = any(ckpt.dtype(k).is_floating_point and ckpt.dtype(k) != dtype for k in ckpt.keys()[:8])
+        block = largest_block_size(model, no_split, dtype=dtype)
+        module_bytes = largest_block_size(model, [], dtype=dtype)
+        reserve = reservation(hook_cfg["name"], hook_cfg, storage_cfg["name"], execution_device, block, module_bytes,
+                              converts and storage_cfg["name"] == "safetensors")
+        budgets = dict(max_memory)
+        if execution_device.type == "cpu" and "cpu" in budgets:
+            budgets["cpu"] = max(budgets["cpu"] - headroom, 0)
+        if cfg.device_map:
+            device_map = _read_device_map(cfg.device_map)
+        elif hook_cfg["name"] == "functional_call" and hook_cfg.get("cpu_offload"):
+            from offload_core.module_hooks.functional import offload_by_budget
+
+            tier = "disk" if execution_device.type == "cpu" else "cpu"
+            main = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+            offloaded = offload_by_budget(model, parse_size(hook_cfg["cpu_offload"], what="hook.cpu_offload"), tier)
+            device_map = {"": main, **offloaded}
+            device_map = {name: dev for name, dev in device_map.items()}
+            device_map = _tensor_level(model, device_map, main)
+        else:
+            request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split, dtype=dtype,
+                                       special_dtypes=None, reserve=reserve)
+            device_map = placement.make_device_map(request)
+        device_map = normalize_device_map(device_map)
+        check_device_map(model, device_map)
+        summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
+        plan = {"reserve": {str(k): v for k, v in reserve.items()}, "headroom": headroom, "largest_block": block}
+        _print_plan(summary, plan, placement_cfg["name"], storage_cfg["name"], hook_cfg["name"])
+        _warn_if_fits(summary, execution_device)
+        if cfg.plan_only:
+            return RunResult("", [], device_map, {}, summary, None, out_dir, plan)
+
+        tokenizer = models.load_tokenizer(checkpoint_dir)
+        input_ids = _prompt_ids(tokenizer, cfg.prompt, model_cfg.get("chat_template", True), model.config.vocab_size)
+        with MemoryMonitor() as memory:
+            started = time.perf_counter()
+            load_checkpoint_and_dispatch(model, ckpt, device_map, no_split_module_classes=no_split, storage=storage,
+                                         policy=policy, offload_folder=cfg.offload_folder, dtype=dtype,
+                                         execution_device=execution_device, progress=cfg.progress)
+            load_s = time.perf_counter() - started
+            state = model.offload_state
+            try:
+                state.stats.reset()
+                if execution_device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                tokens, timer = _generate(model, input_ids, cfg, execution_device)
+                moved = state.stats.snapshot()
+                figures = {
+                    "load_s": load_s,
+                    "time_to_first_token_s": timer.time_to_first_token,
+                    "decode_tokens_per_s": timer.decode_tokens_per_s,
+                    "generated_tokens": len(tokens),
+                    "bytes_moved_per_token": moved["bytes"] / max(len(tokens), 1),
+                    "transfers_per_token": moved["loads"] / max(len(tokens), 1),
+                    "offloaded_bytes": state.offloaded_bytes(),
+                    "store_bytes_written": getattr(state.store, "bytes_written", 0),
+                    "store_reused": bool(getattr(state.store, "reused", False)),
+                }
+                if execution_device.type == "cuda":
+                    figures["peak_gpu_bytes"] = {str(i): torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
+            finally:
+                state.handle.offload_all()
+                if state.store is not None:
+                    state.store.close()
+        figures["peak_anon_rss_bytes"] = memory.anon_delta
+        figures["peak_file_rss_bytes"] = memory.file_delta
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, tokens))
+    matches = None
+    if cfg.compare_in_memory:
+        reference = in_memory_tokens(checkpoint_dir, dtype, input_ids, cfg)
+        matches = reference == tokens
+        figures["in_memory_tokens"] = reference
+    result = RunResult(text, tokens, device_map, figures, summary, matches, out_dir, plan)
+    _write_outputs(result, cfg)
+    _print_result(result)
+    return result
+
+
+def _tensor_level(model, device_map: dict, main: Any) -> dict:
+    """Expand a root + tensor map into explicit keys for every state-dict tensor (no overlapping keys)."""
+    return {name: device_map.get(name, main) for name in model.state_dict(keep_vars=True)}
+
+
+def _read_device_map(path: str) -> dict:
+    from offload_core.errors import DeviceMapError
+
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text())
+    except OSError as exc:
+        raise DeviceMapError(f"device_map={path!r} cannot be read ({exc.strerror}); give a JSON file path") from None
+    except ValueError as exc:
+        raise DeviceMapError(f"device_map file {path!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise DeviceMapError(f"device_map file {path!r} must hold a JSON object of name -> device")
+    return data
+
+
+def _print_plan(summary: dict, plan: dict, placement: str, storage: str, hook: str) -> None:
+    print(f"placement={placement} storage={storage} hook={hook}")
+    for device, info in summary["devices"].items():
+        budget = info.get("budget")
+        used = f" of {format_size(budget)} ({100 * info['fraction']:.0f}% of budget)" if budget else ""
+        print(f"  {device:>5}: {format_size(info['bytes'])}{used} in {info['modules']} entries")
+    reserve = ", ".join(f"{k}: {format_size(v)}" for k, v in plan["reserve"].items())
+    print(f"  reserved for offloaded weights in flight: {reserve or 'none'}")
+
+
+def _warn_if_fits(summary: dict, execution_device: torch.device) -> None:
+    """Offloading costs time: say so when the whole model would fit where it runs."""
+    import psutil
+
+    devices = summary["devices"]
+    total = sum(info["bytes"] for info in devices.values())
+    offloaded = sum(info["bytes"] for dev, info in devices.items() if dev == "disk" or (dev == "cpu" and execution_device.type == "cuda"))
+    if offloaded == 0:
+        return
+    if execution_device.type == "cuda":
+        free = torch.cuda.mem_get_info(execution_device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    if total < 0.8 * free:
+        print(
+            f"  warning: the whole model ({format_size(total)}) would fit in the free memory of {execution_device} "
+            f"({format_size(free)}), yet {format_size(offloaded)} is offloaded by max_memory; raise the budget "
+            "to run it in memory, which is faster"
+        )
+
+
+def _write_outputs(result: RunResult, cfg: Any) -> None:
+    out = result.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "device_map.json").write_text(json.dumps(result.device_map, indent=1))
+    payload = {
+        "prompt": cfg.prompt,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "matches_in_memory": result.matches_in_memory,
+        **result.figures,
+        "devices": result.summary["devices"],
+    }
+    (out / "metrics.json").write_text(json.dumps(payload, indent=1, default=str))
+
+
+def _print_result(result: RunResult) -> None:
+    f = result.figures
+    print(f"\n{result.text}\n")
+    print(
+        f"load {f['load_s']:.2f} s | first token {f['time_to_first_token_s']:.3f} s | "
+        f"decode {f['decode_tokens_per_s']:.1f} tok/s | peak anon RSS +{format_size(f['peak_anon_rss_bytes'])} | "
+        f"file-backed RSS +{format_size(f['peak_file_rss_bytes'])} | moved {format_size(int(f['bytes_moved_per_token']))}/token"
+    )
+    if result.matches_in_memory is not None:
+        print(f"same tokens as in memory: {result.matches_in_memory}")
+    print(f"wrote {result.output_dir / 'metrics.json'} and device_map.json")
