@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -14,10 +15,20 @@ def _fail(error: BaseException) -> None:
     sys.exit(2)
 
 
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
 def hydra_main() -> None:
-    """Register every plugin's config, then hand over to Hydra, which calls :func:`offload_core.runner.run`."""
+    """Register every plugin's config, then hand over to Hydra, which calls :func:`offload_core.runner.run`.
+
+    In a multirun, a failed job is recorded (its ``metrics.json`` holds the one-line error) and the
+    sweep goes on; a single run fails with one line and exit code 2.
+    """
     import hydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from offload_core.config import register_configs
     from offload_core.errors import OffloadError
@@ -31,11 +42,23 @@ def hydra_main() -> None:
     def main(cfg) -> None:
         from offload_core.runner import run
 
+        hc = HydraConfig.get()
+        labels = {
+            "choices": {k: hc.runtime.choices.get(k) for k in ("placement", "storage", "hook", "model")},
+            "overrides": list(hc.overrides.task),
+        }
+        output_dir = Path(hc.runtime.output_dir)
         try:
-            run(cfg, output_dir=HydraConfig.get().runtime.output_dir)
-        except OffloadError as error:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            _fail(error)
+            run(cfg, output_dir=output_dir, labels=labels)
+        except Exception as error:
+            if hc.mode == RunMode.MULTIRUN:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                message = str(error) if isinstance(error, OffloadError) else _one_line(error)
+                (output_dir / "metrics.json").write_text(json.dumps({**labels, "error": message}, indent=1))
+                print(f"offload_core: job failed: {message}", file=sys.stderr)
+                return
+            if isinstance(error, OffloadError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+                _fail(error)
+            raise
 
     main()

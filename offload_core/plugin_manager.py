@@ -34,6 +34,7 @@ BUILTIN_PLUGINS = (
     "offload_core_plugins.hook_align_per_call",
     "offload_core_plugins.hook_chained",
     "offload_core_plugins.hook_functional_call",
+    "offload_core_plugins.hook_prefetch",
 )
 
 

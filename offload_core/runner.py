@@ -171,7 +171,7 @@ def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tens
     return tokens
 
 
-def run(cfg: Any, output_dir: str | Path | None = None) -> RunResult:
+def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = None) -> RunResult:
     """Run one job from a composed config (``run.py`` calls this; tests call it directly)."""
     from offload_core import models
     from offload_core.checkpoint import Checkpoint
@@ -274,7 +274,7 @@ def run(cfg: Any, output_dir: str | Path | None = None) -> RunResult:
         matches = reference == tokens
         figures["in_memory_tokens"] = reference
     result = RunResult(text, tokens, device_map, figures, summary, matches, out_dir, plan)
-    _write_outputs(result, cfg)
+    _write_outputs(result, cfg, labels or {})
     _print_result(result)
     return result
 
@@ -330,11 +330,12 @@ def _warn_if_fits(summary: dict, execution_device: torch.device) -> None:
         )
 
 
-def _write_outputs(result: RunResult, cfg: Any) -> None:
+def _write_outputs(result: RunResult, cfg: Any, labels: dict) -> None:
     out = result.output_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "device_map.json").write_text(json.dumps(result.device_map, indent=1))
     payload = {
+        **labels,
         "prompt": cfg.prompt,
         "text": result.text,
         "token_ids": result.token_ids,

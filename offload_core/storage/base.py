@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,32 @@ class StoreContext:
     checkpoint: Any = None
     fingerprint: dict = field(default_factory=dict)
     pin_memory: bool = False
+
+
+_CHUNK = 8 << 20
+_scratch = threading.local()
+
+
+def read_into_page_cache(path: str | os.PathLike, offset: int, length: int) -> None:
+    """Read ``length`` bytes of ``path`` from ``offset`` so they sit in the page cache (GIL released while reading)."""
+    if length <= 0:
+        return
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        end = offset + length
+        while offset < end:
+            n = os.preadv(fd, [view[: min(_CHUNK, end - offset)]], offset)
+            if n <= 0:
+                break
+            offset += n
+    finally:
+        os.close(fd)
 
 
 def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -57,6 +85,14 @@ class Store(Mapping):
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         """Keep checkpoint tensor ``key`` under ``name``; stores that read in place override this."""
         self.put(name, convert_dtype(checkpoint.get(key), dtype))
+
+    def warm(self, name: str) -> bool:
+        """Bring ``name``'s bytes close (the page cache, for mapped stores) ahead of use.
+
+        Returns True when reading ``store[name]`` afterwards costs no further I/O and no copy; False
+        when the store has nothing to warm and the caller should fetch (copy) the tensor itself.
+        """
+        return False
 
     def finalize(self) -> None:
         """Called once all tensors are in: make the store complete (and durable, for folders)."""

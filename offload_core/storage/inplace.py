@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 
 from offload_core.errors import StorageError
-from offload_core.storage.base import Store, StoreContext, convert_dtype
+from offload_core.storage.base import Store, StoreContext, convert_dtype, read_into_page_cache
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,15 @@ class InPlaceStore(Store):
         if name in self.converting:
             return convert_dtype(view, self.dtype)
         return view
+
+    def warm(self, name: str) -> bool:
+        if name in self.converting:
+            return False  # a converted copy is made on read: the caller fetches it ahead instead
+        key = self._refs[name]
+        path = self.checkpoint.file_of(key)
+        start, end = self.checkpoint.safetensors_file(path).byte_range(key)
+        read_into_page_cache(path, start, end - start)
+        return True
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._refs)

@@ -1,0 +1,145 @@
+"""Plugin manager: built-ins registered like third parties, duplicates and unknown names fail loudly, entry points load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+from dataclasses import dataclass
+
+import pytest
+
+from offload_core.errors import PluginError
+from offload_core.hookspecs import hookimpl
+from offload_core.plugin_manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
+
+
+def _plugin(kind_hook: str, name: str, module_name: str = "fake_plugin"):
+    @dataclass
+    class Config:
+        name: str = name
+
+    class Strategy:
+        def __init__(self, config):
+            self.config = config
+
+    module = types.ModuleType(module_name)
+
+    def register_hook(register):
+        register(name, Strategy, Config)
+
+    register_hook.__name__ = kind_hook
+    setattr(module, kind_hook, hookimpl(register_hook))
+    return module
+
+
+def test_builtins_provide_every_strategy():
+    registry = build_registry(load_entry_points=False)
+    assert registry.names("placement") == ["balanced", "balanced_low_0", "sequential"]
+    assert registry.names("storage") == ["memmap", "pinned_cpu", "safetensors"]
+    assert registry.names("hook") == ["align_per_call", "chained", "functional_call", "prefetch"]
+    assert set(registry.plugins) == set(BUILTIN_PLUGINS)
+    assert registry.get("storage", "memmap").plugin == "offload_core_plugins.storage_memmap"
+
+
+def test_duplicate_name_names_both_plugins():
+    twin = _plugin("offload_register_storages", "memmap", "my_twin")
+    with pytest.raises(PluginError, match=r"registered twice: by plugin 'offload_core_plugins.storage_memmap' and by plugin 'my_twin'"):
+        build_registry(extra_plugins=[twin], load_entry_points=False)
+
+
+def test_unknown_name_lists_the_available_ones():
+    registry = build_registry(load_entry_points=False)
+    with pytest.raises(PluginError, match=r"unknown placement 'balansed': available are balanced, balanced_low_0, sequential"):
+        registry.get("placement", "balansed")
+
+
+def test_misspelled_plugin_hook_fails_check_pending():
+    module = types.ModuleType("typo_plugin")
+
+    def offload_register_storage(register):  # missing the final "s"
+        pass
+
+    module.offload_register_storage = hookimpl(offload_register_storage)
+    with pytest.raises(Exception, match="unknown hook"):
+        build_registry(extra_plugins=[module], load_entry_points=False)
+
+
+def test_config_without_name_field_is_rejected():
+    @dataclass
+    class Bad:
+        depth: int = 1
+
+    module = types.ModuleType("bad_plugin")
+
+    def offload_register_placements(register):
+        register("bad", object, Bad)
+
+    module.offload_register_placements = hookimpl(offload_register_placements)
+    with pytest.raises(PluginError, match="needs a field `name: str = 'bad'`"):
+        build_registry(extra_plugins=[module], load_entry_points=False)
+
+
+def test_build_with_unknown_option_is_rejected():
+    registry = build_registry(load_entry_points=False)
+    with pytest.raises(PluginError, match="has no option"):
+        registry.create("hook", "align_per_call", {"name": "align_per_call", "granularty": "block"})
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch):
+    """A real distribution with an ``offload_core`` entry point, importable from a folder on sys.path."""
+    site = tmp_path / "site"
+    pkg = site / "demo_offload_plugin"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+        from offload_core.hookspecs import hookimpl
+
+        @dataclass
+        class EveryOtherConfig:
+            name: str = "every_other"
+
+        class EveryOther:
+            def __init__(self, config):
+                self.config = config
+
+        @hookimpl
+        def offload_register_placements(register):
+            register("every_other", EveryOther, EveryOtherConfig)
+    '''))
+    dist = site / "demo_offload_plugin-1.2.3.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-offload-plugin\nVersion: 1.2.3\n")
+    (dist / "entry_points.txt").write_text("[offload_core]\ndemo = demo_offload_plugin\n")
+    broken = site / "broken_offload_plugin-0.1.dist-info"
+    broken.mkdir()
+    (broken / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-offload-plugin\nVersion: 0.1\n")
+    (broken / "entry_points.txt").write_text("[offload_core]\nbroken = no_such_module_xyz\n")
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def test_entry_point_plugin_is_loaded_with_its_version(installed_plugin):
+    registry = build_registry()
+    assert registry.get("placement", "every_other").plugin == "demo"
+    assert registry.plugins["demo"] == "1.2.3"
+    assert "broken" in registry.failed and "no_such_module_xyz" in registry.failed["broken"]
+    with pytest.raises(PluginError, match="plugin 'broken' failed to load"):
+        registry.get("placement", "nope")
+
+
+def test_disabling_a_plugin_by_name(installed_plugin, monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "demo,broken")
+    registry = build_registry()
+    assert "every_other" not in registry.names("placement")
+    assert "demo" not in registry.plugins and "broken" not in registry.failed
+
+
+def test_plugins_command_lists_versions_and_strategies(installed_plugin):
+    out = subprocess.run([sys.executable, "-m", "offload_core", "plugins"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(installed_plugin)})
+    assert out.returncode == 0, out.stderr
+    assert "demo" in out.stdout and "1.2.3" in out.stdout and "placement=every_other" in out.stdout
+    assert "offload_core_plugins.storage_memmap" in out.stdout and "storage=memmap" in out.stdout
