@@ -15,10 +15,10 @@ from offload_core.hookspecs import hookimpl
 from offload_core.plugin_manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
 
 
-def _plugin(kind_hook: str, name: str, module_name: str = "fake_plugin"):
+def _plugin(kind_hook: str, strategy_name: str, module_name: str = "fake_plugin"):
     @dataclass
     class Config:
-        name: str = name
+        name: str = strategy_name
 
     class Strategy:
         def __init__(self, config):
@@ -27,7 +27,7 @@ def _plugin(kind_hook: str, name: str, module_name: str = "fake_plugin"):
     module = types.ModuleType(module_name)
 
     def register_hook(register):
-        register(name, Strategy, Config)
+        register(strategy_name, Strategy, Config)
 
     register_hook.__name__ = kind_hook
     setattr(module, kind_hook, hookimpl(register_hook))
