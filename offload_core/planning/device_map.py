@@ -1,0 +1,197 @@
+"""Device maps (module or tensor name -> device): normalise, check, look up, compress and summarise them."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.errors import DeviceMapError
+from offload_core.planning.sizing import compute_module_sizes, named_module_tensors
+
+DeviceMap = dict[str, "int | str"]
+_NAMED_DEVICES = ("mps", "cpu", "disk")
+_ACCEPTED = "a GPU index (0, '0' or 'cuda:0'), 'cpu', 'disk' or 'mps'"
+
+
+def normalize_device(value: Any) -> int | str | None:
+    """``value`` as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; ``None`` when it names no device we know."""
+    if isinstance(value, torch.device):
+        if value.type == "cuda":
+            return value.index or 0
+        value = value.type
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _NAMED_DEVICES:
+            return text
+        if text == "cuda":
+            return 0
+        digits = text.removeprefix("cuda:")
+        if digits.isdigit():
+            return int(digits)
+    return None
+
+
+def normalize_device_map(device_map: Mapping[str, Any]) -> DeviceMap:
+    """A copy of ``device_map`` with int GPU ids (``"0"``, ``"cuda:0"`` -> ``0``); unknown devices raise DeviceMapError."""
+    cleaned: DeviceMap = {}
+    bad = []
+    for key, value in device_map.items():
+        device = normalize_device(value)
+        if device is None:
+            bad.append(f"{key!r}: {value!r}")
+        else:
+            cleaned[str(key)] = device
+    if bad:
+        raise DeviceMapError(f"device map has unknown device(s) {', '.join(bad)}: use {_ACCEPTED}")
+    return cleaned
+
+
+def _ancestors(name: str) -> Iterable[str]:
+    """``"a.b.c"`` -> ``"a.b"``, ``"a"``, ``""``."""
+    while name:
+        name = name.rpartition(".")[0]
+        yield name
+
+
+def device_of(device_map: Mapping[str, int | str], tensor_name: str) -> int | str:
+    """The device of the longest key of ``device_map`` that is ``tensor_name`` or one of its module prefixes."""
+    if tensor_name in device_map:
+        return device_map[tensor_name]
+    for prefix in _ancestors(tensor_name):
+        if prefix in device_map:
+            return device_map[prefix]
+    raise DeviceMapError(f"device map has no key covering {tensor_name!r}: add it, one of its modules, or '' for all")
+
+
+def _short(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
+    """Raise DeviceMapError unless ``device_map`` puts every state-dict tensor of ``model`` on exactly one known device.
+
+    Rejected: unknown devices, names that are not a module or tensor of the model, a key inside
+    another key with a different device (``{"fc": 0, "fc.bias": "cpu"}``), and tensors no key covers.
+    """
+    device_map = normalize_device_map(device_map)
+    known = {""}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        known.add(module_name)
+        prefix = f"{module_name}." if module_name else ""
+        known.update(prefix + local for local in (*module._parameters, *module._buffers))
+    unknown = [key for key in device_map if key not in known]
+    if unknown:
+        raise DeviceMapError(
+            f"device map names {_short(unknown)}, which the model does not have: use module or tensor names "
+            "from model.named_modules() / model.state_dict()"
+        )
+    clashes = []
+    for key, device in device_map.items():
+        for outer in _ancestors(key) if key else ():
+            if outer in device_map and device_map[outer] != device:
+                clashes.append(f"{key!r} ({device}) inside {outer!r} ({device_map[outer]})")
+                break
+    if clashes:
+        raise DeviceMapError(
+            f"device map keys overlap with different devices: {', '.join(clashes[:5])}; "
+            "remove the outer key and give each part its own key, or give them the same device"
+        )
+    missing = []
+    for name in model.state_dict(keep_vars=True):
+        try:
+            device_of(device_map, name)
+        except DeviceMapError:
+            missing.append(name)
+    if missing:
+        raise DeviceMapError(
+            f"device map covers no device for {len(missing)} tensor(s) ({_short(missing)}): "
+            "add keys for them or their modules, or use '' for the whole model"
+        )
+
+
+def compress_device_map(tensor_devices: Mapping[str, int | str], default: int | str = "cpu") -> DeviceMap:
+    """Fewest keys for a per-tensor assignment: a module whose tensors share one device becomes one key.
+
+    ``tensor_devices`` must name every tensor (tied duplicates included); all on one device gives ``{"": device}``.
+    """
+    tree: dict = {}
+    for name, device in tensor_devices.items():
+        node = tree
+        for part in name.split("."):
+            node = node.setdefault(part, {})
+        node[None] = device  # a tensor leaf
+
+    def devices(node: dict) -> set:
+        found = set()
+        for part, child in node.items():
+            found |= {child} if part is None else devices(child)
+        return found
+
+    result: DeviceMap = {}
+
+    def emit(prefix: str, node: dict) -> None:
+        under = devices(node)
+        if len(under) == 1:
+            result[prefix] = under.pop()
+            return
+        for part, child in node.items():
+            if part is not None:
+                emit(f"{prefix}.{part}" if prefix else part, child)
+
+    if not tensor_devices:
+        return {"": default}
+    emit("", tree)
+    return result
+
+
+def _device_order(device: int | str) -> tuple:
+    if isinstance(device, int):
+        return (0, device, "")
+    return (1, _NAMED_DEVICES.index(device) if device in _NAMED_DEVICES else len(_NAMED_DEVICES), str(device))
+
+
+def summarize_device_map(
+    model: nn.Module,
+    device_map: Mapping[str, Any],
+    max_memory: Mapping[Any, int | str] | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> dict[str, Any]:
+    """Per device: ``bytes``, ``modules`` (map keys), ``tensors``, ``budget`` (or None) and ``fraction`` of it used.
+
+    Returns ``{"devices": {device: {...}}, "total_bytes": int}``; a tied tensor counts once, where its first name lives.
+    """
+    from offload_core.planning.budgets import get_max_memory
+
+    device_map = normalize_device_map(device_map)
+    budgets = get_max_memory(max_memory, check_devices=False) if max_memory is not None else {}
+    sizes = compute_module_sizes(model, dtype=dtype)
+    per: dict[Any, dict[str, Any]] = {}
+
+    def slot(device: Any) -> dict[str, Any]:
+        return per.setdefault(device, {"bytes": 0, "modules": 0, "tensors": 0})
+
+    for device in device_map.values():
+        slot(device)["modules"] += 1
+    for name, _ in named_module_tensors(model, recurse=True):
+        try:
+            device = device_of(device_map, name)
+        except DeviceMapError:  # a non-persistent buffer the map need not name
+            continue
+        info = slot(device)
+        info["bytes"] += sizes[name]
+        info["tensors"] += 1
+    devices = {}
+    for device in sorted(per, key=_device_order):
+        info = per[device]
+        budget = budgets.get(device) if device != "disk" else None
+        info["budget"] = budget
+        info["fraction"] = info["bytes"] / budget if budget else None
+        devices[device] = info
+    return {"devices": devices, "total_bytes": sizes[""]}

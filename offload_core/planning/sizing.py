@@ -1,0 +1,123 @@
+"""Bytes of every tensor and module of a model, tied parameters, and the largest unit that cannot be split."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.sizes import dtype_byte_size, parse_dtype
+
+Named = tuple[str, "nn.Module | torch.Tensor"]
+
+
+def named_module_tensors(
+    module: nn.Module, include_buffers: bool = True, recurse: bool = False, remove_duplicate: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for the parameters of ``module``, then (if asked) its buffers.
+
+    ``remove_duplicate`` skips a tensor already yielded under another name (tied parameters).
+    """
+    yield from module.named_parameters(recurse=recurse, remove_duplicate=remove_duplicate)
+    if include_buffers:
+        yield from module.named_buffers(recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``tensor`` if stored in ``dtype`` (floating tensors only shrink to it; ints and bools keep theirs)."""
+    width = dtype_byte_size(tensor.dtype)
+    if dtype is not None and tensor.is_floating_point():
+        width = min(width, dtype_byte_size(dtype))
+    return math.ceil(tensor.numel() * width)
+
+
+def compute_module_sizes(
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+) -> defaultdict[str, int]:
+    """Bytes of every tensor, every module prefix and the whole model (key ``""``).
+
+    Parameters and buffers count; a tensor shared under several names counts once, at its first name.
+    With ``dtype`` each floating tensor counts at the smaller of its own width and ``dtype``'s;
+    ``special_dtypes`` gives the dtype of single tensors by full name and wins over both.
+    """
+    dtype = parse_dtype(dtype)
+    special = {name: parse_dtype(value, what=f"special_dtypes[{name!r}]") for name, value in (special_dtypes or {}).items()}
+    sizes: defaultdict[str, int] = defaultdict(int)
+    for name, tensor in named_module_tensors(model, recurse=True):
+        if name in special:
+            size = math.ceil(tensor.numel() * dtype_byte_size(special[name]))
+        else:
+            size = tensor_bytes(tensor, dtype)
+        parts = name.split(".")
+        for depth in range(len(parts) + 1):
+            sizes[".".join(parts[:depth])] += size
+    return sizes
+
+
+def find_tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of names under which one ``Parameter`` object is registered by different modules, sorted.
+
+    A module registered under two names (``self.b = self.a``) is one module, not a tie, and is not reported.
+    Works on meta models (it compares objects, not values).
+    """
+    by_id: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for local, param in module._parameters.items():
+            if param is None:
+                continue
+            name = f"{module_name}.{local}" if module_name else local
+            by_id.setdefault(id(param), []).append(name)
+    return sorted(sorted(names) for names in by_id.values() if len(names) > 1)
+
+
+def tensor_aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter and buffer name (tied and aliased ones included) -> the first name of the same tensor."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in named_module_tensors(model, recurse=True, remove_duplicate=False):
+        aliases[name] = first.setdefault(id(tensor), name)
+    return aliases
+
+
+def is_unsplittable(unit: nn.Module | torch.Tensor, no_split_module_classes: Iterable[str]) -> bool:
+    """A tensor, a module without children, or a module whose class is named in ``no_split_module_classes``."""
+    if not isinstance(unit, nn.Module):
+        return True
+    return type(unit).__name__ in set(no_split_module_classes) or next(unit.children(), None) is None
+
+
+def get_max_layer_size(
+    modules: Iterable[Named], module_sizes: Mapping[str, int], no_split_module_classes: Iterable[str]
+) -> tuple[int, list[str]]:
+    """The largest unsplittable unit under ``modules`` (``(name, module)`` pairs): its bytes and the names that have it.
+
+    Splittable modules are opened into their children; leaves, tensors and no-split classes are the units.
+    """
+    no_split = set(no_split_module_classes or ())
+    max_size, names = 0, []
+    todo = list(modules)
+    while todo:
+        name, unit = todo.pop(0)
+        if is_unsplittable(unit, no_split):
+            size = module_sizes.get(name, 0)
+            if size > max_size:
+                max_size, names = size, [name]
+            elif size == max_size:
+                names.append(name)
+        else:
+            todo = [(f"{name}.{child}" if name else child, sub) for child, sub in unit.named_children()] + todo
+    return max_size, names
+
+
+def largest_block_size(
+    model: nn.Module, no_split_module_classes: Iterable[str], dtype: torch.dtype | str | None = None
+) -> int:
+    """Bytes of the largest unit of ``model`` that a placement never splits (a no-split block, a leaf module or a direct tensor)."""
+    sizes = compute_module_sizes(model, dtype=dtype)
+    units: list[Named] = [*model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
+    return get_max_layer_size(units, sizes, no_split_module_classes)[0]
