@@ -18,7 +18,7 @@ class ModelConfig:
     #: smollm2 (embedded default), synthetic (random Llama of a preset size) or local (needs path)
     name: str = "smollm2"
     path: Optional[str] = None
-    #: synthetic only: tiny, 0.3b, 1.1b, 30b
+    #: synthetic only: tiny, small, 0.3b, 1.1b, 30b
     preset: str = "tiny"
     #: apply the tokenizer's chat template to the prompt
     chat_template: bool = True

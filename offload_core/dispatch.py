@@ -133,7 +133,9 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
     unexpected = sorted(ckpt_keys - set(plan.canonical))
     if unexpected:
         log.warning("checkpoint has %d tensor(s) the model does not use (ignored): %s", len(unexpected), ", ".join(unexpected[:5]))
-    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    state = model.state_dict(keep_vars=True)
+    expected = {name: tuple(t.shape) for name, t in state.items()}
+    kinds = {name: _dtype_kind(t.dtype) for name, t in state.items()}
     store_keys = set(plan.offloaded.values())
     total = sum(len(keys) for _, keys in checkpoint.shards())
     bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
@@ -149,6 +151,13 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
                     f"checkpoint tensor {key!r} in {Path(shard).name} has shape {list(shape)} but the model expects "
                     f"{list(expected[canonical])}; the checkpoint does not match the model's config"
                 )
+            stored = checkpoint.dtype(key)
+            if _dtype_kind(stored) != kinds[canonical]:
+                raise CheckpointError(
+                    f"checkpoint tensor {key!r} in {Path(shard).name} is {str(stored).removeprefix('torch.')} but the model "
+                    f"expects a {kinds[canonical]} tensor ({str(state[canonical].dtype).removeprefix('torch.')}); "
+                    "the checkpoint does not match the model's config"
+                )
             if canonical in store_keys:
                 if store is not None and not store.reused:
                     store.add_from_checkpoint(canonical, checkpoint, key, dtype)
@@ -163,6 +172,15 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
         store.finalize()
     _retie(model, plan)
     return {"missing": missing, "unexpected": unexpected}
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    """``floating``, ``complex``, ``bool`` or ``integer``: floats convert to the run's dtype, other kinds never do."""
+    if dtype.is_floating_point:
+        return "floating-point"
+    if dtype.is_complex:
+        return "complex"
+    return "bool" if dtype == torch.bool else "integer"
 
 
 @dataclass
@@ -254,9 +272,11 @@ def load_checkpoint_and_dispatch(
     placement name. ``storage`` and ``policy`` are plugin names or built strategy objects. The model
     gets ``hf_device_map`` and ``offload_state`` (see :class:`OffloadState`).
     """
+    from offload_core.allocator import return_freed_memory_to_os
     from offload_core.checkpoint import Checkpoint
     from offload_core.sizes import parse_dtype
 
+    return_freed_memory_to_os()
     dtype = parse_dtype(dtype)
     execution_device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])

@@ -153,6 +153,8 @@ def _convert_smollm2(gguf: Path, out: Path) -> None:
 SYNTHETIC_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, max_shard_size=512 * 1024),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=32000, max_shard_size=16 * 2**20),
     "0.3b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
                  num_key_value_heads=8, vocab_size=32000, max_shard_size=256 * 2**20),
     "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

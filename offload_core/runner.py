@@ -79,6 +79,25 @@ def _max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
     return budgets
 
 
+def _check_disk_budget(summary: dict, max_memory: dict, largest_block: int, headroom: int) -> None:
+    """A ``disk`` budget is a limit: ``max_memory.disk=0`` means nothing may be offloaded to disk."""
+    if "disk" not in max_memory:
+        return
+    on_disk = summary["devices"].get("disk", {}).get("bytes", 0)
+    allowed = max_memory["disk"]
+    if on_disk <= allowed:
+        return
+    short = on_disk - allowed
+    memory = ", ".join(f"max_memory.{k}={format_size(v)}" for k, v in max_memory.items() if k != "disk") or "no memory budget"
+    if headroom:
+        memory += f" less headroom {format_size(headroom)}"
+    raise ConfigError(
+        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) does not "
+        f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
+        f"raise max_memory.cpu by at least {format_size(short)} or allow disk (raise or remove max_memory.disk)"
+    )
+
+
 def resolve_checkpoint(model_cfg: dict, progress: bool = True) -> Path:
     """The local checkpoint folder the model config names (converting/creating it once if needed)."""
     from offload_core import models
@@ -186,6 +205,9 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     )
     from offload_core.plugin_manager import get_registry
 
+    from offload_core.allocator import return_freed_memory_to_os
+
+    return_freed_memory_to_os()
     registry = get_registry()
     placement_cfg, storage_cfg, hook_cfg, model_cfg = (_section(cfg, k) for k in ("placement", "storage", "hook", "model"))
     placement = registry.create("placement", placement_cfg["name"], placement_cfg)
@@ -227,6 +249,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         device_map = normalize_device_map(device_map)
         check_device_map(model, device_map)
         summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
+        _check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
         plan = {"reserve": {str(k): v for k, v in reserve.items()}, "headroom": headroom, "largest_block": block}
         _print_plan(summary, plan, placement_cfg["name"], storage_cfg["name"], hook_cfg["name"])
         _warn_if_fits(summary, execution_device)
