@@ -88,13 +88,14 @@ def _check_disk_budget(summary: dict, max_memory: dict, largest_block: int, head
     if on_disk <= allowed:
         return
     short = on_disk - allowed
+    needed = summary["devices"].get("cpu", {}).get("bytes", 0) + short + headroom
     memory = ", ".join(f"max_memory.{k}={format_size(v)}" for k, v in max_memory.items() if k != "disk") or "no memory budget"
     if headroom:
         memory += f" less headroom {format_size(headroom)}"
     raise ConfigError(
         f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) does not "
         f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
-        f"raise max_memory.cpu by at least {format_size(short)} or allow disk (raise or remove max_memory.disk)"
+        f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
     )
 
 
@@ -262,7 +263,8 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
             started = time.perf_counter()
             load_checkpoint_and_dispatch(model, ckpt, device_map, no_split_module_classes=no_split, storage=storage,
                                          policy=policy, offload_folder=cfg.offload_folder, dtype=dtype,
-                                         execution_device=execution_device, progress=cfg.progress)
+                                         execution_device=execution_device, progress=cfg.progress,
+                                         offload_buffers=bool(hook_cfg.get("offload_buffers", False)))
             load_s = time.perf_counter() - started
             state = model.offload_state
             try:

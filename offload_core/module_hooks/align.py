@@ -135,12 +135,12 @@ class AlignPerCallConfig:
     io_same_device: bool = True
     #: keyword arguments never moved between devices (e.g. a KV cache object)
     skip_keys: list[str] = field(default_factory=list)
+    #: offload buffers with the parameters (by default buffers stay on the execution device)
+    offload_buffers: bool = False
 
 
 class AlignPerCall:
     """Policy: every call of a unit fetches its offloaded tensors and drops them afterwards."""
-
-    offload_buffers = False
 
     def __init__(self, config: AlignPerCallConfig) -> None:
         if config.granularity not in ("module", "block"):
