@@ -99,7 +99,7 @@ def _check_disk_budget(summary: dict, max_memory: dict, largest_block: int, head
     )
 
 
-def resolve_checkpoint(model_cfg: dict, progress: bool = True) -> Path:
+def resolve_checkpoint(model_cfg: dict) -> Path:
     """The local checkpoint folder the model config names (converting/creating it once if needed)."""
     from offload_core import models
 
@@ -135,22 +135,21 @@ def build_empty_model(checkpoint: Path, dtype: torch.dtype | None):
     return model, dtype
 
 
-def reservation(policy_name: str, policy_cfg: dict, store_name: str, execution_device: torch.device,
+def reservation(policy_name: str, policy_cfg: dict, execution_device: torch.device,
                 block_bytes: int, module_bytes: int, converts: bool) -> dict[Any, int]:
     """Bytes the placement must hold back, knowing the store and the module-hook policy.
 
-    On a CPU run, mapped stores hand module hooks views of file-backed pages: nothing is copied, no
-    room is needed, unless tensors are converted on read (then one unit's converted copy). On a GPU
-    run the execution device holds the offloaded unit in flight (one block, or one module).
+    On a CPU run, mapped stores hand module hooks views of file-backed pages: nothing is copied and no
+    room is needed, unless tensors are converted on read (then the units in flight are copies). On a
+    GPU run the execution device holds the units in flight. A unit is one block, or one module for
+    ``align_per_call`` at module granularity; ``prefetch`` has ``depth`` more in flight.
     """
-    granular = policy_cfg.get("granularity", "block" if policy_name != "align_per_call" else "module")
-    unit = module_bytes if granular == "module" else block_bytes
-    if policy_name == "chained":
-        unit = block_bytes
-    depth = int(policy_cfg.get("depth", 0)) + 1 if "depth" in policy_cfg else 1
+    per_module = policy_name == "align_per_call" and policy_cfg.get("granularity", "module") == "module"
+    unit = module_bytes if per_module else block_bytes
+    in_flight = unit * (1 + int(policy_cfg.get("depth", 0)))
     if execution_device.type == "cpu":
-        return {"cpu": unit * depth if converts else 0}
-    return {execution_device.index or 0: unit * depth, "cpu": 0}
+        return {"cpu": in_flight if converts else 0}
+    return {execution_device.index or 0: in_flight, "cpu": 0}
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool, vocab_size: int) -> torch.Tensor:
@@ -220,14 +219,14 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     run_dtype = parse_dtype(cfg.dtype)
     out_dir = Path(output_dir) if output_dir else Path.cwd()
 
-    checkpoint_dir = resolve_checkpoint(model_cfg, progress=cfg.progress)
+    checkpoint_dir = resolve_checkpoint(model_cfg)
     model, dtype = build_empty_model(checkpoint_dir, run_dtype)
     no_split = model_cfg.get("no_split_module_classes") or list(getattr(model, "_no_split_modules", None) or [])
     with Checkpoint.open(checkpoint_dir) as ckpt:
         converts = any(ckpt.dtype(k).is_floating_point and ckpt.dtype(k) != dtype for k in ckpt.keys()[:8])
         block = largest_block_size(model, no_split, dtype=dtype)
         module_bytes = largest_block_size(model, [], dtype=dtype)
-        reserve = reservation(hook_cfg["name"], hook_cfg, storage_cfg["name"], execution_device, block, module_bytes,
+        reserve = reservation(hook_cfg["name"], hook_cfg, execution_device, block, module_bytes,
                               converts and storage_cfg["name"] == "safetensors")
         budgets = dict(max_memory)
         if execution_device.type == "cpu" and "cpu" in budgets:
@@ -240,9 +239,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
             tier = "disk" if execution_device.type == "cpu" else "cpu"
             main = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
             offloaded = offload_by_budget(model, parse_size(hook_cfg["cpu_offload"], what="hook.cpu_offload"), tier)
-            device_map = {"": main, **offloaded}
-            device_map = {name: dev for name, dev in device_map.items()}
-            device_map = _tensor_level(model, device_map, main)
+            device_map = {name: offloaded.get(name, main) for name in model.state_dict(keep_vars=True)}
         else:
             request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split, dtype=dtype,
                                        special_dtypes=None, reserve=reserve)
@@ -302,11 +299,6 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     _write_outputs(result, cfg, labels or {})
     _print_result(result)
     return result
-
-
-def _tensor_level(model, device_map: dict, main: Any) -> dict:
-    """Expand a root + tensor map into explicit keys for every state-dict tensor (no overlapping keys)."""
-    return {name: device_map.get(name, main) for name in model.state_dict(keep_vars=True)}
 
 
 def _read_device_map(path: str) -> dict:
