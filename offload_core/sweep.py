@@ -1,8 +1,9 @@
 """Sweep summaries: after ``python run.py -m …``, one CSV, one markdown table and one PNG plot at the sweep's root.
 
 Runs as a Hydra callback (``on_multirun_end``) and reads each job's ``metrics.json``, so the summary is
-the same whichever launcher ran the jobs (basic, joblib, submitit, ray). Also callable by hand:
-``python -m offload_core summarize <sweep dir>``.
+the same whichever launcher ran the jobs (basic, joblib, submitit, ray). A job folder with no
+``metrics.json`` (a job killed before it could write one) is a failed row. Also callable by hand:
+``python -m offload_core.sweep <sweep dir>``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,24 @@ COLUMNS = [
 ]
 
 
-def _row(metrics_file: Path) -> dict[str, Any]:
-    data = json.loads(metrics_file.read_text())
-    choices = data.get("choices", {})
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _read(job_dir: Path) -> dict[str, Any]:
+    """A job's ``metrics.json``, or a failed record when it is missing or unreadable."""
+    metrics_file = job_dir / "metrics.json"
+    try:
+        return json.loads(metrics_file.read_text())
+    except FileNotFoundError:
+        return {"error": "the job wrote no metrics.json (it was killed or crashed); see its log in this folder"}
+    except ValueError as exc:
+        return {"error": f"metrics.json is not valid JSON ({exc})"}
+
+
+def _row(job_dir: Path) -> dict[str, Any]:
+    data = _read(job_dir)
+    choices = data.get("choices") or _choices(job_dir)
     mib = 2**20
 
     def fmt(value: Any, digits: int = 3) -> Any:
@@ -35,14 +51,14 @@ def _row(metrics_file: Path) -> dict[str, Any]:
 
     peak_gpu = data.get("peak_gpu_bytes") or {}
     return {
-        "job": metrics_file.parent.name,
+        "job": job_dir.name,
         "placement": choices.get("placement", ""),
         "storage": choices.get("storage", ""),
         "hook": choices.get("hook", ""),
         "model": choices.get("model", ""),
-        "overrides": " ".join(data.get("overrides", [])),
+        "overrides": " ".join(data.get("overrides") or _overrides(job_dir)),
         "status": "failed" if data.get("error") else "ok",
-        "matches_in_memory": data.get("matches_in_memory", ""),
+        "matches_in_memory": "" if data.get("matches_in_memory") is None else data["matches_in_memory"],
         "load_s": fmt(data.get("load_s", "")),
         "time_to_first_token_s": fmt(data.get("time_to_first_token_s", "")),
         "decode_tokens_per_s": fmt(data.get("decode_tokens_per_s", ""), 2),
@@ -50,15 +66,38 @@ def _row(metrics_file: Path) -> dict[str, Any]:
         "peak_file_rss_mib": fmt(data["peak_file_rss_bytes"] / mib, 1) if "peak_file_rss_bytes" in data else "",
         "peak_gpu_mib": " ".join(f"{k}:{v / mib:.0f}" for k, v in peak_gpu.items()),
         "bytes_moved_per_token": int(data["bytes_moved_per_token"]) if "bytes_moved_per_token" in data else "",
-        "error": data.get("error", ""),
+        "error": _one_line(data.get("error") or ""),
     }
+
+
+def _overrides(job_dir: Path) -> list[str]:
+    """The job's task overrides as Hydra saved them (for jobs that wrote no metrics)."""
+    from omegaconf import OmegaConf
+
+    saved = job_dir / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(saved)] if saved.exists() else []
+
+
+def _choices(job_dir: Path) -> dict[str, Any]:
+    """The job's config-group choices as Hydra saved them (for jobs that wrote no metrics)."""
+    from omegaconf import OmegaConf
+
+    saved = job_dir / ".hydra" / "hydra.yaml"
+    if not saved.exists():
+        return {}
+    return dict(OmegaConf.load(saved).hydra.runtime.choices)
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    """Folders of the sweep's jobs: those holding a ``metrics.json`` or Hydra's ``.hydra`` record."""
+    found = {p.parent for p in sweep_dir.glob("*/metrics.json")} | {p.parent for p in sweep_dir.glob("*/.hydra")}
+    return sorted(found, key=lambda p: (len(p.name), p.name))
 
 
 def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """Write ``summary.csv``, ``summary.md`` and ``summary.png`` in ``sweep_dir``; return the rows."""
     sweep_dir = Path(sweep_dir)
-    files = sorted(sweep_dir.glob("*/metrics.json"), key=lambda p: (len(p.parent.name), p.parent.name))
-    rows = [_row(f) for f in files]
+    rows = [_row(d) for d in _job_dirs(sweep_dir)]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
@@ -78,8 +117,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
-    labels = [f"{r['placement']}/{r['storage']}/{r['hook']}" or r["job"] for r in ok]
-    fig, axes = plt.subplots(1, 3, figsize=(15, max(3, 0.35 * len(ok) + 1.5)))
+    labels = _labels(rows, ok)
+    fig, axes = plt.subplots(1, 3, figsize=(15, max(3, 0.35 * len(ok) + 1.5)), squeeze=False)
+    axes = list(axes[0])
     for ax, key, title in zip(axes, ("decode_tokens_per_s", "load_s", "peak_anon_rss_mib"),
                               ("decode tokens/s", "load time (s)", "peak anonymous RSS (MiB)")):
         values = [r[key] if isinstance(r[key], (int, float)) else 0 for r in ok]
@@ -89,10 +129,19 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title)
         ax.invert_yaxis()
     failed = len(rows) - len(ok)
-    fig.suptitle(f"{len(ok)} runs" + (f", {failed} failed (see summary.md)" if failed else ""))
+    fig.suptitle(f"{len(ok)} runs" + (f", {failed} failed (see summary.md)" if failed else "")
+                 + "; red: tokens differ from the in-memory model")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _labels(rows: list[dict[str, Any]], shown: list[dict[str, Any]]) -> list[str]:
+    """Each run's job number and the overrides that differ between runs of the sweep."""
+    sets = [set(r["overrides"].split()) for r in rows]
+    common = set.intersection(*sets) if sets else set()
+    return [f"{r['job']}: " + (" ".join(o for o in r["overrides"].split() if o not in common)
+                               or f"{r['placement']}/{r['storage']}/{r['hook']}") for r in shown]
 
 
 class SweepSummary(Callback):
@@ -103,3 +152,12 @@ class SweepSummary(Callback):
         if sweep_dir.exists():
             rows = summarize(sweep_dir)
             print(f"sweep summary: {len(rows)} runs -> {sweep_dir / 'summary.md'} (and .csv, .png)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m offload_core.sweep <sweep dir>")
+    summary_rows = summarize(sys.argv[1])
+    print(f"{len(summary_rows)} runs -> {Path(sys.argv[1]) / 'summary.md'} (and .csv, .png)")
