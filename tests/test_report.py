@@ -1,0 +1,106 @@
+"""Plan reports: predicted bytes per token match what the policies measure, the plan text and the placement picture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from offload_core.dispatch import load_checkpoint_and_dispatch
+from offload_core.empty import init_empty_weights
+from offload_core.planning import compute_module_sizes, summarize_device_map
+from offload_core.plugin_manager import build_registry
+from offload_core.report import plan_text, plot_placement, predicted_bytes_per_token
+from offload_core.testing import tiny_tied_llama
+
+REGISTRY = build_registry(load_entry_points=False)
+CPU = torch.device("cpu")
+POLICIES = [("align_per_call", {}), ("align_per_call", {"granularity": "block"}), ("chained", {}),
+            ("functional_call", {}), ("prefetch", {})]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tied")
+    config, _ = tiny_tied_llama(path)
+    return path, config
+
+
+def _empty(config):
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+# embeddings (tied with the head) and a block on disk: the tied weight is read by two modules per forward
+DEVICE_MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
+              "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p[0] + "-".join(["", *p[1].values()]))
+def test_prediction_matches_measured_bytes_per_token(checkpoint, policy, tmp_path):
+    path, config = checkpoint
+    name, options = policy
+    model = _empty(config)
+    predicted = predicted_bytes_per_token(model, DEVICE_MAP, name, options, CPU, torch.float32)
+    load_checkpoint_and_dispatch(model, path, DEVICE_MAP, storage="memmap",
+                                 policy=REGISTRY.create("hook", name, {"name": name, **options}),
+                                 offload_folder=tmp_path / "off", progress=False)
+    ids = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(0))
+    state = model.offload_state
+    state.stats.reset()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    state.remove()
+    assert predicted > 0
+    assert state.stats.bytes == 3 * predicted
+
+
+def test_nothing_offloaded_predicts_zero(checkpoint):
+    _, config = checkpoint
+    assert predicted_bytes_per_token(_empty(config), {"": "cpu"}, "align_per_call", {}, CPU, None) == 0
+
+
+def test_cpu_counts_as_offloaded_on_a_gpu_run(checkpoint):
+    _, config = checkpoint
+    model = _empty(config)
+    on_cpu = predicted_bytes_per_token(model, {"": "cpu"}, "align_per_call", {}, torch.device("cuda:0"), None)
+    assert on_cpu >= compute_module_sizes(model)[""]
+
+
+def test_chained_with_one_offloaded_block_keeps_it(checkpoint):
+    _, config = checkpoint
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
+                  "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = _empty(config)
+    assert predicted_bytes_per_token(model, device_map, "chained", {}, CPU, None) == 0
+    assert predicted_bytes_per_token(model, device_map, "align_per_call", {}, CPU, None) == \
+        compute_module_sizes(model)["model.layers.1"]
+
+
+def test_plan_text_groups_keys_by_device(checkpoint):
+    _, config = checkpoint
+    model = _empty(config)
+    summary = summarize_device_map(model, DEVICE_MAP, {"cpu": 10**6}, dtype=torch.float32)
+    text = plan_text(summary, {"reserve": {"cpu": 4096}, "headroom": 2**20}, 123456, device_map=DEVICE_MAP)
+    lines = text.splitlines()
+    assert lines[0].strip().startswith("cpu:") and "budget" in lines[0]
+    assert "model.layers.0, model.layers.2, model.norm" in text
+    assert "model.embed_tokens, model.layers.1, model.layers.3, lm_head" in text
+    assert "reserved for offloaded weights in flight: cpu: 4.00 KiB" in text
+    assert "predicted bytes moved per generated token: 120.56 KiB" in text
+
+
+def test_plan_text_folds_runs_of_blocks(checkpoint):
+    _, config = checkpoint
+    model = _empty(config)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu", "model.layers.2": "cpu",
+                  "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    summary = summarize_device_map(model, device_map, None)
+    assert "model.layers.0-2" in plan_text(summary, {"reserve": {}}, None, device_map=device_map)
+
+
+def test_plot_placement_writes_a_png(checkpoint, tmp_path):
+    _, config = checkpoint
+    model = _empty(config)
+    out = plot_placement(model, {**DEVICE_MAP, "model.layers.0": 0}, compute_module_sizes(model), tmp_path / "p.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
