@@ -1,0 +1,188 @@
+"""Contract checks for plugin authors: a placement's map is complete and within budget, a store round-trips, a policy keeps outputs.
+
+Call them from your plugin's tests (our built-in plugins are checked with the same functions)::
+
+    from offload_core.testing import check_placement, check_store_round_trip, check_policy_preserves_outputs
+
+Each raises ``AssertionError`` saying what broke the contract, and returns what it checked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from offload_core.planning import PlacementRequest
+
+
+def _resolve(kind: str, strategy: Any) -> Any:
+    if isinstance(strategy, str):
+        from offload_core.plugin_manager import get_registry
+
+        return get_registry().create(kind, strategy)
+    return strategy
+
+
+def check_placement(placement: Any, request: PlacementRequest) -> dict[str, int | str]:
+    """``placement.make_device_map(request)`` covers every tensor exactly once, names only known devices, and keeps
+    every device's bytes within its budget minus the reservation ``request.reserve`` holds back there.
+
+    ``placement`` is a built placement (or a registered name). Returns the normalised device map.
+    """
+    from offload_core.planning import check_device_map, get_max_memory, normalize_device_map, summarize_device_map
+    from offload_core.planning.budgets import device_key
+    from offload_core.sizes import parse_size
+
+    placement = _resolve("placement", placement)
+    device_map = normalize_device_map(placement.make_device_map(request))
+    check_device_map(request.model, device_map)
+    budgets = get_max_memory(request.max_memory, check_devices=False)
+    reserve = {device_key(k): parse_size(v) for k, v in (request.reserve or {}).items()}
+    summary = summarize_device_map(request.model, device_map, budgets, dtype=request.dtype)
+    for device, info in summary["devices"].items():
+        if device == "disk":
+            continue
+        assert device in budgets, f"the placement used device {device!r}, which has no budget in {budgets}"
+        limit = budgets[device] - reserve.get(device, 0)
+        assert info["bytes"] <= limit, (
+            f"device {device!r} holds {info['bytes']} bytes, over its budget {budgets[device]} minus the "
+            f"{reserve.get(device, 0)} bytes reserved there"
+        )
+    return device_map
+
+
+def round_trip_tensors() -> dict[str, torch.Tensor]:
+    """Tensors a store must give back exactly: every common dtype, a 0-d, an empty and a non-contiguous one."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    return {
+        "f32": base.clone(),
+        "f16": base.to(torch.float16),
+        "bf16": base.to(torch.bfloat16),
+        "i8": torch.randint(-128, 127, (5, 3), dtype=torch.int8, generator=g),
+        "i64": torch.randint(-(2**40), 2**40, (7,), dtype=torch.int64, generator=g),
+        "bool": torch.rand(4, 4, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "noncontig": base.t(),
+    }
+
+
+def _assert_same(store: Any, tensors: dict[str, torch.Tensor], how: str) -> None:
+    assert set(store) == set(tensors), f"{how}: the store holds {sorted(store)}, expected {sorted(tensors)}"
+    assert len(store) == len(tensors), f"{how}: len(store) is {len(store)}, expected {len(tensors)}"
+    for name, expected in tensors.items():
+        got = store[name]
+        assert got.device.type == "cpu", f"{how}: {name!r} came back on {got.device}, expected cpu"
+        assert got.dtype == expected.dtype, f"{how}: {name!r} came back as {got.dtype}, expected {expected.dtype}"
+        assert got.shape == expected.shape, f"{how}: {name!r} came back with shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        assert torch.equal(got, expected), f"{how}: {name!r} came back with other values"
+
+
+def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
+    """A store gives back exactly what it was given: fp32, fp16, bf16, int8, int64, bool, 0-d, empty, non-contiguous.
+
+    ``storage_factory`` is a built storage (with ``open(context)``), a registered name, or a callable
+    ``context -> Store``. Checked twice: filled from a safetensors checkpoint through
+    ``add_from_checkpoint`` (what loading does; stores that read in place are covered here), and
+    through ``put`` (skipped for stores that refuse ``put`` with an ``OffloadError``).
+    """
+    from offload_core.checkpoint import Checkpoint, write_sharded_safetensors
+    from offload_core.errors import OffloadError
+    from offload_core.storage import StoreContext
+
+    storage = _resolve("storage", storage_factory)
+    opener: Callable[[StoreContext], Any] = getattr(storage, "open", storage)
+    tmp_path = Path(tmp_path)
+    tensors = round_trip_tensors()
+    ckpt_dir = tmp_path / "round_trip_checkpoint"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_sharded_safetensors({k: v.contiguous() for k, v in tensors.items()}, ckpt_dir, max_shard_size=512)
+    with Checkpoint.open(ckpt_dir) as checkpoint:
+        context = StoreContext(names=list(tensors), offload_folder=tmp_path / "from_checkpoint", checkpoint=checkpoint,
+                               fingerprint={"check": "from_checkpoint"})
+        store = opener(context)
+        try:
+            for name in tensors:
+                store.add_from_checkpoint(name, checkpoint, name, None)
+            store.finalize()
+            _assert_same(store, tensors, "filled from a checkpoint")
+        finally:
+            store.close()
+
+        context = StoreContext(names=list(tensors), offload_folder=tmp_path / "put", checkpoint=checkpoint,
+                               fingerprint={"check": "put"})
+        store = opener(context)
+        try:
+            try:
+                store.put("f32", tensors["f32"])
+            except OffloadError:
+                return  # a store that only references checkpoint tensors
+            for name, tensor in tensors.items():
+                if name != "f32":
+                    store.put(name, tensor)
+            store.finalize()
+            _assert_same(store, tensors, "filled with put")
+        finally:
+            store.close()
+
+
+def tiny_tied_llama(directory: str | Path):
+    """A seeded 4-layer Llama with tied embeddings saved to ``directory`` in small shards; returns ``(config, model)``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from offload_core.checkpoint import write_sharded_safetensors
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_sharded_safetensors(model.state_dict(), directory, max_shard_size=200_000)
+    config.save_pretrained(directory)
+    return config, model
+
+
+def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: Any = "memmap") -> None:
+    """A module-hook policy leaves outputs unchanged: a tiny tied Llama with half its bytes on disk gives logits
+    bit-identical to the in-memory model (twice, so state kept between forwards is covered), moves bytes,
+    and ``remove()`` gives back the original weights with the tie kept.
+
+    ``policy`` is a built policy (with ``attach``) or a registered name; ``storage`` likewise.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from offload_core.dispatch import load_checkpoint_and_dispatch
+    from offload_core.empty import init_empty_weights
+    from offload_core.planning import compute_module_sizes
+
+    tmp_path = Path(tmp_path)
+    config, reference = tiny_tied_llama(tmp_path / "tiny_tied_llama")
+    ids = torch.randint(0, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config).eval()
+    total = compute_module_sizes(model)[""]
+    load_checkpoint_and_dispatch(model, tmp_path / "tiny_tied_llama", device_map="sequential",
+                                 max_memory={"cpu": total // 2}, storage=_resolve("storage", storage),
+                                 policy=_resolve("hook", policy), offload_folder=tmp_path / "offload",
+                                 execution_device="cpu", progress=False)
+    state = model.offload_state
+    assert "disk" in set(model.hf_device_map.values()), f"nothing was offloaded: {model.hf_device_map}"
+    try:
+        with torch.no_grad():
+            for attempt in ("first", "second"):
+                got = model(ids).logits
+                assert torch.equal(got, expected), f"{attempt} forward: logits differ from the in-memory model's"
+        assert state.stats.bytes > 0, "the policy moved no bytes although half the model is on disk"
+    finally:
+        state.remove()
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "remove() broke the tied embeddings"
+    restored = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert restored[name].device.type != "meta", f"remove() left {name!r} on the meta device"
+        assert torch.equal(restored[name], value), f"remove() gave back other values for {name!r}"
