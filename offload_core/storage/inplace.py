@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 
 from offload_core.errors import StorageError
-from offload_core.storage.base import Store, StoreContext, convert_dtype, read_into_page_cache
+from offload_core.storage.base import Store, StoreContext, convert_dtype, populate
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,7 @@ class InPlaceStore(Store):
     def warm(self, name: str) -> bool:
         if name in self.converting:
             return False  # a converted copy is made on read: the caller fetches it ahead instead
-        key = self._refs[name]
-        path = self.checkpoint.file_of(key)
-        start, end = self.checkpoint.safetensors_file(path).byte_range(key)
-        read_into_page_cache(path, start, end - start)
-        return True
+        return populate(self[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._refs)
