@@ -1,0 +1,456 @@
+"""Compare, on one checkpoint and one CPU budget: the in-memory model, accelerate's disk offload and ours (each policy and store).
+
+Every measurement runs in a fresh process (``bench/worker.py``) so RSS baselines are honest, and the
+systems run in alternation, one round per repetition. Writes ``bench/results/compare-<tag>.json``
+(every run and the medians), ``.md`` (tables, ratios, targets) and ``.png``.
+
+    python bench/compare.py --preset 1.1b --budget 1GB --tokens 16 --reps 3
+    python bench/compare.py --preset 1.1b --budget 1GB --tokens 8 --reps 3 --cold
+    python bench/compare.py --report bench/results/compare-1.1b.json     # redo .md/.png from a .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+POLICIES = ("align_per_call", "chained", "functional_call", "prefetch")
+STORES = ("memmap", "safetensors")
+DEFAULT_SYSTEMS = ["inmem", "accelerate", *(f"ours:{p}:{s}" for p in POLICIES for s in STORES),
+                   "ours:align_per_call:pinned_cpu", "ours:prefetch:safetensors:fit"]
+COLD_SYSTEMS = ["inmem", "accelerate", *(f"ours:{p}:{s}" for p in POLICIES for s in STORES)]
+
+#: figures a run reports that we take medians of
+FIGURES = [
+    "load_s", "time_to_first_token_s", "load_to_first_token_s", "decode_tokens_per_s", "decode_token_mean_s",
+    "peak_anon_rss_bytes", "peak_file_rss_bytes", "anon_rss_after_load_bytes", "bytes_read_per_token",
+    "read_bandwidth_bytes_per_s", "disk_read_bytes_per_token", "offloaded_bytes", "store_bytes_written",
+    "sequential_read_bytes_per_s", "ideal_read_s_per_token", "cold_token_over_ideal",
+    "disk_read_bandwidth_bytes_per_s", "cached_fraction_after_drop_max",
+]
+
+
+def parse_system(text: str) -> dict:
+    """``inmem`` | ``accelerate`` | ``ours:<policy>[+key=value...]:<store>[:fit]``."""
+    if text in ("inmem", "accelerate"):
+        return {"system": text, "kind": text}
+    parts = text.split(":")
+    if parts[0] != "ours" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "fit"):
+        raise SystemExit(f"--systems: {text!r} is not inmem, accelerate or ours:<policy>[+key=value]:<store>[:fit]")
+    policy, *options = parts[1].split("+")
+    return {"system": text, "kind": "ours", "policy": policy, "store": parts[2], "fit": len(parts) == 4,
+            "overrides": [f"hook.{o}" for o in options]}
+
+
+def machine() -> dict:
+    import psutil
+    import torch
+    import transformers
+
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        import accelerate
+
+        acc = accelerate.__version__
+    except ImportError:
+        acc = None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return {"nproc": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total, "cpu": cpu,
+            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "accelerate": acc, "commit": commit,
+            "torch_threads": torch.get_num_threads()}
+
+
+def checkpoint_for(args) -> tuple[Path, int, list[str]]:
+    from offload_core import models
+    from offload_core.checkpoint import Checkpoint
+
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+    else:
+        print(f"building (or finding) the synthetic {args.preset} checkpoint ...", flush=True)
+        path = models.synthetic_checkpoint(**models.synthetic_preset(args.preset))
+    with Checkpoint.open(path) as ckpt:
+        total = ckpt.total_bytes()
+        files = [str(f) for f in ckpt.files]
+    return path, total, files
+
+
+def code_snapshot(mode: str, log_dir: Path) -> tuple[dict, str]:
+    """Freeze the code the runs import, so that edits or commits landing mid-run cannot leak into a
+    measurement: ``head`` extracts the committed HEAD into ``log_dir``; ``worktree`` copies the working
+    tree's ``offload_core``, ``plugins`` and ``conf`` as they are at the start. Returns (environment
+    for the workers, a description of the code)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    env = dict(os.environ)
+    root = log_dir / "code"
+    if mode == "worktree":
+        import shutil
+
+        dirty = git("status", "--porcelain", "--", "offload_core", "plugins", "conf")
+        for name in ("offload_core", "plugins", "conf"):
+            shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        description = commit + ("+uncommitted changes (copied at start)" if dirty else "")
+    else:
+        root.mkdir()
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+        description = commit
+    path = root / ".path"
+    path.mkdir()
+    (path / "offload_core").symlink_to(root / "offload_core")
+    (path / "offload_core_plugins").symlink_to(root / "plugins")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+    env["BENCH_CODE_ROOT"] = str(root)
+    return env, description
+
+
+def run_one(spec: dict, log_dir: Path, timeout: float, env: dict) -> dict:
+    out = log_dir / f"{spec['tag']}.json"
+    log = log_dir / f"{spec['tag']}.log"
+    started = time.perf_counter()
+    with open(log, "w") as handle:
+        try:
+            # cwd is the log folder: a checkout in the cwd would shadow the code snapshot on sys.path
+            proc = subprocess.run([sys.executable, str(HERE / "worker.py"), json.dumps(spec), str(out)], cwd=log_dir,
+                                  stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, env=env)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - started
+    if rc != 0 or not out.exists():
+        tail = log.read_text()[-1500:]
+        print(f"  {spec['system']}: FAILED ({rc}) after {wall:.0f} s; log {log}\n{tail}", flush=True)
+        return {**spec, "error": f"exit {rc}", "log": str(log)}
+    result = json.loads(out.read_text())
+    result["wall_s"] = wall
+    return result
+
+
+def median(values: list) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float)) and v == v]
+    return statistics.median(values) if values else None
+
+
+def aggregate(runs: list[dict], systems: list[str], budget_bytes: int, cold: bool) -> tuple[dict, dict]:
+    reference = next((r["token_ids"] for r in runs if r.get("system") == "inmem" and "error" not in r), None)
+    medians: dict[str, dict] = {}
+    for system in systems:
+        ok = [r for r in runs if r.get("system") == system and "error" not in r]
+        row = {"runs": len(ok), "failed": sum(1 for r in runs if r.get("system") == system and "error" in r)}
+        for key in FIGURES:
+            row[key] = median([r.get(key) for r in ok])
+            values = [r.get(key) for r in ok if isinstance(r.get(key), (int, float))]
+            if values and key in ("decode_tokens_per_s", "load_to_first_token_s", "peak_anon_rss_bytes"):
+                row[key + "_min"], row[key + "_max"] = min(values), max(values)
+        row["matches_in_memory"] = (all(r["token_ids"] == reference for r in ok) if reference is not None and ok else None)
+        if ok:
+            row["device_bytes"] = ok[0].get("device_bytes")
+        medians[system] = row
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    inmem, acc = medians.get("inmem", {}), medians.get("accelerate", {})
+    for system, row in medians.items():
+        row["decode_vs_inmem"] = ratio(row["decode_tokens_per_s"], inmem.get("decode_tokens_per_s"))
+        row["decode_vs_accelerate"] = ratio(row["decode_tokens_per_s"], acc.get("decode_tokens_per_s"))
+        row["load_to_first_token_vs_accelerate"] = ratio(row["load_to_first_token_s"], acc.get("load_to_first_token_s"))
+        row["load_to_first_token_vs_inmem"] = ratio(row["load_to_first_token_s"], inmem.get("load_to_first_token_s"))
+        row["anon_rss_vs_budget"] = ratio(row["peak_anon_rss_bytes"], budget_bytes)
+    targets = evaluate_targets(medians, budget_bytes, cold)
+    return medians, targets
+
+
+def evaluate_targets(medians: dict, budget_bytes: int, cold: bool) -> dict:
+    """Each target, for each of our systems it applies to: the figure, the bound and whether it is met."""
+    targets: dict[str, dict] = {}
+
+    def put(name, system, value, bound, met_if):
+        if value is None:
+            return
+        met = value >= bound if met_if == ">=" else value <= bound
+        targets.setdefault(name, {})[system] = {"value": value, "bound": bound, "met": met}
+
+    for system, row in medians.items():
+        if not system.startswith("ours:"):
+            if system == "accelerate":
+                put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
+            continue
+        if system.endswith(":fit"):
+            slower = 1 / row["decode_vs_inmem"] - 1 if row["decode_vs_inmem"] else None
+            put("nothing offloaded: module-hook overhead <= 3% of decode time", system, slower, 0.03, "<=")
+            continue
+        put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
+        if cold:
+            put("cold: per-token time <= 1.25 x offloaded bytes / sequential bandwidth", system,
+                row["cold_token_over_ideal"], 1.25, "<=")
+        else:
+            put("warm decode >= 0.9 x in-memory", system, row["decode_vs_inmem"], 0.9, ">=")
+            put("warm decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
+            put("load to first token <= 0.25 x accelerate", system, row["load_to_first_token_vs_accelerate"], 0.25, "<=")
+    return targets
+
+
+# -- reports ----------------------------------------------------------------------------------------
+
+def _gb(value) -> str:
+    return "–" if value is None else f"{value / 1e9:.2f}"
+
+
+def _f(value, digits=2, suffix="") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def write_markdown(data: dict, path: Path) -> None:
+    med, args, m = data["medians"], data["args"], data["machine"]
+    cold = args["cold"]
+    lines = [
+        f"# offload benchmark: synthetic {args['preset'] or args['checkpoint']}, max_memory.cpu={args['budget']}"
+        f"{', cold page cache' if cold else ', warm page cache'}",
+        "",
+        f"Checkpoint: {_gb(data['checkpoint_bytes'])} GB ({args['dtype']}), {args['tokens']} new tokens (greedy) after a "
+        f"{data['prompt_tokens']}-token prompt, {args['reps']} repetitions per system, systems in alternation, each "
+        "run in a fresh process. Medians; sizes in GB (10^9 bytes); RSS figures are peaks minus the process's baseline "
+        "after imports.",
+        "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, Linux {m['kernel']}, torch {m['torch']}, "
+        f"transformers {m['transformers']}, accelerate {m['accelerate']}, offload_core {m['commit']}. "
+        f"Load average {data['loadavg_start']} at start, {data['loadavg_end']} at end (other jobs share these cores: "
+        "compare ratios, not absolute figures).",
+        "",
+        "Reproduce:",
+        "",
+        "```bash",
+        data["command"],
+        "```",
+        "",
+        "| system | load s | first token s | load→first token s | decode tok/s (min–max) | × in-mem | × accelerate | "
+        "load→1st × accelerate | peak anon RSS Δ | peak file RSS Δ | bytes read/token | read GB/s | written at load | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for system, r in med.items():
+        if not r["runs"]:
+            lines.append(f"| {system} | failed ({r['failed']} runs) |" + " |" * 13)
+            continue
+        tps = r["decode_tokens_per_s"]
+        spread = f" ({r['decode_tokens_per_s_min']:.2f}–{r['decode_tokens_per_s_max']:.2f})" if tps is not None else ""
+        lines.append(
+            f"| {system} | {_f(r['load_s'])} | {_f(r['time_to_first_token_s'])} | {_f(r['load_to_first_token_s'])} | "
+            f"{_f(tps)}{spread} | {_f(r['decode_vs_inmem'])} | {_f(r['decode_vs_accelerate'])} | "
+            f"{_f(r['load_to_first_token_vs_accelerate'])} | {_gb(r['peak_anon_rss_bytes'])} | {_gb(r['peak_file_rss_bytes'])} | "
+            f"{_gb(r['bytes_read_per_token'])} | {_f(r['read_bandwidth_bytes_per_s'] and r['read_bandwidth_bytes_per_s'] / 1e9)} | "
+            f"{_gb(r['store_bytes_written'])} | {r['matches_in_memory']} |"
+        )
+    if cold:
+        lines += [
+            "",
+            "Cold page cache: before the prompt and before each new token the offloaded data files (the offload folder's "
+            "`.dat` files; for `safetensors`, the checkpoint shards holding offloaded tensors) are dropped from the page "
+            "cache (`madvise(MADV_DONTNEED)` on this process's maps of them, then `posix_fadvise(DONTNEED)`); the time "
+            "spent dropping is not counted. The same files are then read sequentially (16 MiB reads, cache dropped "
+            "first) to measure the disk's bandwidth in the same run.",
+            "",
+            "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token | token ÷ ideal | disk read GB/token | disk GB/s while decoding | cached after drop |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for system, r in med.items():
+            if not r["runs"] or not r["bytes_read_per_token"]:
+                continue
+            lines.append(
+                f"| {system} | {_f(r['decode_token_mean_s'])} | {_gb(r['bytes_read_per_token'])} | "
+                f"{_f(r['sequential_read_bytes_per_s'] and r['sequential_read_bytes_per_s'] / 1e9)} | "
+                f"{_f(r['ideal_read_s_per_token'])} | {_f(r['cold_token_over_ideal'])} | {_gb(r['disk_read_bytes_per_token'])} | "
+                f"{_f(r['disk_read_bandwidth_bytes_per_s'] and r['disk_read_bandwidth_bytes_per_s'] / 1e9)} | "
+                f"{_f(r['cached_fraction_after_drop_max'] and 100 * r['cached_fraction_after_drop_max'], 1, '%')} |"
+            )
+    lines += ["", "## Targets", "", "| target | system | figure | bound | met |", "|---|---|---|---|---|"]
+    for name, per_system in data["targets"].items():
+        for system, t in per_system.items():
+            value, bound = t["value"], t["bound"]
+            if "RSS" in name:
+                shown, limit = f"{value / 1e9:.2f} GB", f"{bound / 1e9:.2f} GB"
+            elif "overhead" in name:
+                shown, limit = f"{100 * value:+.1f}%", f"{100 * bound:.0f}%"
+            else:
+                shown, limit = f"{value:.2f}×", f"{bound:.2f}×"
+            lines.append(f"| {name} | {system} | {shown} | {limit} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", "Columns: see `bench/README.md`."]
+    if data.get("notes"):
+        lines += ["", "## Notes", "", *(f"- {note}" for note in data["notes"])]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = {s: r for s, r in data["medians"].items() if r["runs"]}
+    names = list(med)
+    short = [n.replace("ours:", "").replace("align_per_call", "align").replace("functional_call", "functional")
+             .replace("safetensors", "st").replace("pinned_cpu", "pinned") for n in names]
+    cold = data["args"]["cold"]
+    panels = 4 if cold else 3
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 5.5))
+    colors = ["tab:gray" if n == "inmem" else "tab:red" if n == "accelerate" else "tab:blue" for n in names]
+    y = range(len(names))
+
+    ax = axes[0]
+    tps = [med[n]["decode_tokens_per_s"] or 0 for n in names]
+    lo = [t - (med[n].get("decode_tokens_per_s_min") or t) for n, t in zip(names, tps)]
+    hi = [(med[n].get("decode_tokens_per_s_max") or t) - t for n, t in zip(names, tps)]
+    ax.barh(y, tps, xerr=[lo, hi], color=colors)
+    ax.set_title("decode tokens/s (median, min–max)")
+    ax.set_yticks(list(y), short)
+    ax.invert_yaxis()
+
+    ax = axes[1]
+    load = [med[n]["load_s"] or 0 for n in names]
+    ttft = [med[n]["time_to_first_token_s"] or 0 for n in names]
+    ax.barh(y, load, color=colors, label="load")
+    ax.barh(y, ttft, left=load, color=colors, alpha=0.45, label="first token")
+    ax.set_title("load → first token, s")
+    ax.set_yticks(list(y), [])
+    ax.invert_yaxis()
+    ax.legend(loc="lower right")
+
+    ax = axes[2]
+    anon = [(med[n]["peak_anon_rss_bytes"] or 0) / 1e9 for n in names]
+    file = [(med[n]["peak_file_rss_bytes"] or 0) / 1e9 for n in names]
+    ax.barh([i - 0.2 for i in y], anon, height=0.4, color="tab:purple", label="anonymous")
+    ax.barh([i + 0.2 for i in y], file, height=0.4, color="tab:olive", label="file-backed")
+    ax.axvline(data["budget_bytes"] / 1e9, color="black", ls="--", label=f"budget {data['args']['budget']}")
+    ax.set_title("peak RSS − baseline, GB")
+    ax.set_yticks(list(y), [])
+    ax.invert_yaxis()
+    ax.legend(loc="lower right")
+
+    if cold:
+        ax = axes[3]
+        token = [med[n]["decode_token_mean_s"] or 0 for n in names]
+        ideal = [med[n]["ideal_read_s_per_token"] or 0 for n in names]
+        ax.barh([i - 0.2 for i in y], token, height=0.4, color=colors, label="decode s/token")
+        ax.barh([i + 0.2 for i in y], ideal, height=0.4, color="tab:orange", label="offloaded bytes ÷ seq. bandwidth")
+        ax.set_title("cold cache: s/token vs ideal read time")
+        ax.set_yticks(list(y), [])
+        ax.invert_yaxis()
+        ax.legend(loc="lower right")
+
+    args = data["args"]
+    fig.suptitle(f"synthetic {args['preset']} ({args['dtype']}), max_memory.cpu={args['budget']}, "
+                 f"{'cold' if cold else 'warm'} page cache, {args['reps']} reps, {data['machine']['nproc']} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _with(stem: Path, suffix: str) -> Path:
+    return stem.parent / (stem.name + suffix)  # not with_suffix: "compare-0.3b" has a dot
+
+
+def write_reports(data: dict, stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    _with(stem, ".json").write_text(json.dumps(data, indent=1, default=str))
+    write_markdown(data, _with(stem, ".md"))
+    write_plot(data, _with(stem, ".png"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="1.1b", help="synthetic model size: tiny, 0.3b, 1.1b, 30b")
+    parser.add_argument("--checkpoint", help="a local checkpoint folder instead of a synthetic preset")
+    parser.add_argument("--budget", default="1GB", help="max_memory.cpu for ours and accelerate")
+    parser.add_argument("--tokens", type=int, default=16, help="new tokens per run (greedy, EOS suppressed)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--cold", action="store_true", help="drop offloaded files from the page cache before each token")
+    parser.add_argument("--systems", help="comma-separated: inmem, accelerate, ours:<policy>[+key=value]:<store>[:fit]")
+    parser.add_argument("--dtype", default="bfloat16", help="the run's dtype (all systems)")
+    parser.add_argument("--threads", type=int, help="torch compute threads in every run (default: torch's own, one per core)")
+    parser.add_argument("--prompt", default="What is the capital of France?")
+    parser.add_argument("--tag", help="results file suffix (default: preset, plus -cold and -<dtype> when not bfloat16)")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--code", choices=("head", "worktree"), default="head",
+                        help="head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start")
+    parser.add_argument("--report", help="only rewrite .md and .png from this results .json")
+    parser.add_argument("--note", action="append", help="a line for the report's Notes section (repeatable; with --report, replaces them)")
+    args = parser.parse_args()
+
+    if args.report:
+        path = Path(args.report)
+        data = json.loads(path.read_text())
+        if args.note:
+            data["notes"] = args.note
+        write_reports(data, path.parent / path.name.removesuffix(".json"))
+        return
+
+    from offload_core.sizes import parse_size
+
+    import pagecache
+
+    systems = args.systems.split(",") if args.systems else (COLD_SYSTEMS if args.cold else DEFAULT_SYSTEMS)
+    parsed = [parse_system(s) for s in systems]
+    if args.checkpoint:
+        args.preset = None
+    tag = args.tag or "-".join(filter(None, [args.preset or Path(args.checkpoint).name, "cold" if args.cold else None,
+                                            None if args.dtype == "bfloat16" else args.dtype]))
+    checkpoint, total_bytes, shard_files = checkpoint_for(args)
+    budget_bytes = parse_size(args.budget, what="--budget")
+    log_dir = Path("/tmp") / f"offload-bench-{tag}-{int(time.time())}"
+    log_dir.mkdir(parents=True)
+    stem = Path(args.out) / f"compare-{tag}"
+    command = "OFFLOAD_CORE_CACHE=" + os.environ.get("OFFLOAD_CORE_CACHE", "~/.cache/offload_core") + " python " + \
+        " ".join(shlex.quote(a) for a in ["bench/compare.py", *sys.argv[1:]])
+    env, code = code_snapshot(args.code, log_dir)
+    print(f"checkpoint {checkpoint} ({total_bytes / 1e9:.2f} GB); offload_core {code}; logs in {log_dir}", flush=True)
+    pagecache.warm(shard_files)
+    data = {
+        "args": vars(args), "command": command, "machine": {**machine(), "commit": code}, "checkpoint": str(checkpoint),
+        "checkpoint_bytes": total_bytes, "budget_bytes": budget_bytes, "systems": systems,
+        "prompt_tokens": len(args.prompt.encode()), "notes": args.note or [], "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "runs": [],
+    }
+    for rep in range(args.reps):
+        order = parsed[rep % len(parsed):] + parsed[: rep % len(parsed)]  # rotate: no system always runs first
+        for system in order:
+            spec = {**system, "preset": args.preset, "checkpoint": str(checkpoint), "dtype": args.dtype,
+                    "budget": str(2 * total_bytes) if system.get("fit") else args.budget, "tokens": args.tokens,
+                    "cold": args.cold, "prompt": args.prompt, "rep": rep, "threads": args.threads,
+                    "tag": f"{system['system'].replace(':', '_').replace('+', '_').replace('=', '-')}-{rep}"}
+            spec.setdefault("overrides", [])
+            result = run_one(spec, log_dir, args.timeout, env)
+            data["runs"].append(result)
+            if "error" not in result:
+                print(f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first {result['time_to_first_token_s']:6.2f} s  "
+                      f"decode {result['decode_tokens_per_s']:6.3f} tok/s  anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  "
+                      f"file +{result['peak_file_rss_bytes'] / 1e9:.2f} GB", flush=True)
+            data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            data["medians"], data["targets"] = aggregate(data["runs"], systems, budget_bytes, args.cold)
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            _with(stem, ".json").write_text(json.dumps(data, indent=1, default=str))
+    write_reports(data, stem)
+    print(f"wrote {stem}.json, .md and .png")
+
+
+if __name__ == "__main__":
+    main()

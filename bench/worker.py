@@ -1,0 +1,293 @@
+"""One measurement of one system in a fresh process: import, record the RSS baseline, load, generate, write the figures as JSON.
+
+Run by ``bench/compare.py`` as ``python bench/worker.py '<spec json>' <out.json>``; never imported by
+``offload_core``. Systems: ``inmem`` (transformers, all in RAM), ``accelerate`` (empty init +
+``infer_auto_device_map`` + ``load_checkpoint_and_dispatch`` with an offload folder) and ``ours``
+(the runner's planning, then ``offload_core.load_checkpoint_and_dispatch`` with a store and a
+module-hook policy, exactly what ``python run.py`` does).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: F401
+
+from offload_core.metrics import MemoryMonitor, rss_split
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pagecache  # noqa: E402
+
+#: the code being measured (a snapshot of HEAD made by compare.py, or this checkout)
+REPO = Path(os.environ.get("BENCH_CODE_ROOT", Path(__file__).resolve().parent.parent))
+
+
+def read_io_bytes() -> int:
+    """Bytes this process (all threads) caused to be read from storage (``/proc/self/io`` read_bytes)."""
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Timer(StoppingCriteria):
+    """Stamps each new token; in cold mode drops the offloaded files' pages before the next token.
+
+    The time spent dropping is kept out of the stamps, so per-token times are the model's alone.
+    """
+
+    def __init__(self, cold_files: list[str] | None = None) -> None:
+        self.cold_files = cold_files or []
+        self.stamps: list[float] = []
+        self.excluded = 0.0
+        self.cached_after_drop: list[float] = []
+        self.start = time.perf_counter()
+
+    def drop(self) -> None:
+        started = time.perf_counter()
+        pagecache.drop_cache(self.cold_files)
+        self.cached_after_drop.append(pagecache.cached_fraction(self.cold_files))
+        self.excluded += time.perf_counter() - started
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.stamps.append(time.perf_counter() - self.excluded)
+        if self.cold_files:
+            self.drop()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def prompt_ids(prompt: str, vocab_size: int) -> torch.Tensor:
+    from offload_core.runner import _prompt_ids
+
+    return _prompt_ids(None, prompt, False, vocab_size)
+
+
+def generate(model, input_ids: torch.Tensor, tokens: int, cold_files: list[str]) -> tuple[list[int], Timer]:
+    """Greedy decoding of exactly ``tokens`` new tokens (EOS suppressed), as the runner generates."""
+    timer = Timer(cold_files)
+    if cold_files:
+        timer.drop()
+        timer.excluded = 0.0
+    timer.start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=tokens,
+                             min_new_tokens=tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([timer]),
+                             pad_token_id=model.config.eos_token_id)
+    return out[0, input_ids.shape[1]:].tolist(), timer
+
+
+# -- the three systems -----------------------------------------------------------------------------
+
+def prepare_ours(spec: dict):
+    """Compose the run's config through Hydra exactly as ``run.py`` would (done before the baseline)."""
+    from hydra import compose, initialize_config_dir
+
+    from offload_core.config import register_configs
+
+    register_configs()
+    overrides = [
+        "model=synthetic" if spec["preset"] else "model=local",
+        f"model.preset={spec['preset']}" if spec["preset"] else f"model.path={spec['checkpoint']}",
+        f"storage={spec['store']}",
+        f"hook={spec['policy']}",
+        f"max_memory.cpu={spec['budget']}",
+        f"dtype={spec['dtype']}",
+        f"max_new_tokens={spec['tokens']}",
+        "execution_device=cpu",
+        "progress=false",
+        *spec.get("overrides", []),
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    return cfg, overrides
+
+
+def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
+    from omegaconf import OmegaConf
+
+    from offload_core.checkpoint import Checkpoint
+    from offload_core.dispatch import load_checkpoint_and_dispatch
+    from offload_core.plugin_manager import get_registry
+    from offload_core.runner import build_empty_model, run
+    from offload_core.sizes import parse_dtype
+
+    planned = OmegaConf.merge(cfg, {"plan_only": True})
+    plan = run(planned, output_dir=spec["scratch"])  # the runner's own placement (plan only, nothing loaded)
+    registry = get_registry()
+    sections = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("storage", "hook")}
+    storage = registry.create("storage", sections["storage"]["name"], sections["storage"])
+    policy = registry.create("hook", sections["hook"]["name"], sections["hook"])
+    model, dtype = build_empty_model(Path(spec["checkpoint"]), parse_dtype(spec["dtype"]))
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    ckpt = Checkpoint.open(spec["checkpoint"])
+    offload_folder = Path(spec["scratch"]) / "offload" if spec["store"] == "memmap" else None
+    started = time.perf_counter()
+    load_checkpoint_and_dispatch(model, ckpt, plan.device_map, no_split_module_classes=no_split, storage=storage,
+                                 policy=policy, offload_folder=offload_folder, dtype=dtype,
+                                 execution_device=torch.device("cpu"), progress=False)
+    dispatch_s = time.perf_counter() - started
+    state = model.offload_state
+    store = state.store
+    if store is None:
+        files: list[str] = []
+    elif spec["store"] == "memmap":
+        files = sorted(str(p) for p in Path(store.folder).glob("*.dat"))
+    elif spec["store"] == "safetensors":
+        files = sorted({str(ckpt.file_of(k)) for k in state.tensor_plan.store_keys if k in ckpt})
+    else:
+        files = []
+    devices = plan.summary["devices"]
+    info = {
+        "dispatch_s": dispatch_s,
+        "offload_files": files,
+        "offloaded_bytes": state.offloaded_bytes(),
+        "store_bytes_written": getattr(store, "bytes_written", 0) if store is not None else 0,
+        "device_bytes": {str(d): v["bytes"] for d, v in devices.items()},
+        "converting": len(getattr(store, "converting", ()) or ()),
+        "_keep": ckpt,
+    }
+    return model, info
+
+
+def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
+    from accelerate import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
+
+    dtype = getattr(torch, spec["dtype"])
+    config = AutoConfig.from_pretrained(spec["checkpoint"])
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    no_split = list(getattr(model, "_no_split_modules", None) or ["LlamaDecoderLayer"])
+    device_map = infer_auto_device_map(model, max_memory={"cpu": spec["budget"]}, no_split_module_classes=no_split,
+                                       dtype=dtype)
+    folder = Path(spec["scratch"]) / "offload"
+    started = time.perf_counter()
+    model = load_checkpoint_and_dispatch(model, spec["checkpoint"], device_map=device_map, offload_folder=str(folder),
+                                         dtype=dtype, no_split_module_classes=no_split)
+    dispatch_s = time.perf_counter() - started
+    model.eval()
+    files = sorted(str(p) for p in folder.glob("*.dat")) if folder.exists() else []
+    offloaded = sum(os.path.getsize(p) for p in files)
+    per_device: dict[str, int] = {}
+    for name, dev in device_map.items():
+        size = sum(t.numel() * t.element_size() for t in
+                   (model.get_submodule(name).state_dict().values() if name else model.state_dict().values()))
+        per_device[str(dev)] = per_device.get(str(dev), 0) + size
+    info = {
+        "dispatch_s": dispatch_s,
+        "offload_files": files,
+        "offloaded_bytes": offloaded,
+        "store_bytes_written": offloaded,
+        "device_bytes": per_device,
+    }
+    return model, info
+
+
+def load_inmem(spec: dict) -> tuple[torch.nn.Module, dict]:
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=getattr(torch, spec["dtype"]))
+    model.eval()
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return model, {"offload_files": [], "offloaded_bytes": 0, "store_bytes_written": 0, "device_bytes": {"cpu": total}}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = Path(sys.argv[2])
+    torch.manual_seed(0)
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    spec["threads_used"] = torch.get_num_threads()
+    import offload_core
+
+    spec["offload_core_file"] = offload_core.__file__
+    kind = spec["kind"]
+    cfg = None
+    if kind == "ours":
+        cfg, overrides = prepare_ours(spec)
+        spec["overrides_used"] = overrides
+    elif kind == "accelerate":
+        import accelerate  # noqa: F401  (imported before the baseline, like everything else)
+    config = AutoConfig.from_pretrained(spec["checkpoint"])
+    input_ids = prompt_ids(spec["prompt"], config.vocab_size)
+    gc.collect()
+    baseline_anon, baseline_file = rss_split()
+    with MemoryMonitor() as memory:
+        started = time.perf_counter()
+        if kind == "ours":
+            model, info = load_ours(spec, cfg)
+        elif kind == "accelerate":
+            model, info = load_accelerate(spec)
+        else:
+            model, info = load_inmem(spec)
+        load_s = time.perf_counter() - started
+        after_load_anon = rss_split()[0] - memory.baseline_anon
+        cold_files = info["offload_files"] if spec["cold"] else []
+        state = getattr(model, "offload_state", None)
+        if state is not None:
+            state.stats.reset()
+        io_before = read_io_bytes()
+        tokens, timer = generate(model, input_ids, spec["tokens"], cold_files)
+        io_read = read_io_bytes() - io_before
+        moved = state.stats.snapshot()["bytes"] if state is not None else info["offloaded_bytes"] * len(tokens)
+        memory.sample()
+    stamps = timer.stamps
+    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
+    result = {
+        **{k: v for k, v in spec.items() if k != "scratch"},
+        "load_s": load_s,
+        "dispatch_s": info.get("dispatch_s"),
+        "time_to_first_token_s": stamps[0] - timer.start,
+        "load_to_first_token_s": load_s + stamps[0] - timer.start,
+        "decode_tokens_per_s": len(intervals) / sum(intervals) if intervals else float("nan"),
+        "decode_token_s": sorted(intervals)[len(intervals) // 2] if intervals else float("nan"),
+        "decode_token_mean_s": sum(intervals) / len(intervals) if intervals else float("nan"),
+        "generated_tokens": len(tokens),
+        "token_ids": tokens,
+        "baseline_anon_rss_bytes": baseline_anon,
+        "baseline_file_rss_bytes": baseline_file,
+        "peak_anon_rss_bytes": memory.anon_delta,
+        "peak_file_rss_bytes": memory.file_delta,
+        "anon_rss_after_load_bytes": after_load_anon,
+        "bytes_read_per_token": moved / max(len(tokens), 1),
+        "disk_read_bytes_per_token": io_read / max(len(tokens), 1),
+        "offloaded_bytes": info["offloaded_bytes"],
+        "store_bytes_written": info["store_bytes_written"],
+        "device_bytes": info["device_bytes"],
+        "offload_file_count": len(info["offload_files"]),
+        "converting_tensors": info.get("converting", 0),
+    }
+    result["read_bandwidth_bytes_per_s"] = result["bytes_read_per_token"] / result["decode_token_mean_s"]
+    if spec["cold"] and info["offload_files"]:
+        result["cached_fraction_after_drop_max"] = max(timer.cached_after_drop) if timer.cached_after_drop else None
+        bandwidth, nbytes, seconds = pagecache.sequential_read_bandwidth(info["offload_files"])
+        result["sequential_read_bytes_per_s"] = bandwidth
+        result["sequential_read_bytes"] = nbytes
+        ideal = result["bytes_read_per_token"] / bandwidth
+        result["ideal_read_s_per_token"] = ideal
+        result["cold_token_over_ideal"] = result["decode_token_mean_s"] / ideal if ideal else None
+        result["disk_read_bandwidth_bytes_per_s"] = result["disk_read_bytes_per_token"] / result["decode_token_mean_s"]
+    if state is not None:
+        prefetcher = getattr(state.handle, "prefetcher", None)
+        if prefetcher is not None:
+            result["prefetch_hits"], result["prefetch_misses"] = prefetcher.hits, prefetcher.misses
+            result["trace_invalidations"] = prefetcher.trace.invalidations
+        state.handle.offload_all()
+        if state.store is not None:
+            state.store.close()
+    out.write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(prefix="offload-bench-", dir=os.environ.get("BENCH_SCRATCH")) as scratch:
+        spec_in = json.loads(sys.argv[1])
+        spec_in["scratch"] = scratch
+        sys.argv[1] = json.dumps(spec_in)
+        main()
