@@ -344,7 +344,7 @@ def dispatch_model(
                 else:
                     store.put(key, tensor.detach())
                 meta = tensor.detach().to("meta")
-                placeholders[key] = nn.Parameter(meta, requires_grad=False) if plan.is_param[name] else meta
+                placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if plan.is_param[name] else meta
         for name, key in plan.offloaded.items():
             _set_tensor(model, name, placeholders[key], plan.is_param[name])
         store.finalize()

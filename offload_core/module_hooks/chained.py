@@ -111,7 +111,7 @@ def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str
                 if key == full:
                     store.put(full, tensor.detach(), owned=True)
                     placeholder = tensor.to("meta")
-                    meta_of[id(tensor)] = nn.Parameter(placeholder, requires_grad=False) if is_param else placeholder
+                    meta_of[id(tensor)] = nn.Parameter(placeholder, requires_grad=tensor.requires_grad) if is_param else placeholder
                 slots.append(Slot(sub, local, full, key, is_param, meta_of[id(tensor)]))
     unit = Unit("", model, slots)
     for slot in slots:

@@ -35,7 +35,8 @@ class FunctionalCallHook(ModuleHook):
         fetched = self.unit.fetch(self.store, self.execution_device, self.non_blocking)
         self.stats.add(len(fetched), sum(t.numel() * t.element_size() for t in fetched.values()))
         self.stats.unit_calls += 1
-        tensors = {name: fetched[key] for name, key in self._names}
+        params = self.unit.as_params(fetched)
+        tensors = {name: params.get(key, fetched[key]) for name, key in self._names}
         hooked_forward = module.__dict__["forward"]
         module.forward = forward  # functional_call calls the module: run the inner forward, not this hook again
         try:

@@ -1,7 +1,7 @@
 """prefetch: while block i computes, the next k offloaded blocks are brought in on a reader thread (CPU and GPU).
 
-The first forward records the order in which units run; afterwards each call predicts the next k
-units and hands them to a background reader. On a CPU run with a mapped store (memmap, safetensors)
+The first forward records the order in which units run (meanwhile the next units in module order
+are read ahead); afterwards each call predicts the next k units and hands them to a background reader. On a CPU run with a mapped store (memmap, safetensors)
 the reader pulls the next blocks' bytes into the page cache, so the compute thread never waits on the
 disk and no anonymous memory is spent; on a GPU run it copies them on a side stream and the compute
 stream waits on an event. A unit that runs out of the predicted order invalidates the trace (it is
@@ -123,15 +123,16 @@ class Prefetcher:
         else:
             self.misses += 1
         self.units[index].load(self.store, self.device, self.stats, self.non_blocking, fetched=fetched)
-        if self._pool is not None and predicted:
-            # Drop fetches for units no longer predicted (bounded memory), then look ahead.
-            upcoming = self.trace.upcoming(self.depth)
+        if self._pool is not None:
+            # Along the recorded trace once there is one; until then, in module order (usually the
+            # order of execution). Fetches for units no longer expected are dropped (bounded memory).
+            upcoming = self.trace.upcoming(self.depth) if predicted else self._in_module_order(index)
             for stale in [i for i in self.pending if i not in upcoming]:
                 self.pending.pop(stale).cancel()
             self._schedule(upcoming)
-        elif not predicted:
-            for stale in list(self.pending):
-                self.pending.pop(stale).cancel()
+
+    def _in_module_order(self, index: int) -> list[int]:
+        return list(range(index + 1, min(index + 1 + self.depth, len(self.units))))
 
     def release(self, index: int) -> None:
         self.units[index].release()

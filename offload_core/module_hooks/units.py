@@ -46,8 +46,13 @@ class Slot:
         (self.owner._parameters if self.is_param else self.owner._buffers)[self.local] = value
 
 
-def _as_param(value: torch.Tensor) -> nn.Parameter:
-    return value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
+def _as_param(value: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
+    # Keep the flag the model's own parameter had: kernels take different paths on it (torch's CPU
+    # bf16 linear copies a whole weight that does not require grad), so the offloaded model runs
+    # exactly the arithmetic of the in-memory one.
+    if isinstance(value, nn.Parameter):
+        return value
+    return nn.Parameter(value, requires_grad=requires_grad and value.is_floating_point())
 
 
 @dataclass
@@ -76,18 +81,23 @@ class Unit:
             fetched[key] = value
         return fetched
 
+    def as_params(self, fetched: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
+        """One parameter per store key (tied names share it), flagged like the model's own parameter."""
+        params: dict[str, nn.Parameter] = {}
+        for slot in self.slots:
+            if slot.is_param and slot.key not in params:
+                params[slot.key] = _as_param(fetched[slot.key], bool(slot.original is not None and slot.original.requires_grad))
+        return params
+
     def load(self, store: Mapping[str, torch.Tensor], device: torch.device, stats: TransferStats | None,
              non_blocking: bool = False, fetched: dict[str, torch.Tensor] | None = None) -> None:
         """Put the unit's tensors in place on ``device`` (no-op when already loaded)."""
         if self.loaded:
             return
         fetched = fetched if fetched is not None else self.fetch(store, device, non_blocking)
-        params: dict[str, nn.Parameter] = {}
+        params = self.as_params(fetched)
         for slot in self.slots:
-            value = fetched[slot.key]
-            if slot.is_param:
-                value = params.setdefault(slot.key, _as_param(value))
-            slot.set(value)
+            slot.set(params[slot.key] if slot.is_param else fetched[slot.key])
         self.loaded = True
         if stats is not None:
             stats.add(len(fetched), sum(t.numel() * t.element_size() for t in fetched.values()))
@@ -208,7 +218,8 @@ class PolicyHandle:
             for slot in unit.slots:
                 if slot.key not in restored:
                     value = store[slot.key].to(device, copy=True)
-                    restored[slot.key] = _as_param(value) if slot.is_param else value
+                    requires_grad = bool(slot.original is not None and slot.original.requires_grad)
+                    restored[slot.key] = _as_param(value, requires_grad) if slot.is_param else value
                 slot.set(restored[slot.key])
         self.removed = True
         return self.model

@@ -33,7 +33,6 @@ class StoreContext:
 
 
 _MADV_WILLNEED = 3
-_MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in (reading them from disk if needed), no copy
 
 
 @lru_cache(maxsize=1)
@@ -48,11 +47,12 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def populate(tensor: torch.Tensor) -> bool:
-    """Fault a CPU tensor's pages in ahead of use: file-backed pages are read from disk (if not cached)
-    and mapped, so the thread that computes on them later takes no page fault and no copy is made.
+    """Start reading a CPU tensor's file-backed pages into the page cache ahead of use (``MADV_WILLNEED``).
 
-    Uses ``MADV_POPULATE_READ`` and falls back to the ``MADV_WILLNEED`` read-ahead hint on older
-    kernels; returns False where neither is available.
+    The kernel reads asynchronously and the call returns at once; pages already cached cost only a
+    lookup. (``MADV_POPULATE_READ`` would also map them, but walking the page tables of every
+    offloaded byte on every token cost ~60 ms per token on a 1.1B model whose pages were cached.)
+    Anonymous memory is unaffected. Returns False where madvise is unavailable.
     """
     libc = _libc()
     nbytes = tensor.numel() * tensor.element_size()
@@ -62,8 +62,6 @@ def populate(tensor: torch.Tensor) -> bool:
     address = tensor.data_ptr()
     start = address - address % page
     length = address + nbytes - start
-    if libc.madvise(start, length, _MADV_POPULATE_READ) == 0:
-        return True
     return libc.madvise(start, length, _MADV_WILLNEED) == 0
 
 
