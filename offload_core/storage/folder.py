@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from offload_core.errors import StorageError
-from offload_core.storage.base import Store, StoreContext, read_into_page_cache
+from offload_core.storage.base import Store, StoreContext
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +221,6 @@ class FolderStore(Store):
 
     def __len__(self) -> int:
         return len(self._index)
-
-    def warm(self, name: str) -> bool:
-        info = self._index[name]
-        nbytes = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
-        read_into_page_cache(_safe_file_name(self.folder, name), 0, nbytes)
-        return True
 
     def file_of(self, name: str) -> Path:
         return _safe_file_name(self.folder, name)
