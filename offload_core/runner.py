@@ -199,11 +199,13 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     from offload_core.planning import (
         PlacementRequest,
         check_device_map,
+        compute_module_sizes,
         largest_block_size,
         normalize_device_map,
         summarize_device_map,
     )
     from offload_core.plugin_manager import get_registry
+    from offload_core.report import plan_text, plot_placement, predicted_bytes_per_token
 
     from offload_core.allocator import return_freed_memory_to_os
 
@@ -249,9 +251,16 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
         _check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
         plan = {"reserve": {str(k): v for k, v in reserve.items()}, "headroom": headroom, "largest_block": block}
-        _print_plan(summary, plan, placement_cfg["name"], storage_cfg["name"], hook_cfg["name"])
+        plan["predicted_bytes_per_token"] = predicted_bytes_per_token(
+            model, device_map, hook_cfg["name"], hook_cfg, execution_device, dtype, no_split)
+        print(f"placement={placement_cfg['name']} storage={storage_cfg['name']} hook={hook_cfg['name']}")
+        print(plan_text(summary, plan, plan["predicted_bytes_per_token"], device_map if cfg.plan_only else None))
         _warn_if_fits(summary, execution_device)
         if cfg.plan_only:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            picture = plot_placement(model, device_map, compute_module_sizes(model, dtype=dtype), out_dir / "placement.png")
+            (out_dir / "device_map.json").write_text(json.dumps(device_map, indent=1))
+            print(f"wrote {picture} and device_map.json (plan only: nothing was loaded)")
             return RunResult("", [], device_map, {}, summary, None, out_dir, plan)
 
         tokenizer = models.load_tokenizer(checkpoint_dir)
@@ -314,16 +323,6 @@ def _read_device_map(path: str) -> dict:
     if not isinstance(data, dict):
         raise DeviceMapError(f"device_map file {path!r} must hold a JSON object of name -> device")
     return data
-
-
-def _print_plan(summary: dict, plan: dict, placement: str, storage: str, hook: str) -> None:
-    print(f"placement={placement} storage={storage} hook={hook}")
-    for device, info in summary["devices"].items():
-        budget = info.get("budget")
-        used = f" of {format_size(budget)} ({100 * info['fraction']:.0f}% of budget)" if budget else ""
-        print(f"  {device:>5}: {format_size(info['bytes'])}{used} in {info['modules']} entries")
-    reserve = ", ".join(f"{k}: {format_size(v)}" for k, v in plan["reserve"].items())
-    print(f"  reserved for offloaded weights in flight: {reserve or 'none'}")
 
 
 def _warn_if_fits(summary: dict, execution_device: torch.device) -> None:

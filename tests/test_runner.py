@@ -65,6 +65,8 @@ def test_plan_only_loads_nothing(tmp_path):
     result = run(cfg, output_dir=tmp_path)
     assert result.token_ids == [] and "disk" in set(result.device_map.values())
     assert not (tmp_path / "off").exists()
+    assert (tmp_path / "placement.png").stat().st_size > 1000
+    assert result.plan["predicted_bytes_per_token"] > 0
 
 
 def test_user_device_map_file(tmp_path):
