@@ -61,4 +61,9 @@ def hydra_main() -> None:
                 _fail(error)
             raise
 
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        # Stores were closed on the way out (temporary offload folders removed); no traceback for Ctrl-C.
+        print("offload_core: interrupted (Ctrl-C); temporary files were removed", file=sys.stderr)
+        sys.exit(130)

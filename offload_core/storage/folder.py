@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -45,6 +46,14 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+def _write_file(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` and flush it to the disk (the one place offload data is written)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _safe_file_name(folder: Path, name: str) -> Path:
     """``<name>.dat`` inside ``folder``; a name that would escape the folder is refused."""
     if "/" in name or "\\" in name or name.startswith(".") or "\x00" in name:
@@ -66,10 +75,12 @@ class FolderStore(Store):
             atexit.register(self.close)
         else:
             self.folder = Path(context.offload_folder).expanduser().resolve()
+        self._created = not self.folder.exists()
         self._maps: dict[str, torch.Tensor] = {}
         self._index: dict[str, dict] = {}
         self._written: list[str] = []
         self._lock_fd: int | None = None
+        self._aborted = False
         self.bytes_written = 0
         self._prepare()
 
@@ -89,23 +100,45 @@ class FolderStore(Store):
                 f"{', ...' if len(entries) > 3 else ''}); give an empty or new folder (nothing was changed)"
             )
         self._lock()
-        if self._is_complete():
+        try:
+            complete = self._is_complete()
+        except StorageError:
+            self.close()
+            raise
+        if complete:
             self._index = self._read_index()
             self.reused = True
             log.info("memmap: reusing complete offload folder %s", folder)
             return
-        if TAG in entries:
-            log.info("memmap: offload folder %s is stale or incomplete; rebuilding it", folder)
-            self._remove_our_files()
-        self._write_tag([])
+        try:
+            if TAG in entries:
+                log.info("memmap: offload folder %s is stale or incomplete; rebuilding it", folder)
+                self._remove_our_files()
+            self._write_tag([])
+        except OSError as exc:
+            self.close()
+            raise StorageError(f"cannot prepare offload_folder {folder}: {exc.strerror or exc}; "
+                               "choose a writable folder with free space") from None
 
     def _lock(self) -> None:
-        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("memmap: offload folder %s is in use by another run; waiting for it", self.folder)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageError(f"cannot create the lock file in offload_folder {self.folder}: {exc.strerror}; "
+                               "choose a writable folder") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                print(f"offload_core: offload_folder {self.folder} is in use by another run (pid {holder}); "
+                      "waiting for it to finish (Ctrl-C to stop, or give another offload_folder)", file=sys.stderr)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
 
     def _is_complete(self) -> bool:
@@ -116,9 +149,13 @@ class FolderStore(Store):
         if marker != json.loads(json.dumps(self.fingerprint)):
             return False
         try:
-            index = self._read_index()
-        except StorageError:
+            index = json.loads((self.folder / INDEX).read_text())
+        except (OSError, ValueError):
             return False
+        if not isinstance(index, dict):
+            return False
+        for name in index:
+            _safe_file_name(self.folder, name)  # an index naming paths outside the folder: refuse, never read
         for name, info in index.items():
             path = _safe_file_name(self.folder, name)
             expected = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
@@ -149,8 +186,10 @@ class FolderStore(Store):
     def _remove_our_files(self) -> None:
         for name in self._tagged_files() + [INDEX, COMPLETE]:
             path = self.folder / name
-            if path.parent == self.folder and path.name not in (TAG, LOCK):
-                path.unlink(missing_ok=True)
+            # Only names of the shapes we write, directly inside the folder: a tampered tag removes nothing else.
+            ours = name in (INDEX, COMPLETE) or (name.endswith(".dat") and "/" not in name and "\\" not in name)
+            if ours and path.parent == self.folder:
+                path.unlink(missing_ok=True)  # a symlink is removed, never what it points to
         for path in self.folder.glob("*.tmp"):
             if path.name.endswith(".dat.tmp") or path.name in (INDEX + ".tmp", TAG + ".tmp"):
                 path.unlink(missing_ok=True)
@@ -159,43 +198,53 @@ class FolderStore(Store):
     def put(self, name: str, tensor: torch.Tensor) -> None:
         path = _safe_file_name(self.folder, name)
         tmp = path.with_name(path.name + ".tmp")
-        # Record the file before writing it, so an interrupted run's leftovers are ours to remove.
-        self._written.append(path.name)
-        self._write_tag(self._written)
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         try:
-            with open(tmp, "wb") as f:
-                f.write(memoryview(data))
+            # Record the file before writing it, so an interrupted run's leftovers are ours to remove.
+            self._written.append(path.name)
+            self._write_tag(self._written)
+            _write_file(tmp, memoryview(data))
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            self._abort()
-            if exc.errno == errno.ENOSPC:
-                raise StorageError(
-                    f"no space left on the device of offload_folder {self.folder} while writing {name!r}; "
-                    "free space or point offload_folder at a larger disk (the partial folder was removed)"
-                ) from None
-            raise StorageError(f"cannot write offload file {path}: {exc.strerror}; check the folder") from None
+            raise self._failed(exc, f"writing {name!r}") from None
         self._index[name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)}
         self.bytes_written += data.nbytes
 
+    def _failed(self, exc: OSError, doing: str) -> StorageError:
+        """Remove everything this store wrote (the user's files stay) and say what went wrong."""
+        self._abort()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StorageError(
+                f"no space left on the device of offload_folder {self.folder} while {doing}; free space or point "
+                "offload_folder at a larger disk (the partial offload folder was removed; your files are untouched)"
+            )
+        return StorageError(f"cannot write offload_folder {self.folder} while {doing}: {exc.strerror or exc}; "
+                            "check the folder (the partial offload folder was removed)")
+
     def _abort(self) -> None:
-        self._remove_our_files()
+        """Best effort, never raising: our data files, index, marker and tag go; the folder too if we made it and it is empty."""
+        try:
+            self._remove_our_files()
+            for name in (TAG, TAG + ".tmp", INDEX + ".tmp", COMPLETE + ".tmp"):
+                (self.folder / name).unlink(missing_ok=True)
+        except OSError:
+            pass
         self._written.clear()
-        self._write_tag([])
+        self._index.clear()
+        self._aborted = True
 
     def finalize(self) -> None:
         if self.reused:
             return
-        for name, content in ((INDEX, self._index), (COMPLETE, self.fingerprint)):
-            tmp = self.folder / (name + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(content, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.folder / name)
-        self._written.append(INDEX)
-        self._write_tag(self._written)
+        try:
+            for name, content in ((INDEX, self._index), (COMPLETE, self.fingerprint)):
+                tmp = self.folder / (name + ".tmp")
+                _write_file(tmp, json.dumps(content).encode())
+                os.replace(tmp, self.folder / name)
+            self._written.append(INDEX)
+            self._write_tag(self._written)
+        except OSError as exc:
+            raise self._failed(exc, "writing its index") from None
 
     # -- reading ---------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -227,8 +276,15 @@ class FolderStore(Store):
 
     def close(self) -> None:
         self._maps.clear()
+        if self._aborted and not self.temporary:
+            (self.folder / LOCK).unlink(missing_ok=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
         if self.temporary and self.folder.exists():
             shutil.rmtree(self.folder, ignore_errors=True)
+        elif self._aborted and self._created:
+            try:
+                self.folder.rmdir()  # only when empty: a folder we made for a write that failed
+            except OSError:
+                pass

@@ -1,0 +1,347 @@
+"""Faults survived: kill -9 while writing, a full disk, Ctrl-C, two runs on one offload folder, and 2,000 forward calls per policy."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from offload_core import models
+from offload_core.storage import StoreContext
+from offload_core.storage import folder as folder_module
+from offload_core.storage.folder import COMPLETE, TAG, FolderStore
+from test_cli_errors import assert_one_line, cli, snapshot
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return models.synthetic_checkpoint(**models.synthetic_preset("tiny"))
+
+
+def _args(ckpt: Path, folder: Path | None = None) -> list[str]:
+    args = ["model=local", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0"]  # everything on disk
+    return args + ([f"offload_folder={folder}"] if folder is not None else [])
+
+
+def _metrics(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "hydra" / "metrics.json").read_text())
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "tests") + os.pathsep + str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def _wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if wanted in line:
+            return line
+    proc.kill()
+    raise AssertionError(f"never saw {wanted!r}; stdout: {''.join(seen)[-2000:]}; stderr: {proc.stderr.read()[-2000:]}")
+
+
+# -- kill -9 while the offload folder is being written ------------------------------------------
+
+_KILLED_WRITER = textwrap.dedent("""
+    import sys, time
+    from offload_core.storage import folder
+    real, count = folder._write_file, [0]
+
+    def slow_write(path, data):
+        count[0] += 1
+        if count[0] == 3:  # half of the third tensor's bytes land, then we stall until killed
+            with open(path, "wb") as f:
+                f.write(bytes(data)[: len(data) // 2])
+                f.flush()
+            print("HALF-WRITTEN", flush=True)
+            time.sleep(600)
+        real(path, data)
+
+    folder._write_file = slow_write
+    from offload_core.cli import hydra_main
+    sys.argv = ["run.py", *sys.argv[1:]]
+    hydra_main()
+""")
+
+
+def test_kill_9_mid_write_is_detected_and_rebuilt(tiny, tmp_path, capsys):
+    folder = tmp_path / "off"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, *_args(tiny, folder), "progress=false",
+                             f"hydra.run.dir={tmp_path / 'killed'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    _wait_for_line(proc, "HALF-WRITTEN")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = set(os.listdir(folder))
+    assert COMPLETE not in leftovers and any(n.endswith(".dat.tmp") for n in leftovers)
+
+    code, err = cli(_args(tiny, folder), tmp_path, capsys)
+    assert code == 0, err
+    rebuilt = _metrics(tmp_path)
+    assert rebuilt["store_reused"] is False
+    assert not any(n.endswith(".tmp") for n in os.listdir(folder))
+    # The data is right: same tokens as a run with a fresh temporary folder, then as a reusing run.
+    assert cli(_args(tiny), tmp_path, capsys)[0] == 0
+    assert _metrics(tmp_path)["token_ids"] == rebuilt["token_ids"]
+    assert cli(_args(tiny, folder), tmp_path, capsys)[0] == 0
+    assert _metrics(tmp_path)["store_reused"] is True and _metrics(tmp_path)["token_ids"] == rebuilt["token_ids"]
+
+
+def test_an_unfinished_folder_is_never_read(tmp_path):
+    folder = tmp_path / "off"
+    store = FolderStore(StoreContext(names=["a", "b"], offload_folder=folder, fingerprint={"v": 1}))
+    store.put("a", torch.arange(8.0))
+    store.close()  # the run stops here: no finalize, so no completion marker
+    again = FolderStore(StoreContext(names=["a", "b"], offload_folder=folder, fingerprint={"v": 1}))
+    assert not again.reused and len(again) == 0
+    again.close()
+
+
+# -- disk full ----------------------------------------------------------------------------------
+
+def _mount_small_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir()
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+def _assert_disk_full_handled(code: int, err: str, disk: Path, ckpt_before: dict, tiny: Path) -> None:
+    assert code == 2, err
+    assert_one_line(err, "no space left on the device of offload_folder", "free space or point offload_folder at a larger disk",
+                    "the partial offload folder was removed")
+    assert not (disk / "off").exists()  # the folder we made is gone with everything in it
+    assert (disk / "mine.txt").read_text() == "the user's file"
+    assert snapshot(tiny) == ckpt_before
+
+
+def test_disk_full_on_a_small_filesystem(tiny, tmp_path, capsys):
+    disk = tmp_path / "disk"
+    if not _mount_small_tmpfs(disk, "512k"):
+        pytest.skip("mounting a small tmpfs is not permitted here (the injected ENOSPC test covers this)")
+    try:
+        (disk / "mine.txt").write_text("the user's file")
+        before = snapshot(tiny)
+        code, err = cli(_args(tiny, disk / "off"), tmp_path, capsys)  # 1.6 MiB to write, 512 KiB of room
+        _assert_disk_full_handled(code, err, disk, before, tiny)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_disk_full_injected_enospc(tiny, tmp_path, capsys, monkeypatch):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "mine.txt").write_text("the user's file")
+    real, room = folder_module._write_file, [600_000]
+
+    def filling(path, data):
+        size = len(bytes(data))
+        if size > room[0]:
+            with open(path, "wb") as f:  # the part that fit, as a real full disk leaves it
+                f.write(bytes(data)[: room[0]])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        room[0] -= size
+        real(path, data)
+
+    monkeypatch.setattr(folder_module, "_write_file", filling)
+    before = snapshot(tiny)
+    code, err = cli(_args(tiny, disk / "off"), tmp_path, capsys)
+    _assert_disk_full_handled(code, err, disk, before, tiny)
+
+
+def test_disk_full_in_an_existing_folder_keeps_the_users_files(tmp_path, monkeypatch):
+    folder = tmp_path / "off"
+    store = FolderStore(StoreContext(names=["a"], offload_folder=folder, fingerprint={"v": 1}))
+    store.put("a", torch.ones(4))
+    store.finalize()
+    store.close()
+    (folder / "notes.md").write_text("mine")
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(folder_module, "_write_file", full)
+    store = FolderStore(StoreContext(names=["a"], offload_folder=folder, fingerprint={"v": 2}))
+    with pytest.raises(folder_module.StorageError, match="no space left"):
+        store.put("a", torch.ones(4))
+    store.close()
+    assert sorted(os.listdir(folder)) == ["notes.md"]
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------
+
+def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny, tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *_args(tiny), "max_new_tokens=1500", "progress=false",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "TMPDIR": str(scratch)},
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # loaded = the temporary offload folder is complete: generation runs
+        if any((p / COMPLETE).exists() for p in scratch.glob("offload_core-*")):
+            break
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("the run never finished loading")
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "offload_core: interrupted (Ctrl-C); temporary files were removed"
+    assert "Traceback" not in err
+    assert not list(scratch.glob("offload_core-*"))
+
+
+def test_ctrl_c_during_loading_removes_the_temporary_folder(tiny, tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    real, count = folder_module._write_file, [0]
+
+    def interrupted(path, data):
+        count[0] += 1
+        if count[0] == 4:
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(folder_module, "_write_file", interrupted)
+    code, err = cli(_args(tiny), tmp_path, capsys)
+    assert code == 130
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
+    assert count[0] == 4 and os.listdir(scratch) == []
+
+
+# -- two runs, one offload folder ---------------------------------------------------------------
+
+_HOLDER = textwrap.dedent("""
+    import sys, torch
+    from offload_core.storage import StoreContext
+    from offload_core.storage.folder import FolderStore
+    store = FolderStore(StoreContext(names=["w"], offload_folder=sys.argv[1], fingerprint={"v": 1}))
+    store.put("w", torch.arange(1000.0))
+    store.finalize()
+    print("HOLDING", flush=True)
+    sys.stdin.readline()
+    store.close()
+    print("RELEASED", flush=True)
+""")
+
+
+def test_a_second_run_on_the_same_folder_waits_and_says_why(tmp_path, capsys):
+    folder = tmp_path / "shared"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        _wait_for_line(holder, "HOLDING")
+        opened: list[FolderStore] = []
+        second = threading.Thread(target=lambda: opened.append(
+            FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))))
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and not opened  # waiting for the first run, not writing under it
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        second.join(timeout=30)
+        assert opened, "the second run never got the folder"
+        store = opened[0]
+        assert store.reused and torch.equal(store["w"], torch.arange(1000.0))
+        store.close()
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"offload_folder {folder} is in use by another run (pid {holder.pid}); waiting for it to finish" in err
+
+
+# -- 2,000 forward calls per module-hook policy -------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def anon_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+@pytest.mark.parametrize("policy", ["align_per_call", "chained", "functional_call", "prefetch"])
+def test_2000_forward_calls_keep_memory_and_file_descriptors_flat(policy, tmp_path):
+    from offload_core import dispatch_model
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        expected = model(x)
+    device_map = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "disk", "blocks.3": "disk", "head": "cpu"}
+    dispatch_model(model, device_map, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
+                   execution_device="cpu")
+    with torch.inference_mode():
+        for _ in range(100):  # warm up: caches, maps and threads settle
+            model(x)
+        gc.collect()
+        rss, fds = anon_rss(), open_fds()
+        for _ in range(2000):
+            out = model(x)
+        gc.collect()
+        grown, fds_after = anon_rss() - rss, open_fds()
+    assert torch.allclose(out, expected)
+    model.offload_state.remove()
+    assert grown < 4 * 2**20, f"{policy}: anonymous RSS grew {grown} bytes over 2,000 calls"
+    assert fds_after <= fds, f"{policy}: {fds_after - fds} file descriptors leaked over 2,000 calls"
