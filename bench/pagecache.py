@@ -73,32 +73,45 @@ def cached_fraction(files: Iterable[str | os.PathLike]) -> float:
     return resident / total if total else 0.0
 
 
-def sequential_read_bandwidth(files: Iterable[str | os.PathLike], chunk: int = 16 << 20) -> tuple[float, int, float]:
-    """Drop ``files`` from the cache, then read them front to back with ``chunk``-byte reads.
+def sequential_read_bandwidth(ranges: Iterable[tuple[str, int, int]], chunk: int = 16 << 20) -> tuple[float, int, float]:
+    """Drop the files from the cache, then read each ``(path, start, end)`` byte range front to back
+    with ``chunk``-byte reads (ranges of one file merged where they touch).
 
     Returns (bytes per second, bytes read, seconds).
     """
-    files = [str(f) for f in files]
-    drop_cache(files)
+    merged: dict[str, list[list[int]]] = {}
+    for path, start, end in sorted((str(p), int(a), int(b)) for p, a, b in ranges):
+        spans = merged.setdefault(path, [])
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    drop_cache(merged)
     buffer = bytearray(chunk)
     view = memoryview(buffer)
     total = 0
     started = time.perf_counter()
-    for path in files:
+    for path, spans in merged.items():
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            offset = 0
-            while True:
-                n = os.preadv(fd, [view], offset)
-                if n <= 0:
-                    break
-                offset += n
-            total += offset
+            for start, end in spans:
+                offset = start
+                while offset < end:
+                    n = os.preadv(fd, [view[: min(chunk, end - offset)]], offset)
+                    if n <= 0:
+                        break
+                    offset += n
+                total += offset - start
         finally:
             os.close(fd)
     seconds = time.perf_counter() - started
     return total / seconds, total, seconds
+
+
+def whole_files(files: Iterable[str | os.PathLike]) -> list[tuple[str, int, int]]:
+    """Byte ranges covering ``files`` entirely."""
+    return [(str(f), 0, os.path.getsize(f)) for f in files]
 
 
 def warm(files: Iterable[str | os.PathLike], chunk: int = 16 << 20) -> None:

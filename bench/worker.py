@@ -144,10 +144,16 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         files = sorted({str(ckpt.file_of(k)) for k in state.tensor_plan.store_keys if k in ckpt})
     else:
         files = []
+    ranges = pagecache.whole_files(files)
+    if spec["store"] == "safetensors" and store is not None:
+        # the offloaded tensors' own bytes within the shards (the shards also hold resident tensors)
+        ranges = [(str(ckpt.file_of(k)), *ckpt.safetensors_file(ckpt.file_of(k)).byte_range(k))
+                  for k in state.tensor_plan.store_keys if k in ckpt]
     devices = plan.summary["devices"]
     info = {
         "dispatch_s": dispatch_s,
         "offload_files": files,
+        "offload_ranges": ranges,
         "offloaded_bytes": state.offloaded_bytes(),
         "store_bytes_written": getattr(store, "bytes_written", 0) if store is not None else 0,
         "device_bytes": {str(d): v["bytes"] for d, v in devices.items()},
@@ -184,6 +190,7 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
     info = {
         "dispatch_s": dispatch_s,
         "offload_files": files,
+        "offload_ranges": pagecache.whole_files(files),
         "offloaded_bytes": offloaded,
         "store_bytes_written": offloaded,
         "device_bytes": per_device,
@@ -230,6 +237,9 @@ def main() -> None:
         load_s = time.perf_counter() - started
         after_load_anon = rss_split()[0] - memory.baseline_anon
         cold_files = info["offload_files"] if spec["cold"] else []
+        bandwidths = []
+        if cold_files:  # the disk's sequential bandwidth on the offloaded bytes, before and after decoding
+            bandwidths.append(pagecache.sequential_read_bandwidth(info["offload_ranges"]))
         state = getattr(model, "offload_state", None)
         if state is not None:
             state.stats.reset()
@@ -267,8 +277,10 @@ def main() -> None:
     result["read_bandwidth_bytes_per_s"] = result["bytes_read_per_token"] / result["decode_token_mean_s"]
     if spec["cold"] and info["offload_files"]:
         result["cached_fraction_after_drop_max"] = max(timer.cached_after_drop) if timer.cached_after_drop else None
-        bandwidth, nbytes, seconds = pagecache.sequential_read_bandwidth(info["offload_files"])
+        bandwidths.append(pagecache.sequential_read_bandwidth(info["offload_ranges"]))
+        bandwidth, nbytes, _ = max(bandwidths)  # the better of the two: the stricter target
         result["sequential_read_bytes_per_s"] = bandwidth
+        result["sequential_read_samples_bytes_per_s"] = [b[0] for b in bandwidths]
         result["sequential_read_bytes"] = nbytes
         ideal = result["bytes_read_per_token"] / bandwidth
         result["ideal_read_s_per_token"] = ideal
