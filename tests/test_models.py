@@ -109,7 +109,7 @@ def test_synthetic_never_removes_a_directory_it_did_not_make(tmp_path):
 
 
 def test_presets():
-    assert set(SYNTHETIC_PRESETS) == {"tiny", "0.3b", "1.1b", "30b"}
+    assert set(SYNTHETIC_PRESETS) == {"tiny", "small", "0.3b", "1.1b", "30b"}
     assert synthetic_preset("1.1b") == {**synthetic_preset("1.1b")}
     preset = synthetic_preset("tiny")
     preset["seed"] = 9
