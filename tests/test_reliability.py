@@ -21,7 +21,7 @@ from torch import nn
 from offload_core import models
 from offload_core.storage import StoreContext
 from offload_core.storage import folder as folder_module
-from offload_core.storage.folder import COMPLETE, TAG, FolderStore
+from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
 from test_cli_errors import assert_one_line, cli, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,8 +200,8 @@ def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "TMPDIR": str(scratch)},
     )
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:  # loaded = the temporary offload folder is complete: generation runs
-        if any((p / COMPLETE).exists() for p in scratch.glob("offload_core-*")):
+    while time.monotonic() < deadline:  # loaded = the temporary folder has its index: generation runs
+        if any((p / INDEX).exists() for p in scratch.glob("offload_core-*")):
             break
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.05)

@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -46,12 +47,21 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _write_file(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` and flush it to the disk (the one place offload data is written)."""
+def _write_file(path: Path, data: bytes | memoryview, sync: bool = False) -> None:
+    """Write ``data`` to ``path`` (the one place offload data is written); ``sync`` also flushes it to the disk."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _safe_file_name(folder: Path, name: str) -> Path:
@@ -81,6 +91,7 @@ class FolderStore(Store):
         self._written: list[str] = []
         self._lock_fd: int | None = None
         self._aborted = False
+        self._sealer: threading.Thread | None = None
         self.bytes_written = 0
         self._prepare()
 
@@ -234,17 +245,41 @@ class FolderStore(Store):
         self._aborted = True
 
     def finalize(self) -> None:
+        """Write the index; then, on a thread, flush every file to the disk and only then the completion marker.
+
+        The data is readable at once (it is in the page cache); a later run trusts the folder only once
+        the marker is there, which needs every byte on the disk first. A temporary folder is removed at
+        exit and never reused, so it is not flushed at all.
+        """
         if self.reused:
             return
         try:
-            for name, content in ((INDEX, self._index), (COMPLETE, self.fingerprint)):
-                tmp = self.folder / (name + ".tmp")
-                _write_file(tmp, json.dumps(content).encode())
-                os.replace(tmp, self.folder / name)
+            tmp = self.folder / (INDEX + ".tmp")
+            _write_file(tmp, json.dumps(self._index).encode())
+            os.replace(tmp, self.folder / INDEX)
             self._written.append(INDEX)
             self._write_tag(self._written)
         except OSError as exc:
             raise self._failed(exc, "writing its index") from None
+        if not self.temporary:
+            self._sealer = threading.Thread(target=self._seal, name="offload-folder-seal", daemon=True)
+            self._sealer.start()
+
+    def _seal(self) -> None:
+        try:
+            for name in self._written:
+                _fsync_path(self.folder / name)
+            tmp = self.folder / (COMPLETE + ".tmp")
+            _write_file(tmp, json.dumps(self.fingerprint).encode(), sync=True)
+            os.replace(tmp, self.folder / COMPLETE)
+            _fsync_path(self.folder)
+        except OSError as exc:  # the folder stays unmarked: the next run rebuilds it
+            log.warning("memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc)
+
+    def wait_until_sealed(self) -> None:
+        """Block until the completion marker is written (close() does this before releasing the lock)."""
+        if self._sealer is not None:
+            self._sealer.join()
 
     # -- reading ---------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -275,6 +310,7 @@ class FolderStore(Store):
         return _safe_file_name(self.folder, name)
 
     def close(self) -> None:
+        self.wait_until_sealed()
         self._maps.clear()
         if self._aborted and not self.temporary:
             (self.folder / LOCK).unlink(missing_ok=True)
