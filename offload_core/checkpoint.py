@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from offload_core.errors import CheckpointError
+from offload_core.files import fsync_path
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -467,14 +468,6 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[l
     return shards
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_safetensors_shards(
     directory: str | os.PathLike[str],
     shards: list[list[str]],
@@ -515,22 +508,22 @@ def write_safetensors_shards(
                 weight_map[key] = file_name
             save_file(tensors, str(tmp / file_name), metadata=meta)
             del tensors
-            _fsync(tmp / file_name)
+            fsync_path(tmp / file_name)
         written = list(names)
         if count > 1:
             index = {"metadata": {"total_size": total, **(extra_index_metadata or {})}, "weight_map": weight_map}
             (tmp / SAFE_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            _fsync(tmp / SAFE_INDEX_NAME)
+            fsync_path(tmp / SAFE_INDEX_NAME)
             written.append(SAFE_INDEX_NAME)
-        _fsync(tmp)
+        fsync_path(tmp)
         if not directory.exists():
             os.rename(tmp, directory)
         else:
             for name in written:  # index last: a reader never sees an index naming absent shards
                 os.replace(tmp / name, directory / name)
             tmp.rmdir()
-            _fsync(directory)
-        _fsync(directory.parent)
+            fsync_path(directory)
+        fsync_path(directory.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,7 +8,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
 
 from offload_core.config import register_configs
 

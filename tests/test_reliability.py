@@ -21,7 +21,7 @@ from torch import nn
 from offload_core import models
 from offload_core.storage import StoreContext
 from offload_core.storage import folder as folder_module
-from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
+from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
 from test_cli_errors import assert_one_line, cli, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from offload_core.errors import StorageError
+from offload_core.files import fsync_path
 from offload_core.storage.base import Store, StoreContext
 
 log = logging.getLogger(__name__)
@@ -54,14 +55,6 @@ def _write_file(path: Path, data: bytes | memoryview, sync: bool = False) -> Non
         f.flush()
         if sync:
             os.fsync(f.fileno())
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _safe_file_name(folder: Path, name: str) -> Path:
@@ -268,11 +261,11 @@ class FolderStore(Store):
     def _seal(self) -> None:
         try:
             for name in self._written:
-                _fsync_path(self.folder / name)
+                fsync_path(self.folder / name)
             tmp = self.folder / (COMPLETE + ".tmp")
             _write_file(tmp, json.dumps(self.fingerprint).encode(), sync=True)
             os.replace(tmp, self.folder / COMPLETE)
-            _fsync_path(self.folder)
+            fsync_path(self.folder)
         except OSError as exc:  # the folder stays unmarked: the next run rebuilds it
             log.warning("memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc)
 
