@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import psutil
 import torch
+from tqdm.auto import tqdm
 from transformers import StoppingCriteria
 
 
@@ -59,13 +60,20 @@ class MemoryMonitor:
 class TokenTimer(StoppingCriteria):
     """A stopping criterion that never stops: it stamps the time each new token is produced."""
 
-    def __init__(self) -> None:
+    def __init__(self, total: int | None = None, progress: bool = False) -> None:
         self.start = time.perf_counter()
         self.stamps: list[float] = []
+        self.bar = tqdm(total=total, desc="generating", unit="token", leave=False) if progress else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         self.stamps.append(time.perf_counter())
+        if self.bar is not None:
+            self.bar.update(1)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
     @property
     def time_to_first_token(self) -> float:

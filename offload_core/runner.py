@@ -167,14 +167,17 @@ def _generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
     from offload_core.metrics import TokenTimer
 
     torch.manual_seed(int(cfg.seed))
-    timer = TokenTimer()
+    timer = TokenTimer(total=int(cfg.max_new_tokens), progress=bool(cfg.get("progress", False)))
     kwargs: dict[str, Any] = {"max_new_tokens": int(cfg.max_new_tokens), "do_sample": bool(cfg.do_sample)}
     if cfg.do_sample:
         kwargs.update(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
     pad = getattr(model.generation_config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None)
     with torch.inference_mode():
-        out = model.generate(input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
-                             stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad, **kwargs)
+        try:
+            out = model.generate(input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
+                                 stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad, **kwargs)
+        finally:
+            timer.close()
     return out[0, input_ids.shape[1]:].tolist(), timer
 
 
