@@ -11,14 +11,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from offload_core.errors import CheckpointError, ConfigError
+from offload_core.errors import CheckpointError
 from offload_core.module_hooks.units import DispatchPlan, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
 
 log = logging.getLogger(__name__)
-
-PLACEMENT_NAMES = ("auto", "sequential", "balanced", "balanced_low_0")
-
 
 def default_execution_device() -> torch.device:
     """``cuda:0`` when an accelerator is present, else ``cpu``."""
@@ -225,13 +222,7 @@ def _prepare_device_map(model: nn.Module, device_map: Any, max_memory: Any, no_s
     if device_map is None:
         device_map = "sequential"
     if isinstance(device_map, str):
-        if device_map not in PLACEMENT_NAMES and "." not in device_map:
-            try:
-                from offload_core.plugin_manager import get_registry
-
-                get_registry().get("placement", device_map)
-            except Exception:
-                raise ConfigError(f"device_map={device_map!r} is neither a dict nor a placement name ({', '.join(PLACEMENT_NAMES)})") from None
+        # A placement name ("auto" is balanced, as in transformers); an unknown one lists those there are.
         strategy = "balanced" if device_map == "auto" else device_map
         device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split,
                                            dtype=dtype, strategy=strategy, reserve=reserve)
