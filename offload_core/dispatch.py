@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -322,18 +323,14 @@ def dispatch_model(
     store = None
     if plan.offloaded:
         context = StoreContext(names=plan.store_keys, offload_folder=Path(offload_folder) if offload_folder else None,
-                               fingerprint={"in_memory_model": id(model)}, pin_memory=execution_device.type == "cuda")
+                               # never matches an earlier folder: an in-memory model's weights are always written
+                               fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=execution_device.type == "cuda")
         store = _resolve("storage", storage).open(context)
         placeholders: dict[str, torch.Tensor] = {}
         for name, key in plan.offloaded.items():
             if key not in placeholders:
                 tensor = _get_tensor(model, key)
-                if store.reused:
-                    pass
-                elif isinstance(store, _owned_stores()):
-                    store.put(key, tensor.detach(), owned=True)
-                else:
-                    store.put(key, tensor.detach())
+                store.put(key, tensor.detach(), owned=True)
                 meta = tensor.detach().to("meta")
                 placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if plan.is_param[name] else meta
         for name, key in plan.offloaded.items():
@@ -348,9 +345,3 @@ def dispatch_model(
     _move_leftover_buffers(model, execution_device)
     _attach(model, device_map, plan, store, _resolve("hook", policy), execution_device, no_split)
     return model
-
-
-def _owned_stores() -> tuple[type, ...]:
-    from offload_core.storage.memory import HostMemoryStore
-
-    return (HostMemoryStore,)

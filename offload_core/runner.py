@@ -39,7 +39,9 @@ def _section(cfg: Any, key: str) -> dict:
 
 def _execution_device(value: str | None) -> torch.device:
     if value in (None, "", "auto"):
-        return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+        from offload_core.dispatch import default_execution_device
+
+        return default_execution_device()
     try:
         device = torch.device(value)
     except RuntimeError:
@@ -195,6 +197,7 @@ def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tens
 def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = None) -> RunResult:
     """Run one job from a composed config (``run.py`` calls this; tests call it directly)."""
     from offload_core import models
+    from offload_core.allocator import return_freed_memory_to_os
     from offload_core.checkpoint import Checkpoint
     from offload_core.dispatch import load_checkpoint_and_dispatch
     from offload_core.metrics import MemoryMonitor
@@ -208,8 +211,6 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     )
     from offload_core.plugin_manager import get_registry
     from offload_core.report import plan_text, plot_placement, predicted_bytes_per_token
-
-    from offload_core.allocator import return_freed_memory_to_os
 
     return_freed_memory_to_os()
     registry = get_registry()
@@ -227,7 +228,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     model, dtype = build_empty_model(checkpoint_dir, run_dtype)
     no_split = model_cfg.get("no_split_module_classes") or list(getattr(model, "_no_split_modules", None) or [])
     with Checkpoint.open(checkpoint_dir) as ckpt:
-        converts = any(ckpt.dtype(k).is_floating_point and ckpt.dtype(k) != dtype for k in ckpt.keys()[:8])
+        converts = any(ckpt.dtype(k).is_floating_point and ckpt.dtype(k) != dtype for k in ckpt.keys())
         block = largest_block_size(model, no_split, dtype=dtype)
         module_bytes = largest_block_size(model, [], dtype=dtype)
         reserve = reservation(hook_cfg["name"], hook_cfg, execution_device, block, module_bytes,

@@ -33,8 +33,7 @@ class FunctionalCallHook(ModuleHook):
 
     def call_forward(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         fetched = self.unit.fetch(self.store, self.execution_device, self.non_blocking)
-        self.stats.add(len(fetched), sum(t.numel() * t.element_size() for t in fetched.values()))
-        self.stats.unit_calls += 1
+        self.stats.add_unit(fetched)
         params = self.unit.as_params(fetched)
         tensors = {name: params.get(key, fetched[key]) for name, key in self._names}
         hooked_forward = module.__dict__["forward"]

@@ -19,10 +19,13 @@ class TransferStats:
     unit_calls: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, tensors: int, nbytes: int) -> None:
+    def add_unit(self, fetched: Mapping[str, torch.Tensor]) -> None:
+        """Count one unit brought in: its tensors and their bytes."""
+        nbytes = sum(t.numel() * t.element_size() for t in fetched.values())
         with self._lock:
-            self.loads += tensors
+            self.loads += len(fetched)
             self.bytes += nbytes
+            self.unit_calls += 1
 
     def snapshot(self) -> dict[str, int]:
         return {"loads": self.loads, "bytes": self.bytes, "unit_calls": self.unit_calls}
@@ -100,8 +103,7 @@ class Unit:
             slot.set(params[slot.key] if slot.is_param else fetched[slot.key])
         self.loaded = True
         if stats is not None:
-            stats.add(len(fetched), sum(t.numel() * t.element_size() for t in fetched.values()))
-            stats.unit_calls += 1
+            stats.add_unit(fetched)
 
     def release(self) -> None:
         """Put the placeholders back; the loaded tensors are dropped (no-op when not loaded)."""

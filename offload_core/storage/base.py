@@ -111,8 +111,12 @@ class Store(Mapping):
     #: True when ``store[name]`` returns memory that is page-locked (fast, non-blocking H2D copies).
     pinned: bool = False
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` (already converted to the run's dtype) under ``name``."""
+    def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        """Keep ``tensor`` (already converted to the run's dtype) under ``name``.
+
+        ``owned``: the caller hands the tensor over (an in-memory model being dispatched), so a store
+        that keeps tensors in memory may keep it as is instead of copying it.
+        """
         raise NotImplementedError
 
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:

@@ -199,7 +199,7 @@ class FolderStore(Store):
                 path.unlink(missing_ok=True)
 
     # -- writing ---------------------------------------------------------------------------------
-    def put(self, name: str, tensor: torch.Tensor) -> None:
+    def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         path = _safe_file_name(self.folder, name)
         tmp = path.with_name(path.name + ".tmp")
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()

@@ -41,7 +41,7 @@ class InPlaceStore(Store):
         if dtype is not None and stored.is_floating_point and stored != dtype:
             self.converting.add(name)
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
+    def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         raise StorageError(
             f"storage=safetensors cannot hold {name!r}: it only references tensors of the checkpoint; "
             "use storage=memmap or pinned_cpu for tensors that are not in the checkpoint"

@@ -23,7 +23,7 @@ class HostMemoryStore(Store):
         self.bytes_written = 0
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
-        """Hold ``tensor``; ``owned`` means the caller hands it over, so it is kept as is unless it must be pinned."""
+        # An owned CPU tensor is kept as is unless it must be pinned.
         if owned and not self.pinned and tensor.device.type == "cpu":
             self._tensors[name] = tensor
             return
