@@ -12,7 +12,6 @@ mispredicted or late prefetch can cost time, never correctness.
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -81,7 +80,6 @@ class Prefetcher:
         self.pending: dict[int, Future] = {}
         self.hits = 0
         self.misses = 0
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-prefetch") if self.depth else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" and self.depth else None
 
