@@ -137,20 +137,27 @@ def build_empty_model(checkpoint: Path, dtype: torch.dtype | None):
 
 
 def reservation(policy_name: str, policy_cfg: dict, execution_device: torch.device,
-                block_bytes: int, module_bytes: int, converts: bool) -> dict[Any, int]:
+                block_bytes: int, module_bytes: int, converts: bool, pinned_store: bool = False) -> dict[Any, int]:
     """Bytes the placement must hold back, knowing the store and the module-hook policy.
 
     On a CPU run, mapped stores hand module hooks views of file-backed pages: nothing is copied and no
-    room is needed, unless tensors are converted on read (then the units in flight are copies). On a
-    GPU run the execution device holds the units in flight. A unit is one block, or one module for
-    ``align_per_call`` at module granularity; ``prefetch`` has ``depth`` more in flight.
+    room is needed, unless tensors are converted on read or ``prefetch`` is told to copy blocks into
+    its pool (then the units in flight are copies). On a GPU run the execution device holds the units
+    in flight, and ``prefetch`` from a store that is not pinned spends its staging ring in host memory.
+    A unit is one block, or one module for ``align_per_call`` at module granularity; ``prefetch`` has
+    ``depth`` more in flight.
     """
+    from offload_core.module_hooks.prefetch import STAGING_BUFFERS
+
     per_module = policy_name == "align_per_call" and policy_cfg.get("granularity", "module") == "module"
     unit = module_bytes if per_module else block_bytes
     in_flight = unit * (1 + int(policy_cfg.get("depth", 0)))
+    prefetch = policy_name == "prefetch"
     if execution_device.type == "cpu":
-        return {"cpu": in_flight if converts else 0}
-    return {execution_device.index or 0: in_flight, "cpu": 0}
+        copies = converts or (prefetch and bool(policy_cfg.get("pool")))
+        return {"cpu": in_flight if copies else 0}
+    staging = STAGING_BUFFERS * parse_size(policy_cfg.get("staging_chunk", "16MiB")) if prefetch and not pinned_store else 0
+    return {execution_device.index or 0: in_flight, "cpu": staging}
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool, vocab_size: int) -> torch.Tensor:
@@ -232,7 +239,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         block = largest_block_size(model, no_split, dtype=dtype)
         module_bytes = largest_block_size(model, [], dtype=dtype)
         reserve = reservation(hook_cfg["name"], hook_cfg, execution_device, block, module_bytes,
-                              converts and storage_cfg["name"] == "safetensors")
+                              converts and storage_cfg["name"] == "safetensors", storage_cfg["name"] == "pinned_cpu")
         budgets = dict(max_memory)
         if execution_device.type == "cpu" and "cpu" in budgets:
             budgets["cpu"] = max(budgets["cpu"] - headroom, 0)

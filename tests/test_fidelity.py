@@ -14,13 +14,14 @@ from offload_core.planning import compute_module_sizes
 
 PLACEMENTS = ["sequential", "balanced", "balanced_low_0"]
 STORES = ["pinned_cpu", "memmap", "safetensors"]
-POLICIES = [("align_per_call", {}), ("align_per_call", {"granularity": "block"}), ("chained", {}), ("functional_call", {})]
+POLICIES = [("align_per_call", {}), ("align_per_call", {"granularity": "block"}), ("chained", {}), ("functional_call", {}),
+            ("prefetch", {}), ("prefetch", {"pool": True})]
 MATRIX = list(itertools.product(PLACEMENTS, STORES, POLICIES))
 
 
 def _ids(policy):
     name, cfg = policy
-    return name + ("-" + cfg["granularity"] if cfg else "")
+    return "-".join([name, *(f"{k}={v}" for k, v in cfg.items())])
 
 
 def _policy(policy):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import dispatch_model
-from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig, Trace
+from offload_core.module_hooks.prefetch import BlockPool, Prefetch, PrefetchConfig, StagingRing, Trace, _Accelerator
 
 
 def test_trace_records_a_cycle_and_predicts_ahead():
@@ -88,3 +91,148 @@ def test_depth_zero_is_plain_per_block_offload(tmp_path):
         model(torch.tensor([[1, 2, 3]]))
     assert prefetcher.hits == 0 and prefetcher._pool is None
     model.offload_state.remove()
+
+
+# -- the copy path: block pool, staging ring, tied weights ----------------------------------------
+
+def test_staging_ring_carries_bytes_across_chunks_and_reuses_its_buffers():
+    ring = StagingRing(_Accelerator(torch.device("cpu")), count=2, chunk=4096)
+    src = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    dst = torch.zeros_like(src)
+    ring.copy(src, dst)
+    assert torch.equal(dst, src)
+    assert ring.chunks == 3  # 4096 + 4096 + 1808
+    small = torch.arange(100, dtype=torch.uint8)
+    out = torch.zeros_like(small)
+    ring.copy(small, out)
+    assert torch.equal(out, small)
+    assert len(ring.buffers) == 2 and ring.nbytes == 2 * 4096  # a fixed ring: nothing allocated again
+
+
+def test_block_pool_counts_references_and_frees_the_last_one():
+    pool = BlockPool(2, 1024, torch.device("cpu"))
+    a, buffer, _ = pool.acquire()
+    b, _, _ = pool.acquire()
+    dropped = threading.Event()
+    dropped.set()
+    assert pool.acquire(dropped) is None  # all held: a dropped fetch gives up instead of waiting
+    view = buffer[:16].view(torch.float32)
+    pool.publish("w", view, a)
+    tensor, index = pool.borrow("w")
+    assert tensor is view and index == a and pool.refs[a] == 2
+    pool.release(a)
+    assert pool.borrow("w") is not None  # still held by the borrower (and now by this lookup)
+    pool.release(a)
+    pool.release(a)
+    assert pool.borrow("w") is None and a in pool.free  # the last reference freed it, and its tensors
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire()))
+    pool.acquire()  # takes the free one: the waiter below has to wait for b
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    pool.release(b)
+    waiter.join(5)
+    assert got and got[0][0] == b
+    assert pool.peak_in_use == 2 and pool.allocated_bytes == 2 * 1024
+
+
+TIED_DISK = {"model.embed_tokens": "disk", "model.layers.0": "disk", "model.layers.1": "cpu", "model.layers.2": "disk",
+             "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
+
+
+@pytest.mark.parametrize("staging", [False, True], ids=["pool", "pool+staging"])
+def test_pool_path_matches_in_memory_and_moves_a_tied_weight_once(tmp_path, staging):
+    reference = _model()
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected_logits = reference(ids).logits
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    model = _model()
+    seen = _weights_seen_in_forward(model.lm_head)
+    # depth 1: the embedding is scheduled while lm_head runs, so it always finds the tied weight there
+    policy = Prefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"), staging=staging)
+    dispatch_model(model, TIED_DISK, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
+                   no_split_module_classes=["LlamaDecoderLayer"])
+    state = model.offload_state
+    prefetcher = state.handle.prefetcher
+    assert [u.name for u in prefetcher.units] == ["model.embed_tokens", "model.layers.0", "model.layers.2",
+                                                  "model.layers.3", "lm_head"]
+    with torch.no_grad():
+        for _ in range(3):  # the first pass records the order, then everything is read ahead
+            assert torch.equal(model(ids).logits, expected_logits)
+        state.stats.reset()
+        assert torch.equal(model(ids).logits, expected_logits)
+        # The tied embedding / lm_head weight crossed once: the embedding borrowed lm_head's copy.
+        assert state.stats.bytes == state.offloaded_bytes()
+        assert prefetcher.borrowed == 3  # once a forward, from the second on
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, expected)
+    blocks = prefetcher._blocks
+    assert seen and all(_inside(ptr, blocks) for ptr, _ in seen)
+    largest = max(prefetcher._layout(u)[1] for u in prefetcher.units)
+    assert blocks.count == 2 and blocks.capacity == largest
+    assert blocks.peak_in_use <= 2 and blocks.allocated_bytes <= 2 * largest
+    if staging:
+        assert prefetcher.staging.chunks > 5 and len(prefetcher.staging.buffers) == 3
+    else:
+        assert prefetcher.staging is None
+    state.remove()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected_logits)
+
+
+def test_converting_store_reads_into_the_pool(tmp_path):
+    from offload_core import init_empty_weights, load_checkpoint_and_dispatch
+    from offload_core.checkpoint import write_sharded_safetensors
+
+    stored = _model().to(torch.bfloat16)
+    write_sharded_safetensors(stored.state_dict(), tmp_path / "ckpt", max_shard_size=100_000)
+    stored.config.save_pretrained(tmp_path / "ckpt")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32).eval()
+    seen = _weights_seen_in_forward(model.model.layers[3].mlp.down_proj)
+    load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=DISK, storage="safetensors",
+                                 policy=Prefetch(PrefetchConfig(depth=1)), dtype=torch.float32,
+                                 no_split_module_classes=["LlamaDecoderLayer"], progress=False)
+    prefetcher = model.offload_state.handle.prefetcher
+    with torch.no_grad():
+        expected = reference(ids).logits
+        for _ in range(3):
+            assert torch.equal(model(ids).logits, expected)
+    # Converted on read, straight into the two reusable buffers: the weight the layer ran with was a
+    # float32 view inside one of them, every time.
+    blocks = prefetcher._blocks
+    assert blocks is not None and blocks.count == 2 and blocks.peak_in_use <= 2
+    assert len(seen) == 3 and all(dtype == torch.float32 and _inside(ptr, blocks) for ptr, dtype in seen)
+    assert prefetcher.hits >= 6
+    model.offload_state.remove()
+
+
+def _weights_seen_in_forward(module):
+    """Record where ``module.weight`` lives each time its own forward runs (call before dispatching)."""
+    seen = []
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        seen.append((module.weight.data_ptr(), module.weight.dtype))
+        return inner(*args, **kwargs)
+
+    module.forward = forward
+    return seen
+
+
+def _inside(pointer, blocks):
+    return any(b is not None and b.data_ptr() <= pointer < b.data_ptr() + b.numel() for b in blocks.buffers)
+
+
+def test_staging_chunk_is_checked():
+    from offload_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="staging_chunk"):
+        Prefetch(PrefetchConfig(staging_chunk="12 apples"))
+    with pytest.raises(ConfigError, match="below 4KiB"):
+        Prefetch(PrefetchConfig(staging_chunk=100))

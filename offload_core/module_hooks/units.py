@@ -21,9 +21,12 @@ class TransferStats:
 
     def add_unit(self, fetched: Mapping[str, torch.Tensor]) -> None:
         """Count one unit brought in: its tensors and their bytes."""
-        nbytes = sum(t.numel() * t.element_size() for t in fetched.values())
+        self.add_moved(len(fetched), sum(t.numel() * t.element_size() for t in fetched.values()))
+
+    def add_moved(self, tensors: int, nbytes: int) -> None:
+        """Count one unit activation that moved ``nbytes`` (tied tensors already there move nothing)."""
         with self._lock:
-            self.loads += len(fetched)
+            self.loads += tensors
             self.bytes += nbytes
             self.unit_calls += 1
 

@@ -55,14 +55,29 @@ class InPlaceStore(Store):
                 len(self.converting), self.dtype,
             )
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def _view(self, name: str) -> torch.Tensor:
+        """The stored bytes as a tensor of the stored dtype (a view of the mapped shard)."""
         view = self._views.get(name)
         if view is None:
-            view = self.checkpoint.get(self._refs[name])
-            self._views[name] = view
+            view = self._views[name] = self.checkpoint.get(self._refs[name])
+        return view
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._view(name)
         if name in self.converting:
             return convert_dtype(view, self.dtype)
         return view
+
+    def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of ``store[name]`` from the shard's header (no read, no conversion)."""
+        key = self._refs[name]
+        stored = self.checkpoint.dtype(key)
+        dtype = self.dtype if name in self.converting else stored
+        return torch.Size(self.checkpoint.shape(key)), dtype
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy ``name`` into ``out``, converting in the same pass (no converted copy in between)."""
+        out.copy_(self._view(name))
 
     def warm(self, name: str) -> bool:
         if name in self.converting:
