@@ -100,3 +100,33 @@ def test_readme_commands_match_ci():
     assert blocks[1].endswith("python -m pytest -q")
     ci = (ROOT / ".ci" / "run").read_text()
     assert blocks[1] in ci
+
+
+def test_reservation_follows_store_and_policy():
+    import torch
+
+    from offload_core.runner import reservation
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    block, module = 1000, 100
+    assert reservation("prefetch", {"depth": 2}, cpu, block, module, converts=False) == {"cpu": 0}
+    assert reservation("prefetch", {"depth": 2, "pool": True}, cpu, block, module, converts=False) == {"cpu": 3000}
+    assert reservation("prefetch", {"depth": 1}, cpu, block, module, converts=True) == {"cpu": 2000}
+    assert reservation("align_per_call", {}, cpu, block, module, converts=True) == {"cpu": 100}
+    # A GPU run holds the blocks in flight on the device, and the staging ring in host memory
+    # unless the store is already pinned.
+    staged = reservation("prefetch", {"depth": 2, "staging_chunk": "1MiB"}, gpu, block, module, converts=False)
+    assert staged == {1: 3000, "cpu": 3 * 2**20}
+    assert reservation("prefetch", {"depth": 2}, gpu, block, module, converts=False, pinned_store=True) == {1: 3000, "cpu": 0}
+
+
+def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):
+    cfg = _cfg(["model=synthetic", "model.preset=small", "hook=prefetch", "hook.pool=true", "hook.depth=1",
+                "storage=memmap", "max_memory.cpu=48MiB", "headroom=0", "progress=false", "max_new_tokens=4",
+                "compare_in_memory=true"])
+    result = run(cfg, output_dir=tmp_path)
+    assert result.matches_in_memory is True
+    block = result.plan["largest_block"]
+    assert result.plan["reserve"] == {"cpu": 2 * block}
+    assert 0 < result.summary["devices"]["cpu"]["bytes"] <= 48 * 2**20 - 2 * block
+    assert result.figures["offloaded_bytes"] > 0
