@@ -31,6 +31,10 @@ STORES = ("memmap", "safetensors")
 DEFAULT_SYSTEMS = ["inmem", "accelerate", *(f"ours:{p}:{s}" for p in POLICIES for s in STORES),
                    "ours:align_per_call:pinned_cpu", "ours:prefetch:safetensors:fit"]
 COLD_SYSTEMS = ["inmem", "accelerate", *(f"ours:{p}:{s}" for p in POLICIES for s in STORES)]
+#: --device cuda: --budget is GPU 0's; the rest sits in (pinned) host memory and is streamed to the GPU
+GPU_SYSTEMS = ["inmem", "accelerate", "ours:prefetch:pinned_cpu", "ours:functional_call:pinned_cpu",
+               "ours:align_per_call:pinned_cpu", "ours:prefetch:memmap", "ours:prefetch:safetensors",
+               "ours:prefetch:pinned_cpu:fit"]
 
 #: figures a run reports that we take medians of
 FIGURES = [
@@ -39,6 +43,7 @@ FIGURES = [
     "read_bandwidth_bytes_per_s", "disk_read_bytes_per_token", "offloaded_bytes", "store_bytes_written",
     "sequential_read_bytes_per_s", "ideal_read_s_per_token", "cold_token_over_ideal",
     "disk_read_bandwidth_bytes_per_s", "cached_fraction_after_drop_max",
+    "peak_gpu_bytes", "h2d_bytes_per_s", "ideal_h2d_s_per_token", "h2d_token_over_ideal",
 ]
 
 
@@ -75,7 +80,8 @@ def machine() -> dict:
     return {"nproc": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total, "cpu": cpu,
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "accelerate": acc, "commit": commit,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def checkpoint_for(args) -> tuple[Path, int, list[str]]:
@@ -150,7 +156,7 @@ def median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def aggregate(runs: list[dict], systems: list[str], budget_bytes: int, cold: bool) -> tuple[dict, dict]:
+def aggregate(runs: list[dict], systems: list[str], budget_bytes: int, cold: bool, gpu: bool = False) -> tuple[dict, dict]:
     reference = next((r["token_ids"] for r in runs if r.get("system") == "inmem" and "error" not in r), None)
     medians: dict[str, dict] = {}
     for system in systems:
@@ -176,11 +182,11 @@ def aggregate(runs: list[dict], systems: list[str], budget_bytes: int, cold: boo
         row["load_to_first_token_vs_accelerate"] = ratio(row["load_to_first_token_s"], acc.get("load_to_first_token_s"))
         row["load_to_first_token_vs_inmem"] = ratio(row["load_to_first_token_s"], inmem.get("load_to_first_token_s"))
         row["anon_rss_vs_budget"] = ratio(row["peak_anon_rss_bytes"], budget_bytes)
-    targets = evaluate_targets(medians, budget_bytes, cold)
+    targets = evaluate_targets(medians, budget_bytes, cold, gpu)
     return medians, targets
 
 
-def evaluate_targets(medians: dict, budget_bytes: int, cold: bool) -> dict:
+def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = False) -> dict:
     """Each target, for each of our systems it applies to: the figure, the bound and whether it is met."""
     targets: dict[str, dict] = {}
 
@@ -191,13 +197,22 @@ def evaluate_targets(medians: dict, budget_bytes: int, cold: bool) -> dict:
         targets.setdefault(name, {})[system] = {"value": value, "bound": bound, "met": met}
 
     for system, row in medians.items():
+        if gpu and system != "inmem":
+            # The GPU bound: streaming the offloaded bytes at the pinned H2D bandwidth of the same run.
+            if not system.endswith(":fit"):
+                put("GPU: per-token time <= 1.18 x offloaded bytes / pinned H2D bandwidth", system,
+                    row["h2d_token_over_ideal"], 1.18, "<=")
+                put("GPU: peak GPU memory <= budget", system, row["peak_gpu_bytes"], budget_bytes, "<=")
         if not system.startswith("ours:"):
-            if system == "accelerate":
+            if system == "accelerate" and not gpu:
                 put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
             continue
         if system.endswith(":fit"):
             slower = 1 / row["decode_vs_inmem"] - 1 if row["decode_vs_inmem"] else None
             put("nothing offloaded: module-hook overhead <= 3% of decode time", system, slower, 0.03, "<=")
+            continue
+        if gpu:
+            put("GPU: decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
             continue
         put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
         if cold:
@@ -223,9 +238,11 @@ def _f(value, digits=2, suffix="") -> str:
 def write_markdown(data: dict, path: Path) -> None:
     med, args, m = data["medians"], data["args"], data["machine"]
     cold = args["cold"]
+    gpu = args.get("device") == "cuda"
+    setting = (f"max_memory.0={args['budget']} on {m.get('gpu')}, the rest in host memory" if gpu else
+               f"max_memory.cpu={args['budget']}{', cold page cache' if cold else ', warm page cache'}")
     lines = [
-        f"# offload benchmark: synthetic {args['preset'] or args['checkpoint']}, max_memory.cpu={args['budget']}"
-        f"{', cold page cache' if cold else ', warm page cache'}",
+        f"# offload benchmark: synthetic {args['preset'] or args['checkpoint']}, {setting}",
         "",
         f"Checkpoint: {_gb(data['checkpoint_bytes'])} GB ({args['dtype']}), {args['tokens']} new tokens (greedy) after a "
         f"{data['prompt_tokens']}-token prompt, {args['reps']} repetitions per system, systems in alternation, each "
@@ -282,11 +299,27 @@ def write_markdown(data: dict, path: Path) -> None:
                 f"{_f(r['disk_read_bandwidth_bytes_per_s'] and r['disk_read_bandwidth_bytes_per_s'] / 1e9)} | "
                 f"{_f(r['cached_fraction_after_drop_max'] and 100 * r['cached_fraction_after_drop_max'], 1, '%')} |"
             )
+    if gpu:
+        lines += [
+            "",
+            "GPU: the pinned host → GPU bandwidth is measured in every run (256 MiB copies from pinned memory, median of "
+            "7, before and after generating; the better one is kept).",
+            "",
+            "| system | decode s/token | offloaded GB/token | pinned H2D GB/s | ideal s/token | token ÷ ideal | peak GPU GB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for system, r in med.items():
+            if r["runs"]:
+                lines.append(
+                    f"| {system} | {_f(r['decode_token_mean_s'], 3)} | {_gb(r['bytes_read_per_token'])} | "
+                    f"{_f(r['h2d_bytes_per_s'] and r['h2d_bytes_per_s'] / 1e9)} | {_f(r['ideal_h2d_s_per_token'], 3)} | "
+                    f"{_f(r['h2d_token_over_ideal'])} | {_gb(r['peak_gpu_bytes'])} |"
+                )
     lines += ["", "## Targets", "", "| target | system | figure | bound | met |", "|---|---|---|---|---|"]
     for name, per_system in data["targets"].items():
         for system, t in per_system.items():
             value, bound = t["value"], t["bound"]
-            if "RSS" in name:
+            if "RSS" in name or "peak GPU" in name:
                 shown, limit = f"{value / 1e9:.2f} GB", f"{bound / 1e9:.2f} GB"
             elif "overhead" in name:
                 shown, limit = f"{100 * value:+.1f}%", f"{100 * bound:.0f}%"
@@ -383,6 +416,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per run (greedy, EOS suppressed)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="drop offloaded files from the page cache before each token")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: run on GPU 0 with --budget as its budget, the rest in host memory")
     parser.add_argument("--systems", help="comma-separated: inmem, accelerate, ours:<policy>[+key=value]:<store>[:fit]")
     parser.add_argument("--dtype", default="bfloat16", help="the run's dtype (all systems)")
     parser.add_argument("--threads", type=int, help="torch compute threads in every run (default: torch's own, one per core)")
@@ -408,12 +443,21 @@ def main() -> None:
 
     import pagecache
 
-    systems = args.systems.split(",") if args.systems else (COLD_SYSTEMS if args.cold else DEFAULT_SYSTEMS)
+    gpu = args.device == "cuda"
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this machine has no CUDA device (run without --device for the CPU benchmark)")
+        if args.cold:
+            raise SystemExit("--device cuda measures streaming from host memory: leave out --cold")
+    default = GPU_SYSTEMS if gpu else COLD_SYSTEMS if args.cold else DEFAULT_SYSTEMS
+    systems = args.systems.split(",") if args.systems else default
     parsed = [parse_system(s) for s in systems]
     if args.checkpoint:
         args.preset = None
     tag = args.tag or "-".join(filter(None, [args.preset or Path(args.checkpoint).name, "cold" if args.cold else None,
-                                            None if args.dtype == "bfloat16" else args.dtype]))
+                                            "cuda" if gpu else None, None if args.dtype == "bfloat16" else args.dtype]))
     checkpoint, total_bytes, shard_files = checkpoint_for(args)
     budget_bytes = parse_size(args.budget, what="--budget")
     log_dir = Path("/tmp") / f"offload-bench-{tag}-{int(time.time())}"
@@ -436,6 +480,7 @@ def main() -> None:
             spec = {**system, "preset": args.preset, "checkpoint": str(checkpoint), "dtype": args.dtype,
                     "budget": str(2 * total_bytes) if system.get("fit") else args.budget, "tokens": args.tokens,
                     "cold": args.cold, "prompt": args.prompt, "rep": rep, "threads": args.threads,
+                    "device": args.device, "cpu_budget": str(2 * total_bytes),
                     "tag": f"{system['system'].replace(':', '_').replace('+', '_').replace('=', '-')}-{rep}"}
             spec.setdefault("overrides", [])
             result = run_one(spec, log_dir, args.timeout, env)
@@ -445,7 +490,7 @@ def main() -> None:
                       f"decode {result['decode_tokens_per_s']:6.3f} tok/s  anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  "
                       f"file +{result['peak_file_rss_bytes'] / 1e9:.2f} GB", flush=True)
             data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            data["medians"], data["targets"] = aggregate(data["runs"], systems, budget_bytes, args.cold)
+            data["medians"], data["targets"] = aggregate(data["runs"], systems, budget_bytes, args.cold, gpu)
             stem.parent.mkdir(parents=True, exist_ok=True)
             _with(stem, ".json").write_text(json.dumps(data, indent=1, default=str))
     write_reports(data, stem)

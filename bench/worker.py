@@ -58,6 +58,8 @@ class Timer(StoppingCriteria):
         self.excluded += time.perf_counter() - started
 
     def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.is_cuda:
+            torch.cuda.synchronize()  # the token is computed, not only queued
         self.stamps.append(time.perf_counter() - self.excluded)
         if self.cold_files:
             self.drop()
@@ -86,6 +88,32 @@ def generate(model, input_ids: torch.Tensor, tokens: int, cold_files: list[str])
 
 # -- the three systems -----------------------------------------------------------------------------
 
+def pinned_h2d_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7) -> float:
+    """Median bytes/s of copies from pinned host memory to the GPU (the bound offloaded weights can reach)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        samples.append(nbytes / (start.elapsed_time(end) / 1e3))
+    del host, device
+    torch.cuda.empty_cache()
+    return sorted(samples)[len(samples) // 2]
+
+
+def max_memory_of(spec: dict) -> dict:
+    """CPU runs: ``--budget`` is the cpu budget. GPU runs: it is GPU 0's, and the rest fits in cpu memory."""
+    if spec.get("device", "cpu") == "cuda":
+        return {0: spec["budget"], "cpu": spec["cpu_budget"]}
+    return {"cpu": spec["budget"]}
+
+
 def prepare_ours(spec: dict):
     """Compose the run's config through Hydra exactly as ``run.py`` would (done before the baseline)."""
     from hydra import compose, initialize_config_dir
@@ -93,15 +121,16 @@ def prepare_ours(spec: dict):
     from offload_core.config import register_configs
 
     register_configs()
+    budgets = [f"++max_memory.{device}={size}" for device, size in max_memory_of(spec).items()]
     overrides = [
         "model=synthetic" if spec["preset"] else "model=local",
         f"model.preset={spec['preset']}" if spec["preset"] else f"model.path={spec['checkpoint']}",
         f"storage={spec['store']}",
         f"hook={spec['policy']}",
-        f"max_memory.cpu={spec['budget']}",
+        *budgets,
         f"dtype={spec['dtype']}",
         f"max_new_tokens={spec['tokens']}",
-        "execution_device=cpu",
+        "execution_device=cuda:0" if spec.get("device") == "cuda" else "execution_device=cpu",
         "progress=false",
         *spec.get("overrides", []),
     ]
@@ -132,7 +161,8 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     started = time.perf_counter()
     load_checkpoint_and_dispatch(model, ckpt, plan.device_map, no_split_module_classes=no_split, storage=storage,
                                  policy=policy, offload_folder=offload_folder, dtype=dtype,
-                                 execution_device=torch.device("cpu"), progress=False)
+                                 execution_device=torch.device("cuda:0" if spec.get("device") == "cuda" else "cpu"),
+                                 progress=False)
     dispatch_s = time.perf_counter() - started
     state = model.offload_state
     store = state.store
@@ -172,7 +202,7 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     no_split = list(getattr(model, "_no_split_modules", None) or ["LlamaDecoderLayer"])
-    device_map = infer_auto_device_map(model, max_memory={"cpu": spec["budget"]}, no_split_module_classes=no_split,
+    device_map = infer_auto_device_map(model, max_memory=max_memory_of(spec), no_split_module_classes=no_split,
                                        dtype=dtype)
     folder = Path(spec["scratch"]) / "offload"
     started = time.perf_counter()
@@ -181,18 +211,20 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
     dispatch_s = time.perf_counter() - started
     model.eval()
     files = sorted(str(p) for p in folder.glob("*.dat")) if folder.exists() else []
-    offloaded = sum(os.path.getsize(p) for p in files)
+    written = sum(os.path.getsize(p) for p in files)
     per_device: dict[str, int] = {}
     for name, dev in device_map.items():
         size = sum(t.numel() * t.element_size() for t in
                    (model.get_submodule(name).state_dict().values() if name else model.state_dict().values()))
         per_device[str(dev)] = per_device.get(str(dev), 0) + size
+    # On a GPU run accelerate streams both its cpu and its disk weights to the GPU on every forward.
+    offloaded = written + (per_device.get("cpu", 0) if spec.get("device") == "cuda" else 0)
     info = {
         "dispatch_s": dispatch_s,
         "offload_files": files,
         "offload_ranges": pagecache.whole_files(files),
         "offloaded_bytes": offloaded,
-        "store_bytes_written": offloaded,
+        "store_bytes_written": written,
         "device_bytes": per_device,
     }
     return model, info
@@ -201,6 +233,8 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
 def load_inmem(spec: dict) -> tuple[torch.nn.Module, dict]:
     model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=getattr(torch, spec["dtype"]))
     model.eval()
+    if spec.get("device") == "cuda":
+        model.to("cuda")
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return model, {"offload_files": [], "offloaded_bytes": 0, "store_bytes_written": 0, "device_bytes": {"cpu": total}}
 
@@ -223,7 +257,9 @@ def main() -> None:
     elif kind == "accelerate":
         import accelerate  # noqa: F401  (imported before the baseline, like everything else)
     config = AutoConfig.from_pretrained(spec["checkpoint"])
-    input_ids = prompt_ids(spec["prompt"], config.vocab_size)
+    cuda = spec.get("device") == "cuda"
+    input_ids = prompt_ids(spec["prompt"], config.vocab_size).to("cuda" if cuda else "cpu")
+    h2d = pinned_h2d_bandwidth() if cuda else None
     gc.collect()
     baseline_anon, baseline_file = rss_split()
     with MemoryMonitor() as memory:
@@ -274,6 +310,13 @@ def main() -> None:
         "offload_file_count": len(info["offload_files"]),
         "converting_tensors": info.get("converting", 0),
     }
+    if cuda:
+        torch.cuda.synchronize()
+        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        result["h2d_bytes_per_s"] = h2d = max(h2d, pinned_h2d_bandwidth())  # before and after: the better one
+        ideal = result["bytes_read_per_token"] / h2d
+        result["ideal_h2d_s_per_token"] = ideal
+        result["h2d_token_over_ideal"] = result["decode_token_mean_s"] / ideal if ideal else None
     result["read_bandwidth_bytes_per_s"] = result["bytes_read_per_token"] / result["decode_token_mean_s"]
     if spec["cold"] and info["offload_files"]:
         result["cached_fraction_after_drop_max"] = max(timer.cached_after_drop) if timer.cached_after_drop else None
