@@ -236,3 +236,16 @@ def test_staging_chunk_is_checked():
         Prefetch(PrefetchConfig(staging_chunk="12 apples"))
     with pytest.raises(ConfigError, match="below 4KiB"):
         Prefetch(PrefetchConfig(staging_chunk=100))
+
+
+def test_a_freed_buffer_is_rewritten_only_after_the_last_compute_use():
+    # On a GPU the events are CUDA events; any object stands for one here.
+    pool = BlockPool(1, 64, torch.device("cpu"))
+    index, _, before = pool.acquire()
+    assert before is None
+    pool.publish("w", torch.empty(0), index)
+    pool.borrow("w")  # a second holder: a read-ahead that will be dropped without computing
+    pool.release(index, event="compute used it")
+    pool.release(index, event=None)  # the last holder never ran: the compute event must survive
+    again, _, wait_for = pool.acquire()
+    assert again == index and wait_for == "compute used it"

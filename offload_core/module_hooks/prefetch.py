@@ -255,12 +255,13 @@ class BlockPool:
     def release(self, index: int, event: Any = None) -> None:
         """Drop one reference; the last one frees the buffer (rewritten only after ``event``)."""
         with self.cond:
+            if event is not None:  # the latest point the compute stream used it (a later holder may not have)
+                self.free_events[index] = event
             self.refs[index] -= 1
             if self.refs[index] > 0:
                 return
             for key in [k for k, (_, i) in self.live.items() if i == index]:
                 del self.live[key]
-            self.free_events[index] = event
             self.free.append(index)
             self.cond.notify_all()
 
@@ -277,8 +278,7 @@ class Fetched:
     tensors: dict[str, torch.Tensor]
     buffers: list[int] = field(default_factory=list)
     event: Any = None  # the compute stream waits on it before using ``tensors``
-    moved: int = 0  # bytes copied for this fetch (borrowed and mapped tensors move nothing)
-    copied: int = 0  # tensors copied
+    moved: int = 0  # bytes brought in: copied, or read into the page cache (borrowed tensors move nothing)
 
 
 class Prefetcher:
@@ -403,7 +403,6 @@ class Prefetcher:
             pool.publish(key, view, index)
             fetched.tensors[key] = view
             fetched.moved += nbytes
-            fetched.copied += 1
         return True
 
     def _copy_tensor(self, key: str, view: torch.Tensor, dst_bytes: torch.Tensor) -> None:
