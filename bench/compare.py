@@ -43,7 +43,7 @@ FIGURES = [
     "read_bandwidth_bytes_per_s", "disk_read_bytes_per_token", "offloaded_bytes", "store_bytes_written",
     "sequential_read_bytes_per_s", "ideal_read_s_per_token", "cold_token_over_ideal",
     "disk_read_bandwidth_bytes_per_s", "cached_fraction_after_drop_max",
-    "peak_gpu_bytes", "h2d_bytes_per_s", "ideal_h2d_s_per_token", "h2d_token_over_ideal",
+    "peak_gpu_bytes", "h2d_bytes_per_s", "ideal_h2d_s_per_token", "h2d_token_over_ideal", "prefetch_wait_s_per_token",
 ]
 
 
@@ -286,8 +286,8 @@ def write_markdown(data: dict, path: Path) -> None:
             "spent dropping is not counted. The same files are then read sequentially (16 MiB reads, cache dropped "
             "first) to measure the disk's bandwidth in the same run.",
             "",
-            "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token | token ÷ ideal | disk read GB/token | disk GB/s while decoding | cached after drop |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token | token ÷ ideal | disk read GB/token | disk GB/s while decoding | cached after drop | prefetch: compute waited s/token |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for system, r in med.items():
             if not r["runs"] or not r["bytes_read_per_token"]:
@@ -297,7 +297,8 @@ def write_markdown(data: dict, path: Path) -> None:
                 f"{_f(r['sequential_read_bytes_per_s'] and r['sequential_read_bytes_per_s'] / 1e9)} | "
                 f"{_f(r['ideal_read_s_per_token'])} | {_f(r['cold_token_over_ideal'])} | {_gb(r['disk_read_bytes_per_token'])} | "
                 f"{_f(r['disk_read_bandwidth_bytes_per_s'] and r['disk_read_bandwidth_bytes_per_s'] / 1e9)} | "
-                f"{_f(r['cached_fraction_after_drop_max'] and 100 * r['cached_fraction_after_drop_max'], 1, '%')} |"
+                f"{_f(r['cached_fraction_after_drop_max'] and 100 * r['cached_fraction_after_drop_max'], 1, '%')} | "
+                f"{_f(r.get('prefetch_wait_s_per_token'), 3)} |"
             )
     if gpu:
         lines += [
@@ -305,15 +306,15 @@ def write_markdown(data: dict, path: Path) -> None:
             "GPU: the pinned host → GPU bandwidth is measured in every run (256 MiB copies from pinned memory, median of "
             "7, before and after generating; the better one is kept).",
             "",
-            "| system | decode s/token | offloaded GB/token | pinned H2D GB/s | ideal s/token | token ÷ ideal | peak GPU GB |",
-            "|---|---|---|---|---|---|---|",
+            "| system | decode s/token | offloaded GB/token | pinned H2D GB/s | ideal s/token | token ÷ ideal | peak GPU GB | prefetch: compute waited s/token |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for system, r in med.items():
             if r["runs"]:
                 lines.append(
                     f"| {system} | {_f(r['decode_token_mean_s'], 3)} | {_gb(r['bytes_read_per_token'])} | "
                     f"{_f(r['h2d_bytes_per_s'] and r['h2d_bytes_per_s'] / 1e9)} | {_f(r['ideal_h2d_s_per_token'], 3)} | "
-                    f"{_f(r['h2d_token_over_ideal'])} | {_gb(r['peak_gpu_bytes'])} |"
+                    f"{_f(r['h2d_token_over_ideal'])} | {_gb(r['peak_gpu_bytes'])} | {_f(r.get('prefetch_wait_s_per_token'), 3)} |"
                 )
     lines += ["", "## Targets", "", "| target | system | figure | bound | met |", "|---|---|---|---|---|"]
     for name, per_system in data["targets"].items():

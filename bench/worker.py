@@ -334,6 +334,8 @@ def main() -> None:
         if prefetcher is not None:
             result["prefetch_hits"], result["prefetch_misses"] = prefetcher.hits, prefetcher.misses
             result["trace_invalidations"] = prefetcher.trace.invalidations
+            result["prefetch_late"] = prefetcher.late
+            result["prefetch_wait_s_per_token"] = prefetcher.waited_s / max(len(tokens), 1)
         state.handle.offload_all()
         if state.store is not None:
             state.store.close()

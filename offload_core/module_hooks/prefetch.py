@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -306,6 +307,8 @@ class Prefetcher:
         self.hits = 0
         self.misses = 0
         self.borrowed = 0
+        self.late = 0  # predicted fetches the compute thread still had to wait for
+        self.waited_s = 0.0  # ... and how long it waited for them
         self._blocks: BlockPool | None = None
         self._blocks_lock = threading.Lock()
         self._nesting = _max_nesting(units)
@@ -454,7 +457,12 @@ class Prefetcher:
         if index in self.pending:
             self.hits += 1
             future, _, _ = self.pending.pop(index)
+            late = not future.done()  # predicted, but not early enough: the compute thread waits
+            started = time.perf_counter()
             fetched = future.result()
+            if late:
+                self.late += 1
+                self.waited_s += time.perf_counter() - started
         else:
             self.misses += 1
             # Whatever was read ahead was for another order: let it go, so its buffers are free.
