@@ -46,6 +46,8 @@ def _libc() -> ctypes.CDLL | None:
     libc.madvise.restype = ctypes.c_int
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     libc.mincore.restype = ctypes.c_int
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    libc.fallocate.restype = ctypes.c_int
     return libc
 
 
@@ -88,11 +90,14 @@ def populate(tensor: torch.Tensor) -> bool:
     return libc.madvise(start, length, _MADV_WILLNEED) == 0
 
 
+def converts(stored: torch.dtype, dtype: torch.dtype | None) -> bool:
+    """Whether a tensor stored as ``stored`` changes when run in ``dtype`` (only floating tensors are cast)."""
+    return dtype is not None and stored.is_floating_point and stored != dtype
+
+
 def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """Cast floating tensors to ``dtype`` (integers and bools keep theirs); no copy when nothing changes."""
-    if dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype:
-        return tensor
-    return tensor.to(dtype)
+    return tensor.to(dtype) if converts(tensor.dtype, dtype) else tensor
 
 
 class Store(Mapping):
