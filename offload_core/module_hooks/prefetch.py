@@ -311,6 +311,7 @@ class Prefetcher:
         self.waited_s = 0.0  # ... and how long it waited for them
         self._blocks: BlockPool | None = None
         self._blocks_lock = threading.Lock()
+        self._layouts: dict[str, tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]] = {}
         self._nesting = _max_nesting(units)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-prefetch") if self.depth else None
 
@@ -325,14 +326,15 @@ class Prefetcher:
             return self._blocks
 
     def _layout(self, unit: Unit) -> tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]:
-        layout = getattr(unit, "_prefetch_layout", None)
+        """Where each of the unit's tensors sits in a block buffer (aligned offsets), and the bytes it needs."""
+        layout = self._layouts.get(unit.name)
         if layout is None:
             offsets, end = {}, 0
             for key in unit.keys:
                 shape, dtype = tensor_spec(self.store, key)
                 offsets[key] = (end, shape, dtype)
                 end += _aligned(_nbytes(shape, dtype))
-            layout = unit._prefetch_layout = (offsets, end)
+            layout = self._layouts[unit.name] = (offsets, end)
         return layout
 
     # -- fetching (the reader thread; the compute thread for a miss) ------------------------------
