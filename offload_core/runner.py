@@ -302,6 +302,11 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
                 }
                 if execution_device.type == "cuda":
                     figures["peak_gpu_bytes"] = {str(i): torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
+                prefetcher = getattr(state.handle, "prefetcher", None)
+                if prefetcher is not None:
+                    figures["prefetch"] = {"hits": prefetcher.hits, "misses": prefetcher.misses, "late": prefetcher.late,
+                                           "wait_s_per_token": prefetcher.waited_s / max(len(tokens), 1),
+                                           "borrowed": prefetcher.borrowed}
             finally:
                 state.handle.offload_all()
                 if state.store is not None:
@@ -380,6 +385,10 @@ def _print_result(result: RunResult) -> None:
         f"decode {f['decode_tokens_per_s']:.1f} tok/s | peak anon RSS +{format_size(f['peak_anon_rss_bytes'])} | "
         f"file-backed RSS +{format_size(f['peak_file_rss_bytes'])} | moved {format_size(int(f['bytes_moved_per_token']))}/token"
     )
+    if "prefetch" in f:
+        p = f["prefetch"]
+        print(f"prefetch: {p['hits']} blocks read ahead, {p['misses']} loaded on demand; waited for {p['late']} "
+              f"({p['wait_s_per_token']:.3f} s/token); {p['borrowed']} tied tensors borrowed")
     if result.matches_in_memory is not None:
         print(f"same tokens as in memory: {result.matches_in_memory}")
     print(f"wrote {result.output_dir / 'metrics.json'} and device_map.json")

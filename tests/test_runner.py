@@ -130,3 +130,5 @@ def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):
     assert result.plan["reserve"] == {"cpu": 2 * block}
     assert 0 < result.summary["devices"]["cpu"]["bytes"] <= 48 * 2**20 - 2 * block
     assert result.figures["offloaded_bytes"] > 0
+    prefetch = result.figures["prefetch"]  # also in metrics.json and printed
+    assert prefetch["hits"] > prefetch["misses"] > 0 and prefetch["late"] <= prefetch["hits"]
