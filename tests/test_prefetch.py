@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -249,3 +250,73 @@ def test_a_freed_buffer_is_rewritten_only_after_the_last_compute_use():
     pool.release(index, event=None)  # the last holder never ran: the compute event must survive
     again, _, wait_for = pool.acquire()
     assert again == index and wait_for == "compute used it"
+
+
+class _Event:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(("host_waits", self.name))
+
+
+class _LoggingAccelerator:
+    """Stands in for the CUDA streams and events: hands out named events and logs who waits for which."""
+
+    cuda = False
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str | None]] = []
+
+    def _record(self, where: str) -> _Event:
+        event = _Event(self.log, f"{where}{len(self.log)}")
+        self.log.append((f"record_{where}", event.name))
+        return event
+
+    def record_on_side(self):
+        return self._record("side")
+
+    def record_on_compute(self):
+        return self._record("compute")
+
+    def side_waits(self, event) -> None:
+        self.log.append(("side_waits", event and event.name))
+
+    def compute_waits(self, event) -> None:
+        self.log.append(("compute_waits", event and event.name))
+
+    def on_side(self):
+        return contextlib.nullcontext()
+
+
+def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
+    """The GPU data path with its streams replaced by a log: the compute stream waits for each block's
+    copies, a buffer is rewritten only after the compute stream let go of it, a staging buffer only
+    after its last copy."""
+    model = _model()
+    policy = Prefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"), staging=True)
+    dispatch_model(model, TIED_DISK, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
+                   no_split_module_classes=["LlamaDecoderLayer"])
+    prefetcher = model.offload_state.handle.prefetcher
+    accel = prefetcher.accel = prefetcher.staging.accel = _LoggingAccelerator()
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.tensor([[1, 2, 3]]))
+    log = accel.log
+    recorded = {name: i for i, (what, name) in enumerate(log) if what.startswith("record_")}
+
+    def before(kind, name, i):
+        return name in recorded and recorded[name] < i and log[recorded[name]][0] == kind
+
+    compute_waits = [(i, n) for i, (what, n) in enumerate(log) if what == "compute_waits"]
+    assert len(compute_waits) == 4 * len(prefetcher.units)  # every block, every forward
+    assert all(before("record_side", n, i) for i, n in compute_waits)
+    side_waits = [(i, n) for i, (what, n) in enumerate(log) if what == "side_waits"]
+    blocks = prefetcher._blocks
+    # The first use of each buffer waits for nothing; every later one for the compute stream's release.
+    assert sum(n is None for _, n in side_waits) == blocks.count
+    assert all(before("record_compute", n, i) for i, n in side_waits if n is not None)
+    assert len(side_waits) > 2 * blocks.count
+    host_waits = [(i, n) for i, (what, n) in enumerate(log) if what == "host_waits"]
+    assert host_waits and all(before("record_side", n, i) for i, n in host_waits)
+    model.offload_state.remove()
