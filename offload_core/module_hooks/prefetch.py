@@ -10,9 +10,10 @@ How a unit's bytes arrive depends on where it runs and what the store hands out:
 
 - CPU run, mapped store (memmap, safetensors in place): the reader pulls the next blocks' pages into
   the page cache; the unit then maps them. No copy and no anonymous memory.
-- Everything else (a GPU run; a CPU run whose store converts on read): the unit's tensors are copied
-  into one buffer of a :class:`BlockPool` — ``depth + 1`` reusable buffers on the execution device,
-  each the size of the largest unit, allocated once. On a GPU, pageable bytes (a mapped store) travel
+- Everything else (a GPU run; a CPU run whose store converts on read, or with ``pool=true``): the
+  unit's tensors are copied into one buffer of a :class:`BlockPool` — ``depth + 1`` reusable buffers
+  on the execution device (one more per level of units nested in units), each the size of the largest
+  unit, allocated once. On a GPU, pageable bytes (a mapped store) travel
   through a :class:`StagingRing` of pinned host buffers on a side stream: the reader thread copies the
   next chunk from the mapped file into a pinned buffer (disk → pinned, page faults read the disk) while
   the previous chunk's copy to the device runs (pinned → device) and the compute stream runs the
@@ -168,6 +169,8 @@ class StagingRing:
         self.events: list[Any] = [None] * count
         self.next = 0
         self.chunks = 0
+        # The reader and, on a miss, the compute thread may both copy: one tensor at a time goes through.
+        self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -180,6 +183,10 @@ class StagingRing:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the 1-D uint8 host tensor ``src`` into the 1-D uint8 device tensor ``dst`` (same length)."""
+        with self._lock:
+            self._copy(src, dst)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         total = src.numel()
         for start in range(0, total, self.chunk):
             n = min(self.chunk, total - start)
