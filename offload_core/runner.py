@@ -147,7 +147,7 @@ def reservation(policy_name: str, policy_cfg: dict, execution_device: torch.devi
     A unit is one block, or one module for ``align_per_call`` at module granularity; ``prefetch`` has
     ``depth`` more in flight.
     """
-    from offload_core.module_hooks.prefetch import STAGING_BUFFERS
+    from offload_core.module_hooks.prefetch import STAGING_BUFFERS, STAGING_CHUNK
 
     per_module = policy_name == "align_per_call" and policy_cfg.get("granularity", "module") == "module"
     unit = module_bytes if per_module else block_bytes
@@ -156,7 +156,7 @@ def reservation(policy_name: str, policy_cfg: dict, execution_device: torch.devi
     if execution_device.type == "cpu":
         copies = converts or (prefetch and bool(policy_cfg.get("pool")))
         return {"cpu": in_flight if copies else 0}
-    staging = STAGING_BUFFERS * parse_size(policy_cfg.get("staging_chunk", "16MiB")) if prefetch and not pinned_store else 0
+    staging = STAGING_BUFFERS * parse_size(policy_cfg.get("staging_chunk", STAGING_CHUNK)) if prefetch and not pinned_store else 0
     return {execution_device.index or 0: in_flight, "cpu": staging}
 
 
