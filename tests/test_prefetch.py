@@ -320,3 +320,43 @@ def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
     host_waits = [(i, n) for i, (what, n) in enumerate(log) if what == "host_waits"]
     assert host_waits and all(before("record_side", n, i) for i, n in host_waits)
     model.offload_state.remove()
+
+
+def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
+    import signal
+    import time
+
+    model = _model()
+    reference = _model()
+    dispatch_model(model, TIED_DISK, storage="memmap", policy=Prefetch(PrefetchConfig(depth=1, pool=True)),
+                   offload_folder=tmp_path / "off", no_split_module_classes=["LlamaDecoderLayer"])
+    prefetcher = model.offload_state.handle.prefetcher
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        model(ids)
+        model(ids)  # the trace is recorded: from here every block is read ahead
+        copy_tensor = prefetcher._copy_tensor
+
+        def slow(*args):
+            time.sleep(0.2)
+            copy_tensor(*args)
+
+        prefetcher._copy_tensor = slow
+
+        def interrupt(*_):
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(ids)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        prefetcher._copy_tensor = copy_tensor
+        for _ in range(2):
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+    model.offload_state.remove()
+    blocks = prefetcher._blocks
+    assert sorted(blocks.free) == list(range(blocks.count)) and not any(blocks.refs)

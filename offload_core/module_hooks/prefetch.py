@@ -435,8 +435,10 @@ class Prefetcher:
         fetched.buffers = []
 
     def _drop_pending(self, index: int) -> None:
+        self._let_go(*self.pending.pop(index))
+
+    def _let_go(self, future: Future, dropped: threading.Event, fetched: Fetched) -> None:
         """Let go of a fetch nobody will use: cancelled if not started, else released once it ends."""
-        future, dropped, fetched = self.pending.pop(index)
         dropped.set()
         if future.cancel():
             self._drop(fetched)  # what it borrowed when scheduled
@@ -465,10 +467,14 @@ class Prefetcher:
             return
         if index in self.pending:
             self.hits += 1
-            future, _, _ = self.pending.pop(index)
+            future, dropped, scheduled = self.pending.pop(index)
             late = not future.done()  # predicted, but not early enough: the compute thread waits
             started = time.perf_counter()
-            fetched = future.result()
+            try:
+                fetched = future.result()
+            except BaseException:  # Ctrl-C while waiting, or the read failed: its buffers go back when it ends
+                self._let_go(future, dropped, scheduled)
+                raise
             if late:
                 self.late += 1
                 self.waited_s += time.perf_counter() - started
