@@ -481,7 +481,7 @@ def main() -> None:
             spec = {**system, "preset": args.preset, "checkpoint": str(checkpoint), "dtype": args.dtype,
                     "budget": str(2 * total_bytes) if system.get("fit") else args.budget, "tokens": args.tokens,
                     "cold": args.cold, "prompt": args.prompt, "rep": rep, "threads": args.threads,
-                    "device": args.device, "cpu_budget": str(2 * total_bytes),
+                    "device": args.device, "cpu_budget": 2 * total_bytes,
                     "tag": f"{system['system'].replace(':', '_').replace('+', '_').replace('=', '-')}-{rep}"}
             spec.setdefault("overrides", [])
             result = run_one(spec, log_dir, args.timeout, env)

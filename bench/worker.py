@@ -110,7 +110,7 @@ def pinned_h2d_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7) -> float:
 def max_memory_of(spec: dict) -> dict:
     """CPU runs: ``--budget`` is the cpu budget. GPU runs: it is GPU 0's, and the rest fits in cpu memory."""
     if spec.get("device", "cpu") == "cuda":
-        return {0: spec["budget"], "cpu": spec["cpu_budget"]}
+        return {0: spec["budget"], "cpu": int(spec["cpu_budget"])}  # bytes as an int: accelerate takes no digit strings
     return {"cpu": spec["budget"]}
 
 
@@ -259,7 +259,10 @@ def main() -> None:
     config = AutoConfig.from_pretrained(spec["checkpoint"])
     cuda = spec.get("device") == "cuda"
     input_ids = prompt_ids(spec["prompt"], config.vocab_size).to("cuda" if cuda else "cpu")
-    h2d = pinned_h2d_bandwidth() if cuda else None
+    h2d = None
+    if cuda:
+        h2d = pinned_h2d_bandwidth()
+        torch.cuda.reset_peak_memory_stats()  # the peak is the system's, not the measurement's buffers
     gc.collect()
     baseline_anon, baseline_file = rss_split()
     with MemoryMonitor() as memory:
