@@ -107,9 +107,18 @@ def pinned_h2d_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def on_gpu(spec: dict) -> bool:
+    """``--device cuda``: every system runs on GPU 0."""
+    return spec.get("device") == "cuda"
+
+
+def execution_device(spec: dict) -> str:
+    return "cuda:0" if on_gpu(spec) else "cpu"
+
+
 def max_memory_of(spec: dict) -> dict:
     """CPU runs: ``--budget`` is the cpu budget. GPU runs: it is GPU 0's, and the rest fits in cpu memory."""
-    if spec.get("device", "cpu") == "cuda":
+    if on_gpu(spec):
         return {0: spec["budget"], "cpu": int(spec["cpu_budget"])}  # bytes as an int: accelerate takes no digit strings
     return {"cpu": spec["budget"]}
 
@@ -130,7 +139,7 @@ def prepare_ours(spec: dict):
         *budgets,
         f"dtype={spec['dtype']}",
         f"max_new_tokens={spec['tokens']}",
-        "execution_device=cuda:0" if spec.get("device") == "cuda" else "execution_device=cpu",
+        f"execution_device={execution_device(spec)}",
         "progress=false",
         *spec.get("overrides", []),
     ]
@@ -161,8 +170,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     started = time.perf_counter()
     load_checkpoint_and_dispatch(model, ckpt, plan.device_map, no_split_module_classes=no_split, storage=storage,
                                  policy=policy, offload_folder=offload_folder, dtype=dtype,
-                                 execution_device=torch.device("cuda:0" if spec.get("device") == "cuda" else "cpu"),
-                                 progress=False)
+                                 execution_device=torch.device(execution_device(spec)), progress=False)
     dispatch_s = time.perf_counter() - started
     state = model.offload_state
     store = state.store
@@ -218,7 +226,7 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
                    (model.get_submodule(name).state_dict().values() if name else model.state_dict().values()))
         per_device[str(dev)] = per_device.get(str(dev), 0) + size
     # On a GPU run accelerate streams both its cpu and its disk weights to the GPU on every forward.
-    offloaded = written + (per_device.get("cpu", 0) if spec.get("device") == "cuda" else 0)
+    offloaded = written + (per_device.get("cpu", 0) if on_gpu(spec) else 0)
     info = {
         "dispatch_s": dispatch_s,
         "offload_files": files,
@@ -233,7 +241,7 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
 def load_inmem(spec: dict) -> tuple[torch.nn.Module, dict]:
     model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=getattr(torch, spec["dtype"]))
     model.eval()
-    if spec.get("device") == "cuda":
+    if on_gpu(spec):
         model.to("cuda")
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return model, {"offload_files": [], "offloaded_bytes": 0, "store_bytes_written": 0, "device_bytes": {"cpu": total}}
@@ -257,8 +265,8 @@ def main() -> None:
     elif kind == "accelerate":
         import accelerate  # noqa: F401  (imported before the baseline, like everything else)
     config = AutoConfig.from_pretrained(spec["checkpoint"])
-    cuda = spec.get("device") == "cuda"
-    input_ids = prompt_ids(spec["prompt"], config.vocab_size).to("cuda" if cuda else "cpu")
+    cuda = on_gpu(spec)
+    input_ids = prompt_ids(spec["prompt"], config.vocab_size).to(execution_device(spec))
     h2d = None
     if cuda:
         h2d = pinned_h2d_bandwidth()

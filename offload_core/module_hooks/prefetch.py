@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -106,10 +107,7 @@ def _aligned(n: int) -> int:
 
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
-    numel = 1
-    for dim in shape:
-        numel *= int(dim)
-    return numel * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
