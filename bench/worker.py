@@ -346,6 +346,7 @@ def main() -> None:
             result["prefetch_hits"], result["prefetch_misses"] = prefetcher.hits, prefetcher.misses
             result["trace_invalidations"] = prefetcher.trace.invalidations
             result["prefetch_late"] = prefetcher.late
+            result["prefetch_read_again"] = prefetcher.reread
             result["prefetch_wait_s_per_token"] = prefetcher.waited_s / max(len(tokens), 1)
         state.handle.offload_all()
         if state.store is not None:

@@ -306,7 +306,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
                 if prefetcher is not None:
                     figures["prefetch"] = {"hits": prefetcher.hits, "misses": prefetcher.misses, "late": prefetcher.late,
                                            "wait_s_per_token": prefetcher.waited_s / max(len(tokens), 1),
-                                           "borrowed": prefetcher.borrowed}
+                                           "borrowed": prefetcher.borrowed, "read_again": prefetcher.reread}
             finally:
                 state.handle.offload_all()
                 if state.store is not None:
@@ -388,7 +388,8 @@ def _print_result(result: RunResult) -> None:
     if "prefetch" in f:
         p = f["prefetch"]
         print(f"prefetch: {p['hits']} blocks read ahead, {p['misses']} loaded on demand; waited for {p['late']} "
-              f"({p['wait_s_per_token']:.3f} s/token); {p['borrowed']} tied tensors borrowed")
+              f"({p['wait_s_per_token']:.3f} s/token); {p['borrowed']} tied tensors borrowed; "
+              f"{p['read_again']} read again after the page cache evicted them")
     if result.matches_in_memory is not None:
         print(f"same tokens as in memory: {result.matches_in_memory}")
     print(f"wrote {result.output_dir / 'metrics.json'} and device_map.json")

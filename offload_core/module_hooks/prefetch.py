@@ -9,7 +9,10 @@ store by name, so a mispredicted or late prefetch can cost time, never correctne
 How a unit's bytes arrive depends on where it runs and what the store hands out:
 
 - CPU run, mapped store (memmap, safetensors in place): the reader pulls the next blocks' pages into
-  the page cache; the unit then maps them. No copy and no anonymous memory.
+  the page cache; the unit then maps them. No copy and no anonymous memory. The page cache may
+  evict read-ahead before it is used (memory pressure between two tokens): each forward pass starts
+  by handing the reader again what was evicted, and a unit whose pages went missing after that is
+  read in at once (one sequential read) rather than page-faulted in while it computes.
 - Everything else (a GPU run; a CPU run whose store converts on read, or with ``pool=true``): the
   unit's tensors are copied into one buffer of a :class:`BlockPool` — ``depth + 1`` reusable buffers
   on the execution device (one more per level of units nested in units), each the size of the largest
@@ -42,6 +45,7 @@ from torch import nn
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
 from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, TransferStats, Unit, find_units
+from offload_core.storage.base import resident
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +289,7 @@ class Fetched:
     buffers: list[int] = field(default_factory=list)
     event: Any = None  # the compute stream waits on it before using ``tensors``
     moved: int = 0  # bytes brought in: copied, or read into the page cache (borrowed tensors move nothing)
+    mapped: list[str] = field(default_factory=list)  # keys served as mapped pages (the page cache may evict them)
 
 
 class Prefetcher:
@@ -314,6 +319,7 @@ class Prefetcher:
         self.borrowed = 0
         self.late = 0  # predicted fetches the compute thread still had to wait for
         self.waited_s = 0.0  # ... and how long it waited for them
+        self.reread = 0  # read-ahead pages evicted before use, read in again
         self._blocks: BlockPool | None = None
         self._blocks_lock = threading.Lock()
         self._layouts: dict[str, tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]] = {}
@@ -387,6 +393,7 @@ class Prefetcher:
             if not self.copy and hasattr(self.store, "warm") and self.store.warm(key):
                 tensor = fetched.tensors[key] = self.store[key]
                 fetched.moved += tensor.numel() * tensor.element_size()
+                fetched.mapped.append(key)
             else:
                 need.append(key)
         return need
@@ -426,6 +433,29 @@ class Prefetcher:
             return
         with self.accel.on_side():
             view.copy_(src, non_blocking=self.accel.cuda)
+
+    # -- read-ahead whose pages the page cache let go of before use ------------------------------
+    def _evicted(self, fetched: Fetched) -> bool:
+        return any(not resident(fetched.tensors[key]) for key in fetched.mapped)
+
+    def _read_again(self, fetched: Fetched) -> Fetched:
+        for key in fetched.mapped:
+            self.store.warm(key)
+        return fetched
+
+    def revalidate(self) -> None:
+        """Hand the reader again the read-ahead whose pages were evicted before use (the compute thread,
+        as a forward pass starts).
+
+        Between two passes (tokens) the page cache may let go of pages read ahead for the next pass
+        (memory pressure; a benchmark dropping the cache). Read in again now, they arrive while the
+        resident layers run, instead of by page faults on the compute thread when their unit runs.
+        """
+        for index, (future, dropped, fetched) in list(self.pending.items()):
+            if (future.done() and not future.cancelled() and future.exception() is None
+                    and fetched.mapped and self._evicted(fetched)):
+                self.pending[index] = (self._pool.submit(self._read_again, fetched), dropped, fetched)
+                self.reread += 1
 
     def _drop(self, fetched: Fetched, event: Any = None) -> None:
         for index in fetched.buffers:
@@ -473,6 +503,11 @@ class Prefetcher:
             except BaseException:  # Ctrl-C while waiting, or the read failed: its buffers go back when it ends
                 self._let_go(future, dropped, scheduled)
                 raise
+            if fetched.mapped and self._evicted(fetched):
+                # Evicted since it was read ahead: one read now beats page faults while it computes.
+                self._read_again(fetched)
+                self.reread += 1
+                late = True
             if late:
                 self.late += 1
                 self.waited_s += time.perf_counter() - started
@@ -545,6 +580,19 @@ class PrefetchHook(ModuleHook):
         self.prefetcher.release(self.index)
 
 
+class RevalidateHook(ModuleHook):
+    """On the model's root: each forward pass starts by re-queueing read-ahead the page cache evicted."""
+
+    name = "prefetch_revalidate"
+
+    def __init__(self, prefetcher: Prefetcher) -> None:
+        self.prefetcher = prefetcher
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.prefetcher.revalidate()
+        return args, kwargs
+
+
 class PrefetchHandle(PolicyHandle):
     def __init__(self, *args: Any, prefetcher: Prefetcher, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -596,6 +644,8 @@ class Prefetch:
         handles = attach_io_hooks(model, plan, True, ())
         prefetcher = Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
                                 copy=self.config.pool, staging=self.staging, staging_chunk=self.chunk)
+        if units and prefetcher.depth and not prefetcher.copy:
+            handles.append(add_hook_to_module(model, RevalidateHook(prefetcher)))
         for index, unit in enumerate(units):
             handles.append(add_hook_to_module(unit.module, PrefetchHook(index, prefetcher, plan.execution_device)))
         return PrefetchHandle(model, plan, units, handles, prefetcher=prefetcher)

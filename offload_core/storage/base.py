@@ -66,6 +66,27 @@ def _looks_resident(libc: ctypes.CDLL, start: int, length: int) -> bool:
     return True
 
 
+def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The page-aligned address range holding a CPU tensor's bytes: (start, length)."""
+    page = mmap.PAGESIZE
+    address = tensor.data_ptr()
+    start = address - address % page
+    return start, address + tensor.numel() * tensor.element_size() - start
+
+
+def resident(tensor: torch.Tensor) -> bool:
+    """Whether a CPU tensor's pages look in memory (sampled, as :func:`populate` checks before reading).
+
+    True where that cannot be told (no ``mincore``, an empty or non-CPU tensor). Callers use it to
+    decide whether to read pages in again: a wrong answer costs time (a read, or page faults), never
+    correctness.
+    """
+    libc = _libc()
+    if libc is None or tensor.numel() == 0 or tensor.device.type != "cpu":
+        return True
+    return _looks_resident(libc, *_page_span(tensor))
+
+
 def populate(tensor: torch.Tensor) -> bool:
     """Bring a CPU tensor's file-backed pages into memory ahead of use, on the calling (reader) thread.
 
@@ -76,13 +97,9 @@ def populate(tensor: torch.Tensor) -> bool:
     Returns False where madvise is unavailable.
     """
     libc = _libc()
-    nbytes = tensor.numel() * tensor.element_size()
-    if libc is None or nbytes == 0 or tensor.device.type != "cpu":
+    if libc is None or tensor.numel() == 0 or tensor.device.type != "cpu":
         return libc is not None
-    page = mmap.PAGESIZE
-    address = tensor.data_ptr()
-    start = address - address % page
-    length = address + nbytes - start
+    start, length = _page_span(tensor)
     if _looks_resident(libc, start, length):
         return True
     if libc.madvise(start, length, _MADV_POPULATE_READ) == 0:
