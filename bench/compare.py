@@ -283,8 +283,9 @@ def write_markdown(data: dict, path: Path) -> None:
             "Cold page cache: before the prompt and before each new token the offloaded data files (the offload folder's "
             "`.dat` files; for `safetensors`, the checkpoint shards holding offloaded tensors) are dropped from the page "
             "cache (`madvise(MADV_DONTNEED)` on this process's maps of them, then `posix_fadvise(DONTNEED)`); the time "
-            "spent dropping is not counted. The same files are then read sequentially (16 MiB reads, cache dropped "
-            "first) to measure the disk's bandwidth in the same run.",
+            "spent dropping is not counted. Files written at load are flushed to the disk (`sync`) before decoding. The "
+            "same bytes are read sequentially (16 MiB reads, cache dropped first) three times before decoding and twice "
+            "after, to measure the disk's bandwidth in the same run; the median of the five is used.",
             "",
             "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token | token ÷ ideal | disk read GB/token | disk GB/s while decoding | cached after drop | prefetch: compute waited s/token |",
             "|---|---|---|---|---|---|---|---|---|---|",
