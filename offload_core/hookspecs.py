@@ -40,8 +40,10 @@ def offload_register_storages(register: Register) -> None:
     """Register storage backends (config group ``storage``).
 
     Called once when the plugin manager is built, for every plugin. A storage's factory builds an
-    object with ``open(context: StoreContext) -> Store``; see :mod:`offload_core.storage`.
-    All implementations are called; results are ignored (use ``register``).
+    object with ``open(context: StoreContext) -> Store``; see :mod:`offload_core.storage`. It may
+    declare ``converts_on_read = True`` (a tensor stored in another dtype is converted on every read:
+    the planner holds room for the copies in flight) and ``pinned = True`` (page-locked memory: a GPU
+    run copies from it without staging). All implementations are called; results are ignored.
     """
 
 
@@ -51,5 +53,8 @@ def offload_register_module_hook_policies(register: Register) -> None:
 
     Called once when the plugin manager is built, for every plugin. A policy's factory builds an
     object with ``attach(model, plan: DispatchPlan) -> PolicyHandle``; see
-    :mod:`offload_core.module_hooks`. All implementations are called; results are ignored.
+    :mod:`offload_core.module_hooks`. It may define ``reserve(need: InFlight) -> dict[device, int]``:
+    the bytes its units in flight take on each device, which the placement holds back from the
+    budgets (without it: one block on the execution device; ``reserve_units`` builds the usual answer).
+    All implementations are called; results are ignored.
     """

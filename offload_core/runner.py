@@ -136,28 +136,17 @@ def build_empty_model(checkpoint: Path, dtype: torch.dtype | None):
     return model, dtype
 
 
-def reservation(policy_name: str, policy_cfg: dict, execution_device: torch.device,
-                block_bytes: int, module_bytes: int, converts: bool, pinned_store: bool = False) -> dict[Any, int]:
-    """Bytes the placement must hold back, knowing the store and the module-hook policy.
+def reservation(policy: Any, storage: Any, execution_device: torch.device, block_bytes: int, module_bytes: int,
+                converts: bool) -> dict[Any, int]:
+    """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
+    given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
+    (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
+    from offload_core.module_hooks.units import InFlight, policy_reservation
 
-    On a CPU run, mapped stores hand module hooks views of file-backed pages: nothing is copied and no
-    room is needed, unless tensors are converted on read or ``prefetch`` is told to copy blocks into
-    its pool (then the units in flight are copies). On a GPU run the execution device holds the units
-    in flight, and ``prefetch`` from a store that is not pinned spends its staging ring in host memory.
-    A unit is one block, or one module for ``align_per_call`` at module granularity; ``prefetch`` has
-    ``depth`` more in flight.
-    """
-    from offload_core.module_hooks.prefetch import STAGING_BUFFERS, STAGING_CHUNK
-
-    per_module = policy_name == "align_per_call" and policy_cfg.get("granularity", "module") == "module"
-    unit = module_bytes if per_module else block_bytes
-    in_flight = unit * (1 + int(policy_cfg.get("depth", 0)))
-    prefetch = policy_name == "prefetch"
-    if execution_device.type == "cpu":
-        copies = converts or (prefetch and bool(policy_cfg.get("pool")))
-        return {"cpu": in_flight if copies else 0}
-    staging = STAGING_BUFFERS * parse_size(policy_cfg.get("staging_chunk", STAGING_CHUNK)) if prefetch and not pinned_store else 0
-    return {execution_device.index or 0: in_flight, "cpu": staging}
+    need = InFlight(execution_device, block_bytes, module_bytes,
+                    store_converts=converts and bool(getattr(storage, "converts_on_read", False)),
+                    store_pinned=bool(getattr(storage, "pinned", False)))
+    return policy_reservation(policy, need)
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool, vocab_size: int) -> torch.Tensor:
@@ -201,8 +190,11 @@ def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tens
     return tokens
 
 
-def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = None) -> RunResult:
-    """Run one job from a composed config (``run.py`` calls this; tests call it directly)."""
+def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = None, plot: bool = True) -> RunResult:
+    """Run one job from a composed config (``run.py`` calls this; tests call it directly).
+
+    ``plot=False`` leaves out ``placement.png`` in a ``plan_only`` run (a caller that only wants the plan).
+    """
     from offload_core import models
     from offload_core.allocator import return_freed_memory_to_os
     from offload_core.checkpoint import Checkpoint
@@ -238,8 +230,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         converts = any(ckpt.dtype(k).is_floating_point and ckpt.dtype(k) != dtype for k in ckpt.keys())
         block = largest_block_size(model, no_split, dtype=dtype)
         module_bytes = largest_block_size(model, [], dtype=dtype)
-        reserve = reservation(hook_cfg["name"], hook_cfg, execution_device, block, module_bytes,
-                              converts and storage_cfg["name"] == "safetensors", storage_cfg["name"] == "pinned_cpu")
+        reserve = reservation(policy, storage, execution_device, block, module_bytes, converts)
         budgets = dict(max_memory)
         if execution_device.type == "cpu" and "cpu" in budgets:
             budgets["cpu"] = max(budgets["cpu"] - headroom, 0)
@@ -268,9 +259,12 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         _warn_if_fits(summary, execution_device)
         if cfg.plan_only:
             out_dir.mkdir(parents=True, exist_ok=True)
-            picture = plot_placement(model, device_map, compute_module_sizes(model, dtype=dtype), out_dir / "placement.png")
             (out_dir / "device_map.json").write_text(json.dumps(device_map, indent=1))
-            print(f"wrote {picture} and device_map.json (plan only: nothing was loaded)")
+            written = "device_map.json"
+            if plot:
+                picture = plot_placement(model, device_map, compute_module_sizes(model, dtype=dtype), out_dir / "placement.png")
+                written = f"{picture} and {written}"
+            print(f"wrote {written} (plan only: nothing was loaded)")
             return RunResult("", [], device_map, {}, summary, None, out_dir, plan)
 
         tokenizer = models.load_tokenizer(checkpoint_dir)

@@ -1,8 +1,10 @@
-"""Contract checks for plugin authors: a placement's map is complete and within budget, a store round-trips, a policy keeps outputs.
+"""Contract checks for plugin authors: a placement's map is complete and within budget, a store round-trips, a policy keeps
+outputs and sizes what it keeps in flight.
 
 Call them from your plugin's tests (our built-in plugins are checked with the same functions)::
 
     from offload_core.testing import check_placement, check_store_round_trip, check_policy_preserves_outputs
+    from offload_core.testing import check_policy_reservation
 
 Each raises ``AssertionError`` saying what broke the contract, and returns what it checked.
 """
@@ -186,3 +188,30 @@ def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: A
     for name, value in reference.state_dict().items():
         assert restored[name].device.type != "meta", f"remove() left {name!r} on the meta device"
         assert torch.equal(restored[name], value), f"remove() gave back other values for {name!r}"
+
+
+def check_policy_reservation(policy: Any) -> list[dict]:
+    """What a policy holds back for its units in flight (its ``reserve``, or the default without one) is,
+    for CPU and GPU runs and every store property, bytes (non-negative integers) per device, with an
+    entry for the execution device; a GPU run keeps at least one block there. Returns the answers."""
+    from offload_core.module_hooks.units import InFlight, policy_reservation
+
+    policy = _resolve("hook", policy)
+    answers = []
+    for device in (torch.device("cpu"), torch.device("cuda", 1)):
+        for converts in (False, True):
+            for pinned in (False, True):
+                need = InFlight(device, block_bytes=3000, module_bytes=700, store_converts=converts, store_pinned=pinned)
+                reserve = policy_reservation(policy, need)
+                where = f"{device} run, store_converts={converts}, store_pinned={pinned}"
+                assert isinstance(reserve, dict), f"reserve() gave {type(reserve).__name__} for a {where}: return a dict"
+                for key, size in reserve.items():
+                    assert key == "cpu" or (isinstance(key, int) and key >= 0), f"reserve() gave device {key!r} for a {where}"
+                    assert isinstance(size, int) and size >= 0, f"reserve() gave {size!r} bytes on {key!r} for a {where}"
+                main = "cpu" if device.type == "cpu" else device.index
+                assert main in reserve, f"reserve() says nothing about the execution device {main!r} for a {where}"
+                if device.type == "cuda":
+                    assert reserve[main] >= min(need.block_bytes, need.module_bytes), (
+                        f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: the unit that runs must fit there")
+                answers.append(reserve)
+    return answers

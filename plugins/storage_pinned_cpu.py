@@ -20,6 +20,11 @@ class PinnedCpu:
     def __init__(self, config: PinnedCpuConfig) -> None:
         self.config = config
 
+    @property
+    def pinned(self) -> bool:
+        """Page-locked memory: a GPU run copies from it directly, with no staging buffers."""
+        return self.config.pin
+
     def open(self, context: StoreContext) -> HostMemoryStore:
         return HostMemoryStore(context, pin=self.config.pin)
 

@@ -15,6 +15,10 @@ class SafetensorsConfig:
 
 
 class Safetensors:
+    #: a tensor stored in another dtype than the run's is converted on every read (the planner holds
+    #: room for those copies)
+    converts_on_read = True
+
     def __init__(self, config: SafetensorsConfig) -> None:
         self.config = config
 

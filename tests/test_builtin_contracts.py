@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from offload_core.empty import init_empty_weights
 from offload_core.planning import PlacementRequest, compute_module_sizes
 from offload_core.plugin_manager import build_registry
-from offload_core.testing import check_placement, check_policy_preserves_outputs, check_store_round_trip
+from offload_core.testing import check_placement, check_policy_preserves_outputs, check_policy_reservation, check_store_round_trip
 
 REGISTRY = build_registry(load_entry_points=False)
 
@@ -49,6 +49,22 @@ def test_builtin_store_contract(name, tmp_path):
 @pytest.mark.parametrize("name", REGISTRY.names("hook"))
 def test_builtin_policy_contract(name, tmp_path):
     check_policy_preserves_outputs(REGISTRY.create("hook", name), tmp_path)
+    check_policy_reservation(REGISTRY.create("hook", name))
+
+
+def test_reservation_contract_catches_a_negative_or_missing_answer():
+    class Negative:
+        def reserve(self, need):
+            return {"cpu": -1}
+
+    class Elsewhere:  # says nothing about the GPU it runs on
+        def reserve(self, need):
+            return {"cpu": need.block_bytes}
+
+    with pytest.raises(AssertionError, match="-1 bytes"):
+        check_policy_reservation(Negative())
+    with pytest.raises(AssertionError, match="execution device 1"):
+        check_policy_reservation(Elsewhere())
 
 
 def test_contract_catches_a_placement_over_budget():

@@ -67,6 +67,8 @@ def test_plan_only_loads_nothing(tmp_path):
     assert not (tmp_path / "off").exists()
     assert (tmp_path / "placement.png").stat().st_size > 1000
     assert result.plan["predicted_bytes_per_token"] > 0
+    quiet = run(cfg, output_dir=tmp_path / "no_plot", plot=False)  # the benchmark's way to get the plan
+    assert quiet.device_map == result.device_map and not (tmp_path / "no_plot" / "placement.png").exists()
 
 
 def test_user_device_map_file(tmp_path):
@@ -105,19 +107,47 @@ def test_readme_commands_match_ci():
 def test_reservation_follows_store_and_policy():
     import torch
 
+    from offload_core.plugin_manager import get_registry
     from offload_core.runner import reservation
 
+    registry = get_registry()
+
+    def make(group, name, **options):
+        return registry.create(group, name, {"name": name, **options})
+
+    safetensors, memmap, pinned = make("storage", "safetensors"), make("storage", "memmap"), make("storage", "pinned_cpu")
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
     block, module = 1000, 100
-    assert reservation("prefetch", {"depth": 2}, cpu, block, module, converts=False) == {"cpu": 0}
-    assert reservation("prefetch", {"depth": 2, "pool": True}, cpu, block, module, converts=False) == {"cpu": 3000}
-    assert reservation("prefetch", {"depth": 1}, cpu, block, module, converts=True) == {"cpu": 2000}
-    assert reservation("align_per_call", {}, cpu, block, module, converts=True) == {"cpu": 100}
+    assert reservation(make("hook", "prefetch", depth=2), safetensors, cpu, block, module, converts=False) == {"cpu": 0}
+    assert reservation(make("hook", "prefetch", depth=2, pool=True), memmap, cpu, block, module, converts=False) == {"cpu": 3000}
+    # Only a store that converts on read makes copies of a checkpoint stored in another dtype.
+    assert reservation(make("hook", "prefetch", depth=1), safetensors, cpu, block, module, converts=True) == {"cpu": 2000}
+    assert reservation(make("hook", "prefetch", depth=1), memmap, cpu, block, module, converts=True) == {"cpu": 0}
+    assert reservation(make("hook", "align_per_call"), safetensors, cpu, block, module, converts=True) == {"cpu": 100}
+    assert reservation(make("hook", "align_per_call", granularity="block"), safetensors, cpu, block, module,
+                       converts=True) == {"cpu": 1000}
+    assert reservation(make("hook", "chained"), safetensors, gpu, block, module, converts=False) == {1: 1000}
     # A GPU run holds the blocks in flight on the device, and the staging ring in host memory
     # unless the store is already pinned.
-    staged = reservation("prefetch", {"depth": 2, "staging_chunk": "1MiB"}, gpu, block, module, converts=False)
+    staged = reservation(make("hook", "prefetch", depth=2, staging_chunk="1MiB"), memmap, gpu, block, module, converts=False)
     assert staged == {1: 3000, "cpu": 3 * 2**20}
-    assert reservation("prefetch", {"depth": 2}, gpu, block, module, converts=False, pinned_store=True) == {1: 3000, "cpu": 0}
+    assert reservation(make("hook", "prefetch", depth=2), pinned, gpu, block, module, converts=False) == {1: 3000, "cpu": 0}
+
+
+def test_a_third_party_policy_declares_its_own_reservation():
+    import torch
+
+    from offload_core.module_hooks import InFlight, reserve_units
+    from offload_core.module_hooks.units import policy_reservation
+
+    class Greedy:  # keeps four blocks resident on the execution device, copies even on a CPU run
+        def reserve(self, need):
+            return reserve_units(need, need.block_bytes, 4, copies_on_cpu=True)
+
+    need = InFlight(torch.device("cpu"), block_bytes=1000, module_bytes=100)
+    assert policy_reservation(Greedy(), need) == {"cpu": 4000}
+    assert policy_reservation(object(), need) == {"cpu": 0}  # no reserve: one block, a view on a CPU run
+    assert policy_reservation(object(), InFlight(torch.device("cuda", 0), 1000, 100)) == {0: 1000}
 
 
 def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):

@@ -7,10 +7,19 @@ from offload_core.module_hooks.base import (
     remove_hook_from_module,
     send_to_device,
 )
-from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, TransferStats, Unit, find_units
+from offload_core.module_hooks.units import (
+    DispatchPlan,
+    InFlight,
+    PolicyHandle,
+    TransferStats,
+    Unit,
+    find_units,
+    reserve_units,
+)
 
 __all__ = [
     "DispatchPlan",
+    "InFlight",
     "ModuleHook",
     "ModuleHookHandle",
     "PolicyHandle",
@@ -19,5 +28,6 @@ __all__ = [
     "add_hook_to_module",
     "find_units",
     "remove_hook_from_module",
+    "reserve_units",
     "send_to_device",
 ]

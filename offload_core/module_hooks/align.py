@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, TransferStats, Unit, find_units
+from offload_core.module_hooks.units import (
+    DispatchPlan,
+    InFlight,
+    PolicyHandle,
+    TransferStats,
+    Unit,
+    find_units,
+    reserve_units,
+)
 
 
 def _first_tensor_device(obj: Any) -> torch.device | None:
@@ -148,6 +156,10 @@ class AlignPerCall:
 
             raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
         self.config = config
+
+    def reserve(self, need: InFlight) -> dict:
+        """One unit in flight: a module, or a block at ``granularity=block``."""
+        return reserve_units(need, need.module_bytes if self.config.granularity == "module" else need.block_bytes)
 
     def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.config.granularity)

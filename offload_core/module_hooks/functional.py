@@ -10,7 +10,15 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, TransferStats, Unit, find_units
+from offload_core.module_hooks.units import (
+    DispatchPlan,
+    InFlight,
+    PolicyHandle,
+    TransferStats,
+    Unit,
+    find_units,
+    reserve_units,
+)
 
 
 class FunctionalCallHook(ModuleHook):
@@ -84,6 +92,10 @@ class FunctionalCall:
 
             raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
         self.config = config
+
+    def reserve(self, need: InFlight) -> dict:
+        """One unit in flight: a block, or a module at ``granularity=module``."""
+        return reserve_units(need, need.module_bytes if self.config.granularity == "module" else need.block_bytes)
 
     def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.config.granularity)

@@ -44,7 +44,15 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, TransferStats, Unit, find_units
+from offload_core.module_hooks.units import (
+    DispatchPlan,
+    InFlight,
+    PolicyHandle,
+    TransferStats,
+    Unit,
+    find_units,
+    reserve_units,
+)
 from offload_core.storage.base import resident
 
 log = logging.getLogger(__name__)
@@ -638,6 +646,15 @@ class Prefetch:
             raise ConfigError(f"hook.staging_chunk={config.staging_chunk} is below 4KiB: give a size such as 16MiB")
         self.config = config
         self.staging = staging
+
+    def reserve(self, need: InFlight) -> dict:
+        """The block that runs and ``depth`` more read ahead: copies on a GPU, in the pool with
+        ``pool=true``, or where the store converts; on a GPU run from a store that is not pinned, the
+        staging ring in host memory too."""
+        reserve = reserve_units(need, need.block_bytes, 1 + self.config.depth, copies_on_cpu=bool(self.config.pool))
+        if need.execution_device.type != "cpu":
+            reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
+        return reserve
 
     def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, "block")
