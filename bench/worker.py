@@ -162,7 +162,8 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     from offload_core.sizes import parse_dtype
 
     planned = OmegaConf.merge(cfg, {"plan_only": True})
-    plan = run(planned, output_dir=spec["scratch"])  # the runner's own placement (plan only, nothing loaded)
+    # The runner's own placement (plan only: nothing loaded, no picture drawn); counted in the load time.
+    plan = run(planned, output_dir=spec["scratch"], plot=False)
     registry = get_registry()
     sections = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("storage", "hook")}
     storage = registry.create("storage", sections["storage"]["name"], sections["storage"])
