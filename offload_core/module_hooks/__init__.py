@@ -7,15 +7,7 @@ from offload_core.module_hooks.base import (
     remove_hook_from_module,
     send_to_device,
 )
-from offload_core.module_hooks.units import (
-    DispatchPlan,
-    InFlight,
-    PolicyHandle,
-    TransferStats,
-    Unit,
-    find_units,
-    reserve_units,
-)
+from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
 
 __all__ = [
     "DispatchPlan",

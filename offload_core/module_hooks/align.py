@@ -9,15 +9,7 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import (
-    DispatchPlan,
-    InFlight,
-    PolicyHandle,
-    TransferStats,
-    Unit,
-    find_units,
-    reserve_units,
-)
+from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
 
 
 def _first_tensor_device(obj: Any) -> torch.device | None:

@@ -10,15 +10,7 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import (
-    DispatchPlan,
-    InFlight,
-    PolicyHandle,
-    TransferStats,
-    Unit,
-    find_units,
-    reserve_units,
-)
+from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
 
 
 class FunctionalCallHook(ModuleHook):
