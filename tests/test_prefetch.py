@@ -379,16 +379,24 @@ def test_resident_sees_pages_dropped_from_the_page_cache(tmp_path):
     assert populate(tensor) and resident(tensor)
     libc = ctypes.CDLL(None)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = tensor.data_ptr() - tensor.data_ptr() % mmap.PAGESIZE
-    libc.madvise(start, tensor.data_ptr() + tensor.numel() - start, 4)  # MADV_DONTNEED: unmap this process's pages
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    page = mmap.PAGESIZE
+    assert tensor.data_ptr() % page == 0
+
+    def drop(offset, length):  # this process's mapping of the bytes (MADV_DONTNEED), then the page cache's
+        libc.madvise(tensor.data_ptr() + offset, length, 4)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+    drop(0, tensor.numel())
     if resident(tensor):
         pytest.skip(f"{tmp_path} keeps its pages in memory (tmpfs): nothing to drop")
     assert populate(tensor) and resident(tensor)
     assert tensor[12345].item() == 12345 % 256
+    drop(517 * page, page)  # one page of 1024 missing is enough to be read again
+    assert not resident(tensor) and resident(tensor[: 517 * page]) and resident(tensor[518 * page:])
+    assert populate(tensor) and resident(tensor)
 
 
 class _Evictions:

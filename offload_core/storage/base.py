@@ -51,19 +51,19 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-_SAMPLES = 16
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte says "resident"
 
 
-def _looks_resident(libc: ctypes.CDLL, start: int, length: int) -> bool:
-    """Whether a few pages spread over the range are in memory (a cheap check: one page each)."""
-    page = mmap.PAGESIZE
-    pages = max(length // page, 1)
-    vec = ctypes.create_string_buffer(1)
-    for i in range(min(_SAMPLES, pages)):
-        address = start + (pages - 1) * i // max(min(_SAMPLES, pages) - 1, 1) * page
-        if libc.mincore(address, page, vec) != 0 or not vec.raw[0] & 1:
-            return False
-    return True
+def _all_resident(libc: ctypes.CDLL, start: int, length: int) -> bool:
+    """Whether every page of the (page-aligned) range is in memory: one ``mincore`` call.
+
+    Cheaper than sampling a few pages one call each (12 against 48 us for a 22 MB tensor) and exact.
+    """
+    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = ctypes.create_string_buffer(max(pages, 1))
+    if libc.mincore(start, length, vec) != 0:
+        return False
+    return b"\x00" not in vec.raw[:pages].translate(_LOW_BIT)
 
 
 def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -75,7 +75,7 @@ def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def resident(tensor: torch.Tensor) -> bool:
-    """Whether a CPU tensor's pages look in memory (sampled, as :func:`populate` checks before reading).
+    """Whether all of a CPU tensor's pages are in memory (as :func:`populate` checks before reading).
 
     True where that cannot be told (no ``mincore``, an empty or non-CPU tensor). Callers use it to
     decide whether to read pages in again: a wrong answer costs time (a read, or page faults), never
@@ -84,14 +84,14 @@ def resident(tensor: torch.Tensor) -> bool:
     libc = _libc()
     if libc is None or tensor.numel() == 0 or tensor.device.type != "cpu":
         return True
-    return _looks_resident(libc, *_page_span(tensor))
+    return _all_resident(libc, *_page_span(tensor))
 
 
 def populate(tensor: torch.Tensor) -> bool:
     """Bring a CPU tensor's file-backed pages into memory ahead of use, on the calling (reader) thread.
 
-    When a few sampled pages show the tensor already in memory, nothing is done: walking the pages of
-    every offloaded byte on every token cost ~60 ms per token on a 1.1B model whose pages were cached.
+    When ``mincore`` shows the tensor already in memory, nothing is done: walking the pages of every
+    offloaded byte on every token cost ~60 ms per token on a 1.1B model whose pages were cached.
     Otherwise ``MADV_POPULATE_READ`` reads and maps them (the GIL is released meanwhile); kernels
     without it get the ``MADV_WILLNEED`` hint (which, on the virtual disks measured here, read nothing).
     Returns False where madvise is unavailable.
@@ -100,7 +100,7 @@ def populate(tensor: torch.Tensor) -> bool:
     if libc is None or tensor.numel() == 0 or tensor.device.type != "cpu":
         return libc is not None
     start, length = _page_span(tensor)
-    if _looks_resident(libc, start, length):
+    if _all_resident(libc, start, length):
         return True
     if libc.madvise(start, length, _MADV_POPULATE_READ) == 0:
         return True
