@@ -56,5 +56,8 @@ def offload_register_module_hook_policies(register: Register) -> None:
     :mod:`offload_core.module_hooks`. It may define ``reserve(need: InFlight) -> dict[device, int]``:
     the bytes its units in flight take on each device, which the placement holds back from the
     budgets (without it: one block on the execution device; ``reserve_units`` builds the usual answer).
-    All implementations are called; results are ignored.
+    For the plan's predicted bytes per token it may say its ``granularity`` ("module" or "block", the
+    default) and, if it keeps units loaded across calls, ``predict_moved(unit_bytes: list[int]) -> int``
+    (without it: every offloaded unit is read once per forward). All implementations are called;
+    results are ignored.
     """

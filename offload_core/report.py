@@ -11,59 +11,50 @@ from torch import nn
 
 from offload_core.sizes import format_size, parse_dtype
 
-#: module-hook policies whose units are whole no-split blocks whatever their options say
-_BLOCK_POLICIES = {"chained", "prefetch"}
-_DEFAULT_GRANULARITY = {"align_per_call": "module", "functional_call": "block"}
 TIER_COLOURS = {"gpu": "tab:green", "cpu": "tab:blue", "disk": "tab:orange", "other": "tab:gray"}
-
-
-def _granularity(policy_name: str, policy_cfg: Mapping[str, Any] | None) -> str:
-    if policy_name in _BLOCK_POLICIES:
-        return "block"
-    return str((policy_cfg or {}).get("granularity") or _DEFAULT_GRANULARITY.get(policy_name, "block"))
 
 
 def predicted_bytes_per_token(
     model: nn.Module,
     device_map: Mapping[str, int | str],
-    policy_name: str,
-    policy_cfg: Mapping[str, Any] | None,
+    policy: Any,
     execution_device: torch.device | str,
     dtype: torch.dtype | str | None,
     no_split_module_classes: list[str] | None = None,
 ) -> int:
     """Bytes the module-hook policy will bring in per generated token, predicted from the plan alone.
 
-    A decoder runs one forward per generated token and calls each unit (a module, or a no-split block
-    at block granularity) once per forward, so ``align_per_call``, ``functional_call`` and
-    ``prefetch`` read every offloaded tensor once per forward: the sum of the offloaded units' bytes.
-    A tensor tied between two units (embeddings and head) is read by each, so it counts twice.
-    ``chained`` keeps a unit loaded until the next one runs, which moves the same bytes unless one unit
-    is called twice in a row — with a single offloaded unit, it stays loaded and nothing moves after the
-    first token (predicted 0). Offloaded means on ``disk`` for a CPU run, on ``cpu`` or ``disk`` for a
-    GPU run. ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read). The measured ``bytes_moved_per_token`` also
+    A decoder runs one forward per generated token and calls each unit (a module, or a no-split block:
+    the policy's ``granularity``, "block" where it has none) once per forward; a policy that brings each
+    unit in per call (``align_per_call``, ``functional_call``, ``prefetch``) reads every offloaded tensor
+    once per forward: the sum of the offloaded units' bytes. A tensor tied between two units (embeddings
+    and head) is read by each, so it counts twice. A policy that keeps units longer says what it moves
+    with ``predict_moved(unit_bytes: list[int]) -> int`` (``chained``: nothing when a single unit is
+    offloaded). Offloaded means on ``disk`` for a CPU run, on ``cpu`` or ``disk`` for a GPU run. ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read). The measured ``bytes_moved_per_token`` also
     averages the first forward over the prompt, which moves the same bytes.
     """
     from offload_core.dispatch import plan_tensors
     from offload_core.module_hooks.units import find_units
     from offload_core.planning import normalize_device_map
-    from offload_core.planning.sizing import tensor_bytes
 
     device = torch.device(execution_device)
     dtype = parse_dtype(dtype)
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     tensors = plan_tensors(model, normalize_device_map(device_map), device)
-    units = find_units(model, tensors.offloaded, no_split, _granularity(policy_name, policy_cfg))
-    if policy_name == "chained" and len(units) == 1:
-        return 0
-    total = 0
-    for unit in units:
-        seen = set()
-        for slot in unit.slots:
-            if slot.key not in seen:
-                seen.add(slot.key)
-                total += tensor_bytes(slot.original, dtype)
-    return total
+    units = find_units(model, tensors.offloaded, no_split, getattr(policy, "granularity", "block"))
+    unit_bytes = [_unit_bytes(unit, dtype) for unit in units]
+    predict = getattr(policy, "predict_moved", None)
+    return int(predict(unit_bytes)) if predict is not None else sum(unit_bytes)
+
+
+def _unit_bytes(unit: Any, dtype: torch.dtype | None) -> int:
+    """A unit's offloaded bytes, each store key once (two names tied inside one unit are read once)."""
+    from offload_core.planning.sizing import tensor_bytes
+
+    originals: dict[str, Any] = {}
+    for slot in unit.slots:
+        originals.setdefault(slot.key, slot.original)
+    return sum(tensor_bytes(t, dtype) for t in originals.values())
 
 
 def _tier(device: Any) -> str:

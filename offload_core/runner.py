@@ -252,8 +252,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
         _check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
         plan = {"reserve": {str(k): v for k, v in reserve.items()}, "headroom": headroom, "largest_block": block}
-        plan["predicted_bytes_per_token"] = predicted_bytes_per_token(
-            model, device_map, hook_cfg["name"], hook_cfg, execution_device, dtype, no_split)
+        plan["predicted_bytes_per_token"] = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split)
         print(f"placement={placement_cfg['name']} storage={storage_cfg['name']} hook={hook_cfg['name']}")
         print(plan_text(summary, plan, plan["predicted_bytes_per_token"], device_map if cfg.plan_only else None))
         _warn_if_fits(summary, execution_device)

@@ -41,9 +41,9 @@ def test_prediction_matches_measured_bytes_per_token(checkpoint, policy, tmp_pat
     path, config = checkpoint
     name, options = policy
     model = _empty(config)
-    predicted = predicted_bytes_per_token(model, DEVICE_MAP, name, options, CPU, torch.float32)
-    load_checkpoint_and_dispatch(model, path, DEVICE_MAP, storage="memmap",
-                                 policy=REGISTRY.create("hook", name, {"name": name, **options}),
+    built = REGISTRY.create("hook", name, {"name": name, **options})
+    predicted = predicted_bytes_per_token(model, DEVICE_MAP, built, CPU, torch.float32)
+    load_checkpoint_and_dispatch(model, path, DEVICE_MAP, storage="memmap", policy=built,
                                  offload_folder=tmp_path / "off", progress=False)
     ids = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(0))
     state = model.offload_state
@@ -55,15 +55,19 @@ def test_prediction_matches_measured_bytes_per_token(checkpoint, policy, tmp_pat
     assert state.stats.bytes == 3 * predicted
 
 
+def _policy(name):
+    return REGISTRY.create("hook", name, {"name": name})
+
+
 def test_nothing_offloaded_predicts_zero(checkpoint):
     _, config = checkpoint
-    assert predicted_bytes_per_token(_empty(config), {"": "cpu"}, "align_per_call", {}, CPU, None) == 0
+    assert predicted_bytes_per_token(_empty(config), {"": "cpu"}, _policy("align_per_call"), CPU, None) == 0
 
 
 def test_cpu_counts_as_offloaded_on_a_gpu_run(checkpoint):
     _, config = checkpoint
     model = _empty(config)
-    on_cpu = predicted_bytes_per_token(model, {"": "cpu"}, "align_per_call", {}, torch.device("cuda:0"), None)
+    on_cpu = predicted_bytes_per_token(model, {"": "cpu"}, _policy("align_per_call"), torch.device("cuda:0"), None)
     assert on_cpu >= compute_module_sizes(model)[""]
 
 
@@ -72,8 +76,8 @@ def test_chained_with_one_offloaded_block_keeps_it(checkpoint):
     device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
                   "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
     model = _empty(config)
-    assert predicted_bytes_per_token(model, device_map, "chained", {}, CPU, None) == 0
-    assert predicted_bytes_per_token(model, device_map, "align_per_call", {}, CPU, None) == \
+    assert predicted_bytes_per_token(model, device_map, _policy("chained"), CPU, None) == 0
+    assert predicted_bytes_per_token(model, device_map, _policy("align_per_call"), CPU, None) == \
         compute_module_sizes(model)["model.layers.1"]
 
 

@@ -149,6 +149,10 @@ class AlignPerCall:
             raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
         self.config = config
 
+    @property
+    def granularity(self) -> str:
+        return self.config.granularity
+
     def reserve(self, need: InFlight) -> dict:
         """One unit in flight: a module, or a block at ``granularity=block``."""
         return reserve_units(need, need.module_bytes if self.config.granularity == "module" else need.block_bytes)

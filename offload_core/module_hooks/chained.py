@@ -135,8 +135,15 @@ class ChainedConfig:
 class Chained:
     """Policy: the model's blocks are chained in execution order; each stays loaded until the next is called."""
 
+    granularity = "block"
+
     def __init__(self, config: ChainedConfig) -> None:
         self.config = config
+
+    def predict_moved(self, unit_bytes: list[int]) -> int:
+        """Bytes moved per forward: a unit stays until the next one runs, so a single offloaded unit stays
+        loaded from one forward to the next and nothing moves; otherwise each is brought in once."""
+        return 0 if len(unit_bytes) == 1 else sum(unit_bytes)
 
     def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, "block")

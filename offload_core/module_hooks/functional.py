@@ -85,6 +85,10 @@ class FunctionalCall:
             raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
         self.config = config
 
+    @property
+    def granularity(self) -> str:
+        return self.config.granularity
+
     def reserve(self, need: InFlight) -> dict:
         """One unit in flight: a block, or a module at ``granularity=module``."""
         return reserve_units(need, need.module_bytes if self.config.granularity == "module" else need.block_bytes)

@@ -639,6 +639,8 @@ class Prefetch:
         self.config = config
         self.staging = staging
 
+    granularity = "block"
+
     def reserve(self, need: InFlight) -> dict:
         """The block that runs and ``depth`` more read ahead: copies on a GPU, in the pool with
         ``pool=true``, or where the store converts; on a GPU run from a store that is not pinned, the
