@@ -108,3 +108,17 @@ def test_plot_placement_writes_a_png(checkpoint, tmp_path):
     model = _empty(config)
     out = plot_placement(model, {**DEVICE_MAP, "model.layers.0": 0}, compute_module_sizes(model), tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_policy_without_hints_is_predicted_per_block_and_read_once_per_forward(checkpoint):
+    _, config = checkpoint
+    model = _empty(config)
+    per_block = predicted_bytes_per_token(model, DEVICE_MAP, REGISTRY.create("hook", "align_per_call",
+                                          {"name": "align_per_call", "granularity": "block"}), CPU, None)
+    assert predicted_bytes_per_token(model, DEVICE_MAP, object(), CPU, None) == per_block > 0
+
+    class KeepsEverything:  # a third-party policy that says it moves nothing after the first token
+        def predict_moved(self, unit_bytes):
+            return 0
+
+    assert predicted_bytes_per_token(model, DEVICE_MAP, KeepsEverything(), CPU, None) == 0
