@@ -58,6 +58,8 @@ def offload_register_module_hook_policies(register: Register) -> None:
     budgets (without it: one block on the execution device; ``reserve_units`` builds the usual answer).
     For the plan's predicted bytes per token it may say its ``granularity`` ("module" or "block", the
     default) and, if it keeps units loaded across calls, ``predict_moved(unit_bytes: list[int]) -> int``
-    (without it: every offloaded unit is read once per forward). All implementations are called;
-    results are ignored.
+    (without it: every offloaded unit is read once per forward). A policy that decides the map itself
+    (``functional_call`` with ``cpu_offload``) defines ``own_device_map(model, execution_device)``,
+    returning ``{name: device}`` or None to leave it to the placement; a user's ``device_map`` file
+    still comes first. All implementations are called; results are ignored.
     """

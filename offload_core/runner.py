@@ -234,16 +234,10 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         budgets = dict(max_memory)
         if execution_device.type == "cpu" and "cpu" in budgets:
             budgets["cpu"] = max(budgets["cpu"] - headroom, 0)
-        if cfg.device_map:
-            device_map = _read_device_map(cfg.device_map)
-        elif hook_cfg["name"] == "functional_call" and hook_cfg.get("cpu_offload"):
-            from offload_core.module_hooks.functional import offload_by_budget
-
-            tier = "disk" if execution_device.type == "cpu" else "cpu"
-            main = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
-            offloaded = offload_by_budget(model, parse_size(hook_cfg["cpu_offload"], what="hook.cpu_offload"), tier)
-            device_map = {name: offloaded.get(name, main) for name in model.state_dict(keep_vars=True)}
-        else:
+        device_map = _read_device_map(cfg.device_map) if cfg.device_map else None
+        if device_map is None and hasattr(policy, "own_device_map"):
+            device_map = policy.own_device_map(model, execution_device)  # e.g. functional_call's cpu_offload
+        if device_map is None:
             request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split, dtype=dtype,
                                        special_dtypes=None, reserve=reserve)
             device_map = placement.make_device_map(request)

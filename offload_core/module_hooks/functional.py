@@ -11,6 +11,7 @@ from torch import nn
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
 from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
+from offload_core.sizes import parse_size
 
 
 class FunctionalCallHook(ModuleHook):
@@ -84,6 +85,17 @@ class FunctionalCall:
 
             raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
         self.config = config
+        self.cpu_offload = parse_size(config.cpu_offload, what="hook.cpu_offload") if config.cpu_offload else None
+
+    def own_device_map(self, model: nn.Module, execution_device: torch.device) -> dict[str, int | str] | None:
+        """With ``cpu_offload`` set, vLLM's map instead of the placement's: parameters offloaded front to
+        back until that many bytes are (to ``cpu`` for a GPU run, ``disk`` for a CPU run); None otherwise."""
+        if self.cpu_offload is None:
+            return None
+        cpu_run = execution_device.type == "cpu"
+        main = "cpu" if cpu_run else (execution_device.index or 0)
+        offloaded = offload_by_budget(model, self.cpu_offload, "disk" if cpu_run else "cpu")
+        return {name: offloaded.get(name, main) for name in model.state_dict(keep_vars=True)}
 
     @property
     def granularity(self) -> str:
