@@ -30,8 +30,10 @@ def predicted_bytes_per_token(
     once per forward: the sum of the offloaded units' bytes. A tensor tied between two units (embeddings
     and head) is read by each, so it counts twice. A policy that keeps units longer says what it moves
     with ``predict_moved(unit_bytes: list[int]) -> int`` (``chained``: nothing when a single unit is
-    offloaded). Offloaded means on ``disk`` for a CPU run, on ``cpu`` or ``disk`` for a GPU run. ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read). The measured ``bytes_moved_per_token`` also
-    averages the first forward over the prompt, which moves the same bytes.
+    offloaded). Offloaded means on ``disk`` for a CPU run, on ``cpu`` or ``disk`` for a GPU run.
+    ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read).
+    The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
+    the same bytes.
     """
     from offload_core.dispatch import plan_tensors
     from offload_core.module_hooks.units import find_units

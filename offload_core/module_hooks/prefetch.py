@@ -627,6 +627,8 @@ class Prefetch:
     pinned); on a CPU run it sends the GPU data path through host buffers, which is how it is tested.
     """
 
+    granularity = "block"
+
     def __init__(self, config: PrefetchConfig, staging: bool | None = None) -> None:
         from offload_core.errors import ConfigError
         from offload_core.sizes import parse_size
@@ -638,8 +640,6 @@ class Prefetch:
             raise ConfigError(f"hook.staging_chunk={config.staging_chunk} is below 4KiB: give a size such as 16MiB")
         self.config = config
         self.staging = staging
-
-    granularity = "block"
 
     def reserve(self, need: InFlight) -> dict:
         """The block that runs and ``depth`` more read ahead: copies on a GPU, in the pool with
