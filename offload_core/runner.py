@@ -210,6 +210,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     )
     from offload_core.plugin_manager import get_registry
     from offload_core.report import plan_text, plot_placement, predicted_bytes_per_token
+    from offload_core.storage.base import converts
 
     return_freed_memory_to_os()
     registry = get_registry()
@@ -227,10 +228,10 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     model, dtype = build_empty_model(checkpoint_dir, run_dtype)
     no_split = model_cfg.get("no_split_module_classes") or list(getattr(model, "_no_split_modules", None) or [])
     with Checkpoint.open(checkpoint_dir) as ckpt:
-        converts = any(ckpt.dtype(k).is_floating_point and ckpt.dtype(k) != dtype for k in ckpt.keys())
+        stored_differs = any(converts(ckpt.dtype(k), dtype) for k in ckpt.keys())
         block = largest_block_size(model, no_split, dtype=dtype)
         module_bytes = largest_block_size(model, [], dtype=dtype)
-        reserve = reservation(policy, storage, execution_device, block, module_bytes, converts)
+        reserve = reservation(policy, storage, execution_device, block, module_bytes, stored_differs)
         budgets = dict(max_memory)
         if execution_device.type == "cpu" and "cpu" in budgets:
             budgets["cpu"] = max(budgets["cpu"] - headroom, 0)

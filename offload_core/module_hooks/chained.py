@@ -146,7 +146,7 @@ class Chained:
         return 0 if len(unit_bytes) == 1 else sum(unit_bytes)
 
     def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
-        units = find_units(model, plan.offloaded, plan.no_split_module_classes, "block")
+        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
         handles = attach_io_hooks(model, plan, True, self.config.skip_keys)
         chain = Chain()
         nested = {u.name for u in units if any(o.name.startswith(u.name + ".") or (u.name == "" and o.name) for o in units if o is not u)}

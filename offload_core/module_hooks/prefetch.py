@@ -452,8 +452,7 @@ class Prefetcher:
         resident layers run, instead of by page faults on the compute thread when their unit runs.
         """
         for index, (future, dropped, fetched) in list(self.pending.items()):
-            if (future.done() and not future.cancelled() and future.exception() is None
-                    and fetched.mapped and self._evicted(fetched)):
+            if future.done() and not future.cancelled() and future.exception() is None and self._evicted(fetched):
                 self.pending[index] = (self._pool.submit(self._read_again, fetched), dropped, fetched)
                 self.reread += 1
 
@@ -503,7 +502,7 @@ class Prefetcher:
             except BaseException:  # Ctrl-C while waiting, or the read failed: its buffers go back when it ends
                 self._let_go(future, dropped, scheduled)
                 raise
-            if fetched.mapped and self._evicted(fetched):
+            if self._evicted(fetched):
                 # Evicted since it was read ahead: one read now beats page faults while it computes.
                 self._read_again(fetched)
                 self.reread += 1
@@ -651,7 +650,7 @@ class Prefetch:
         return reserve
 
     def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
-        units = find_units(model, plan.offloaded, plan.no_split_module_classes, "block")
+        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
         handles = attach_io_hooks(model, plan, True, ())
         prefetcher = Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
                                 copy=self.config.pool, staging=self.staging, staging_chunk=self.chunk)

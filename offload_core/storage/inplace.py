@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 
 from offload_core.errors import StorageError
-from offload_core.storage.base import Store, StoreContext, convert_dtype, populate
+from offload_core.storage.base import Store, StoreContext, convert_dtype, converts, populate
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,7 @@ class InPlaceStore(Store):
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         # Only the header is consulted; the tensor's bytes are not read while loading.
         self._refs[name] = key
-        stored = checkpoint.dtype(key)
-        if dtype is not None and stored.is_floating_point and stored != dtype:
+        if converts(checkpoint.dtype(key), dtype):
             self.converting.add(name)
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
