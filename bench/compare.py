@@ -85,14 +85,14 @@ def machine() -> dict:
 
 
 def checkpoint_for(args) -> tuple[Path, int, list[str]]:
-    from offload_core import models
-    from offload_core.checkpoint import Checkpoint
+    from offload_core.loading import sources
+    from offload_core.loading.checkpoint import Checkpoint
 
     if args.checkpoint:
         path = Path(args.checkpoint)
     else:
         print(f"building (or finding) the synthetic {args.preset} checkpoint ...", flush=True)
-        path = models.synthetic_checkpoint(**models.synthetic_preset(args.preset))
+        path = sources.synthetic_checkpoint(**sources.synthetic_preset(args.preset))
     with Checkpoint.open(path) as ckpt:
         total = ckpt.total_bytes()
         files = [str(f) for f in ckpt.files]
@@ -441,7 +441,7 @@ def main() -> None:
         write_reports(data, path.parent / path.name.removesuffix(".json"))
         return
 
-    from offload_core.sizes import parse_size
+    from offload_core.values import parse_size
 
     import pagecache
 

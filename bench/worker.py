@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: F401
 
-from offload_core.metrics import MemoryMonitor, rss_split
+from offload_core.runner.metrics import MemoryMonitor, rss_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagecache  # noqa: E402
@@ -71,7 +71,7 @@ class Timer(StoppingCriteria):
 
 
 def prompt_ids(prompt: str, vocab_size: int) -> torch.Tensor:
-    from offload_core.runner import _prompt_ids
+    from offload_core.runner.job import _prompt_ids
 
     return _prompt_ids(None, prompt, False, vocab_size)
 
@@ -131,7 +131,7 @@ def prepare_ours(spec: dict):
     """Compose the run's config through Hydra exactly as ``run.py`` would (done before the baseline)."""
     from hydra import compose, initialize_config_dir
 
-    from offload_core.config import register_configs
+    from offload_core.runner.settings import register_configs
 
     register_configs()
     budgets = [f"++max_memory.{device}={size}" for device, size in max_memory_of(spec).items()]
@@ -155,11 +155,11 @@ def prepare_ours(spec: dict):
 def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     from omegaconf import OmegaConf
 
-    from offload_core.checkpoint import Checkpoint
-    from offload_core.dispatch import load_checkpoint_and_dispatch
-    from offload_core.plugin_manager import get_registry
-    from offload_core.runner import build_empty_model, run
-    from offload_core.sizes import parse_dtype
+    from offload_core.loading.checkpoint import Checkpoint
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.registry.manager import get_registry
+    from offload_core.runner.job import build_empty_model, run
+    from offload_core.values import parse_dtype
 
     planned = OmegaConf.merge(cfg, {"plan_only": True})
     # The runner's own placement (plan only: nothing loaded, no picture drawn); counted in the load time.

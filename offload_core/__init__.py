@@ -3,8 +3,8 @@
 Importing this package loads no plugin; the registry is built on first use.
 """
 
-from offload_core.dispatch import dispatch_model, load_checkpoint_and_dispatch
-from offload_core.empty import init_empty_weights, init_on_device
+from offload_core.loading.dispatch import dispatch_model, load_checkpoint_and_dispatch
+from offload_core.loading.empty import init_empty_weights, init_on_device
 from offload_core.errors import OffloadError
 from offload_core.module_hooks.align import AlignDevicesHook
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, remove_hook_from_module
@@ -16,7 +16,7 @@ from offload_core.planning import (
     get_max_memory,
     infer_auto_device_map,
 )
-from offload_core.sizes import parse_size
+from offload_core.values import parse_size
 
 __version__ = "0.1.0"
 

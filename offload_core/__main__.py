@@ -7,7 +7,7 @@ import sys
 
 
 def list_plugins() -> str:
-    from offload_core.plugin_manager import DISABLE_ENV, KINDS, get_registry
+    from offload_core.registry.manager import DISABLE_ENV, KINDS, get_registry
 
     registry = get_registry()
     provided: dict[str, list[str]] = {name: [] for name in registry.plugins}

@@ -21,7 +21,7 @@ from offload_core.planning import PlacementRequest
 
 def _resolve(kind: str, strategy: Any) -> Any:
     if isinstance(strategy, str):
-        from offload_core.plugin_manager import get_registry
+        from offload_core.registry.manager import get_registry
 
         return get_registry().create(kind, strategy)
     return strategy
@@ -35,7 +35,7 @@ def check_placement(placement: Any, request: PlacementRequest) -> dict[str, int 
     """
     from offload_core.planning import check_device_map, get_max_memory, normalize_device_map, summarize_device_map
     from offload_core.planning.budgets import device_key
-    from offload_core.sizes import parse_size
+    from offload_core.values import parse_size
 
     placement = _resolve("placement", placement)
     device_map = normalize_device_map(placement.make_device_map(request))
@@ -91,7 +91,7 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
     ``add_from_checkpoint`` (what loading does; stores that read in place are covered here), and
     through ``put`` (skipped for stores that refuse ``put`` with an ``OffloadError``).
     """
-    from offload_core.checkpoint import Checkpoint, write_sharded_safetensors
+    from offload_core.loading.checkpoint import Checkpoint, write_sharded_safetensors
     from offload_core.errors import OffloadError
     from offload_core.storage import StoreContext
 
@@ -135,7 +135,7 @@ def tiny_tied_llama(directory: str | Path):
     """A seeded 4-layer Llama with tied embeddings saved to ``directory`` in small shards; returns ``(config, model)``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from offload_core.checkpoint import write_sharded_safetensors
+    from offload_core.loading.checkpoint import write_sharded_safetensors
 
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
@@ -157,8 +157,8 @@ def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: A
     """
     from transformers import AutoModelForCausalLM
 
-    from offload_core.dispatch import load_checkpoint_and_dispatch
-    from offload_core.empty import init_empty_weights
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.loading.empty import init_empty_weights
     from offload_core.planning import compute_module_sizes
 
     tmp_path = Path(tmp_path)

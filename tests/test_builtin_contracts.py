@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from offload_core.empty import init_empty_weights
+from offload_core.loading.empty import init_empty_weights
 from offload_core.planning import PlacementRequest, compute_module_sizes
-from offload_core.plugin_manager import build_registry
+from offload_core.registry.manager import build_registry
 from offload_core.testing import check_placement, check_policy_preserves_outputs, check_policy_reservation, check_store_round_trip
 
 REGISTRY = build_registry(load_entry_points=False)

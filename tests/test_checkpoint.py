@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload_core.checkpoint import (
+from offload_core.loading.checkpoint import (
     SAFETENSORS_DTYPES,
     Checkpoint,
     SafetensorsFile,

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload_core import models
-from offload_core.cli import hydra_main
+from offload_core.loading import sources
+from offload_core.runner.cli import hydra_main
 
 ROOT = Path(__file__).resolve().parent.parent
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
@@ -58,7 +58,7 @@ def assert_one_line(err: str, *parts: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny() -> Path:
-    return models.synthetic_checkpoint(**models.synthetic_preset("tiny"))
+    return sources.synthetic_checkpoint(**sources.synthetic_preset("tiny"))
 
 
 @pytest.fixture

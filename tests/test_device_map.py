@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.empty import init_empty_weights
+from offload_core.loading.empty import init_empty_weights
 from offload_core.errors import DeviceMapError
 from offload_core.planning import (
     PlacementRequest,

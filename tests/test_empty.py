@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.empty import init_empty_weights, init_on_device
+from offload_core.loading.empty import init_empty_weights, init_on_device
 
 ORIGINAL_REGISTER_PARAMETER = nn.Module.register_parameter
 ORIGINAL_REGISTER_BUFFER = nn.Module.register_buffer

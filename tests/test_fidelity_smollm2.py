@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-from offload_core.models import load_tokenizer, smollm2_checkpoint
-from offload_core.plugin_manager import get_registry
+from offload_core.loading.sources import load_tokenizer, smollm2_checkpoint
+from offload_core.registry.manager import get_registry
 
 PLACEMENTS = ["sequential", "balanced", "balanced_low_0"]
 STORES = ["pinned_cpu", "memmap", "safetensors"]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_core.checkpoint import Checkpoint
+from offload_core.loading.checkpoint import Checkpoint
 from offload_core.errors import ConfigError, OffloadError
-from offload_core.models import (
+from offload_core.loading.sources import (
     COMPLETE_MARKER,
     SYNTHETIC_PRESETS,
     ModelSourceError,

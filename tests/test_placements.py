@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from offload_core.empty import init_empty_weights
+from offload_core.loading.empty import init_empty_weights
 from offload_core.errors import PluginError
-from offload_core.plugin_manager import build_registry, get_registry
+from offload_core.registry.manager import build_registry, get_registry
 from offload_core.planning import (
     PlacementRequest,
     check_device_map,

@@ -12,7 +12,7 @@ import pytest
 
 from offload_core.errors import PluginError
 from offload_core.hookspecs import hookimpl
-from offload_core.plugin_manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
+from offload_core.registry.manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
 
 
 def _plugin(kind_hook: str, strategy_name: str, module_name: str = "fake_plugin"):

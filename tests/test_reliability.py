@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core import models
+from offload_core.loading import sources
 from offload_core.storage import StoreContext
 from offload_core.storage import folder as folder_module
 from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny() -> Path:
-    return models.synthetic_checkpoint(**models.synthetic_preset("tiny"))
+    return sources.synthetic_checkpoint(**sources.synthetic_preset("tiny"))
 
 
 def _args(ckpt: Path, folder: Path | None = None) -> list[str]:
@@ -77,7 +77,7 @@ _KILLED_WRITER = textwrap.dedent("""
         real(path, data)
 
     folder._write_file = slow_write
-    from offload_core.cli import hydra_main
+    from offload_core.runner.cli import hydra_main
     sys.argv = ["run.py", *sys.argv[1:]]
     hydra_main()
 """)

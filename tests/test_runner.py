@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from offload_core.config import register_configs
-from offload_core.runner import run
+from offload_core.runner.settings import register_configs
+from offload_core.runner.job import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,8 +107,8 @@ def test_readme_commands_match_ci():
 def test_reservation_follows_store_and_policy():
     import torch
 
-    from offload_core.plugin_manager import get_registry
-    from offload_core.runner import reservation
+    from offload_core.registry.manager import get_registry
+    from offload_core.runner.job import reservation
 
     registry = get_registry()
 

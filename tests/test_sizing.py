@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.empty import init_empty_weights
+from offload_core.loading.empty import init_empty_weights
 from offload_core.errors import ConfigError
 from offload_core.planning import (
     compute_module_sizes,
@@ -16,7 +16,7 @@ from offload_core.planning import (
     largest_block_size,
     named_module_tensors,
 )
-from offload_core.sizes import parse_size
+from offload_core.values import parse_size
 
 
 class FeedForward(nn.Module):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from offload_core.sweep import COLUMNS, summarize
+from offload_core.runner.sweep import COLUMNS, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model=synthetic", "model.preset=tiny", "compare_in_memory=true", "progress=false", "max_new_tokens=4",

@@ -11,7 +11,7 @@ from torch import nn
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
 from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
-from offload_core.sizes import parse_size
+from offload_core.values import parse_size
 
 
 class FunctionalCallHook(ModuleHook):

@@ -630,7 +630,7 @@ class Prefetch:
 
     def __init__(self, config: PrefetchConfig, staging: bool | None = None) -> None:
         from offload_core.errors import ConfigError
-        from offload_core.sizes import parse_size
+        from offload_core.values import parse_size
 
         if config.depth < 0:
             raise ConfigError(f"hook.depth={config.depth} is negative: give the number of blocks to read ahead (0 turns prefetch off)")

@@ -8,7 +8,7 @@ from offload_core.planning.device_map import (
     normalize_device_map,
     summarize_device_map,
 )
-from offload_core.planning.placement import PlacementRequest, infer_auto_device_map, plan_device_map
+from offload_core.planning.fill import PlacementRequest, infer_auto_device_map, plan_device_map
 from offload_core.planning.sizing import (
     compute_module_sizes,
     find_tied_parameters,

@@ -8,10 +8,10 @@ import torch
 
 from offload_core.errors import ConfigError
 from offload_core.planning.sizing import compute_module_sizes
-from offload_core.sizes import parse_size
+from offload_core.values import parse_size
 
 if TYPE_CHECKING:
-    from offload_core.planning.placement import PlacementRequest
+    from offload_core.planning.fill import PlacementRequest
 
 _FORMS = "a GPU index (0, '0' or 'cuda:0'), 'cpu' or 'disk'"
 

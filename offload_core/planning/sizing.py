@@ -9,7 +9,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from offload_core.sizes import dtype_byte_size, parse_dtype
+from offload_core.values import dtype_byte_size, parse_dtype
 
 Named = tuple[str, "nn.Module | torch.Tensor"]
 

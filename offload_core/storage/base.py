@@ -21,7 +21,7 @@ class StoreContext:
 
     ``fingerprint`` identifies what the offloaded tensors depend on (checkpoint files, dtype, device map):
     a persistent store whose fingerprint matches may be reused as is. ``checkpoint`` is the
-    :class:`offload_core.checkpoint.Checkpoint` being loaded (stores that read in place use it).
+    :class:`offload_core.loading.checkpoint.Checkpoint` being loaded (stores that read in place use it).
     """
 
     names: list[str]

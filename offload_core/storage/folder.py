@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from offload_core.errors import StorageError
-from offload_core.files import fsync_path
+from offload_core.atomic import fsync_path
 from offload_core.storage.base import Store, StoreContext, _libc, converts
 
 log = logging.getLogger(__name__)

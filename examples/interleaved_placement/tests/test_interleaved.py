@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from offload_core.empty import init_empty_weights
+from offload_core.loading.empty import init_empty_weights
 from offload_core.errors import ConfigError
 from offload_core.planning import PlacementRequest, compute_module_sizes, device_of
 from offload_core.testing import check_placement

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from offload_core.errors import ConfigError
-from offload_core.sizes import format_size, parse_dtype, parse_size
+from offload_core.values import format_size, parse_dtype, parse_size
 
 log = logging.getLogger("offload_core")
 
@@ -39,7 +39,7 @@ def _section(cfg: Any, key: str) -> dict:
 
 def _execution_device(value: str | None) -> torch.device:
     if value in (None, "", "auto"):
-        from offload_core.dispatch import default_execution_device
+        from offload_core.loading.dispatch import default_execution_device
 
         return default_execution_device()
     try:
@@ -102,7 +102,7 @@ def _check_disk_budget(summary: dict, max_memory: dict, largest_block: int, head
 
 def resolve_checkpoint(model_cfg: dict) -> Path:
     """The local checkpoint folder the model config names (converting/creating it once if needed)."""
-    from offload_core import models
+    from offload_core.loading import sources
 
     if model_cfg.get("path"):
         path = Path(model_cfg["path"]).expanduser()
@@ -111,9 +111,9 @@ def resolve_checkpoint(model_cfg: dict) -> Path:
         return path
     name = model_cfg.get("name")
     if name == "smollm2":
-        return models.smollm2_checkpoint()
+        return sources.smollm2_checkpoint()
     if name == "synthetic":
-        return models.synthetic_checkpoint(**models.synthetic_preset(model_cfg.get("preset", "tiny")))
+        return sources.synthetic_checkpoint(**sources.synthetic_preset(model_cfg.get("preset", "tiny")))
     raise ConfigError(f"model.name={name!r} needs model.path=<a local checkpoint folder> (known names: smollm2, synthetic)")
 
 
@@ -121,7 +121,7 @@ def build_empty_model(checkpoint: Path, dtype: torch.dtype | None):
     """The model of ``checkpoint``'s config with every weight on the meta device; returns (model, dtype)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from offload_core.empty import init_empty_weights
+    from offload_core.loading.empty import init_empty_weights
 
     try:
         config = AutoConfig.from_pretrained(checkpoint)
@@ -162,7 +162,7 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool, vocab_size: int) -> torch.Te
 def _generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
     from transformers import StoppingCriteriaList
 
-    from offload_core.metrics import TokenTimer
+    from offload_core.runner.metrics import TokenTimer
 
     torch.manual_seed(int(cfg.seed))
     timer = TokenTimer(total=int(cfg.max_new_tokens), progress=bool(cfg.get("progress", False)))
@@ -195,11 +195,11 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
 
     ``plot=False`` leaves out ``placement.png`` in a ``plan_only`` run (a caller that only wants the plan).
     """
-    from offload_core import models
-    from offload_core.allocator import return_freed_memory_to_os
-    from offload_core.checkpoint import Checkpoint
-    from offload_core.dispatch import load_checkpoint_and_dispatch
-    from offload_core.metrics import MemoryMonitor
+    from offload_core.loading import sources
+    from offload_core.loading.allocator import return_freed_memory_to_os
+    from offload_core.loading.checkpoint import Checkpoint
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.runner.metrics import MemoryMonitor
     from offload_core.planning import (
         PlacementRequest,
         check_device_map,
@@ -208,8 +208,8 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         normalize_device_map,
         summarize_device_map,
     )
-    from offload_core.plugin_manager import get_registry
-    from offload_core.report import plan_text, plot_placement, predicted_bytes_per_token
+    from offload_core.registry.manager import get_registry
+    from offload_core.runner.report import plan_text, plot_placement, predicted_bytes_per_token
     from offload_core.storage.base import converts
 
     return_freed_memory_to_os()
@@ -261,7 +261,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
             print(f"wrote {written} (plan only: nothing was loaded)")
             return RunResult("", [], device_map, {}, summary, None, out_dir, plan)
 
-        tokenizer = models.load_tokenizer(checkpoint_dir)
+        tokenizer = sources.load_tokenizer(checkpoint_dir)
         input_ids = _prompt_ids(tokenizer, cfg.prompt, model_cfg.get("chat_template", True), model.config.vocab_size)
         with MemoryMonitor() as memory:
             started = time.perf_counter()

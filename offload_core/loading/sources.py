@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from offload_core.checkpoint import plan_shards, write_safetensors_shards, write_sharded_safetensors
+from offload_core.loading.checkpoint import plan_shards, write_safetensors_shards, write_sharded_safetensors
 from offload_core.errors import CheckpointError, ConfigError, OffloadError
-from offload_core.sizes import parse_dtype
+from offload_core.values import parse_dtype
 
 __all__ = [
     "ModelSourceError",

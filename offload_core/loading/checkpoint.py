@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from offload_core.errors import CheckpointError
-from offload_core.files import fsync_path
+from offload_core.atomic import fsync_path
 
 __all__ = [
     "SAFETENSORS_DTYPES",

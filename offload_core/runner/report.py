@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from offload_core.sizes import format_size, parse_dtype
+from offload_core.values import format_size, parse_dtype
 
 TIER_COLOURS = {"gpu": "tab:green", "cpu": "tab:blue", "disk": "tab:orange", "other": "tab:gray"}
 
@@ -35,7 +35,7 @@ def predicted_bytes_per_token(
     The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
     the same bytes.
     """
-    from offload_core.dispatch import plan_tensors
+    from offload_core.loading.dispatch import plan_tensors
     from offload_core.module_hooks.units import find_units
     from offload_core.planning import normalize_device_map
 

@@ -210,7 +210,7 @@ class OffloadState:
 
 def _resolve(kind: str, value: Any, config: Any = None) -> Any:
     if isinstance(value, str):
-        from offload_core.plugin_manager import get_registry
+        from offload_core.registry.manager import get_registry
 
         return get_registry().create(kind, value, config)
     return value
@@ -264,9 +264,9 @@ def load_checkpoint_and_dispatch(
     placement name. ``storage`` and ``policy`` are plugin names or built strategy objects. The model
     gets ``hf_device_map`` and ``offload_state`` (see :class:`OffloadState`).
     """
-    from offload_core.allocator import return_freed_memory_to_os
-    from offload_core.checkpoint import Checkpoint
-    from offload_core.sizes import parse_dtype
+    from offload_core.loading.allocator import return_freed_memory_to_os
+    from offload_core.loading.checkpoint import Checkpoint
+    from offload_core.values import parse_dtype
 
     return_freed_memory_to_os()
     dtype = parse_dtype(dtype)

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def _fail(error: BaseException) -> None:
@@ -21,7 +21,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def hydra_main() -> None:
-    """Register every plugin's config, then hand over to Hydra, which calls :func:`offload_core.runner.run`.
+    """Register every plugin's config, then hand over to Hydra, which calls :func:`offload_core.runner.job.run`.
 
     In a multirun, a failed job is recorded (its ``metrics.json`` holds the one-line error) and the
     sweep goes on; a single run fails with one line and exit code 2.
@@ -30,7 +30,7 @@ def hydra_main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from offload_core.config import register_configs
+    from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
 
     try:
@@ -40,7 +40,7 @@ def hydra_main() -> None:
 
     @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
     def main(cfg) -> None:
-        from offload_core.runner import run
+        from offload_core.runner.job import run
 
         hc = HydraConfig.get()
         labels = {

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from offload_core.plugin_manager import Registry, get_registry
+from offload_core.registry.manager import Registry, get_registry
 
 
 @dataclass

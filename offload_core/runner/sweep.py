@@ -3,7 +3,7 @@
 Runs as a Hydra callback (``on_multirun_end``) and reads each job's ``metrics.json``, so the summary is
 the same whichever launcher ran the jobs (basic, joblib, submitit, ray). A job folder with no
 ``metrics.json`` (a job killed before it could write one) is a failed row. Also callable by hand:
-``python -m offload_core.sweep <sweep dir>``.
+``python -m offload_core.runner.sweep <sweep dir>``.
 """
 
 from __future__ import annotations
@@ -158,6 +158,6 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m offload_core.sweep <sweep dir>")
+        sys.exit("usage: python -m offload_core.runner.sweep <sweep dir>")
     summary_rows = summarize(sys.argv[1])
     print(f"{len(summary_rows)} runs -> {Path(sys.argv[1]) / 'summary.md'} (and .csv, .png)")

@@ -13,7 +13,7 @@ from offload_core.errors import DeviceMapError
 from offload_core.planning.budgets import device_key, get_max_memory
 from offload_core.planning.device_map import DeviceMap, compress_device_map, device_of
 from offload_core.planning.sizing import compute_module_sizes, get_max_layer_size, is_unsplittable, tensor_aliases
-from offload_core.sizes import parse_dtype, parse_size
+from offload_core.values import parse_dtype, parse_size
 
 Unit = tuple[str, "nn.Module | torch.Tensor"]
 
@@ -197,7 +197,7 @@ def infer_auto_device_map(
     reserve: Mapping[Any, int | str] | None = None,
 ) -> DeviceMap:
     """A device map for ``model`` made by the placement ``strategy`` (``sequential``, ``balanced``, ``balanced_low_0`` or a plugin's)."""
-    from offload_core.plugin_manager import get_registry
+    from offload_core.registry.manager import get_registry
 
     request = PlacementRequest(
         model=model,

@@ -1,0 +1,1 @@
+"""The runner: settings → strategies → model and checkpoint → plan → dispatch → generate → report."""
