@@ -1,4 +1,4 @@
-"""Byte sizes: parse the strings users write ("2GiB", "500MB") once, at the edge, into ints."""
+"""Values users write, parsed once at the edge: byte sizes ("2GiB", "500MB") into ints, dtype names, and device keys."""
 
 from __future__ import annotations
 
@@ -92,3 +92,49 @@ def dtype_byte_size(dtype: torch.dtype) -> float:
     if dtype == torch.bool:
         return 1 / 8
     return torch.empty((), dtype=dtype).element_size()
+
+
+# Device keys: the one parser for every place a user names a device (device maps, max_memory,
+# execution devices). Planning, loading, the runner and module hooks all call these.
+
+NAMED_DEVICES = ("cpu", "disk", "mps")
+DEVICE_FORMS = "a GPU index (0, '0' or 'cuda:0'), 'cpu', 'disk' or 'mps'"
+
+
+def device_key(value: object) -> int | str | None:
+    """``value`` as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; ``None`` when it names no device we know."""
+    if isinstance(value, torch.device):
+        if value.type == "cuda":
+            return value.index or 0
+        value = value.type
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in NAMED_DEVICES:
+            return text
+        if text == "cuda":
+            return 0
+        digits = text.removeprefix("cuda:")
+        if digits.isdigit():
+            return int(digits)
+    return None
+
+
+def is_offloaded(device: int | str, execution_device: torch.device) -> bool:
+    """Whether tensors a device map puts on ``device`` are offloaded (held by a store, streamed in).
+
+    ``disk`` always is; ``cpu`` is when the model runs on an accelerator (on a CPU run it is resident).
+    """
+    return device == "disk" or (device == "cpu" and execution_device.type != "cpu")
+
+
+def torch_device(device: int | str, execution_device: torch.device) -> torch.device:
+    """The torch device a device-map value computes on: an offloaded tier computes on ``execution_device``."""
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    if is_offloaded(device, execution_device):
+        return execution_device
+    return torch.device(device)
