@@ -24,7 +24,7 @@ STABLE = ["job", "placement", "storage", "hook", "model", "overrides", "status",
           "bytes_moved_per_token", "error"]
 #: Ray otherwise swaps 127.0.0.1 for the machine's outward address; with this the head node and its
 #: agents advertise and listen on loopback only.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 try:
