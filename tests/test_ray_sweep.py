@@ -1,4 +1,4 @@
-"""A 2 x 2 sweep through Hydra's Ray launcher on a real Ray cluster bound to loopback gives the same summary as the basic launcher."""
+"""A 2 x 2 sweep through Hydra's Ray launcher on a loopback Ray cluster gives the same summary as the basic launcher."""
 
 from __future__ import annotations
 
