@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_core.loading.checkpoint import Checkpoint, write_sharded_safetensors
+from offload_core.loading.checkpoint import Checkpoint
+from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.errors import StorageError
 from offload_core.storage import Store, StoreContext, convert_dtype
 from offload_core.storage import folder as folder_module

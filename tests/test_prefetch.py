@@ -186,7 +186,7 @@ def test_pool_path_matches_in_memory_and_moves_a_tied_weight_once(tmp_path, stag
 
 def test_converting_store_reads_into_the_pool(tmp_path):
     from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-    from offload_core.loading.checkpoint import write_sharded_safetensors
+    from offload_core.loading.writer import write_sharded_safetensors
 
     stored = _model().to(torch.bfloat16)
     write_sharded_safetensors(stored.state_dict(), tmp_path / "ckpt", max_shard_size=100_000)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-from offload_core.loading.checkpoint import write_sharded_safetensors
+from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
