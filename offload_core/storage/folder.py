@@ -18,7 +18,6 @@ import shutil
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
