@@ -1,8 +1,12 @@
-"""Small file-system helpers shared by the checkpoint writer and the offload folder."""
+"""File-system helpers for writes a crash never leaves half done: flush to the disk, and write beside then rename into place."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 
@@ -13,3 +17,47 @@ def fsync_path(path: str | os.PathLike | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(target: str | os.PathLike | Path, *, folder: bool = False, sync: bool = True,
+                 merge: bool = False, last: Collection[str] = ()) -> Iterator[Path]:
+    """Yield a temporary path beside ``target`` to write; when the block ends without error it takes ``target``'s place.
+
+    A file's temporary is ``<name>.tmp`` (one writer per target at a time: callers hold a lock or own
+    the folder); a folder's is a new empty folder ``.<name>.tmp-XXXX``. The move is one rename that
+    replaces a file, or puts a folder where none is. With ``merge``, a folder whose ``target`` already
+    exists is moved in entry by entry instead, the entries named in ``last`` after the others (an index
+    after the files it names). ``sync`` flushes the temporary to the disk before the move (for a
+    folder, its entries: the files in it are the caller's to flush) and the parent folder after it.
+    On any error (Ctrl-C included) the temporary is removed and the error propagates.
+    """
+    target = Path(target)
+    if folder:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    else:
+        tmp = target.with_name(target.name + ".tmp")
+    try:
+        yield tmp
+        if sync:
+            fsync_path(tmp)
+        if folder and merge and target.is_dir():
+            entries = sorted(os.listdir(tmp), key=lambda name: name in last)
+            for name in entries:
+                os.replace(tmp / name, target / name)
+            tmp.rmdir()
+            if sync:
+                fsync_path(target)
+        elif folder:
+            os.rename(tmp, target)
+        else:
+            os.replace(tmp, target)
+        if sync:
+            fsync_path(target.parent)
+    except BaseException:
+        if folder:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise

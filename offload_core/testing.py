@@ -91,7 +91,8 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
     ``add_from_checkpoint`` (what loading does; stores that read in place are covered here), and
     through ``put`` (skipped for stores that refuse ``put`` with an ``OffloadError``).
     """
-    from offload_core.loading.checkpoint import Checkpoint, write_sharded_safetensors
+    from offload_core.loading.checkpoint import Checkpoint
+    from offload_core.loading.writer import write_sharded_safetensors
     from offload_core.errors import OffloadError
     from offload_core.storage import StoreContext
 
@@ -135,7 +136,7 @@ def tiny_tied_llama(directory: str | Path):
     """A seeded 4-layer Llama with tied embeddings saved to ``directory`` in small shards; returns ``(config, model)``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from offload_core.loading.checkpoint import write_sharded_safetensors
+    from offload_core.loading.writer import write_sharded_safetensors
 
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)

@@ -13,13 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload_core.loading.checkpoint import (
-    SAFETENSORS_DTYPES,
-    Checkpoint,
-    SafetensorsFile,
-    write_safetensors_shards,
-    write_sharded_safetensors,
-)
+from offload_core.loading.checkpoint import Checkpoint
+from offload_core.loading.safetensors_file import SAFETENSORS_DTYPES, SafetensorsFile
+from offload_core.loading.writer import write_safetensors_shards, write_sharded_safetensors
 from offload_core.errors import CheckpointError
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, BertConfig, LlamaConfig
 
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-from offload_core.loading.checkpoint import write_sharded_safetensors
+from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.planning import compute_module_sizes
 
 PLACEMENTS = ["sequential", "balanced", "balanced_low_0"]

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_core.loading.checkpoint import Checkpoint, write_sharded_safetensors
+from offload_core.loading.checkpoint import Checkpoint
+from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.errors import StorageError
 from offload_core.storage import Store, StoreContext, convert_dtype
-from offload_core.storage import folder as folder_module
+from offload_core.storage.filecopy import FileSpan
 from offload_core.storage.folder import INDEX, TAG, FolderStore
 
 from conftest import sample_tensors
@@ -24,13 +25,13 @@ from conftest import sample_tensors
 def kernel_copies(monkeypatch) -> list[Path]:
     """The shards each file-to-file copy read from, in order."""
     seen: list[Path] = []
-    real = folder_module.FileSpan.copy_to
+    real = FileSpan.copy_to
 
     def counting(span, fd):
         seen.append(span.path)
         real(span, fd)
 
-    monkeypatch.setattr(folder_module.FileSpan, "copy_to", counting)
+    monkeypatch.setattr(FileSpan, "copy_to", counting)
     return seen
 
 

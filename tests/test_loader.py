@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-from offload_core.loading.checkpoint import Checkpoint, write_sharded_safetensors
+from offload_core.loading.checkpoint import Checkpoint
+from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.errors import CheckpointError, StorageError
 from offload_core.storage import StoreContext
 from offload_core.storage.inplace import InPlaceStore

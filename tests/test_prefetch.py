@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections.abc import Mapping
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import dispatch_model
-from offload_core.module_hooks.prefetch import BlockPool, Prefetch, PrefetchConfig, StagingRing, Trace, _Accelerator
+from offload_core.module_hooks.prefetch import BlockPool, Prefetch, PrefetchConfig, Prefetcher, StagingRing, Streams, Trace
+
+
+class _StagedPrefetch(Prefetch):
+    """Prefetch whose reader carries bytes through the pinned staging ring even on a CPU run."""
+
+    def make_prefetcher(self, units, plan):
+        return Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
+                          copy=self.config.pool, staging=True, staging_chunk=self.chunk)
+
+
+def _prefetch(config, staging=False):
+    return _StagedPrefetch(config) if staging else Prefetch(config)
 
 
 def test_trace_records_a_cycle_and_predicts_ahead():
@@ -90,14 +104,14 @@ def test_depth_zero_is_plain_per_block_offload(tmp_path):
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
         model(torch.tensor([[1, 2, 3]]))
-    assert prefetcher.hits == 0 and prefetcher._pool is None
+    assert prefetcher.hits == 0 and not prefetcher.reads_ahead
     model.offload_state.remove()
 
 
 # -- the copy path: block pool, staging ring, tied weights ----------------------------------------
 
 def test_staging_ring_carries_bytes_across_chunks_and_reuses_its_buffers():
-    ring = StagingRing(_Accelerator(torch.device("cpu")), count=2, chunk=4096)
+    ring = StagingRing(Streams(torch.device("cpu")), count=2, chunk=4096)
     src = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     dst = torch.zeros_like(src)
     ring.copy(src, dst)
@@ -152,7 +166,7 @@ def test_pool_path_matches_in_memory_and_moves_a_tied_weight_once(tmp_path, stag
     model = _model()
     seen = _weights_seen_in_forward(model.lm_head)
     # depth 1: the embedding is scheduled while lm_head runs, so it always finds the tied weight there
-    policy = Prefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"), staging=staging)
+    policy = _prefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"), staging=staging)
     dispatch_model(model, TIED_DISK, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
                    no_split_module_classes=["LlamaDecoderLayer"])
     state = model.offload_state
@@ -169,9 +183,9 @@ def test_pool_path_matches_in_memory_and_moves_a_tied_weight_once(tmp_path, stag
         assert prefetcher.borrowed == 3  # once a forward, from the second on
         got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
     assert torch.equal(got, expected)
-    blocks = prefetcher._blocks
+    blocks = prefetcher.block_pool
     assert seen and all(_inside(ptr, blocks) for ptr, _ in seen)
-    largest = max(prefetcher._layout(u)[1] for u in prefetcher.units)
+    largest = max(prefetcher.unit_bytes(u) for u in prefetcher.units)
     assert blocks.count == 2 and blocks.capacity == largest
     assert blocks.peak_in_use <= 2 and blocks.allocated_bytes <= 2 * largest
     if staging:
@@ -186,7 +200,7 @@ def test_pool_path_matches_in_memory_and_moves_a_tied_weight_once(tmp_path, stag
 
 def test_converting_store_reads_into_the_pool(tmp_path):
     from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-    from offload_core.loading.checkpoint import write_sharded_safetensors
+    from offload_core.loading.writer import write_sharded_safetensors
 
     stored = _model().to(torch.bfloat16)
     write_sharded_safetensors(stored.state_dict(), tmp_path / "ckpt", max_shard_size=100_000)
@@ -206,7 +220,7 @@ def test_converting_store_reads_into_the_pool(tmp_path):
             assert torch.equal(model(ids).logits, expected)
     # Converted on read, straight into the two reusable buffers: the weight the layer ran with was a
     # float32 view inside one of them, every time.
-    blocks = prefetcher._blocks
+    blocks = prefetcher.block_pool
     assert blocks is not None and blocks.count == 2 and blocks.peak_in_use <= 2
     assert len(seen) == 3 and all(dtype == torch.float32 and _inside(ptr, blocks) for ptr, dtype in seen)
     assert prefetcher.hits >= 6
@@ -294,7 +308,7 @@ def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
     copies, a buffer is rewritten only after the compute stream let go of it, a staging buffer only
     after its last copy."""
     model = _model()
-    policy = Prefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"), staging=True)
+    policy = _StagedPrefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"))
     dispatch_model(model, TIED_DISK, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
                    no_split_module_classes=["LlamaDecoderLayer"])
     prefetcher = model.offload_state.handle.prefetcher
@@ -312,7 +326,7 @@ def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
     assert len(compute_waits) == 4 * len(prefetcher.units)  # every block, every forward
     assert all(before("record_side", n, i) for i, n in compute_waits)
     side_waits = [(i, n) for i, (what, n) in enumerate(log) if what == "side_waits"]
-    blocks = prefetcher._blocks
+    blocks = prefetcher.block_pool
     # The first use of each buffer waits for nothing; every later one for the compute stream's release.
     assert sum(n is None for _, n in side_waits) == blocks.count
     assert all(before("record_compute", n, i) for i, n in side_waits if n is not None)
@@ -324,7 +338,6 @@ def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
 
 def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
     import signal
-    import time
 
     model = _model()
     reference = _model()
@@ -335,13 +348,8 @@ def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
     with torch.no_grad():
         model(ids)
         model(ids)  # the trace is recorded: from here every block is read ahead
-        copy_tensor = prefetcher._copy_tensor
-
-        def slow(*args):
-            time.sleep(0.2)
-            copy_tensor(*args)
-
-        prefetcher._copy_tensor = slow
+        store = prefetcher.store
+        prefetcher.store = _SlowStore(store, 0.2)
 
         def interrupt(*_):
             raise KeyboardInterrupt
@@ -354,12 +362,29 @@ def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-        prefetcher._copy_tensor = copy_tensor
+        prefetcher.store = store
         for _ in range(2):
             assert torch.equal(model(ids).logits, reference(ids).logits)
     model.offload_state.remove()
-    blocks = prefetcher._blocks
+    blocks = prefetcher.block_pool
     assert sorted(blocks.free) == list(range(blocks.count)) and not any(blocks.refs)
+
+
+class _SlowStore(Mapping):
+    """A store whose every read takes ``delay`` seconds more."""
+
+    def __init__(self, store, delay):
+        self.inner, self.delay = store, delay
+
+    def __getitem__(self, key):
+        time.sleep(self.delay)
+        return self.inner[key]
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
 
 
 # -- read-ahead the page cache evicted before use -------------------------------------------------
@@ -371,7 +396,7 @@ def test_resident_sees_pages_dropped_from_the_page_cache(tmp_path):
 
     import numpy as np
 
-    from offload_core.storage.base import populate, resident
+    from offload_core.storage.pagecache import populate, resident
 
     path = tmp_path / "weights.bin"
     path.write_bytes(np.arange(4 << 20, dtype=np.uint8).tobytes())
@@ -404,7 +429,7 @@ class _Evictions:
     evicted until the store reads them in again; records which thread read what."""
 
     def __init__(self, monkeypatch, store):
-        import offload_core.module_hooks.prefetch as module
+        import offload_core.module_hooks.prefetch.prefetcher as module
 
         self.evicted: set[int] = set()
         self.reads: list[tuple[str, str]] = []

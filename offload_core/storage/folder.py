@@ -9,7 +9,6 @@ Layout (readable by accelerate's ``load_offloaded_weights``): ``index.json`` map
 from __future__ import annotations
 
 import atexit
-import ctypes
 import errno
 import fcntl
 import json
@@ -19,16 +18,16 @@ import shutil
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
-from offload_core.atomic import fsync_path
-from offload_core.storage.base import Store, StoreContext, _libc, converts
+from offload_core.storage.base import Store, StoreContext, converts
+from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
 
 log = logging.getLogger(__name__)
 
@@ -50,88 +49,6 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-#: Linux: ``copy_file_range`` and a ``sendfile`` that writes to files copy file to file in the kernel
-_KERNEL_COPY = hasattr(os, "copy_file_range")
-#: errors of ``copy_file_range`` that mean "not between these two files" (another file system, an old kernel)
-_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-
-
-@dataclass(frozen=True)
-class FileSpan:
-    """Bytes ``start:end`` of the file at ``path``, to be copied by the kernel from file to file.
-
-    A checkpoint tensor copied this way is never mapped into this process nor passed through user
-    space: writing the 1.28 GB offloaded from a 1.1B bf16 model took 0.5 s instead of 1.7 s.
-    """
-
-    path: Path
-    start: int
-    end: int
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    def __bytes__(self) -> bytes:
-        """The bytes themselves, read into memory."""
-        with open(self.path, "rb") as f:
-            f.seek(self.start)
-            return f.read(len(self))
-
-    def copy_to(self, fd: int) -> None:
-        """Append the span to ``fd``: ``copy_file_range``, or ``sendfile`` where that cannot join the two
-        files or copies nothing (some file systems answer 0 instead of an error)."""
-        with open(self.path, "rb") as source:
-            copy, offset = _copy_range, self.start
-            while offset < self.end:
-                copied = copy(source.fileno(), fd, offset, self.end - offset)
-                if copied:
-                    offset += copied
-                elif copy is _copy_range:
-                    copy = _send
-                else:
-                    raise OSError(errno.EIO, f"checkpoint file {self.path} ends at byte {offset}, before the tensor's "
-                                             f"end at byte {self.end} (it changed after it was opened; re-download it)")
-
-
-def _copy_range(source: int, target: int, offset: int, count: int) -> int:
-    """``copy_file_range``; 0 where it cannot join the two files."""
-    try:
-        return os.copy_file_range(source, target, count, offset)
-    except OSError as exc:
-        if exc.errno in _NO_COPY_RANGE:
-            return 0
-        raise
-
-
-def _send(source: int, target: int, offset: int, count: int) -> int:
-    return os.sendfile(target, source, offset, count)
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Allocate a new file's blocks in one go: faster than growing it chunk by chunk (0.57 s to 0.44 s
-    for 1.28 GB), and a full disk fails before any byte is copied. File systems without ``fallocate``
-    just grow as written (never glibc's ``posix_fallocate`` emulation, which writes every block)."""
-    libc = _libc()
-    if libc is None or size == 0 or libc.fallocate(fd, 0, 0, size) == 0:
-        return
-    code = ctypes.get_errno()
-    if code not in (errno.EOPNOTSUPP, errno.ENOSYS):
-        raise OSError(code, os.strerror(code))
-
-
-def _write_file(path: Path, data: bytes | memoryview | FileSpan, sync: bool = False) -> None:
-    """Write ``data`` to ``path`` (the one place offload data is written); ``sync`` also flushes it to the disk."""
-    with open(path, "wb") as f:
-        _reserve(f.fileno(), len(data))
-        if isinstance(data, FileSpan):
-            data.copy_to(f.fileno())
-        else:
-            f.write(data)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
-
-
 def _safe_file_name(folder: Path, name: str) -> Path:
     """``<name>.dat`` inside ``folder``; a name that would escape the folder is refused."""
     if "/" in name or "\\" in name or name.startswith(".") or "\x00" in name:
@@ -144,6 +61,10 @@ def _safe_file_name(folder: Path, name: str) -> Path:
 
 class FolderStore(Store):
     """Offloaded tensors in an offload folder, read back through memory maps (file-backed pages, no copy)."""
+
+    #: ``write_file(path, data)`` writes one new file (a tensor's bytes, the index, the completion marker):
+    #: the one place this store writes data. A seam: tests replace it to inject a full disk or a crash.
+    write_file = staticmethod(write_file)
 
     def __init__(self, context: StoreContext) -> None:
         self.fingerprint = {"store": "memmap/1", **context.fingerprint}
@@ -261,9 +182,8 @@ class FolderStore(Store):
             return []
 
     def _write_tag(self, files: list[str]) -> None:
-        tmp = self.folder / (TAG + ".tmp")
-        tmp.write_text(json.dumps({"files": files}))
-        os.replace(tmp, self.folder / TAG)
+        with atomic_write(self.folder / TAG, sync=False) as tmp:
+            tmp.write_text(json.dumps({"files": files}))
 
     def _remove_our_files(self) -> None:
         for name in self._tagged_files() + [INDEX, COMPLETE]:
@@ -284,7 +204,7 @@ class FolderStore(Store):
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`);
         one that is converted, or comes from a ``.bin`` file, is written through :meth:`put`."""
-        if not (_KERNEL_COPY and getattr(checkpoint, "is_safetensors", False)) or converts(checkpoint.dtype(key), dtype):
+        if not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False)) or converts(checkpoint.dtype(key), dtype):
             super().add_from_checkpoint(name, checkpoint, key, dtype)
             return
         shard = checkpoint.file_of(key)
@@ -294,11 +214,10 @@ class FolderStore(Store):
     def _write(self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Write one tensor's file atomically: a temp file, then a rename; named in the tag before it is written."""
         path = _safe_file_name(self.folder, name)
-        tmp = path.with_name(path.name + ".tmp")
         try:
             self._tag(path.name)
-            _write_file(tmp, data)
-            os.replace(tmp, path)
+            with atomic_write(path, sync=False) as tmp:
+                self.write_file(tmp, data)
         except OSError as exc:
             raise self._failed(exc, f"writing {name!r}") from None
         self._written.append(path.name)
@@ -346,9 +265,8 @@ class FolderStore(Store):
         if self.reused:
             return
         try:
-            tmp = self.folder / (INDEX + ".tmp")
-            _write_file(tmp, json.dumps(self._index).encode())
-            os.replace(tmp, self.folder / INDEX)
+            with atomic_write(self.folder / INDEX, sync=False) as tmp:
+                self.write_file(tmp, json.dumps(self._index).encode())
             self._written.append(INDEX)
             self._tag(INDEX)
         except OSError as exc:
@@ -361,10 +279,8 @@ class FolderStore(Store):
         try:
             for name in self._written:
                 fsync_path(self.folder / name)
-            tmp = self.folder / (COMPLETE + ".tmp")
-            _write_file(tmp, json.dumps(self.fingerprint).encode(), sync=True)
-            os.replace(tmp, self.folder / COMPLETE)
-            fsync_path(self.folder)
+            with atomic_write(self.folder / COMPLETE) as tmp:  # flushed, renamed, the folder flushed
+                self.write_file(tmp, json.dumps(self.fingerprint).encode())
         except OSError as exc:  # the folder stays unmarked: the next run rebuilds it
             log.warning("memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc)
 

@@ -8,7 +8,8 @@ from typing import Any, Iterator
 import torch
 
 from offload_core.errors import StorageError
-from offload_core.storage.base import Store, StoreContext, convert_dtype, converts, populate
+from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
+from offload_core.storage.pagecache import populate
 
 log = logging.getLogger(__name__)
 

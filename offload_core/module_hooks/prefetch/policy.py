@@ -1,0 +1,84 @@
+"""The prefetch policy: block-granular units read ahead along the recorded execution order, its settings and its handle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from offload_core.module_hooks.align import attach_io_hooks
+from offload_core.module_hooks.base import add_hook_to_module
+from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook, RevalidateHook
+from offload_core.module_hooks.prefetch.transfer import STAGING_BUFFERS
+from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, Unit, find_units, reserve_units
+
+
+class PrefetchHandle(PolicyHandle):
+    def __init__(self, *args: Any, prefetcher: Prefetcher, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefetcher = prefetcher
+
+    def offload_all(self) -> None:
+        for index in list(self.prefetcher.held):
+            self.prefetcher.release(index)
+        super().offload_all()
+
+    def remove(self, restore_device: torch.device | str = "cpu") -> nn.Module:
+        self.prefetcher.close()
+        return super().remove(restore_device)
+
+
+@dataclass
+class PrefetchConfig:
+    name: str = "prefetch"
+    #: look-ahead depth k: how many upcoming offloaded blocks are in flight while one computes
+    depth: int = 2
+    #: copy blocks into k+1 reusable buffers on the execution device (null: on a GPU run, or where the
+    #: store converts on read; true on a CPU run reads mapped pages into private buffers ahead of use)
+    pool: Optional[bool] = None
+    #: GPU run from a store that is not pinned: size of each of the pinned staging buffers
+    staging_chunk: str = "16MiB"
+
+
+class Prefetch:
+    """Policy: block-granular units, loaded ahead of use along the recorded execution order."""
+
+    granularity = "block"
+
+    def __init__(self, config: PrefetchConfig) -> None:
+        from offload_core.errors import ConfigError
+        from offload_core.values import parse_size
+
+        if config.depth < 0:
+            raise ConfigError(f"hook.depth={config.depth} is negative: give the number of blocks to read ahead (0 turns prefetch off)")
+        self.chunk = parse_size(config.staging_chunk, what="hook.staging_chunk")
+        if self.chunk < 4096:
+            raise ConfigError(f"hook.staging_chunk={config.staging_chunk} is below 4KiB: give a size such as 16MiB")
+        self.config = config
+
+    def reserve(self, need: InFlight) -> dict:
+        """The block that runs and ``depth`` more read ahead: copies on a GPU, in the pool with
+        ``pool=true``, or where the store converts; on a GPU run from a store that is not pinned, the
+        staging ring in host memory too."""
+        reserve = reserve_units(need, need.block_bytes, 1 + self.config.depth, copies_on_cpu=bool(self.config.pool))
+        if need.execution_device.type != "cpu":
+            reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
+        return reserve
+
+    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
+        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
+        handles = attach_io_hooks(model, plan, True, ())
+        prefetcher = self.make_prefetcher(units, plan)
+        if units and prefetcher.depth and not prefetcher.copy:
+            handles.append(add_hook_to_module(model, RevalidateHook(prefetcher)))
+        for index, unit in enumerate(units):
+            handles.append(add_hook_to_module(unit.module, PrefetchHook(index, prefetcher, plan.execution_device)))
+        return PrefetchHandle(model, plan, units, handles, prefetcher=prefetcher)
+
+    def make_prefetcher(self, units: list[Unit], plan: DispatchPlan) -> Prefetcher:
+        """The reader that :meth:`attach` drives. A seam: a subclass may build it otherwise (tests force
+        the pinned staging ring on, to run the GPU data path on a CPU)."""
+        return Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
+                          copy=self.config.pool, staging_chunk=self.chunk)

@@ -1,0 +1,365 @@
+"""The reader thread: brings predicted units in ahead of use (mapped pages or copies into the block pool) and hands them to the units as they run."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.module_hooks.base import ModuleHook, send_to_device
+from offload_core.module_hooks.prefetch.pool import BlockPool
+from offload_core.module_hooks.prefetch.trace import Trace
+from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRing, Streams, flat_bytes
+from offload_core.module_hooks.units import TransferStats, Unit
+from offload_core.storage.pagecache import resident
+
+#: byte alignment of each tensor inside a block buffer (CUDA kernels want 256-byte aligned operands)
+ALIGN = 256
+
+
+def tensor_spec(store: Mapping[str, torch.Tensor], key: str) -> tuple[torch.Size, torch.dtype]:
+    """Shape and dtype ``store[key]`` hands out, without converting it where the store can tell."""
+    spec = getattr(store, "spec", None)
+    if spec is not None:
+        return spec(key)
+    tensor = store[key]
+    return tensor.shape, tensor.dtype
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+@dataclass
+class Fetched:
+    """A unit's tensors ready on the execution device, and what they hold until released."""
+
+    tensors: dict[str, torch.Tensor]
+    buffers: list[int] = field(default_factory=list)
+    event: Any = None  # the compute stream waits on it before using ``tensors``
+    moved: int = 0  # bytes brought in: copied, or read into the page cache (borrowed tensors move nothing)
+    mapped: list[str] = field(default_factory=list)  # keys served as mapped pages (the page cache may evict them)
+
+
+class Prefetcher:
+    """Owns the reader thread, the block pool and the in-flight fetches (at most ``depth`` units ahead)."""
+
+    def __init__(self, units: list[Unit], store: Mapping[str, torch.Tensor], device: torch.device,
+                 depth: int, stats: TransferStats, copy: bool | None = None, staging: bool | None = None,
+                 staging_chunk: int = STAGING_CHUNK) -> None:
+        """``copy``: copy units into the block pool even on a CPU run with a mapped store (default: only
+        where needed). ``staging``: carry bytes through the pinned ring (default: on a GPU run, for a
+        store that is not pinned); forced on, it runs the GPU data path on a CPU."""
+        self.units = units
+        self.store = store
+        self.device = device
+        self.depth = max(int(depth), 0)
+        self.stats = stats
+        self.accel = Streams(device)
+        self.copy = device.type != "cpu" if copy is None else bool(copy)
+        if staging is None:
+            staging = self.accel.cuda and not getattr(store, "pinned", False)
+        self.staging = StagingRing(self.accel, chunk=staging_chunk) if staging else None
+        self.trace = Trace()
+        self.pending: dict[int, tuple[Future, threading.Event, Fetched]] = {}
+        self.held: dict[int, Fetched] = {}
+        self.hits = 0
+        self.misses = 0
+        self.borrowed = 0
+        self.late = 0  # predicted fetches the compute thread still had to wait for
+        self.waited_s = 0.0  # ... and how long it waited for them
+        self.reread = 0  # read-ahead pages evicted before use, read in again
+        self._blocks: BlockPool | None = None
+        self._blocks_lock = threading.Lock()
+        self._layouts: dict[str, tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]] = {}
+        self._nesting = _max_nesting(units)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-prefetch") if self.depth else None
+
+    # -- the block pool ---------------------------------------------------------------------------
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether a reader thread brings units in ahead of use (``depth`` > 0)."""
+        return self._pool is not None
+
+    @property
+    def block_pool(self) -> BlockPool | None:
+        """The block pool, or None while no unit has been copied into one."""
+        return self._blocks
+
+    def unit_bytes(self, unit: Unit) -> int:
+        """The bytes ``unit`` takes in a block buffer (each tensor aligned to :data:`ALIGN`)."""
+        return self._layout(unit)[1]
+
+    @property
+    def blocks(self) -> BlockPool:
+        """The pool, sized on first use: depth + the deepest nesting of units (1 for a plain stack of blocks)."""
+        with self._blocks_lock:
+            if self._blocks is None:
+                capacity = max((self._layout(u)[1] for u in self.units), default=0)
+                self._blocks = BlockPool(self.depth + self._nesting, capacity, self.device)
+            return self._blocks
+
+    def _layout(self, unit: Unit) -> tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]:
+        """Where each of the unit's tensors sits in a block buffer (aligned offsets), and the bytes it needs."""
+        layout = self._layouts.get(unit.name)
+        if layout is None:
+            offsets, end = {}, 0
+            for key in unit.keys:
+                shape, dtype = tensor_spec(self.store, key)
+                offsets[key] = (end, shape, dtype)
+                end += _aligned(_nbytes(shape, dtype))
+            layout = self._layouts[unit.name] = (offsets, end)
+        return layout
+
+    # -- fetching (the reader thread; the compute thread for a miss) ------------------------------
+    def _fetch(self, index: int, fetched: Fetched | None = None, dropped: threading.Event | None = None) -> Fetched:
+        """Bring unit ``index`` in; ``fetched`` may already hold the tensors borrowed when it was scheduled."""
+        unit = self.units[index]
+        # Borrow again here: a unit fetched just before this one (the reader goes in order) may have
+        # brought in a tied tensor after this fetch was scheduled.
+        fetched = self._borrow(unit, fetched)
+        try:
+            need = self._map(unit, fetched)
+            if need and not self._copy_in(unit, need, fetched, dropped):
+                self._drop(fetched)  # dropped while waiting for a buffer: nobody will use it
+                return fetched
+            fetched.event = self.accel.record_on_side()
+        except BaseException:
+            self._drop(fetched)
+            raise
+        return fetched
+
+    def _borrow(self, unit: Unit, fetched: Fetched | None = None) -> Fetched:
+        """``fetched`` (a new fetch if None) with the unit's tensors that a block buffer already holds.
+
+        Tied weights: called on the compute thread when the unit is scheduled, while the unit that
+        brought a tied tensor in may still hold it, so the reference is taken at once.
+        """
+        fetched = fetched if fetched is not None else Fetched({})
+        if self._blocks is not None:
+            for key in unit.keys:
+                if key in fetched.tensors:
+                    continue
+                hit = self._blocks.borrow(key)
+                if hit is not None:
+                    fetched.tensors[key] = hit[0]
+                    fetched.buffers.append(hit[1])
+                    self.borrowed += 1
+        return fetched
+
+    def _map(self, unit: Unit, fetched: Fetched) -> list[str]:
+        """Serve keys as mapped pages where the store can (read in now); returns the keys left to copy."""
+        need = []
+        for key in unit.keys:
+            if key in fetched.tensors:
+                continue
+            if not self.copy and hasattr(self.store, "warm") and self.store.warm(key):
+                tensor = fetched.tensors[key] = self.store[key]
+                fetched.moved += tensor.numel() * tensor.element_size()
+                fetched.mapped.append(key)
+            else:
+                need.append(key)
+        return need
+
+    def _copy_in(self, unit: Unit, keys: list[str], fetched: Fetched, dropped: threading.Event | None) -> bool:
+        """Copy ``keys`` into a free block buffer, each at its place in the unit's layout (False: dropped first)."""
+        pool = self.blocks
+        offsets, _ = self._layout(unit)
+        acquired = pool.acquire(dropped)
+        if acquired is None:
+            return False
+        index, buffer, free_event = acquired
+        fetched.buffers.append(index)
+        self.accel.side_waits(free_event)
+        for key in keys:
+            offset, shape, dtype = offsets[key]
+            nbytes = _nbytes(shape, dtype)
+            if nbytes:
+                dst = buffer[offset:offset + nbytes]
+                view = dst.view(dtype).view(shape)
+                self._copy_tensor(key, view, dst)
+            else:
+                view = torch.empty(shape, dtype=dtype, device=self.device)
+            pool.publish(key, view, index)
+            fetched.tensors[key] = view
+            fetched.moved += nbytes
+        return True
+
+    def _copy_tensor(self, key: str, view: torch.Tensor, dst_bytes: torch.Tensor) -> None:
+        read_into = getattr(self.store, "read_into", None)
+        if not self.accel.cuda and self.staging is None and read_into is not None:
+            read_into(key, view)  # host to host: one pass, converting where the store does
+            return
+        src = self.store[key]
+        if self.staging is not None and not src.is_pinned():
+            self.staging.copy(flat_bytes(src), dst_bytes)
+            return
+        with self.accel.on_side():
+            view.copy_(src, non_blocking=self.accel.cuda)
+
+    # -- read-ahead whose pages the page cache let go of before use ------------------------------
+    def _evicted(self, fetched: Fetched) -> bool:
+        return any(not resident(fetched.tensors[key]) for key in fetched.mapped)
+
+    def _read_again(self, fetched: Fetched) -> Fetched:
+        for key in fetched.mapped:
+            self.store.warm(key)
+        return fetched
+
+    def revalidate(self) -> None:
+        """Hand the reader again the read-ahead whose pages were evicted before use (the compute thread,
+        as a forward pass starts).
+
+        Between two passes (tokens) the page cache may let go of pages read ahead for the next pass
+        (memory pressure; a benchmark dropping the cache). Read in again now, they arrive while the
+        resident layers run, instead of by page faults on the compute thread when their unit runs.
+        """
+        for index, (future, dropped, fetched) in list(self.pending.items()):
+            if future.done() and not future.cancelled() and future.exception() is None and self._evicted(fetched):
+                self.pending[index] = (self._pool.submit(self._read_again, fetched), dropped, fetched)
+                self.reread += 1
+
+    def _drop(self, fetched: Fetched, event: Any = None) -> None:
+        for index in fetched.buffers:
+            self._blocks.release(index, event)
+        fetched.buffers = []
+
+    def _drop_pending(self, index: int) -> None:
+        self._let_go(*self.pending.pop(index))
+
+    def _let_go(self, future: Future, dropped: threading.Event, fetched: Fetched) -> None:
+        """Let go of a fetch nobody will use: cancelled if not started, else released once it ends."""
+        dropped.set()
+        if future.cancel():
+            self._drop(fetched)  # what it borrowed when scheduled
+            return
+        if self._blocks is not None:
+            self._blocks.wake()
+
+        def done(f: Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._drop(f.result())
+
+        future.add_done_callback(done)
+
+    def _schedule(self, indices: list[int]) -> None:
+        for index in indices:
+            if index not in self.pending and not self.units[index].loaded:
+                dropped = threading.Event()
+                fetched = self._borrow(self.units[index])
+                self.pending[index] = (self._pool.submit(self._fetch, index, fetched, dropped), dropped, fetched)
+
+    # -- the compute thread -----------------------------------------------------------------------
+    def load(self, index: int) -> None:
+        unit = self.units[index]
+        predicted = self.trace.observe(index)
+        if unit.loaded:  # a unit called again inside itself keeps what it has
+            return
+        if index in self.pending:
+            self.hits += 1
+            future, dropped, scheduled = self.pending.pop(index)
+            late = not future.done()  # predicted, but not early enough: the compute thread waits
+            started = time.perf_counter()
+            try:
+                fetched = future.result()
+            except BaseException:  # Ctrl-C while waiting, or the read failed: its buffers go back when it ends
+                self._let_go(future, dropped, scheduled)
+                raise
+            if self._evicted(fetched):
+                # Evicted since it was read ahead: one read now beats page faults while it computes.
+                self._read_again(fetched)
+                self.reread += 1
+                late = True
+            if late:
+                self.late += 1
+                self.waited_s += time.perf_counter() - started
+        else:
+            self.misses += 1
+            # Whatever was read ahead was for another order: let it go, so its buffers are free.
+            for stale in list(self.pending):
+                self._drop_pending(stale)
+            fetched = self._fetch(index)
+        self.accel.compute_waits(fetched.event)
+        self.held[index] = fetched
+        unit.load(self.store, self.device, None, fetched=fetched.tensors)
+        self.stats.add_moved(len(unit.keys), fetched.moved)
+        if self._pool is not None:
+            # Along the recorded trace once there is one; until then, in module order (usually the
+            # order of execution). Fetches for units no longer expected are dropped (bounded memory).
+            upcoming = self.trace.upcoming(self.depth) if predicted else self._in_module_order(index)
+            for stale in [i for i in self.pending if i not in upcoming]:
+                self._drop_pending(stale)
+            self._schedule(upcoming)
+
+    def _in_module_order(self, index: int) -> list[int]:
+        return list(range(index + 1, min(index + 1 + self.depth, len(self.units))))
+
+    def release(self, index: int) -> None:
+        self.units[index].release()
+        fetched = self.held.pop(index, None)
+        if fetched is not None and fetched.buffers:
+            self._drop(fetched, self.accel.record_on_compute())
+
+    def close(self) -> None:
+        for index in list(self.pending):
+            self._drop_pending(index)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for index in list(self.held):
+            self.release(index)
+
+
+def _max_nesting(units: list[Unit]) -> int:
+    """The most units that can be loaded at once: the longest chain of units inside one another."""
+    names = [u.name for u in units]
+
+    def depth(name: str) -> int:
+        return 1 + sum(1 for other in names if other != name and (other == "" or name.startswith(other + ".")))
+
+    return max((depth(n) for n in names), default=1)
+
+
+class PrefetchHook(ModuleHook):
+    name = "prefetch_offload"
+
+    def __init__(self, index: int, prefetcher: Prefetcher, execution_device: torch.device) -> None:
+        self.index = index
+        self.prefetcher = prefetcher
+        self.execution_device = execution_device
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.prefetcher.load(self.index)
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        self.prefetcher.release(self.index)
+        return output
+
+    def on_error(self, module: nn.Module) -> None:
+        self.prefetcher.release(self.index)
+
+    def detach_hook(self, module: nn.Module) -> None:
+        self.prefetcher.release(self.index)
+
+
+class RevalidateHook(ModuleHook):
+    """On the model's root: each forward pass starts by re-queueing read-ahead the page cache evicted."""
+
+    name = "prefetch_revalidate"
+
+    def __init__(self, prefetcher: Prefetcher) -> None:
+        self.prefetcher = prefetcher
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.prefetcher.revalidate()
+        return args, kwargs

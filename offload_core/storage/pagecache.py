@@ -1,0 +1,84 @@
+"""The page cache seen from a mapped tensor: whether its pages are in memory (``mincore``) and reading them in ahead of use (``madvise``)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+from functools import lru_cache
+
+import torch
+
+__all__ = ["libc", "populate", "resident"]
+
+_MADV_WILLNEED = 3
+_MADV_POPULATE_READ = 22  # Linux 5.14+: read the pages in (from disk if needed) and map them, no copy
+
+
+@lru_cache(maxsize=1)
+def libc() -> ctypes.CDLL | None:
+    """The C library with ``madvise``, ``mincore`` and ``fallocate`` typed; None off Linux or where it cannot be found."""
+    name = ctypes.util.find_library("c")
+    if name is None or not sys.platform.startswith("linux"):
+        return None
+    lib = ctypes.CDLL(name, use_errno=True)  # foreign calls release the GIL while they run
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.madvise.restype = ctypes.c_int
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    lib.mincore.restype = ctypes.c_int
+    lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    lib.fallocate.restype = ctypes.c_int
+    return lib
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte says "resident"
+
+
+def _all_resident(lib: ctypes.CDLL, start: int, length: int) -> bool:
+    """Whether every page of the (page-aligned) range is in memory: one exact ``mincore`` call."""
+    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = ctypes.create_string_buffer(max(pages, 1))
+    if lib.mincore(start, length, vec) != 0:
+        return False
+    return b"\x00" not in vec.raw[:pages].translate(_LOW_BIT)
+
+
+def _page_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The page-aligned address range holding a CPU tensor's bytes: (start, length)."""
+    page = mmap.PAGESIZE
+    address = tensor.data_ptr()
+    start = address - address % page
+    return start, address + tensor.numel() * tensor.element_size() - start
+
+
+def resident(tensor: torch.Tensor) -> bool:
+    """Whether all of a CPU tensor's pages are in memory (as :func:`populate` checks before reading).
+
+    True where that cannot be told (no ``mincore``, an empty or non-CPU tensor). Callers use it to
+    decide whether to read pages in again: a wrong answer costs time (a read, or page faults), never
+    correctness.
+    """
+    lib = libc()
+    if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":
+        return True
+    return _all_resident(lib, *_page_span(tensor))
+
+
+def populate(tensor: torch.Tensor) -> bool:
+    """Bring a CPU tensor's file-backed pages into memory ahead of use, on the calling (reader) thread.
+
+    When ``mincore`` shows the tensor already in memory, nothing is done (walking the pages of every
+    offloaded byte on every token is costly). Otherwise ``MADV_POPULATE_READ`` reads and maps them
+    (the GIL is released meanwhile); kernels without it get the ``MADV_WILLNEED`` hint, which some
+    disks ignore. Returns False where madvise is unavailable.
+    """
+    lib = libc()
+    if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":
+        return lib is not None
+    start, length = _page_span(tensor)
+    if _all_resident(lib, start, length):
+        return True
+    if lib.madvise(start, length, _MADV_POPULATE_READ) == 0:
+        return True
+    return lib.madvise(start, length, _MADV_WILLNEED) == 0
