@@ -34,7 +34,7 @@ def check_placement(placement: Any, request: PlacementRequest) -> dict[str, int 
     ``placement`` is a built placement (or a registered name). Returns the normalised device map.
     """
     from offload_core.planning import check_device_map, get_max_memory, normalize_device_map, summarize_device_map
-    from offload_core.planning.budgets import device_key
+    from offload_core.values import device_key
     from offload_core.values import parse_size
 
     placement = _resolve("placement", placement)
