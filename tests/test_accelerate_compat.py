@@ -123,7 +123,7 @@ def test_tied_partners_are_charged_when_the_first_member_is_placed():
 def test_a_module_registered_twice_is_one_module_everywhere():
     layer = nn.Linear(4, 4)
     model = nn.Sequential(layer, layer)
-    assert find_tied_parameters(model) == [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+    assert find_tied_parameters(model) == [["0.bias", "1.bias"], ["0.weight", "1.weight"]]
     with pytest.raises(DeviceMapError, match="one module"):
         check_device_map(model, {"0": "cpu", "1": "disk"})
     reference = model(torch.ones(1, 4))

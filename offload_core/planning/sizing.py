@@ -86,11 +86,11 @@ def tie_groups(model: nn.Module, parameters_only: bool = False) -> dict[str, lis
 
 
 def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
-    """Groups of names under which one ``Parameter`` object is registered, each sorted, in model order.
+    """Groups of names under which one ``Parameter`` object is registered, each sorted, the groups sorted.
 
     A module registered under two names (``nn.Sequential(layer, layer)``) ties all its parameters.
     """
-    return [sorted(names) for names in tie_groups(model, parameters_only=True).values()]
+    return sorted(sorted(names) for names in tie_groups(model, parameters_only=True).values())
 
 
 def shared_modules(model: nn.Module) -> list[list[str]]:
