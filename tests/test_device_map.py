@@ -169,9 +169,11 @@ def test_seed_overlap_that_disagrees_is_rejected(two_layer):
         check_device_map(two_layer, {"": "cpu", "fc": 0})
 
 
-def test_unknown_names_are_rejected(two_layer):
-    with pytest.raises(DeviceMapError, match=r"'fc\.scale'.*does not have"):
+def test_unknown_names_warn_as_in_accelerate_and_are_rejected_with_strict(two_layer):
+    with pytest.warns(UserWarning, match=r"'fc\.scale'.*does not have"):
         check_device_map(two_layer, {"": 0, "fc.scale": 0})
+    with pytest.raises(DeviceMapError, match=r"'fc\.scale'.*does not have"):
+        check_device_map(two_layer, {"": 0, "fc.scale": 0}, strict=True)
 
 
 @pytest.mark.parametrize("device", ["gpu", -1, "cuda:x", 1.5, True, None])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -58,10 +59,11 @@ def _short(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
+def check_device_map(model: nn.Module, device_map: Mapping[str, Any], *, strict: bool = False) -> None:
     """Raise DeviceMapError unless ``device_map`` puts every state-dict tensor of ``model`` on exactly one known device.
 
-    Rejected: unknown devices, names that are not a module or tensor of the model, a key inside
+    Names that are not a module or tensor of the model are a warning, as in accelerate (an error with
+    ``strict``). Rejected: unknown devices, a key inside
     another key with a different device (``{"fc": 0, "fc.bias": "cpu"}``), tensors no key covers, and a
     module registered under two names (``nn.Sequential(layer, layer)``) given two devices: it is one module.
     """
@@ -73,10 +75,13 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
         known.update(prefix + local for local in (*module._parameters, *module._buffers))
     unknown = [key for key in device_map if key not in known]
     if unknown:
-        raise DeviceMapError(
-            f"device map names {_short(unknown)}, which the model does not have: use module or tensor names "
-            "from model.named_modules() / model.state_dict()"
-        )
+        message = (f"device map names {_short(unknown)}, which the model does not have: use module or tensor names "
+                   "from model.named_modules() / model.state_dict()")
+        if strict:
+            raise DeviceMapError(message)
+        warnings.warn(f"The following device_map keys do not match any submodules in the model: {unknown}; {message}",
+                      stacklevel=2)
+        device_map = {key: device for key, device in device_map.items() if key not in unknown}
     clashes = []
     for key, device in device_map.items():
         for outer in _ancestors(key) if key else ():

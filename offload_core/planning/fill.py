@@ -50,6 +50,9 @@ class _Filler:
         self.sizes = compute_module_sizes(request.model, dtype=parse_dtype(request.dtype), special_dtypes=request.special_dtypes)
         self.budgets = budgets
         self.fallback = request.fallback_allocation
+        self.fallen_back: set[int | str] = set()
+        self.left_with: dict[int | str, int] = {}  # GPUs filled: bytes used plus the room they held back
+        self.empty: dict[int | str, int] = {}  # devices that got nothing: the bytes the unit that did not fit needed
         self.gpus = [d for d in budgets if isinstance(d, int)]
         self.has_cpu = "cpu" in budgets
         self.main = {self.gpus[0], "cpu"} if self.gpus else {"cpu"}
@@ -86,12 +89,16 @@ class _Filler:
         if device not in self.main:
             return 0
         pending = [u for u, where in self.offloaded if where in self.tiers and where != device]
+        todo = [u for u in todo if not self.is_placed(u[0])]
         return max((self.unit_max(u) for u in [*todo, *pending]), default=0)
 
     def fits(self, device: int | str, size: int, todo: list[Unit]) -> bool:
         if device == "disk":
             return True
         return self.used[device] + size + self.held_back(device, todo) <= self.budgets[device]
+
+    def is_placed(self, name: str) -> bool:
+        return any(_inside(name, p) for p in self.placed)
 
     def charge(self, name: str) -> int:
         """Bytes of ``name`` not yet charged (parts of it placed early as tie partners are)."""
@@ -150,7 +157,7 @@ class _Filler:
         while todo:
             unit = todo.pop(0)
             name, obj = unit
-            if any(_inside(name, p) for p in self.placed):
+            if self.is_placed(name):
                 continue
             group = [unit, *self.partners(name)]
             size = sum(self.charge(u[0]) for u in group)
@@ -163,12 +170,15 @@ class _Filler:
                     todo[:0] = _direct_units(obj, name)
                 else:
                     todo.insert(0, unit)
-                    if self.fallback and current == 0 and self.used[device] == 0:
-                        self.fallback = False
+                    if self.used[device] == 0 and self.fallback and device not in self.fallen_back:
+                        self.fallen_back.add(device)
                         group = self.first_fitting(device, todo)
                         if group is not None:
                             self.put(group, device)
                             continue
+                    if self.used[device] == 0:
+                        self.empty[device] = size + self.held_back(device, todo)
+                    self.left_with[device] = self.used[device] + self.held_back(device, todo)
                     current += 1
                 continue
             # Past the GPUs cpu and disk feed the same execution device, so their order does not matter:
@@ -179,6 +189,10 @@ class _Filler:
                 todo[:0] = _direct_units(obj, name)
             else:
                 self.put(group, "disk")
+        if self.empty:
+            needs = ", ".join(f"{device}: {nbytes} bytes required" for device, nbytes in self.empty.items())
+            log.info("no modules could be assigned to these devices due to insufficient memory (%s); give them at "
+                     "least that much, or plan with fallback_allocation=True", needs)
         return self.placed
 
     def tensor_devices(self) -> dict[str, int | str]:
@@ -241,7 +255,7 @@ def infer_auto_device_map(
             log.info("Putting %s (size=%d) on %s", name, filler.sizes.get(name, 0), device)
     if not offload_buffers and filler.gpus:
         buffers = filler.offloaded_buffer_bytes()
-        room = max(filler.budgets[g] - filler.used[g] for g in filler.gpus)
+        room = max(filler.budgets[g] - filler.left_with.get(g, filler.used[g]) for g in filler.gpus)
         if buffers > room:
             warnings.warn(
                 f"Current model requires {buffers} bytes of buffer for offloaded layers, which seems does not fit any "

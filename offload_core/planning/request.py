@@ -16,7 +16,7 @@ class PlacementRequest:
     ``max_memory`` maps devices (int GPU ids, ``"cpu"``, ``"disk"``) to bytes. ``reserve`` is ``None``
     for the reference rule (the main devices hold back room for the largest unit still offloadable) or a
     dict of bytes held back per device instead (``{"cpu": 0}``: none; devices not named hold back nothing).
-    ``fallback_allocation``: when the first GPU would get nothing, put there the first unit that fits.
+    ``fallback_allocation``: when a GPU would get nothing, put there the first unit (breadth first) that fits.
     """
 
     model: nn.Module
