@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import DeviceMapError
+from offload_core.planning.budgets import get_max_memory
 from offload_core.planning.sizing import compute_module_sizes, named_module_tensors, shared_modules
 from offload_core.values import DEVICE_FORMS, device_key
 
@@ -169,8 +170,6 @@ def summarize_device_map(
 
     Returns ``{"devices": {device: {...}}, "total_bytes": int}``; a tied tensor counts once, where its first name lives.
     """
-    from offload_core.planning.budgets import get_max_memory
-
     device_map = normalize_device_map(device_map)
     budgets = get_max_memory(max_memory, check_devices=False) if max_memory is not None else {}
     sizes = compute_module_sizes(model, dtype=dtype)

@@ -15,7 +15,7 @@ from offload_core.planning.budgets import budget_device, get_max_memory
 from offload_core.planning.device_map import DeviceMap, compress_device_map, device_of
 from offload_core.planning.request import PlacementRequest
 from offload_core.planning.sizing import compute_module_sizes, get_max_layer_size, is_unsplittable, tensor_aliases
-from offload_core.values import parse_dtype, parse_size
+from offload_core.values import is_offloaded, parse_dtype, parse_size
 
 log = logging.getLogger(__name__)
 Unit = tuple[str, "nn.Module | torch.Tensor"]
@@ -56,7 +56,8 @@ class _Filler:
         self.gpus = [d for d in budgets if isinstance(d, int)]
         self.has_cpu = "cpu" in budgets
         self.main = {self.gpus[0], "cpu"} if self.gpus else {"cpu"}
-        self.tiers = {"cpu", "disk"} if self.gpus else {"disk"}
+        # the planned run executes on the first GPU where there is one: that decides what counts as offloaded
+        self.execution = torch.device("cuda", self.gpus[0]) if self.gpus else torch.device("cpu")
         self.reserve = None
         if request.reserve is not None:
             self.reserve = {budget_device(k, "reserve"): parse_size(v, what=f"reserve[{k!r}]") for k, v in request.reserve.items()}
@@ -88,7 +89,7 @@ class _Filler:
             return self.reserve.get(device, 0)
         if device not in self.main:
             return 0
-        pending = [u for u, where in self.offloaded if where in self.tiers and where != device]
+        pending = [u for u, where in self.offloaded if where != device]
         todo = [u for u in todo if not self.is_placed(u[0])]
         return max((self.unit_max(u) for u in [*todo, *pending]), default=0)
 
@@ -135,7 +136,7 @@ class _Filler:
         for unit in units:
             self.used[device] += self.charge(unit[0])
             self.placed[unit[0]] = device
-            if device in self.tiers:
+            if is_offloaded(device, self.execution):
                 self.offloaded.append((unit, device))
 
     def first_fitting(self, device: int | str, todo: list[Unit]) -> list[Unit] | None:
