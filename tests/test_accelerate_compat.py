@@ -14,6 +14,7 @@ import offload_core
 from offload_core.errors import ConfigError, DeviceMapError, OffloadError
 from offload_core.loading.dispatch import dispatch_model, load_checkpoint_and_dispatch
 from offload_core.loading.empty import init_empty_weights, init_on_device
+from offload_core.module_hooks.base import module_hooks
 from offload_core.module_hooks.chained import cpu_offload_with_hook
 from offload_core.planning import (
     check_device_map,
@@ -209,3 +210,44 @@ def test_the_package_exports_accelerates_names():
     for name in ("dispatch_model", "load_checkpoint_and_dispatch", "infer_auto_device_map", "init_empty_weights",
                  "cpu_offload_with_hook", "find_tied_parameters", "check_device_map", "get_max_memory"):
         assert callable(getattr(offload_core, name))
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        return self.b(self.a(x))
+
+
+def test_preload_module_classes_loads_those_modules_whole_and_skip_keys_reach_the_policy():
+    model = nn.Sequential(Pair(), Pair())
+    reference = model(torch.ones(1, 4))
+    dispatch_model(model, {"": "disk"}, main_device="cpu", preload_module_classes=["Pair"], skip_keys="mask",
+                   storage="pinned_cpu")
+    assert [unit.name for unit in model.offload_state.handle.units] == ["0", "1"]
+    assert all(hook.skip_keys == {"mask"} for hook in module_hooks(model[0]) if hasattr(hook, "skip_keys"))
+    assert any(hasattr(hook, "skip_keys") for hook in module_hooks(model[0]))
+    assert torch.equal(model(torch.ones(1, 4)), reference)
+    model.offload_state.remove()
+    dispatch_model(model, {"": "disk"}, main_device="cpu", storage="pinned_cpu")
+    assert [unit.name for unit in model.offload_state.handle.units] == ["0.a", "0.b", "1.a", "1.b"]
+
+
+def test_load_checkpoint_and_dispatch_strict_and_device_map_none(tmp_path):
+    from safetensors.torch import save_file
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = model(torch.ones(1, 4))
+    save_file({**model.state_dict(), "extra": torch.zeros(1)}, tmp_path / "model.safetensors")
+    with init_empty_weights():
+        empty = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(offload_core.errors.CheckpointError, match="strict=False"):
+        load_checkpoint_and_dispatch(empty, tmp_path / "model.safetensors", strict=True, progress=False)
+    with init_empty_weights():
+        empty = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    load_checkpoint_and_dispatch(empty, tmp_path / "model.safetensors", progress=False)
+    assert empty.hf_device_map == {"": "cpu"} and empty[0].weight.device.type == "cpu"
+    assert torch.equal(empty(torch.ones(1, 4)), reference)

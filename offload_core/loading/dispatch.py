@@ -229,11 +229,15 @@ def _prepare_device_map(model: nn.Module, device_map: Any, max_memory: Any, no_s
     return device_map
 
 
-def _policy(policy: str | Any, skip_keys: str | list[str] | None) -> Any:
-    """The module-hook policy by name (``skip_keys`` go to its config) or as built."""
-    if isinstance(policy, str) and skip_keys:
-        return _resolve("hook", policy, {"skip_keys": [skip_keys] if isinstance(skip_keys, str) else list(skip_keys)})
-    return _resolve("hook", policy)
+def _policy(policy: str | Any, skip_keys: str | list[str] | None, preload: list[str] | None) -> Any:
+    """The module-hook policy by name (``skip_keys`` go to its config; ``preload`` classes make
+    ``align_per_call`` load whole blocks) or as built."""
+    config: dict[str, Any] = {}
+    if skip_keys:
+        config["skip_keys"] = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys)
+    if preload and policy == "align_per_call":
+        config["granularity"] = "block"
+    return _resolve("hook", policy, config or None) if isinstance(policy, str) else policy
 
 
 def _attach(model: nn.Module, device_map: dict, plan: TensorPlan, store: Store | None, policy: Any,
@@ -314,7 +318,7 @@ def load_checkpoint_and_dispatch(
             store.close()
         raise
     _move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, plan, store, _policy(policy, skip_keys), execution_device,
+    _attach(model, device_map, plan, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
             [*no_split, *(preload_module_classes or [])])
     return model
 
@@ -386,6 +390,6 @@ def dispatch_model(
                 _set_tensor(model, name, tensor.detach().to(device), plan.is_param[name])
     _retie(model, plan)
     _move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, plan, store, _policy(policy, skip_keys), execution_device,
+    _attach(model, device_map, plan, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
             [*no_split, *(preload_module_classes or [])])
     return model
