@@ -10,12 +10,12 @@ class OffloadError(Exception):
     """
 
 
-class ConfigError(OffloadError):
-    """A config value that cannot be used (unknown name, bad size, impossible budget)."""
+class ConfigError(OffloadError, ValueError):
+    """A config value that cannot be used (unknown name, bad size, impossible budget); a ``ValueError`` too, as in accelerate."""
 
 
-class DeviceMapError(OffloadError):
-    """A device map that does not cover the model exactly once or names unknown devices."""
+class DeviceMapError(OffloadError, ValueError):
+    """A device map that does not cover the model exactly once or names unknown devices; a ``ValueError`` too, as in accelerate."""
 
 
 class CheckpointError(OffloadError):

@@ -34,12 +34,12 @@ def check_placement(placement: Any, request: PlacementRequest) -> dict[str, int 
     ``placement`` is a built placement (or a registered name). Returns the normalised device map.
     """
     from offload_core.planning import check_device_map, get_max_memory, normalize_device_map, summarize_device_map
-    from offload_core.planning.budgets import device_key
+    from offload_core.values import device_key
     from offload_core.values import parse_size
 
     placement = _resolve("placement", placement)
     device_map = normalize_device_map(placement.make_device_map(request))
-    check_device_map(request.model, device_map)
+    check_device_map(request.model, device_map, strict=True)
     budgets = get_max_memory(request.max_memory, check_devices=False)
     reserve = {device_key(k): parse_size(v) for k, v in (request.reserve or {}).items()}
     summary = summarize_device_map(request.model, device_map, budgets, dtype=request.dtype)

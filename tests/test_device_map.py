@@ -104,13 +104,14 @@ def test_tied_leaf_follows_its_first_occurrence():
     check_device_map(model, device_map)
 
 
-def test_tied_tensor_inside_a_splittable_module_is_split_out():
+def test_a_tied_leaf_goes_with_its_partner_and_keeps_its_bias():
     with init_empty_weights():
         model = nn.ModuleDict({"embed": nn.Embedding(1000, 100), "tail": nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 1000))})
     model["tail"][1].weight = model["embed"].weight
-    # embed fills GPU 0 (400 kB): the tied leaf tail.1 gives up its weight to GPU 0, its bias does not fit there
+    # embed (400 kB) and its partner tail.1 (4 kB more: its bias) are placed and charged together:
+    # they do not fit GPU 0 together, so both move on, and tail.1's weight and bias are never split
     device_map = plan_device_map(PlacementRequest(model, {0: 400_000, 1: 10**9}, reserve={}))
-    assert device_map == {"embed": 0, "tail.0": 1, "tail.1.weight": 0, "tail.1.bias": 1}
+    assert device_map == {"": 1}
     roomy = plan_device_map(PlacementRequest(model, {0: 404_000, 1: 10**9}, reserve={}))
     assert roomy == {"embed": 0, "tail.0": 1, "tail.1": 0}
     check_device_map(model, device_map)
@@ -168,9 +169,11 @@ def test_seed_overlap_that_disagrees_is_rejected(two_layer):
         check_device_map(two_layer, {"": "cpu", "fc": 0})
 
 
-def test_unknown_names_are_rejected(two_layer):
-    with pytest.raises(DeviceMapError, match=r"'fc\.scale'.*does not have"):
+def test_unknown_names_warn_as_in_accelerate_and_are_rejected_with_strict(two_layer):
+    with pytest.warns(UserWarning, match=r"'fc\.scale'.*does not have"):
         check_device_map(two_layer, {"": 0, "fc.scale": 0})
+    with pytest.raises(DeviceMapError, match=r"'fc\.scale'.*does not have"):
+        check_device_map(two_layer, {"": 0, "fc.scale": 0}, strict=True)
 
 
 @pytest.mark.parametrize("device", ["gpu", -1, "cuda:x", 1.5, True, None])

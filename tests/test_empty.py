@@ -1,4 +1,4 @@
-"""Empty init: parameters (and buffers if asked) land on the meta device, and nn.Module is restored afterwards."""
+"""Empty init: parameters (and buffers if asked) land on the meta device; nothing of nn.Module is patched, nothing outlives the block."""
 
 from __future__ import annotations
 
@@ -60,10 +60,13 @@ def test_init_on_device_cpu_and_restores_module_methods():
     assert nn.Module.register_buffer is ORIGINAL_REGISTER_BUFFER
 
 
-def test_restored_even_when_the_block_raises():
+@pytest.mark.parametrize("include_buffers", [False, True])
+def test_nothing_is_patched_and_nothing_outlives_a_block_that_raises(include_buffers):
     with pytest.raises(RuntimeError, match="boom"):
-        with init_empty_weights(include_buffers=True):
-            assert nn.Module.register_parameter is not ORIGINAL_REGISTER_PARAMETER
+        with init_empty_weights(include_buffers=include_buffers):
+            assert nn.Module.register_parameter is ORIGINAL_REGISTER_PARAMETER
+            assert nn.Module.register_buffer is ORIGINAL_REGISTER_BUFFER
+            assert nn.Linear(2, 2).weight.device.type == "meta"
             raise RuntimeError("boom")
     assert nn.Module.register_parameter is ORIGINAL_REGISTER_PARAMETER
     assert nn.Module.register_buffer is ORIGINAL_REGISTER_BUFFER
@@ -92,3 +95,14 @@ def test_parameter_subclass_keeps_its_class():
     with init_empty_weights():
         holder = Holder()
     assert type(holder.w) is Tagged and holder.w.device.type == "meta"
+
+
+def test_another_thread_is_not_affected():
+    import threading
+
+    made = []
+    with init_empty_weights():
+        worker = threading.Thread(target=lambda: made.append(nn.Linear(2, 2)))
+        worker.start()
+        worker.join()
+    assert made[0].weight.device.type == "cpu"

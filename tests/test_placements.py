@@ -40,6 +40,12 @@ def sizes(llama):
     return compute_module_sizes(llama)
 
 
+def place(model, max_memory, no_split, strategy):
+    """The device map the placement ``strategy`` makes (as dispatching by name does)."""
+    request = PlacementRequest(model, max_memory, list(no_split))
+    return get_registry().create("placement", strategy).make_device_map(request)
+
+
 def layers_on(device_map, device, n=4):
     return [i for i in range(n) if device_of(device_map, f"model.layers.{i}.mlp.up_proj.weight") == device]
 
@@ -55,7 +61,7 @@ def test_builtin_placements_are_registered_with_their_configs():
 
 def test_unknown_strategy_names_the_available_ones(llama):
     with pytest.raises(PluginError, match="balanced_low_0"):
-        infer_auto_device_map(llama, {"cpu": "1GB"}, NO_SPLIT, strategy="roundrobin")
+        place(llama, {"cpu": "1GB"}, NO_SPLIT, "roundrobin")
 
 
 BUDGETS = [
@@ -72,7 +78,7 @@ BUDGETS = [
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("max_memory", BUDGETS, ids=[str(i) for i in range(len(BUDGETS))])
 def test_maps_are_valid_tied_and_within_budget(llama, sizes, strategy, max_memory):
-    device_map = infer_auto_device_map(llama, max_memory, NO_SPLIT, strategy=strategy)
+    device_map = place(llama, max_memory, NO_SPLIT, strategy)
     check_device_map(llama, device_map)
     assert device_of(device_map, "lm_head.weight") == device_of(device_map, "model.embed_tokens.weight")
     summary = summarize_device_map(llama, device_map, max_memory)
@@ -96,7 +102,7 @@ def test_maps_are_valid_tied_and_within_budget(llama, sizes, strategy, max_memor
 def test_sequential_fills_in_order_and_balanced_spreads(llama, sizes):
     roomy = {0: 2_000_000, 1: 2_000_000}
     assert infer_auto_device_map(llama, roomy, NO_SPLIT) == {"": 0}
-    balanced = infer_auto_device_map(llama, roomy, NO_SPLIT, strategy="balanced")
+    balanced = place(llama, roomy, NO_SPLIT, "balanced")
     assert layers_on(balanced, 0) and layers_on(balanced, 1)
     bytes_per = {d: i["bytes"] for d, i in summarize_device_map(llama, balanced)["devices"].items()}
     assert set(bytes_per) == {0, 1}
@@ -105,20 +111,20 @@ def test_sequential_fills_in_order_and_balanced_spreads(llama, sizes):
 
 def test_balanced_uses_the_actual_ids_when_they_are_not_contiguous(llama):
     max_memory = {0: 2_000_000, 2: 2_000_000, 7: 2_000_000}
-    device_map = infer_auto_device_map(llama, max_memory, NO_SPLIT, strategy="balanced")
+    device_map = place(llama, max_memory, NO_SPLIT, "balanced")
     used = set(device_map.values())
     assert used == {0, 2, 7}
-    low = infer_auto_device_map(llama, max_memory, NO_SPLIT, strategy="balanced_low_0")
+    low = place(llama, max_memory, NO_SPLIT, "balanced_low_0")
     assert layers_on(low, 2) and layers_on(low, 7) and not layers_on(low, 0)
     assert 1 not in set(low.values())
 
 
 def test_balanced_low_0_leaves_gpu_0_lighter(llama):
     max_memory = {0: 1_000_000, 1: 1_000_000, 2: 1_000_000}
-    device_map = infer_auto_device_map(llama, max_memory, NO_SPLIT, strategy="balanced_low_0")
+    device_map = place(llama, max_memory, NO_SPLIT, "balanced_low_0")
     per = {d: i["bytes"] for d, i in summarize_device_map(llama, device_map)["devices"].items()}
     assert per.get(0, 0) < min(per[1], per[2])
-    balanced = infer_auto_device_map(llama, max_memory, NO_SPLIT, strategy="balanced")
+    balanced = place(llama, max_memory, NO_SPLIT, "balanced")
     assert layers_on(balanced, 0) or device_of(balanced, "model.embed_tokens.weight") == 0
 
 
@@ -138,7 +144,7 @@ def test_balanced_caps(llama, sizes):
 
 @pytest.mark.parametrize("max_memory", [{0: 500_000, "cpu": 600_000}, {"cpu": 500_000}, {3: 10**7}])
 def test_one_gpu_or_none_balanced_is_sequential(llama, max_memory):
-    maps = [infer_auto_device_map(llama, max_memory, NO_SPLIT, strategy=s) for s in STRATEGIES]
+    maps = [place(llama, max_memory, NO_SPLIT, s) for s in STRATEGIES]
     assert maps[0] == maps[1] == maps[2]
 
 
@@ -153,4 +159,4 @@ def test_gpu_map_planned_on_cpu_with_strings_and_cuda_names(llama):
 def test_registry_builds_placements_from_config_mappings(llama):
     placement = get_registry().create("placement", "balanced", {"name": "balanced"})
     request = PlacementRequest(llama, {0: 2_000_000, 1: 2_000_000}, NO_SPLIT)
-    assert placement.make_device_map(request) == infer_auto_device_map(llama, request.max_memory, NO_SPLIT, strategy="balanced")
+    assert placement.make_device_map(request) == place(llama, request.max_memory, NO_SPLIT, "balanced")

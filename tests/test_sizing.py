@@ -135,7 +135,8 @@ class TiedParameters(nn.Module):
 
 
 def test_seed_tied_parameters_example():
-    assert find_tied_parameters(AliasedModule()) == []
+    # a module registered twice ties every parameter it has, as accelerate reports it
+    assert find_tied_parameters(AliasedModule()) == [["layer1.bias", "layer2.bias"], ["layer1.weight", "layer2.weight"]]
     assert find_tied_parameters(TiedParameters()) == [["layer1.bias", "layer2.bias"], ["layer1.weight", "layer2.weight"]]
 
 
@@ -188,7 +189,7 @@ def test_get_max_memory_parses_keys_and_orders_devices():
     assert budgets == {0: 100, 1: 1000, 2: 2**31, "cpu": 10**9, "disk": 0}
 
 
-@pytest.mark.parametrize("key", ["gpu0", "cuda", "tpu", -1, "cuda:x"])
+@pytest.mark.parametrize("key", ["gpu0", "tpu", -1, "cuda:x"])
 def test_get_max_memory_unknown_key_names_it_and_the_accepted_forms(key):
     with pytest.raises(ConfigError, match=r"unknown device .*cpu.*disk"):
         get_max_memory({key: 10, "cpu": 10}, check_devices=False)
@@ -200,10 +201,12 @@ def test_get_max_memory_duplicate_device_is_an_error():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without that many GPUs")
-def test_get_max_memory_checks_devices_unless_told_not_to():
-    with pytest.raises(ConfigError, match="GPU 7"):
-        get_max_memory({7: "1GB"})
+def test_get_max_memory_warns_of_missing_devices_unless_told_not_to(caplog):
+    assert get_max_memory({7: "1GB"}) == {7: 10**9}
+    assert "Device 7 is not available" in caplog.text
+    caplog.clear()
     assert get_max_memory({7: "1GB"}, check_devices=False) == {7: 10**9}
+    assert not caplog.text
 
 
 def test_get_max_memory_reads_the_machine():

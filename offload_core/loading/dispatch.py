@@ -15,25 +15,13 @@ from tqdm.auto import tqdm
 from offload_core.errors import CheckpointError
 from offload_core.module_hooks.units import DispatchPlan, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
+from offload_core.values import is_offloaded, torch_device
 
 log = logging.getLogger(__name__)
 
 def default_execution_device() -> torch.device:
     """``cuda:0`` when an accelerator is present, else ``cpu``."""
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def offload_tiers(execution_device: torch.device) -> set[str]:
-    """Device-map values whose tensors are offloaded: on a CPU run only ``disk`` (``cpu`` is resident)."""
-    return {"disk"} if execution_device.type == "cpu" else {"cpu", "disk"}
-
-
-def _torch_device(value: int | str, execution_device: torch.device) -> torch.device:
-    if isinstance(value, int):
-        return torch.device("cuda", value)
-    if value in ("cpu", "disk"):
-        return execution_device if value == "disk" else torch.device("cpu")
-    return torch.device(value)
 
 
 @dataclass
@@ -53,23 +41,20 @@ class TensorPlan:
 def plan_tensors(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device,
                  offload_buffers: bool = False) -> TensorPlan:
     """Resolve a checked device map into per-tensor decisions (tied names share one store key)."""
-    from offload_core.planning import device_of, find_tied_parameters
+    from offload_core.planning import device_of, tensor_aliases
 
     plan = TensorPlan()
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    for group in find_tied_parameters(model):
-        for name in group:
-            plan.canonical[name] = group[0]
-    tiers = offload_tiers(execution_device)
+    aliases = tensor_aliases(model)
     for name in model.state_dict(keep_vars=True):
-        plan.canonical.setdefault(name, name)
+        plan.canonical[name] = aliases.get(name, name)
         is_param = name in params
         plan.is_param[name] = is_param
         where = device_of(device_map, plan.canonical[name])
-        if where in tiers and (is_param or offload_buffers):
+        if is_offloaded(where, execution_device) and (is_param or offload_buffers):
             plan.offloaded[name] = plan.canonical[name]
         else:
-            plan.resident[name] = _torch_device(where, execution_device)
+            plan.resident[name] = torch_device(where, execution_device)
     return plan
 
 
@@ -97,22 +82,30 @@ def _retie(model: nn.Module, plan: TensorPlan) -> None:
             _set_tensor(model, name, _get_tensor(model, canonical), plan.is_param[name])
 
 
-def _move_leftover_buffers(model: nn.Module, execution_device: torch.device) -> None:
-    """Non-persistent buffers (e.g. rotary ``inv_freq``) are not in any checkpoint: they run on the execution device."""
-    for module in model.modules():
+def _move_leftover_buffers(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device) -> None:
+    """Non-persistent buffers (e.g. rotary ``inv_freq``) are in no checkpoint: each goes where its module runs."""
+    from offload_core.errors import DeviceMapError
+    from offload_core.planning import device_of
+
+    for name, module in model.named_modules():
+        try:
+            device = torch_device(device_of(device_map, name), execution_device)
+        except DeviceMapError:  # a module holding only such buffers, under no key: the execution device
+            device = execution_device
         for local, buf in module._buffers.items():
-            if buf is not None and buf.device.type != "meta" and buf.device != execution_device:
-                module._buffers[local] = buf.to(execution_device)
+            if buf is not None and buf.device.type != "meta" and buf.device != device:
+                module._buffers[local] = buf.to(device)
 
 
 def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan, store: Store | None,
-                             dtype: torch.dtype | None = None, progress: bool = True) -> dict[str, list[str]]:
+                             dtype: torch.dtype | None = None, progress: bool = True,
+                             strict: bool = False) -> dict[str, list[str]]:
     """Stream ``checkpoint`` shard by shard into ``model`` (resident tensors) and ``store`` (offloaded ones).
 
     Resident tensors are copied once from the mapped shard to their device; offloaded ones go to the
     store (which may only record where they are). Peak anonymous memory is the resident bytes: shards
     are mapped, never read whole into memory. Returns ``{"missing": [...], "unexpected": [...]}``;
-    missing weights or shape mismatches raise :class:`CheckpointError`.
+    missing weights or shape mismatches raise :class:`CheckpointError`, and so do unused ones with ``strict``.
     """
     ckpt_keys = set(checkpoint.keys())
     # Which checkpoint key feeds each canonical name (a tied group may be saved under any of its names).
@@ -129,6 +122,11 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
         )
     wanted = {key: canonical for canonical, key in source.items()}
     unexpected = sorted(ckpt_keys - set(plan.canonical))
+    if unexpected and strict:
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} tensor(s) the model does not use ({', '.join(unexpected[:5])}): "
+            "load it with strict=False to ignore them, or use the checkpoint that matches the model"
+        )
     if unexpected:
         log.warning("checkpoint has %d tensor(s) the model does not use (ignored): %s", len(unexpected), ", ".join(unexpected[:5]))
     state = model.state_dict(keep_vars=True)
@@ -218,18 +216,28 @@ def _resolve(kind: str, value: Any, config: Any = None) -> Any:
 
 def _prepare_device_map(model: nn.Module, device_map: Any, max_memory: Any, no_split: list[str],
                         dtype: torch.dtype | None, reserve: Any) -> dict[str, int | str]:
-    from offload_core.planning import check_device_map, infer_auto_device_map, normalize_device_map
+    from offload_core.planning import PlacementRequest, check_device_map, get_max_memory, normalize_device_map
 
-    if device_map is None:
-        device_map = "sequential"
     if isinstance(device_map, str):
         # A placement name ("auto" is balanced, as in transformers); an unknown one lists those there are.
         strategy = "balanced" if device_map == "auto" else device_map
-        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split,
-                                           dtype=dtype, strategy=strategy, reserve=reserve)
+        request = PlacementRequest(model=model, max_memory=get_max_memory(max_memory), no_split_module_classes=no_split,
+                                   dtype=dtype, reserve=reserve)
+        device_map = _resolve("placement", strategy).make_device_map(request)
     device_map = normalize_device_map(device_map)
     check_device_map(model, device_map)
     return device_map
+
+
+def _policy(policy: str | Any, skip_keys: str | list[str] | None, preload: list[str] | None) -> Any:
+    """The module-hook policy by name (``skip_keys`` go to its config; ``preload`` classes make
+    ``align_per_call`` load whole blocks) or as built."""
+    config: dict[str, Any] = {}
+    if skip_keys:
+        config["skip_keys"] = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys)
+    if preload and policy == "align_per_call":
+        config["granularity"] = "block"
+    return _resolve("hook", policy, config or None) if isinstance(policy, str) else policy
 
 
 def _attach(model: nn.Module, device_map: dict, plan: TensorPlan, store: Store | None, policy: Any,
@@ -246,23 +254,34 @@ def _attach(model: nn.Module, device_map: dict, plan: TensorPlan, store: Store |
 def load_checkpoint_and_dispatch(
     model: nn.Module,
     checkpoint: str | Path | Any,
-    device_map: Mapping[str, int | str] | str | None = "sequential",
+    device_map: Mapping[str, int | str] | str | None = None,
     max_memory: Mapping[Any, int | str] | None = None,
     no_split_module_classes: list[str] | None = None,
+    offload_folder: str | Path | None = None,
+    offload_buffers: bool = False,
+    dtype: torch.dtype | str | None = None,
+    offload_state_dict: bool | None = None,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
+    strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
+    *,
     storage: str | Any = "memmap",
     policy: str | Any = "align_per_call",
-    offload_folder: str | Path | None = None,
-    dtype: torch.dtype | str | None = None,
     execution_device: torch.device | str | None = None,
-    offload_buffers: bool = False,
     reserve: Mapping[Any, int] | None = None,
     progress: bool = True,
 ) -> nn.Module:
     """Load ``checkpoint`` into ``model`` (built under :func:`init_empty_weights`) and attach offloading.
 
-    ``device_map``: a dict (keys module or tensor names, values GPU ids, ``"cpu"``, ``"disk"``) or a
-    placement name. ``storage`` and ``policy`` are plugin names or built strategy objects. The model
-    gets ``hf_device_map`` and ``offload_state`` (see :class:`OffloadState`).
+    accelerate's signature. ``device_map``: a dict (keys module or tensor names, values GPU ids,
+    ``"cpu"``, ``"disk"``), a placement name, or ``None`` (everything in RAM, run on the cpu).
+    ``offload_state_dict`` needs nothing here: shards are always streamed, never held whole.
+    ``preload_module_classes`` are loaded whole by their outermost module hook. Ours, keyword-only:
+    ``storage`` and ``policy`` (plugin names or built objects), ``execution_device``, ``reserve``.
+    The model gets ``hf_device_map`` and ``offload_state`` (see :class:`OffloadState`).
     """
     from offload_core.loading.allocator import return_freed_memory_to_os
     from offload_core.loading.checkpoint import Checkpoint
@@ -270,6 +289,8 @@ def load_checkpoint_and_dispatch(
 
     return_freed_memory_to_os()
     dtype = parse_dtype(dtype)
+    if device_map is None:
+        device_map, execution_device = {"": "cpu"}, execution_device or "cpu"
     execution_device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
@@ -291,38 +312,62 @@ def load_checkpoint_and_dispatch(
                                pin_memory=execution_device.type == "cuda")
         store = _resolve("storage", storage).open(context)
     try:
-        load_checkpoint_in_model(model, ckpt, plan, store, dtype, progress)
+        load_checkpoint_in_model(model, ckpt, plan, store, dtype, progress, strict)
     except BaseException:
         if store is not None:
             store.close()
         raise
-    _move_leftover_buffers(model, execution_device)
-    _attach(model, device_map, plan, store, _resolve("hook", policy), execution_device, no_split)
+    _move_leftover_buffers(model, device_map, execution_device)
+    _attach(model, device_map, plan, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
+            [*no_split, *(preload_module_classes or [])])
     return model
 
 
 def dispatch_model(
     model: nn.Module,
     device_map: Mapping[str, int | str] | str,
+    main_device: torch.device | str | int | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    offload_dir: str | Path | None = None,
+    offload_index: Mapping[str, Any] | None = None,
+    offload_buffers: bool = False,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
+    *,
     max_memory: Mapping[Any, int | str] | None = None,
     no_split_module_classes: list[str] | None = None,
-    storage: str | Any = "pinned_cpu",
+    storage: str | Any | None = None,
     policy: str | Any = "align_per_call",
     offload_folder: str | Path | None = None,
     execution_device: torch.device | str | None = None,
-    offload_buffers: bool = False,
 ) -> nn.Module:
-    """Dispatch an in-memory ``model``: offloaded tensors move into the store (then the model holds
-    meta placeholders for them), resident ones to their devices, and the policy's module hooks attach.
-    ``model.offload_state.remove()`` undoes it all.
+    """Dispatch an in-memory ``model`` (accelerate's signature): offloaded tensors move into the store (the
+    model then holds meta placeholders for them), resident ones to their devices, and the policy's module
+    hooks attach. ``model.offload_state.remove()`` undoes it all.
+
+    ``main_device`` runs what is offloaded (default: ``cuda:0`` when present, else ``cpu``). Offloaded
+    values come from ``offload_index`` (an accelerate offload folder ``offload_dir``), else ``state_dict``,
+    else the model. ``offload_dir`` makes the default store write a real offload folder there. Module
+    hooks are always attached (``force_hooks`` is what we always do). Ours, keyword-only: ``max_memory``
+    and ``no_split_module_classes`` (for a placement name), ``storage`` and ``policy``, and the names
+    :func:`load_checkpoint_and_dispatch` uses for ``offload_dir`` and ``main_device``.
     """
-    execution_device = torch.device(execution_device) if execution_device is not None else default_execution_device()
+    from offload_core.loading.offload_index import load_offloaded_tensor, read_offload_index
+
+    main_device = main_device if main_device is not None else execution_device
+    offload_dir = offload_dir if offload_dir is not None else offload_folder
+    execution_device = torch.device(f"cuda:{main_device}" if isinstance(main_device, int) else main_device) \
+        if main_device is not None else default_execution_device()
+    if storage is None:
+        storage = "memmap" if offload_dir is not None else "pinned_cpu"
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, None)
     plan = plan_tensors(model, device_map, execution_device, offload_buffers)
+    index = read_offload_index(offload_dir, offload_index) if offload_index is not None else {}
     store = None
     if plan.offloaded:
-        context = StoreContext(names=plan.store_keys, offload_folder=Path(offload_folder) if offload_folder else None,
+        context = StoreContext(names=plan.store_keys, offload_folder=Path(offload_dir) if offload_dir else None,
                                # never matches an earlier folder: an in-memory model's weights are always written
                                fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=execution_device.type == "cuda")
         store = _resolve("storage", storage).open(context)
@@ -330,7 +375,9 @@ def dispatch_model(
         for name, key in plan.offloaded.items():
             if key not in placeholders:
                 tensor = _get_tensor(model, key)
-                store.put(key, tensor.detach(), owned=True)
+                value = (load_offloaded_tensor(offload_dir, key, index[key]) if key in index
+                         else state_dict[key] if state_dict is not None and key in state_dict else tensor)
+                store.put(key, value.detach(), owned=value is not tensor)
                 meta = tensor.detach().to("meta")
                 placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if plan.is_param[name] else meta
         for name, key in plan.offloaded.items():
@@ -342,6 +389,7 @@ def dispatch_model(
             if tensor.device != device:
                 _set_tensor(model, name, tensor.detach().to(device), plan.is_param[name])
     _retie(model, plan)
-    _move_leftover_buffers(model, execution_device)
-    _attach(model, device_map, plan, store, _resolve("hook", policy), execution_device, no_split)
+    _move_leftover_buffers(model, device_map, execution_device)
+    _attach(model, device_map, plan, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
+            [*no_split, *(preload_module_classes or [])])
     return model

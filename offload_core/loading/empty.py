@@ -3,57 +3,54 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
-# the unpatched methods: the innermost block decides where a tensor lands when blocks are nested
-_REGISTER_PARAMETER = nn.Module.register_parameter
-_REGISTER_BUFFER = nn.Module.register_buffer
+# the device of the innermost block in this thread (None outside any block)
+_PARAMETER_DEVICE: ContextVar[torch.device | None] = ContextVar("offload_core_parameter_device", default=None)
+
+
+def _to_block_device(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    """Parameter-registration hook: the parameter on the block's device (same class and attributes), or None to keep it."""
+    device = _PARAMETER_DEVICE.get()
+    if device is None or param is None or param.device == device:
+        return None
+    moved = param.to(device)
+    if type(param) is nn.Parameter:
+        return nn.Parameter(moved, requires_grad=param.requires_grad)
+    kwargs = dict(param.__dict__)
+    kwargs["requires_grad"] = param.requires_grad
+    return type(param)(moved, **kwargs)
 
 
 @contextmanager
-def init_on_device(device: torch.device | str, include_buffers: bool = False) -> Iterator[None]:
-    """Inside this block every parameter a module registers is moved to ``device`` (buffers too with ``include_buffers``).
+def init_on_device(device: torch.device | str, include_buffers: bool | None = None) -> Iterator[None]:
+    """Inside this block every parameter a module registers lands on ``device`` (buffers too with ``include_buffers``).
 
-    ``nn.Module.register_parameter`` (and ``register_buffer``) are patched for the duration of the
-    block and restored on exit, also when the block raises.
+    With ``include_buffers`` every tensor made inside is made on ``device`` by torch's device context
+    (nothing is allocated elsewhere first). Without it a parameter-registration hook moves parameters
+    as modules register them; it acts only in this thread, and only inside the block.
     """
     device = torch.device(device)
-    old_register_parameter = nn.Module.register_parameter
-    old_register_buffer = nn.Module.register_buffer
-
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        _REGISTER_PARAMETER(module, name, param)
-        current = module._parameters[name]
-        if current is None or current.device == device:
-            return
-        moved = current.to(device)
-        if type(current) is nn.Parameter:
-            module._parameters[name] = nn.Parameter(moved, requires_grad=current.requires_grad)
-        else:  # a Parameter subclass: keep its class and attributes
-            kwargs = dict(current.__dict__)
-            kwargs["requires_grad"] = current.requires_grad
-            module._parameters[name] = type(current)(moved, **kwargs)
-
-    def register_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-        _REGISTER_BUFFER(module, name, tensor, persistent=persistent)
-        if tensor is not None and tensor.device != device:
-            module._buffers[name] = module._buffers[name].to(device)
-
-    nn.Module.register_parameter = register_parameter
     if include_buffers:
-        nn.Module.register_buffer = register_buffer
+        with device:
+            yield
+        return
+    token = _PARAMETER_DEVICE.set(device)
+    handle = register_module_parameter_registration_hook(_to_block_device)
     try:
         yield
     finally:
-        nn.Module.register_parameter = old_register_parameter
-        nn.Module.register_buffer = old_register_buffer
+        handle.remove()
+        _PARAMETER_DEVICE.reset(token)
 
 
 @contextmanager
-def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
+def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
     """Build models whose parameters (and buffers with ``include_buffers``) are on the meta device: shapes, no storage.
 
     ``with init_empty_weights(): model = AutoModelForCausalLM.from_config(config)``

@@ -84,7 +84,8 @@ class ChainHandle:
 def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str | int | None = None,
                           prev_module_hook: ChainHandle | None = None) -> tuple[nn.Module, ChainHandle]:
     """Offload ``model`` to host memory; it moves to ``execution_device`` when called and stays there
-    until the next model of the chain (whose ``prev_module_hook`` is this handle) is called.
+    until the next model of the chain (whose ``prev_module_hook`` is this handle) is called. Between
+    calls the weights are on the cpu (accelerate's semantics), never on meta.
 
     The last model of a chain needs an explicit ``handle.offload()``. ``handle.remove()`` puts the
     weights back in the model (on the CPU) and removes the module hook.
@@ -100,7 +101,7 @@ def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str
     store = HostMemoryStore(StoreContext(names=[], pin_memory=device.type == "cuda"))
     slots = []
     seen: dict[int, str] = {}
-    meta_of: dict[int, torch.Tensor] = {}
+    resting: dict[int, torch.Tensor] = {}
     for sub_name, sub in model.named_modules():
         for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
             for local, tensor in table.items():
@@ -109,10 +110,10 @@ def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str
                 full = f"{sub_name}.{local}" if sub_name else local
                 key = seen.setdefault(id(tensor), full)
                 if key == full:
-                    store.put(full, tensor.detach(), owned=True)
-                    placeholder = tensor.to("meta")
-                    meta_of[id(tensor)] = nn.Parameter(placeholder, requires_grad=tensor.requires_grad) if is_param else placeholder
-                slots.append(Slot(sub, local, full, key, is_param, meta_of[id(tensor)]))
+                    store.put(full, tensor.detach().cpu(), owned=True)
+                    held = store[full]  # between calls the weights rest on the cpu, in the store's memory
+                    resting[id(tensor)] = nn.Parameter(held, requires_grad=tensor.requires_grad) if is_param else held
+                slots.append(Slot(sub, local, full, key, is_param, resting[id(tensor)]))
     unit = Unit("", model, slots)
     for slot in slots:
         slot.set(slot.original)

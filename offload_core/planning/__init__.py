@@ -8,13 +8,17 @@ from offload_core.planning.device_map import (
     normalize_device_map,
     summarize_device_map,
 )
-from offload_core.planning.fill import PlacementRequest, infer_auto_device_map, plan_device_map
+from offload_core.planning.fill import infer_auto_device_map, plan_device_map
+from offload_core.planning.request import PlacementRequest
 from offload_core.planning.sizing import (
     compute_module_sizes,
     find_tied_parameters,
     get_max_layer_size,
     largest_block_size,
     named_module_tensors,
+    shared_modules,
+    tensor_aliases,
+    tie_groups,
 )
 
 __all__ = [
@@ -32,5 +36,8 @@ __all__ = [
     "named_module_tensors",
     "normalize_device_map",
     "plan_device_map",
+    "shared_modules",
     "summarize_device_map",
+    "tensor_aliases",
+    "tie_groups",
 ]

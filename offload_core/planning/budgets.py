@@ -2,37 +2,26 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+import logging
+from typing import Any, Mapping
 
 import torch
+from torch import nn
 
 from offload_core.errors import ConfigError
+from offload_core.planning.request import PlacementRequest
 from offload_core.planning.sizing import compute_module_sizes
-from offload_core.values import parse_size
+from offload_core.values import DEVICE_FORMS, device_key, parse_size
 
-if TYPE_CHECKING:
-    from offload_core.planning.fill import PlacementRequest
-
-_FORMS = "a GPU index (0, '0' or 'cuda:0'), 'cpu' or 'disk'"
+log = logging.getLogger(__name__)
 
 
-def device_key(key: Any) -> int | str:
-    """Turn a ``max_memory`` key into an int GPU id, ``"cpu"`` or ``"disk"``; anything else raises ConfigError."""
-    if isinstance(key, torch.device):
-        if key.type == "cuda":
-            return key.index or 0
-        key = key.type
-    if isinstance(key, int) and not isinstance(key, bool):
-        if key >= 0:
-            return key
-    elif isinstance(key, str):
-        text = key.strip().lower()
-        if text in ("cpu", "disk"):
-            return text
-        digits = text.removeprefix("cuda:")
-        if digits.isdigit():
-            return int(digits)
-    raise ConfigError(f"max_memory has an unknown device {key!r}: use {_FORMS}")
+def budget_device(key: Any, what: str = "max_memory") -> int | str:
+    """A ``max_memory`` (or ``reserve``) key as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; else ConfigError."""
+    device = device_key(key)
+    if device is None:
+        raise ConfigError(f"{what} has an unknown device {key!r}: use {DEVICE_FORMS}")
+    return device
 
 
 def _machine_memory() -> dict[int | str, int]:
@@ -46,30 +35,28 @@ def _machine_memory() -> dict[int | str, int]:
     return budgets
 
 
-def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, check_devices: bool = True) -> dict[int | str, int]:
-    """Budgets in bytes by device, GPUs first (ascending ids), then ``"cpu"``, then ``"disk"``.
+def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_devices: bool = True) -> dict[int | str, int]:
+    """Budgets in bytes by device, GPUs first (ascending ids), then ``"mps"``, ``"cpu"``, ``"disk"``.
 
     ``None`` reads the free memory of this machine (every GPU, and available RAM for ``"cpu"``).
     Sizes may be bytes or strings such as ``"2GiB"``. With ``check_devices`` a GPU id that this
-    machine lacks is an error; planning for another machine passes ``check_devices=False``.
+    machine lacks is logged as a warning (as accelerate does); ``check_devices=False`` (planning for
+    another machine) says nothing.
     """
     if max_memory is None:
         return _machine_memory()
     budgets: dict[int | str, int] = {}
     for key, value in max_memory.items():
-        device = device_key(key)
+        device = budget_device(key)
         if device in budgets:
             raise ConfigError(f"max_memory names device {device!r} twice (as {key!r}): keep one entry per device")
         if check_devices and isinstance(device, int):
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if device >= count:
-                raise ConfigError(
-                    f"max_memory names GPU {device} but this machine has {count} GPU(s): remove it, "
-                    "or plan with check_devices=False for another machine"
-                )
+                log.warning("Device %s is not available, available devices are %s", device, list(range(count)))
         budgets[device] = parse_size(value, what=f"max_memory[{key!r}]")
     gpus = sorted(d for d in budgets if isinstance(d, int))
-    return {d: budgets[d] for d in [*gpus, "cpu", "disk"] if d in budgets}
+    return {d: budgets[d] for d in [*gpus, "mps", "cpu", "disk"] if d in budgets}
 
 
 def _no_split_block(model: torch.nn.Module, sizes: Mapping[str, int], no_split: set[str]) -> int:
@@ -84,14 +71,24 @@ def _mean_leaf_module(model: torch.nn.Module, sizes: Mapping[str, int]) -> int:
     return int(sum(leaves) / max(len(leaves), 1))
 
 
-def get_balanced_memory(request: PlacementRequest, low_zero: bool = False) -> dict[int | str, int]:
-    """``request.max_memory`` with every GPU but the last capped so the model spreads evenly over the GPUs.
+def get_balanced_memory(
+    model: nn.Module | PlacementRequest,
+    max_memory: Mapping[Any, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    low_zero: bool = False,
+) -> dict[int | str, int]:
+    """``max_memory`` with every GPU but the last capped so ``model`` spreads evenly over the GPUs.
 
+    ``model`` may also be a :class:`PlacementRequest`, whose fields then stand for the other arguments.
     Each cap is total/n plus 1.25 × the larger of the largest no-split block and the mean leaf module;
     the last GPU keeps its full budget in case the buffer falls short. ``low_zero`` spreads over
     GPUs 1.. instead and gives the first GPU only what they leave (possibly 0). GPU ids need not be
     contiguous. With one GPU or none the budgets come back unchanged.
     """
+    request = model if isinstance(model, PlacementRequest) else PlacementRequest(
+        model, max_memory, list(no_split_module_classes or []), dtype, special_dtypes)
     budgets = get_max_memory(request.max_memory, check_devices=False)
     gpus = [d for d in budgets if isinstance(d, int) and budgets[d] > 0]
     if len(gpus) <= 1:

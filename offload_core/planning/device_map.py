@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from offload_core.errors import DeviceMapError
-from offload_core.planning.sizing import compute_module_sizes, named_module_tensors
+from offload_core.planning.budgets import get_max_memory
+from offload_core.planning.sizing import compute_module_sizes, named_module_tensors, shared_modules
+from offload_core.values import DEVICE_FORMS, device_key
 
 DeviceMap = dict[str, "int | str"]
-_NAMED_DEVICES = ("mps", "cpu", "disk")
-_ACCEPTED = "a GPU index (0, '0' or 'cuda:0'), 'cpu', 'disk' or 'mps'"
-
-
-def normalize_device(value: Any) -> int | str | None:
-    """``value`` as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; ``None`` when it names no device we know."""
-    if isinstance(value, torch.device):
-        if value.type == "cuda":
-            return value.index or 0
-        value = value.type
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value >= 0 else None
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _NAMED_DEVICES:
-            return text
-        if text == "cuda":
-            return 0
-        digits = text.removeprefix("cuda:")
-        if digits.isdigit():
-            return int(digits)
-    return None
 
 
 def normalize_device_map(device_map: Mapping[str, Any]) -> DeviceMap:
@@ -42,13 +21,13 @@ def normalize_device_map(device_map: Mapping[str, Any]) -> DeviceMap:
     cleaned: DeviceMap = {}
     bad = []
     for key, value in device_map.items():
-        device = normalize_device(value)
+        device = device_key(value)
         if device is None:
             bad.append(f"{key!r}: {value!r}")
         else:
             cleaned[str(key)] = device
     if bad:
-        raise DeviceMapError(f"device map has unknown device(s) {', '.join(bad)}: use {_ACCEPTED}")
+        raise DeviceMapError(f"device map has unknown device(s) {', '.join(bad)}: use {DEVICE_FORMS}")
     return cleaned
 
 
@@ -69,16 +48,25 @@ def device_of(device_map: Mapping[str, int | str], tensor_name: str) -> int | st
     raise DeviceMapError(f"device map has no key covering {tensor_name!r}: add it, one of its modules, or '' for all")
 
 
+def _module_device(device_map: Mapping[str, int | str], name: str) -> int | str | None:
+    try:
+        return device_of(device_map, name)
+    except DeviceMapError:
+        return None
+
+
 def _short(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
+def check_device_map(model: nn.Module, device_map: Mapping[str, Any], *, strict: bool = False) -> None:
     """Raise DeviceMapError unless ``device_map`` puts every state-dict tensor of ``model`` on exactly one known device.
 
-    Rejected: unknown devices, names that are not a module or tensor of the model, a key inside
-    another key with a different device (``{"fc": 0, "fc.bias": "cpu"}``), and tensors no key covers.
+    Names that are not a module or tensor of the model are a warning, as in accelerate (an error with
+    ``strict``). Rejected: unknown devices, a key inside
+    another key with a different device (``{"fc": 0, "fc.bias": "cpu"}``), tensors no key covers, and a
+    module registered under two names (``nn.Sequential(layer, layer)``) given two devices: it is one module.
     """
     device_map = normalize_device_map(device_map)
     known = {""}
@@ -88,10 +76,13 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
         known.update(prefix + local for local in (*module._parameters, *module._buffers))
     unknown = [key for key in device_map if key not in known]
     if unknown:
-        raise DeviceMapError(
-            f"device map names {_short(unknown)}, which the model does not have: use module or tensor names "
-            "from model.named_modules() / model.state_dict()"
-        )
+        message = (f"device map names {_short(unknown)}, which the model does not have: use module or tensor names "
+                   "from model.named_modules() / model.state_dict()")
+        if strict:
+            raise DeviceMapError(message)
+        warnings.warn(f"The following device_map keys do not match any submodules in the model: {unknown}; {message}",
+                      stacklevel=2)
+        device_map = {key: device for key, device in device_map.items() if key not in unknown}
     clashes = []
     for key, device in device_map.items():
         for outer in _ancestors(key) if key else ():
@@ -114,6 +105,17 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
             f"device map covers no device for {len(missing)} tensor(s) ({_short(missing)}): "
             "add keys for them or their modules, or use '' for the whole model"
         )
+    for names in shared_modules(model):
+        module = model.get_submodule(names[0])
+        locals_ = [n for n, _ in named_module_tensors(module, recurse=True, remove_duplicate=False)] or [None]
+        for local in locals_:
+            full = [f"{n}.{local}".strip(".") if local else n for n in names]
+            devices = {device_of(device_map, f) if local else _module_device(device_map, f) for f in full}
+            if len(devices) > 1:
+                raise DeviceMapError(
+                    f"device map puts one module registered as {_short(names)} on several devices ({sorted(map(str, devices))}): "
+                    "it is one module, give all its names the same device"
+                )
 
 
 def compress_device_map(tensor_devices: Mapping[str, int | str], default: int | str = "cpu") -> DeviceMap:
@@ -154,7 +156,8 @@ def compress_device_map(tensor_devices: Mapping[str, int | str], default: int | 
 def _device_order(device: int | str) -> tuple:
     if isinstance(device, int):
         return (0, device, "")
-    return (1, _NAMED_DEVICES.index(device) if device in _NAMED_DEVICES else len(_NAMED_DEVICES), str(device))
+    order = ("mps", "cpu", "disk")
+    return (1, order.index(device) if device in order else len(order), str(device))
 
 
 def summarize_device_map(
@@ -167,8 +170,6 @@ def summarize_device_map(
 
     Returns ``{"devices": {device: {...}}, "total_bytes": int}``; a tied tensor counts once, where its first name lives.
     """
-    from offload_core.planning.budgets import get_max_memory
-
     device_map = normalize_device_map(device_map)
     budgets = get_max_memory(max_memory, check_devices=False) if max_memory is not None else {}
     sizes = compute_module_sizes(model, dtype=dtype)

@@ -38,17 +38,20 @@ def compute_module_sizes(
     model: nn.Module,
     dtype: torch.dtype | str | None = None,
     special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    buffers_only: bool = False,
 ) -> defaultdict[str, int]:
     """Bytes of every tensor, every module prefix and the whole model (key ``""``).
 
     Parameters and buffers count; a tensor shared under several names counts once, at its first name.
     With ``dtype`` each floating tensor counts at the smaller of its own width and ``dtype``'s;
     ``special_dtypes`` gives the dtype of single tensors by full name and wins over both.
+    ``buffers_only`` counts buffers alone.
     """
     dtype = parse_dtype(dtype)
     special = {name: parse_dtype(value, what=f"special_dtypes[{name!r}]") for name, value in (special_dtypes or {}).items()}
     sizes: defaultdict[str, int] = defaultdict(int)
-    for name, tensor in named_module_tensors(model, recurse=True):
+    tensors = model.named_buffers() if buffers_only else named_module_tensors(model, recurse=True)
+    for name, tensor in tensors:
         if name in special:
             size = math.ceil(tensor.numel() * dtype_byte_size(special[name]))
         else:
@@ -59,29 +62,43 @@ def compute_module_sizes(
     return sizes
 
 
-def find_tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Groups of names under which one ``Parameter`` object is registered by different modules, sorted.
-
-    A module registered under two names (``self.b = self.a``) is one module, not a tie, and is not reported.
-    Works on meta models (it compares objects, not values).
-    """
-    by_id: dict[int, list[str]] = {}
-    for module_name, module in model.named_modules():
-        for local, param in module._parameters.items():
-            if param is None:
-                continue
-            name = f"{module_name}.{local}" if module_name else local
-            by_id.setdefault(id(param), []).append(name)
-    return sorted(sorted(names) for names in by_id.values() if len(names) > 1)
-
-
 def tensor_aliases(model: nn.Module) -> dict[str, str]:
-    """Every parameter and buffer name (tied and aliased ones included) -> the first name of the same tensor."""
+    """The one tie rule: every parameter and buffer name -> the first name of the same tensor object.
+
+    Covers tied parameters (``lm_head.weight`` -> ``embed.weight``) and every name under a module
+    registered twice (``nn.Sequential(layer, layer)``: ``1.weight`` -> ``0.weight``). Works on meta models.
+    """
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for name, tensor in named_module_tensors(model, recurse=True, remove_duplicate=False):
         aliases[name] = first.setdefault(id(tensor), name)
     return aliases
+
+
+def tie_groups(model: nn.Module, parameters_only: bool = False) -> dict[str, list[str]]:
+    """First name -> every name of that tensor, for tensors registered under more than one name."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)} if parameters_only else None
+    groups: dict[str, list[str]] = {}
+    for name, first in tensor_aliases(model).items():
+        if params is None or name in params:
+            groups.setdefault(first, []).append(name)
+    return {first: names for first, names in groups.items() if len(names) > 1}
+
+
+def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
+    """Groups of names under which one ``Parameter`` object is registered, each sorted, the groups sorted.
+
+    A module registered under two names (``nn.Sequential(layer, layer)``) ties all its parameters.
+    """
+    return sorted(sorted(names) for names in tie_groups(model, parameters_only=True).values())
+
+
+def shared_modules(model: nn.Module) -> list[list[str]]:
+    """Groups of names under which one module object is registered (``nn.Sequential(layer, layer)``)."""
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def is_unsplittable(unit: nn.Module | torch.Tensor, no_split_module_classes: Iterable[str]) -> bool:

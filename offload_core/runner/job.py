@@ -243,7 +243,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
                                        special_dtypes=None, reserve=reserve)
             device_map = placement.make_device_map(request)
         device_map = normalize_device_map(device_map)
-        check_device_map(model, device_map)
+        check_device_map(model, device_map, strict=True)
         summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
         _check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
         plan = {"reserve": {str(k): v for k, v in reserve.items()}, "headroom": headroom, "largest_block": block}

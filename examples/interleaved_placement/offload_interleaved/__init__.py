@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from offload_core.errors import ConfigError
 from offload_core.hookspecs import hookimpl
 from offload_core.planning import PlacementRequest, compress_device_map, get_max_memory, plan_device_map
-from offload_core.planning.budgets import device_key
+from offload_core.values import device_key
 from offload_core.planning.sizing import named_module_tensors, tensor_aliases, tensor_bytes
 from offload_core.values import parse_dtype, parse_size
 
