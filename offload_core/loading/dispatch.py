@@ -13,31 +13,21 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from offload_core.errors import CheckpointError
-from offload_core.module_hooks.units import DispatchPlan, PolicyHandle
+from offload_core.module_hooks.chained import ChainHandle, chain_model
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
+from offload_core.values import is_offloaded, torch_device
 
 log = logging.getLogger(__name__)
+
 
 def default_execution_device() -> torch.device:
     """``cuda:0`` when an accelerator is present, else ``cpu``."""
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def offload_tiers(execution_device: torch.device) -> set[str]:
-    """Device-map values whose tensors are offloaded: on a CPU run only ``disk`` (``cpu`` is resident)."""
-    return {"disk"} if execution_device.type == "cpu" else {"cpu", "disk"}
-
-
-def _torch_device(value: int | str, execution_device: torch.device) -> torch.device:
-    if isinstance(value, int):
-        return torch.device("cuda", value)
-    if value in ("cpu", "disk"):
-        return execution_device if value == "disk" else torch.device("cpu")
-    return torch.device(value)
-
-
 @dataclass
-class TensorPlan:
+class TensorRoutes:
     """Where each state-dict tensor of a model goes: resident on a device, or offloaded under a store key."""
 
     resident: dict[str, torch.device] = field(default_factory=dict)
@@ -50,26 +40,25 @@ class TensorPlan:
         return list(dict.fromkeys(self.offloaded.values()))
 
 
-def plan_tensors(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device,
-                 offload_buffers: bool = False) -> TensorPlan:
+def route_tensors(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device,
+                  offload_buffers: bool = False) -> TensorRoutes:
     """Resolve a checked device map into per-tensor decisions (tied names share one store key)."""
     from offload_core.planning import device_of, find_tied_parameters
 
-    plan = TensorPlan()
+    plan = TensorRoutes()
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     for group in find_tied_parameters(model):
         for name in group:
             plan.canonical[name] = group[0]
-    tiers = offload_tiers(execution_device)
     for name in model.state_dict(keep_vars=True):
         plan.canonical.setdefault(name, name)
         is_param = name in params
         plan.is_param[name] = is_param
         where = device_of(device_map, plan.canonical[name])
-        if where in tiers and (is_param or offload_buffers):
+        if is_offloaded(where, execution_device) and (is_param or offload_buffers):
             plan.offloaded[name] = plan.canonical[name]
         else:
-            plan.resident[name] = _torch_device(where, execution_device)
+            plan.resident[name] = torch_device(where, execution_device)
     return plan
 
 
@@ -90,7 +79,7 @@ def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
     return owner._parameters[local] if local in owner._parameters else owner._buffers[local]
 
 
-def _retie(model: nn.Module, plan: TensorPlan) -> None:
+def _retie(model: nn.Module, plan: TensorRoutes) -> None:
     """Point every resident tied alias at its canonical tensor (one tensor, one device copy)."""
     for name, canonical in plan.canonical.items():
         if name != canonical and name in plan.resident:
@@ -105,7 +94,7 @@ def _move_leftover_buffers(model: nn.Module, execution_device: torch.device) -> 
                 module._buffers[local] = buf.to(execution_device)
 
 
-def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan, store: Store | None,
+def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorRoutes, store: Store | None,
                              dtype: torch.dtype | None = None, progress: bool = True) -> dict[str, list[str]]:
     """Stream ``checkpoint`` shard by shard into ``model`` (resident tensors) and ``store`` (offloaded ones).
 
@@ -183,13 +172,16 @@ def _dtype_kind(dtype: torch.dtype) -> str:
 
 @dataclass
 class OffloadState:
-    """What dispatching left on a model (``model.offload_state``): the map, store, policy handle and counters."""
+    """What dispatching left on a model (``model.offload_state``): the map, store, policy handle and counters.
+
+    As a context manager it releases what the run took when the block ends (see :meth:`release`).
+    """
 
     device_map: dict[str, int | str]
     execution_device: torch.device
     store: Store | None
     handle: PolicyHandle
-    tensor_plan: TensorPlan
+    routes: TensorRoutes
 
     @property
     def stats(self):
@@ -198,7 +190,19 @@ class OffloadState:
     def offloaded_bytes(self) -> int:
         if self.store is None:
             return 0
-        return sum(self.store[k].numel() * self.store[k].element_size() for k in self.tensor_plan.store_keys)
+        return sum(self.store[k].numel() * self.store[k].element_size() for k in self.routes.store_keys)
+
+    def release(self) -> None:
+        """Drop every loaded unit and close the store (the model keeps its module hooks)."""
+        self.handle.offload_all()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "OffloadState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def remove(self) -> nn.Module:
         """Remove the module hooks (weights come back to the CPU) and close the store."""
@@ -232,11 +236,12 @@ def _prepare_device_map(model: nn.Module, device_map: Any, max_memory: Any, no_s
     return device_map
 
 
-def _attach(model: nn.Module, device_map: dict, plan: TensorPlan, store: Store | None, policy: Any,
+def _attach(model: nn.Module, device_map: dict, plan: TensorRoutes, store: Store | None, policy: Any,
             execution_device: torch.device, no_split: list[str]) -> OffloadState:
-    dispatch = DispatchPlan(device_map=device_map, execution_device=execution_device, store=store,
-                            offloaded=dict(plan.offloaded), no_split_module_classes=list(no_split))
-    handle = policy.attach(model, dispatch)
+    context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
+                            offloaded=dict(plan.offloaded), no_split_module_classes=list(no_split),
+                            non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"))
+    handle = policy.attach(model, context)
     state = OffloadState(device_map, execution_device, store, handle, plan)
     model.hf_device_map = dict(device_map)
     model.offload_state = state
@@ -275,7 +280,7 @@ def load_checkpoint_and_dispatch(
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     owns_checkpoint = not hasattr(checkpoint, "shards")
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
-    plan = plan_tensors(model, device_map, execution_device, offload_buffers)
+    plan = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
     if plan.offloaded:
         import json
@@ -297,7 +302,7 @@ def load_checkpoint_and_dispatch(
             store.close()
         raise
     _move_leftover_buffers(model, execution_device)
-    _attach(model, device_map, plan, store, _resolve("hook", policy), execution_device, no_split)
+    _attach(model, device_map, plan, store, _resolve("policy", policy), execution_device, no_split)
     return model
 
 
@@ -319,7 +324,7 @@ def dispatch_model(
     execution_device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, None)
-    plan = plan_tensors(model, device_map, execution_device, offload_buffers)
+    plan = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
     if plan.offloaded:
         context = StoreContext(names=plan.store_keys, offload_folder=Path(offload_folder) if offload_folder else None,
@@ -343,5 +348,22 @@ def dispatch_model(
                 _set_tensor(model, name, tensor.detach().to(device), plan.is_param[name])
     _retie(model, plan)
     _move_leftover_buffers(model, execution_device)
-    _attach(model, device_map, plan, store, _resolve("hook", policy), execution_device, no_split)
+    _attach(model, device_map, plan, store, _resolve("policy", policy), execution_device, no_split)
     return model
+
+
+def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str | int | None = None,
+                          prev_module_hook: ChainHandle | None = None) -> tuple[nn.Module, ChainHandle]:
+    """Offload ``model`` to host memory (page-locked on a GPU run); it moves to ``execution_device`` when
+    called and stays there until the next model of the chain (whose ``prev_module_hook`` is this handle)
+    is called. The last model of a chain needs an explicit ``handle.offload()``; ``handle.remove()``
+    puts the weights back in the model (on the CPU) and removes the module hook.
+    """
+    from offload_core.storage.memory import HostMemoryStore
+
+    if execution_device is None:
+        device = default_execution_device()
+    else:
+        device = torch.device(f"cuda:{execution_device}" if isinstance(execution_device, int) else execution_device)
+    store = HostMemoryStore(StoreContext(names=[], pin_memory=device.type == "cuda"))
+    return chain_model(model, store, device, prev_module_hook)

@@ -44,7 +44,10 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.units import TransferStats, Unit, find_units
+from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.registry.contracts import Policy
 from offload_core.storage.base import resident
 
 log = logging.getLogger(__name__)
@@ -593,9 +596,19 @@ class RevalidateHook(ModuleHook):
 
 
 class PrefetchHandle(PolicyHandle):
+    """The prefetch policy's handle: its counters are the prefetcher's."""
+
     def __init__(self, *args: Any, prefetcher: Prefetcher, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prefetcher = prefetcher
+
+    def counters(self) -> dict[str, int | float]:
+        """Blocks read ahead (``hits``) or loaded on demand (``misses``), read-ahead waited for (``late``,
+        ``wait_s``), tied tensors borrowed, read-ahead read again after the page cache evicted it, and
+        recorded execution orders dropped because a unit ran out of order (``invalidations``)."""
+        p = self.prefetcher
+        return {"hits": p.hits, "misses": p.misses, "late": p.late, "wait_s": p.waited_s, "borrowed": p.borrowed,
+                "read_again": p.reread, "invalidations": p.trace.invalidations}
 
     def offload_all(self) -> None:
         for index in list(self.prefetcher.held):
@@ -619,7 +632,7 @@ class PrefetchConfig:
     staging_chunk: str = "16MiB"
 
 
-class Prefetch:
+class Prefetch(Policy):
     """Policy: block-granular units, loaded ahead of use along the recorded execution order.
 
     ``staging`` forces the pinned staging ring on or off (default: on a GPU run whose store is not
@@ -649,13 +662,13 @@ class Prefetch:
             reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
         return reserve
 
-    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
-        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
-        handles = attach_io_hooks(model, plan, True, ())
-        prefetcher = Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
+    def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:
+        units = find_units(model, context.offloaded, context.no_split_module_classes, self.granularity)
+        handles = attach_io_hooks(model, context, True, ())
+        prefetcher = Prefetcher(units, context.store, context.execution_device, self.config.depth, context.stats,
                                 copy=self.config.pool, staging=self.staging, staging_chunk=self.chunk)
         if units and prefetcher.depth and not prefetcher.copy:
             handles.append(add_hook_to_module(model, RevalidateHook(prefetcher)))
         for index, unit in enumerate(units):
-            handles.append(add_hook_to_module(unit.module, PrefetchHook(index, prefetcher, plan.execution_device)))
-        return PrefetchHandle(model, plan, units, handles, prefetcher=prefetcher)
+            handles.append(add_hook_to_module(unit.module, PrefetchHook(index, prefetcher, context.execution_device)))
+        return PrefetchHandle(model, context, units, handles, prefetcher=prefetcher)
