@@ -196,14 +196,18 @@ def check_policy_reservation(policy: Any) -> list[dict]:
     for CPU and GPU runs and every store property, bytes (non-negative integers) per device, with an
     entry for the execution device; a GPU run keeps at least one block there. Returns the answers."""
     from offload_core.planning.reservation import InFlight
+    from offload_core.registry.contracts import Policy
 
-    policy = _resolve("policy", policy)
+    if isinstance(policy, str):
+        policy = _resolve("policy", policy)
+    # only the reservation is checked here: an object with no ``reserve`` gets the contract's default
+    reserve_of = getattr(policy, "reserve", None) or Policy.reserve.__get__(policy)
     answers = []
     for device in (torch.device("cpu"), torch.device("cuda", 1)):
         for converts in (False, True):
             for pinned in (False, True):
                 need = InFlight(device, block_bytes=3000, module_bytes=700, store_converts=converts, store_pinned=pinned)
-                reserve = dict(policy.reserve(need))
+                reserve = dict(reserve_of(need))
                 where = f"{device} run, store_converts={converts}, store_pinned={pinned}"
                 assert isinstance(reserve, dict), f"reserve() gave {type(reserve).__name__} for a {where}: return a dict"
                 for key, size in reserve.items():

@@ -155,13 +155,13 @@ def build_registry(
 
             def register(name: str, factory: type, config: type, *, _k=kind, _p=plugin_name, _v=version) -> None:
                 _check_config(_k, name, config)
-                factory = as_contract(_k, name, factory)
                 existing = registry.strategies[_k].get(name)
                 if existing is not None:
                     raise PluginError(
                         f"{_k} {name!r} is registered twice: by plugin {existing.plugin!r} and by plugin "
                         f"{_p!r}; disable one with {DISABLE_ENV}={_p}"
                     )
+                factory = as_contract(_k, name, factory)
                 registry.strategies[_k][name] = Strategy(_k, name, factory, config, _p, _v)
 
             impl.function(register=register)
@@ -180,7 +180,7 @@ def as_contract(kind: str, name: str, factory: Any) -> type:
     missing = sorted(m for m in contract.__abstractmethods__ if not callable(getattr(factory, m, None)))
     if missing:
         raise PluginError(
-            f"{kind} {name!r}: {factory.__qualname__} lacks {', '.join(m + '()' for m in missing)}; "
+            f"{kind} {name!r}: {factory.__name__} lacks {', '.join(m + '()' for m in missing)}; "
             f"subclass offload_core.registry.contracts.{contract.__name__} and define it"
         )
     return type(factory.__name__, (factory, contract), {"__module__": factory.__module__, "__qualname__": factory.__qualname__,
