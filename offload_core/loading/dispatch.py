@@ -45,21 +45,21 @@ def route_tensors(model: nn.Module, device_map: Mapping[str, int | str], executi
     """Resolve a checked device map into per-tensor decisions (tied names share one store key)."""
     from offload_core.planning import device_of, find_tied_parameters
 
-    plan = TensorRoutes()
+    routes = TensorRoutes()
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     for group in find_tied_parameters(model):
         for name in group:
-            plan.canonical[name] = group[0]
+            routes.canonical[name] = group[0]
     for name in model.state_dict(keep_vars=True):
-        plan.canonical.setdefault(name, name)
+        routes.canonical.setdefault(name, name)
         is_param = name in params
-        plan.is_param[name] = is_param
-        where = device_of(device_map, plan.canonical[name])
+        routes.is_param[name] = is_param
+        where = device_of(device_map, routes.canonical[name])
         if is_offloaded(where, execution_device) and (is_param or offload_buffers):
-            plan.offloaded[name] = plan.canonical[name]
+            routes.offloaded[name] = routes.canonical[name]
         else:
-            plan.resident[name] = torch_device(where, execution_device)
-    return plan
+            routes.resident[name] = torch_device(where, execution_device)
+    return routes
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
@@ -79,11 +79,11 @@ def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
     return owner._parameters[local] if local in owner._parameters else owner._buffers[local]
 
 
-def _retie(model: nn.Module, plan: TensorRoutes) -> None:
+def _retie(model: nn.Module, routes: TensorRoutes) -> None:
     """Point every resident tied alias at its canonical tensor (one tensor, one device copy)."""
-    for name, canonical in plan.canonical.items():
-        if name != canonical and name in plan.resident:
-            _set_tensor(model, name, _get_tensor(model, canonical), plan.is_param[name])
+    for name, canonical in routes.canonical.items():
+        if name != canonical and name in routes.resident:
+            _set_tensor(model, name, _get_tensor(model, canonical), routes.is_param[name])
 
 
 def _move_leftover_buffers(model: nn.Module, execution_device: torch.device) -> None:
@@ -94,7 +94,7 @@ def _move_leftover_buffers(model: nn.Module, execution_device: torch.device) -> 
                 module._buffers[local] = buf.to(execution_device)
 
 
-def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorRoutes, store: Store | None,
+def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRoutes, store: Store | None,
                              dtype: torch.dtype | None = None, progress: bool = True) -> dict[str, list[str]]:
     """Stream ``checkpoint`` shard by shard into ``model`` (resident tensors) and ``store`` (offloaded ones).
 
@@ -106,10 +106,10 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorRout
     ckpt_keys = set(checkpoint.keys())
     # Which checkpoint key feeds each canonical name (a tied group may be saved under any of its names).
     source: dict[str, str] = {}
-    for name, canonical in plan.canonical.items():
+    for name, canonical in routes.canonical.items():
         if name in ckpt_keys:
             source.setdefault(canonical, name)
-    missing = sorted({c for c in plan.canonical.values() if c not in source})
+    missing = sorted({c for c in routes.canonical.values() if c not in source})
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(
@@ -117,13 +117,13 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorRout
             "check that the checkpoint matches the model's config"
         )
     wanted = {key: canonical for canonical, key in source.items()}
-    unexpected = sorted(ckpt_keys - set(plan.canonical))
+    unexpected = sorted(ckpt_keys - set(routes.canonical))
     if unexpected:
         log.warning("checkpoint has %d tensor(s) the model does not use (ignored): %s", len(unexpected), ", ".join(unexpected[:5]))
     state = model.state_dict(keep_vars=True)
     expected = {name: tuple(t.shape) for name, t in state.items()}
     kinds = {name: _dtype_kind(t.dtype) for name, t in state.items()}
-    store_keys = set(plan.offloaded.values())
+    store_keys = set(routes.offloaded.values())
     total = sum(len(keys) for _, keys in checkpoint.shards())
     bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
     for shard, keys in checkpoint.shards():
@@ -150,14 +150,14 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorRout
                     store.add_from_checkpoint(canonical, checkpoint, key, dtype)
                 continue
             value = convert_dtype(checkpoint.get(key), dtype)
-            device = plan.resident[canonical]
+            device = routes.resident[canonical]
             held = torch.empty(value.shape, dtype=value.dtype, device=device)
             held.copy_(value)
-            _set_tensor(model, canonical, held, plan.is_param[canonical])
+            _set_tensor(model, canonical, held, routes.is_param[canonical])
     bar.close()
     if store is not None:
         store.finalize()
-    _retie(model, plan)
+    _retie(model, routes)
     return {"missing": missing, "unexpected": unexpected}
 
 
@@ -236,13 +236,13 @@ def _prepare_device_map(model: nn.Module, device_map: Any, max_memory: Any, no_s
     return device_map
 
 
-def _attach(model: nn.Module, device_map: dict, plan: TensorRoutes, store: Store | None, policy: Any,
+def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Store | None, policy: Any,
             execution_device: torch.device, no_split: list[str]) -> OffloadState:
     context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
-                            offloaded=dict(plan.offloaded), no_split_module_classes=list(no_split),
+                            offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
                             non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"))
     handle = policy.attach(model, context)
-    state = OffloadState(device_map, execution_device, store, handle, plan)
+    state = OffloadState(device_map, execution_device, store, handle, routes)
     model.hf_device_map = dict(device_map)
     model.offload_state = state
     return state
@@ -280,29 +280,29 @@ def load_checkpoint_and_dispatch(
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     owns_checkpoint = not hasattr(checkpoint, "shards")
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
-    plan = route_tensors(model, device_map, execution_device, offload_buffers)
+    routes = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
-    if plan.offloaded:
+    if routes.offloaded:
         import json
 
         fingerprint = {
             "checkpoint": ckpt.fingerprint(),
             "dtype": str(dtype),
-            "tensors": sorted(plan.store_keys),
+            "tensors": sorted(routes.store_keys),
         }
         fingerprint = json.loads(json.dumps(fingerprint, default=str))
-        context = StoreContext(names=plan.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
+        context = StoreContext(names=routes.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
                                offload_folder=Path(offload_folder) if offload_folder else None,
                                pin_memory=execution_device.type == "cuda")
         store = _resolve("storage", storage).open(context)
     try:
-        load_checkpoint_in_model(model, ckpt, plan, store, dtype, progress)
+        load_checkpoint_in_model(model, ckpt, routes, store, dtype, progress)
     except BaseException:
         if store is not None:
             store.close()
         raise
     _move_leftover_buffers(model, execution_device)
-    _attach(model, device_map, plan, store, _resolve("policy", policy), execution_device, no_split)
+    _attach(model, device_map, routes, store, _resolve("policy", policy), execution_device, no_split)
     return model
 
 
@@ -324,31 +324,31 @@ def dispatch_model(
     execution_device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, None)
-    plan = route_tensors(model, device_map, execution_device, offload_buffers)
+    routes = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
-    if plan.offloaded:
-        context = StoreContext(names=plan.store_keys, offload_folder=Path(offload_folder) if offload_folder else None,
+    if routes.offloaded:
+        context = StoreContext(names=routes.store_keys, offload_folder=Path(offload_folder) if offload_folder else None,
                                # never matches an earlier folder: an in-memory model's weights are always written
                                fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=execution_device.type == "cuda")
         store = _resolve("storage", storage).open(context)
         placeholders: dict[str, torch.Tensor] = {}
-        for name, key in plan.offloaded.items():
+        for name, key in routes.offloaded.items():
             if key not in placeholders:
                 tensor = _get_tensor(model, key)
                 store.put(key, tensor.detach(), owned=True)
                 meta = tensor.detach().to("meta")
-                placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if plan.is_param[name] else meta
-        for name, key in plan.offloaded.items():
-            _set_tensor(model, name, placeholders[key], plan.is_param[name])
+                placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if routes.is_param[name] else meta
+        for name, key in routes.offloaded.items():
+            _set_tensor(model, name, placeholders[key], routes.is_param[name])
         store.finalize()
-    for name, device in plan.resident.items():
-        if plan.canonical[name] == name:
+    for name, device in routes.resident.items():
+        if routes.canonical[name] == name:
             tensor = _get_tensor(model, name)
             if tensor.device != device:
-                _set_tensor(model, name, tensor.detach().to(device), plan.is_param[name])
-    _retie(model, plan)
+                _set_tensor(model, name, tensor.detach().to(device), routes.is_param[name])
+    _retie(model, routes)
     _move_leftover_buffers(model, execution_device)
-    _attach(model, device_map, plan, store, _resolve("policy", policy), execution_device, no_split)
+    _attach(model, device_map, routes, store, _resolve("policy", policy), execution_device, no_split)
     return model
 
 
