@@ -71,9 +71,9 @@ class Timer(StoppingCriteria):
 
 
 def prompt_ids(prompt: str, vocab_size: int) -> torch.Tensor:
-    from offload_core.runner.job import _prompt_ids
+    from offload_core.runner.generate import prompt_ids as runner_prompt_ids
 
-    return _prompt_ids(None, prompt, False, vocab_size)
+    return runner_prompt_ids(None, prompt, False, vocab_size)
 
 
 def generate(model, input_ids: torch.Tensor, tokens: int, cold_files: list[str]) -> tuple[list[int], Timer]:
@@ -153,29 +153,28 @@ def prepare_ours(spec: dict):
 
 
 def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
+    """Load through the runner's own steps (settings, strategies, model, plan, dispatch); the dispatch
+    stays open until ``info["_release"]`` is closed."""
+    from contextlib import ExitStack
+
     from omegaconf import OmegaConf
 
     from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
-    from offload_core.registry.manager import get_registry
-    from offload_core.runner.job import build_empty_model, run
-    from offload_core.values import parse_dtype
+    from offload_core.runner.job import dispatched
+    from offload_core.runner.model import open_model
+    from offload_core.runner.plan import make_plan
+    from offload_core.runner.settings import build_strategies, read_settings
 
-    planned = OmegaConf.merge(cfg, {"plan_only": True})
-    # The runner's own placement (plan only: nothing loaded, no picture drawn); counted in the load time.
-    plan = run(planned, output_dir=spec["scratch"], plot=False)
-    registry = get_registry()
-    sections = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("storage", "hook")}
-    storage = registry.create("storage", sections["storage"]["name"], sections["storage"])
-    policy = registry.create("hook", sections["hook"]["name"], sections["hook"])
-    model, dtype = build_empty_model(Path(spec["checkpoint"]), parse_dtype(spec["dtype"]))
-    no_split = list(getattr(model, "_no_split_modules", None) or [])
-    ckpt = Checkpoint.open(spec["checkpoint"])
-    offload_folder = Path(spec["scratch"]) / "offload" if spec["store"] == "memmap" else None
+    offload_folder = str(Path(spec["scratch"]) / "offload") if spec["store"] == "memmap" else None
+    settings = read_settings(OmegaConf.merge(cfg, {"offload_folder": offload_folder}), output_dir=spec["scratch"])
+    strategies = build_strategies(settings)
+    run_model = open_model(settings.model, settings.dtype)
+    release = ExitStack()
+    ckpt = release.enter_context(Checkpoint.open(run_model.checkpoint_dir))
+    plan = make_plan(settings, strategies, run_model, ckpt)  # counted in the load time, as before
+    model = run_model.model
     started = time.perf_counter()
-    load_checkpoint_and_dispatch(model, ckpt, plan.device_map, no_split_module_classes=no_split, storage=storage,
-                                 policy=policy, offload_folder=offload_folder, dtype=dtype,
-                                 execution_device=torch.device(execution_device(spec)), progress=False)
+    release.enter_context(dispatched(settings, strategies, run_model, ckpt, plan))
     dispatch_s = time.perf_counter() - started
     state = model.offload_state
     store = state.store
@@ -184,24 +183,25 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     elif spec["store"] == "memmap":
         files = sorted(str(p) for p in Path(store.folder).glob("*.dat"))
     elif spec["store"] == "safetensors":
-        files = sorted({str(ckpt.file_of(k)) for k in state.tensor_plan.store_keys if k in ckpt})
+        files = sorted({str(ckpt.file_of(k)) for k in state.routes.store_keys if k in ckpt})
     else:
         files = []
     ranges = pagecache.whole_files(files)
     if spec["store"] == "safetensors" and store is not None:
         # the offloaded tensors' own bytes within the shards (the shards also hold resident tensors)
         ranges = [(str(ckpt.file_of(k)), *ckpt.safetensors_file(ckpt.file_of(k)).byte_range(k))
-                  for k in state.tensor_plan.store_keys if k in ckpt]
+                  for k in state.routes.store_keys if k in ckpt]
     devices = plan.summary["devices"]
     info = {
         "dispatch_s": dispatch_s,
         "offload_files": files,
         "offload_ranges": ranges,
         "offloaded_bytes": state.offloaded_bytes(),
-        "store_bytes_written": getattr(store, "bytes_written", 0) if store is not None else 0,
+        "store_bytes_written": store.bytes_written if store is not None else 0,
         "device_bytes": {str(d): v["bytes"] for d, v in devices.items()},
         "converting": len(getattr(store, "converting", ()) or ()),
-        "_keep": ckpt,
+        "_release": release,
+        "_policy": strategies.names["hook"],
     }
     return model, info
 
@@ -350,16 +350,11 @@ def main() -> None:
         result["cold_token_over_ideal"] = result["decode_token_mean_s"] / ideal if ideal else None
         result["disk_read_bandwidth_bytes_per_s"] = result["disk_read_bytes_per_token"] / result["decode_token_mean_s"]
     if state is not None:
-        prefetcher = getattr(state.handle, "prefetcher", None)
-        if prefetcher is not None:
-            result["prefetch_hits"], result["prefetch_misses"] = prefetcher.hits, prefetcher.misses
-            result["trace_invalidations"] = prefetcher.trace.invalidations
-            result["prefetch_late"] = prefetcher.late
-            result["prefetch_read_again"] = prefetcher.reread
-            result["prefetch_wait_s_per_token"] = prefetcher.waited_s / max(len(tokens), 1)
-        state.handle.offload_all()
-        if state.store is not None:
-            state.store.close()
+        from offload_core.runner.results import per_token_counters
+
+        policy = info["_policy"]
+        result.update({f"{policy}_{name}": value for name, value in per_token_counters(state.handle.counters(), len(tokens)).items()})
+        info["_release"].close()
     out.write_text(json.dumps(result, indent=1, default=str))
 
 

@@ -5,9 +5,13 @@ is handed a ``register`` callback instead of returning values:
 
     register(name: str, factory: type, config: type) -> None
 
-``factory`` is the strategy class, built as ``factory(config_instance)``; ``config`` is a dataclass
-whose fields are the strategy's options and whose ``name`` field defaults to ``name``. The dataclass
-becomes a Hydra option of the matching config group (``placement``, ``storage``, ``hook``) with no YAML.
+``factory`` is the strategy class, built as ``factory(config_instance)``: a subclass of the kind's
+contract in :mod:`offload_core.registry.contracts` (``Placement``, ``Storage``, ``Policy``), which
+declares every optional capability with its default. A class written without the base class but with
+the contract's required method is adapted once, at registration (it gets the defaults); one without it
+is a one-line error naming the missing method. ``config`` is a dataclass whose fields are the strategy's
+options and whose ``name`` field defaults to ``name``. The dataclass becomes a Hydra option of the
+matching config group (``placement``, ``storage``, and ``hook`` for policies) with no YAML.
 Registering a name twice is an error naming both plugins.
 """
 
@@ -29,9 +33,9 @@ Register = Callable[[str, type, type], None]
 def offload_register_placements(register: Register) -> None:
     """Register placement strategies (config group ``placement``).
 
-    Called once when the plugin manager is built, for every plugin. A placement's factory builds an
-    object with ``make_device_map(request: PlacementRequest) -> dict[str, int | str]``.
-    All implementations are called; results are ignored (use ``register``).
+    Called once when the plugin manager is built, for every plugin. A placement's factory subclasses
+    :class:`~offload_core.registry.contracts.Placement`: ``make_device_map(request: PlacementRequest)
+    -> dict[str, int | str]``. All implementations are called; results are ignored (use ``register``).
     """
 
 
@@ -39,11 +43,12 @@ def offload_register_placements(register: Register) -> None:
 def offload_register_storages(register: Register) -> None:
     """Register storage backends (config group ``storage``).
 
-    Called once when the plugin manager is built, for every plugin. A storage's factory builds an
-    object with ``open(context: StoreContext) -> Store``; see :mod:`offload_core.storage`. It may
-    declare ``converts_on_read = True`` (a tensor stored in another dtype is converted on every read:
-    the planner holds room for the copies in flight) and ``pinned = True`` (page-locked memory: a GPU
-    run copies from it without staging). All implementations are called; results are ignored.
+    Called once when the plugin manager is built, for every plugin. A storage's factory subclasses
+    :class:`~offload_core.registry.contracts.Storage`: ``open(context: StoreContext) -> Store`` (see
+    :mod:`offload_core.storage`). It may set ``converts_on_read = True`` (a tensor stored in another
+    dtype is converted on every read: the planner holds room for the copies in flight) and
+    ``pinned = True`` (page-locked memory: a GPU run copies from it without staging); both default to
+    False. All implementations are called; results are ignored.
     """
 
 
@@ -51,15 +56,15 @@ def offload_register_storages(register: Register) -> None:
 def offload_register_module_hook_policies(register: Register) -> None:
     """Register module-hook policies (config group ``hook``).
 
-    Called once when the plugin manager is built, for every plugin. A policy's factory builds an
-    object with ``attach(model, plan: DispatchPlan) -> PolicyHandle``; see
-    :mod:`offload_core.module_hooks`. It may define ``reserve(need: InFlight) -> dict[device, int]``:
-    the bytes its units in flight take on each device, which the placement holds back from the
-    budgets (without it: one block on the execution device; ``reserve_units`` builds the usual answer).
-    For the plan's predicted bytes per token it may say its ``granularity`` ("module" or "block", the
-    default) and, if it keeps units loaded across calls, ``predict_moved(unit_bytes: list[int]) -> int``
-    (without it: every offloaded unit is read once per forward). A policy that decides the map itself
-    (``functional_call`` with ``cpu_offload``) defines ``own_device_map(model, execution_device)``,
-    returning ``{name: device}`` or None to leave it to the placement; a user's ``device_map`` file
-    still comes first. All implementations are called; results are ignored.
+    Called once when the plugin manager is built, for every plugin. A policy's factory subclasses
+    :class:`~offload_core.registry.contracts.Policy`: ``attach(model, context: PolicyContext) ->
+    PolicyHandle`` (see :mod:`offload_core.module_hooks`). Its optional capabilities, each with the
+    default the base class gives: ``reserve(need: InFlight) -> dict[device, int]``, the bytes its units
+    in flight take on each device, held back from the budgets (one block on the execution device;
+    ``reserve_units`` builds the usual answer); ``granularity`` ("block", or "module"); ``predict_moved
+    (unit_bytes: list[int]) -> int``, bytes brought in per forward (every offloaded unit once);
+    ``own_device_map(model, execution_device)``, a map the policy decides itself or None to leave it to
+    the placement (None; a user's ``device_map`` file still comes first); ``offload_buffers`` (False).
+    Its handle reports counters through ``PolicyHandle.counters()`` (none by default), which the runner
+    prints and writes to ``metrics.json``. All implementations are called; results are ignored.
     """

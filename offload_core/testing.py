@@ -20,11 +20,12 @@ from offload_core.planning import PlacementRequest
 
 
 def _resolve(kind: str, strategy: Any) -> Any:
-    if isinstance(strategy, str):
-        from offload_core.registry.manager import get_registry
+    """A strategy by registered name, or a built one as an instance of its kind's contract."""
+    from offload_core.registry.manager import as_strategy, get_registry
 
+    if isinstance(strategy, str):
         return get_registry().create(kind, strategy)
-    return strategy
+    return as_strategy(kind, strategy)
 
 
 def check_placement(placement: Any, request: PlacementRequest) -> dict[str, int | str]:
@@ -96,7 +97,7 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
     from offload_core.errors import OffloadError
     from offload_core.storage import StoreContext
 
-    storage = _resolve("storage", storage_factory)
+    storage = _resolve("storage", storage_factory) if isinstance(storage_factory, str) else storage_factory
     opener: Callable[[StoreContext], Any] = getattr(storage, "open", storage)
     tmp_path = Path(tmp_path)
     tensors = round_trip_tensors()
@@ -172,7 +173,7 @@ def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: A
     total = compute_module_sizes(model)[""]
     load_checkpoint_and_dispatch(model, tmp_path / "tiny_tied_llama", device_map="sequential",
                                  max_memory={"cpu": total // 2}, storage=_resolve("storage", storage),
-                                 policy=_resolve("hook", policy), offload_folder=tmp_path / "offload",
+                                 policy=_resolve("policy", policy), offload_folder=tmp_path / "offload",
                                  execution_device="cpu", progress=False)
     state = model.offload_state
     assert "disk" in set(model.hf_device_map.values()), f"nothing was offloaded: {model.hf_device_map}"
@@ -195,15 +196,19 @@ def check_policy_reservation(policy: Any) -> list[dict]:
     """What a policy holds back for its units in flight (its ``reserve``, or the default without one) is,
     for CPU and GPU runs and every store property, bytes (non-negative integers) per device, with an
     entry for the execution device; a GPU run keeps at least one block there. Returns the answers."""
-    from offload_core.module_hooks.units import InFlight, policy_reservation
+    from offload_core.planning.reservation import InFlight
+    from offload_core.registry.contracts import Policy
 
-    policy = _resolve("hook", policy)
+    if isinstance(policy, str):
+        policy = _resolve("policy", policy)
+    # only the reservation is checked here: an object with no ``reserve`` gets the contract's default
+    reserve_of = getattr(policy, "reserve", None) or Policy.reserve.__get__(policy)
     answers = []
     for device in (torch.device("cpu"), torch.device("cuda", 1)):
         for converts in (False, True):
             for pinned in (False, True):
                 need = InFlight(device, block_bytes=3000, module_bytes=700, store_converts=converts, store_pinned=pinned)
-                reserve = policy_reservation(policy, need)
+                reserve = dict(reserve_of(need))
                 where = f"{device} run, store_converts={converts}, store_pinned={pinned}"
                 assert isinstance(reserve, dict), f"reserve() gave {type(reserve).__name__} for a {where}: return a dict"
                 for key, size in reserve.items():

@@ -1,4 +1,4 @@
-"""Built-in module-hook policy ``chained``: seed 000's cpu_offload_with_hook applied to the model's blocks in execution order."""
+"""Built-in module-hook policy ``chained``: the model's blocks chained in execution order, each kept loaded until the next is called."""
 
 from offload_core.hookspecs import hookimpl
 from offload_core.module_hooks.chained import Chained, ChainedConfig

@@ -1,4 +1,4 @@
-"""Built-in module-hook policy ``functional_call``: seed 003's vLLM offload through torch.func.functional_call."""
+"""Built-in module-hook policy ``functional_call``: offloaded tensors passed to torch.func.functional_call for one call, as vLLM does."""
 
 from offload_core.hookspecs import hookimpl
 from offload_core.module_hooks.functional import FunctionalCall, FunctionalCallConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload_core.hookspecs import hookimpl
+from offload_core.registry.contracts import Placement
 from offload_core.planning import PlacementRequest, get_balanced_memory, plan_device_map
 
 
@@ -13,7 +14,7 @@ class BalancedConfig:
     name: str = "balanced"
 
 
-class Balanced:
+class BalancedPlacement(Placement):
     def __init__(self, config: BalancedConfig) -> None:
         self.config = config
 
@@ -23,4 +24,4 @@ class Balanced:
 
 @hookimpl
 def offload_register_placements(register):
-    register("balanced", Balanced, BalancedConfig)
+    register("balanced", BalancedPlacement, BalancedConfig)

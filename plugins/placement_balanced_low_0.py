@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload_core.hookspecs import hookimpl
+from offload_core.registry.contracts import Placement
 from offload_core.planning import PlacementRequest, get_balanced_memory, plan_device_map
 
 
@@ -13,7 +14,7 @@ class BalancedLow0Config:
     name: str = "balanced_low_0"
 
 
-class BalancedLow0:
+class BalancedLow0Placement(Placement):
     def __init__(self, config: BalancedLow0Config) -> None:
         self.config = config
 
@@ -23,4 +24,4 @@ class BalancedLow0:
 
 @hookimpl
 def offload_register_placements(register):
-    register("balanced_low_0", BalancedLow0, BalancedLow0Config)
+    register("balanced_low_0", BalancedLow0Placement, BalancedLow0Config)

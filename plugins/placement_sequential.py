@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload_core.hookspecs import hookimpl
+from offload_core.registry.contracts import Placement
 from offload_core.planning import PlacementRequest, plan_device_map
 
 
@@ -13,7 +14,7 @@ class SequentialConfig:
     name: str = "sequential"
 
 
-class Sequential:
+class SequentialPlacement(Placement):
     def __init__(self, config: SequentialConfig) -> None:
         self.config = config
 
@@ -23,4 +24,4 @@ class Sequential:
 
 @hookimpl
 def offload_register_placements(register):
-    register("sequential", Sequential, SequentialConfig)
+    register("sequential", SequentialPlacement, SequentialConfig)

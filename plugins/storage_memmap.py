@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload_core.hookspecs import hookimpl
+from offload_core.registry.contracts import Storage
 from offload_core.storage import StoreContext
 from offload_core.storage.folder import FolderStore
 
@@ -14,7 +15,7 @@ class MemmapConfig:
     name: str = "memmap"
 
 
-class Memmap:
+class MemmapStorage(Storage):
     def __init__(self, config: MemmapConfig) -> None:
         self.config = config
 
@@ -24,4 +25,4 @@ class Memmap:
 
 @hookimpl
 def offload_register_storages(register):
-    register("memmap", Memmap, MemmapConfig)
+    register("memmap", MemmapStorage, MemmapConfig)

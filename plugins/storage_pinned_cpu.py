@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload_core.hookspecs import hookimpl
+from offload_core.registry.contracts import Storage
 from offload_core.storage import StoreContext
 from offload_core.storage.memory import HostMemoryStore
 
@@ -16,7 +17,7 @@ class PinnedCpuConfig:
     pin: bool = True
 
 
-class PinnedCpu:
+class PinnedCpuStorage(Storage):
     def __init__(self, config: PinnedCpuConfig) -> None:
         self.config = config
 
@@ -31,4 +32,4 @@ class PinnedCpu:
 
 @hookimpl
 def offload_register_storages(register):
-    register("pinned_cpu", PinnedCpu, PinnedCpuConfig)
+    register("pinned_cpu", PinnedCpuStorage, PinnedCpuConfig)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload_core.hookspecs import hookimpl
+from offload_core.registry.contracts import Storage
 from offload_core.storage import StoreContext
 from offload_core.storage.inplace import InPlaceStore
 
@@ -14,7 +15,7 @@ class SafetensorsConfig:
     name: str = "safetensors"
 
 
-class Safetensors:
+class SafetensorsStorage(Storage):
     #: a tensor stored in another dtype than the run's is converted on every read (the planner holds
     #: room for those copies)
     converts_on_read = True
@@ -28,4 +29,4 @@ class Safetensors:
 
 @hookimpl
 def offload_register_storages(register):
-    register("safetensors", Safetensors, SafetensorsConfig)
+    register("safetensors", SafetensorsStorage, SafetensorsConfig)

@@ -15,7 +15,7 @@ from offload_core.errors import ConfigError, DeviceMapError, OffloadError
 from offload_core.loading.dispatch import dispatch_model, load_checkpoint_and_dispatch
 from offload_core.loading.empty import init_empty_weights, init_on_device
 from offload_core.module_hooks.base import module_hooks
-from offload_core.module_hooks.chained import cpu_offload_with_hook
+from offload_core.loading.cpu_offload import cpu_offload_with_hook
 from offload_core.planning import (
     check_device_map,
     compute_module_sizes,

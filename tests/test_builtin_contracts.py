@@ -46,10 +46,10 @@ def test_builtin_store_contract(name, tmp_path):
     check_store_round_trip(REGISTRY.create("storage", name), tmp_path)
 
 
-@pytest.mark.parametrize("name", REGISTRY.names("hook"))
+@pytest.mark.parametrize("name", REGISTRY.names("policy"))
 def test_builtin_policy_contract(name, tmp_path):
-    check_policy_preserves_outputs(REGISTRY.create("hook", name), tmp_path)
-    check_policy_reservation(REGISTRY.create("hook", name))
+    check_policy_preserves_outputs(REGISTRY.create("policy", name), tmp_path)
+    check_policy_reservation(REGISTRY.create("policy", name))
 
 
 def test_reservation_contract_catches_a_negative_or_missing_answer():

@@ -28,7 +28,7 @@ def _policy(policy):
     from offload_core.registry.manager import get_registry
 
     name, options = policy
-    return get_registry().create("hook", name, {"name": name, **options})
+    return get_registry().create("policy", name, {"name": name, **options})
 
 
 def _save(model, config, directory, shard=200_000):

@@ -44,7 +44,7 @@ def test_smollm2_matrix(reference, folders, placement, store, policy):
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32).eval()
     load_checkpoint_and_dispatch(model, path, device_map=placement, max_memory=BUDGET, storage=store,
-                                 policy=get_registry().create("hook", policy), offload_folder=folders / "memmap",
+                                 policy=get_registry().create("policy", policy), offload_folder=folders / "memmap",
                                  reserve={"cpu": 0}, progress=False)
     state = model.offload_state
     try:

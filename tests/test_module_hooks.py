@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, module_hooks, remove_hook_from_module
-from offload_core.module_hooks.chained import cpu_offload_with_hook
+from offload_core.loading.cpu_offload import cpu_offload_with_hook
 
 
 class Recorder(ModuleHook):

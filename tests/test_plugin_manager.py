@@ -20,9 +20,18 @@ def _plugin(kind_hook: str, strategy_name: str, module_name: str = "fake_plugin"
     class Config:
         name: str = strategy_name
 
-    class Strategy:
+    class Strategy:  # written without a contract's base class, as a plugin may be
         def __init__(self, config):
             self.config = config
+
+        def make_device_map(self, request):
+            return {"": "cpu"}
+
+        def open(self, context):
+            raise NotImplementedError
+
+        def attach(self, model, context):
+            raise NotImplementedError
 
     module = types.ModuleType(module_name)
 
@@ -38,9 +47,38 @@ def test_builtins_provide_every_strategy():
     registry = build_registry(load_entry_points=False)
     assert registry.names("placement") == ["balanced", "balanced_low_0", "sequential"]
     assert registry.names("storage") == ["memmap", "pinned_cpu", "safetensors"]
-    assert registry.names("hook") == ["align_per_call", "chained", "functional_call", "prefetch"]
+    assert registry.names("policy") == ["align_per_call", "chained", "functional_call", "prefetch"]
     assert set(registry.plugins) == set(BUILTIN_PLUGINS)
     assert registry.get("storage", "memmap").plugin == "offload_core_plugins.storage_memmap"
+
+
+def test_a_factory_without_the_base_class_gets_the_contract_defaults():
+    from offload_core.registry.contracts import Policy, Storage
+
+    registry = build_registry(extra_plugins=[_plugin("offload_register_storages", "bare_store", "bare_store_plugin"),
+                                             _plugin("offload_register_module_hook_policies", "bare_policy", "bare_policy_plugin")],
+                              load_entry_points=False)
+    storage = registry.create("storage", "bare_store")
+    assert isinstance(storage, Storage) and (storage.converts_on_read, storage.pinned) == (False, False)
+    policy = registry.create("policy", "bare_policy")
+    assert isinstance(policy, Policy) and policy.granularity == "block" and policy.predict_moved([1, 2]) == 3
+    assert registry.get("policy", "bare_policy").factory.__name__ == "Strategy"
+
+
+def test_a_factory_lacking_the_required_method_is_one_line_naming_it():
+    @dataclass
+    class Config:
+        name: str = "no_open"
+
+    class NoOpen:
+        def __init__(self, config):
+            self.config = config
+
+    module = types.ModuleType("no_open_plugin")
+    module.offload_register_storages = hookimpl(lambda register: register("no_open", NoOpen, Config))
+    with pytest.raises(PluginError, match=r"^storage 'no_open': NoOpen lacks open\(\); subclass offload_core.registry.contracts.Storage") as info:
+        build_registry(extra_plugins=[module], load_entry_points=False)
+    assert "\n" not in str(info.value)
 
 
 def test_duplicate_name_names_both_plugins():
@@ -84,7 +122,7 @@ def test_config_without_name_field_is_rejected():
 def test_build_with_unknown_option_is_rejected():
     registry = build_registry(load_entry_points=False)
     with pytest.raises(PluginError, match="has no option"):
-        registry.create("hook", "align_per_call", {"name": "align_per_call", "granularty": "block"})
+        registry.create("policy", "align_per_call", {"name": "align_per_call", "granularty": "block"})
 
 
 @pytest.fixture
@@ -104,6 +142,9 @@ def installed_plugin(tmp_path, monkeypatch):
         class EveryOther:
             def __init__(self, config):
                 self.config = config
+
+            def make_device_map(self, request):
+                return {"": "cpu"}
 
         @hookimpl
         def offload_register_placements(register):

@@ -41,7 +41,7 @@ def test_prediction_matches_measured_bytes_per_token(checkpoint, policy, tmp_pat
     path, config = checkpoint
     name, options = policy
     model = _empty(config)
-    built = REGISTRY.create("hook", name, {"name": name, **options})
+    built = REGISTRY.create("policy", name, {"name": name, **options})
     predicted = predicted_bytes_per_token(model, DEVICE_MAP, built, CPU, torch.float32)
     load_checkpoint_and_dispatch(model, path, DEVICE_MAP, storage="memmap", policy=built,
                                  offload_folder=tmp_path / "off", progress=False)
@@ -56,7 +56,7 @@ def test_prediction_matches_measured_bytes_per_token(checkpoint, policy, tmp_pat
 
 
 def _policy(name):
-    return REGISTRY.create("hook", name, {"name": name})
+    return REGISTRY.create("policy", name, {"name": name})
 
 
 def test_nothing_offloaded_predicts_zero(checkpoint):
@@ -113,12 +113,18 @@ def test_plot_placement_writes_a_png(checkpoint, tmp_path):
 def test_a_policy_without_hints_is_predicted_per_block_and_read_once_per_forward(checkpoint):
     _, config = checkpoint
     model = _empty(config)
-    per_block = predicted_bytes_per_token(model, DEVICE_MAP, REGISTRY.create("hook", "align_per_call",
+    per_block = predicted_bytes_per_token(model, DEVICE_MAP, REGISTRY.create("policy", "align_per_call",
                                           {"name": "align_per_call", "granularity": "block"}), CPU, None)
-    assert predicted_bytes_per_token(model, DEVICE_MAP, object(), CPU, None) == per_block > 0
+    from offload_core.registry.contracts import Policy
 
-    class KeepsEverything:  # a third-party policy that says it moves nothing after the first token
+    class NoHints(Policy):  # a third-party policy that declares no capability: the contract's defaults
+        def attach(self, model, context):
+            raise NotImplementedError
+
+    assert predicted_bytes_per_token(model, DEVICE_MAP, NoHints(None), CPU, None) == per_block > 0
+
+    class KeepsEverything(NoHints):  # one that says it moves nothing after the first token
         def predict_moved(self, unit_bytes):
             return 0
 
-    assert predicted_bytes_per_token(model, DEVICE_MAP, KeepsEverything(), CPU, None) == 0
+    assert predicted_bytes_per_token(model, DEVICE_MAP, KeepsEverything(None), CPU, None) == 0

@@ -108,7 +108,7 @@ def test_reservation_follows_store_and_policy():
     import torch
 
     from offload_core.registry.manager import get_registry
-    from offload_core.runner.job import reservation
+    from offload_core.runner.plan import reservation
 
     registry = get_registry()
 
@@ -118,36 +118,50 @@ def test_reservation_follows_store_and_policy():
     safetensors, memmap, pinned = make("storage", "safetensors"), make("storage", "memmap"), make("storage", "pinned_cpu")
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
     block, module = 1000, 100
-    assert reservation(make("hook", "prefetch", depth=2), safetensors, cpu, block, module, converts=False) == {"cpu": 0}
-    assert reservation(make("hook", "prefetch", depth=2, pool=True), memmap, cpu, block, module, converts=False) == {"cpu": 3000}
+    assert reservation(make("policy", "prefetch", depth=2), safetensors, cpu, block, module, converts=False) == {"cpu": 0}
+    assert reservation(make("policy", "prefetch", depth=2, pool=True), memmap, cpu, block, module, converts=False) == {"cpu": 3000}
     # Only a store that converts on read makes copies of a checkpoint stored in another dtype.
-    assert reservation(make("hook", "prefetch", depth=1), safetensors, cpu, block, module, converts=True) == {"cpu": 2000}
-    assert reservation(make("hook", "prefetch", depth=1), memmap, cpu, block, module, converts=True) == {"cpu": 0}
-    assert reservation(make("hook", "align_per_call"), safetensors, cpu, block, module, converts=True) == {"cpu": 100}
-    assert reservation(make("hook", "align_per_call", granularity="block"), safetensors, cpu, block, module,
+    assert reservation(make("policy", "prefetch", depth=1), safetensors, cpu, block, module, converts=True) == {"cpu": 2000}
+    assert reservation(make("policy", "prefetch", depth=1), memmap, cpu, block, module, converts=True) == {"cpu": 0}
+    assert reservation(make("policy", "align_per_call"), safetensors, cpu, block, module, converts=True) == {"cpu": 100}
+    assert reservation(make("policy", "align_per_call", granularity="block"), safetensors, cpu, block, module,
                        converts=True) == {"cpu": 1000}
-    assert reservation(make("hook", "chained"), safetensors, gpu, block, module, converts=False) == {1: 1000}
+    assert reservation(make("policy", "chained"), safetensors, gpu, block, module, converts=False) == {1: 1000}
     # A GPU run holds the blocks in flight on the device, and the staging ring in host memory
     # unless the store is already pinned.
-    staged = reservation(make("hook", "prefetch", depth=2, staging_chunk="1MiB"), memmap, gpu, block, module, converts=False)
+    staged = reservation(make("policy", "prefetch", depth=2, staging_chunk="1MiB"), memmap, gpu, block, module, converts=False)
     assert staged == {1: 3000, "cpu": 3 * 2**20}
-    assert reservation(make("hook", "prefetch", depth=2), pinned, gpu, block, module, converts=False) == {1: 3000, "cpu": 0}
+    assert reservation(make("policy", "prefetch", depth=2), pinned, gpu, block, module, converts=False) == {1: 3000, "cpu": 0}
 
 
 def test_a_third_party_policy_declares_its_own_reservation():
     import torch
 
     from offload_core.module_hooks import InFlight, reserve_units
-    from offload_core.module_hooks.units import policy_reservation
+    from offload_core.registry.manager import as_contract
 
-    class Greedy:  # keeps four blocks resident on the execution device, copies even on a CPU run
+    class Greedy:  # written without the contract: keeps four blocks on the execution device, copies even on a CPU run
+        def __init__(self, config):
+            self.config = config
+
         def reserve(self, need):
             return reserve_units(need, need.block_bytes, 4, copies_on_cpu=True)
 
+        def attach(self, model, context):
+            raise NotImplementedError
+
+    class Minimal:  # only the required method: every capability comes from the contract's defaults
+        def attach(self, model, context):
+            raise NotImplementedError
+
     need = InFlight(torch.device("cpu"), block_bytes=1000, module_bytes=100)
-    assert policy_reservation(Greedy(), need) == {"cpu": 4000}
-    assert policy_reservation(object(), need) == {"cpu": 0}  # no reserve: one block, a view on a CPU run
-    assert policy_reservation(object(), InFlight(torch.device("cuda", 0), 1000, 100)) == {0: 1000}
+    assert as_contract("policy", "greedy", Greedy)(None).reserve(need) == {"cpu": 4000}
+    minimal = as_contract("policy", "minimal", Minimal)(None)
+    assert minimal.reserve(need) == {"cpu": 0}  # no reserve: one block, a view on a CPU run
+    assert minimal.reserve(InFlight(torch.device("cuda", 0), 1000, 100)) == {0: 1000}
+    assert (minimal.granularity, minimal.offload_buffers, minimal.predict_moved([3, 4]), minimal.own_device_map(None, None)) == (
+        "block", False, 7, None)
+
 
 
 def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):

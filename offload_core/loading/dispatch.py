@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -13,91 +13,19 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from offload_core.errors import CheckpointError
-from offload_core.module_hooks.units import DispatchPlan, PolicyHandle
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
-from offload_core.values import is_offloaded, torch_device
+from offload_core.loading.routes import TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor
 
 log = logging.getLogger(__name__)
+
 
 def default_execution_device() -> torch.device:
     """``cuda:0`` when an accelerator is present, else ``cpu``."""
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
-@dataclass
-class TensorPlan:
-    """Where each state-dict tensor of a model goes: resident on a device, or offloaded under a store key."""
-
-    resident: dict[str, torch.device] = field(default_factory=dict)
-    offloaded: dict[str, str] = field(default_factory=dict)  # name -> canonical store key
-    canonical: dict[str, str] = field(default_factory=dict)  # every name -> first name of its tie group
-    is_param: dict[str, bool] = field(default_factory=dict)
-
-    @property
-    def store_keys(self) -> list[str]:
-        return list(dict.fromkeys(self.offloaded.values()))
-
-
-def plan_tensors(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device,
-                 offload_buffers: bool = False) -> TensorPlan:
-    """Resolve a checked device map into per-tensor decisions (tied names share one store key)."""
-    from offload_core.planning import device_of, tensor_aliases
-
-    plan = TensorPlan()
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    aliases = tensor_aliases(model)
-    for name in model.state_dict(keep_vars=True):
-        plan.canonical[name] = aliases.get(name, name)
-        is_param = name in params
-        plan.is_param[name] = is_param
-        where = device_of(device_map, plan.canonical[name])
-        if is_offloaded(where, execution_device) and (is_param or offload_buffers):
-            plan.offloaded[name] = plan.canonical[name]
-        else:
-            plan.resident[name] = torch_device(where, execution_device)
-    return plan
-
-
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
-    owner_name, _, local = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if is_param:
-        old = owner._parameters.get(local)
-        requires_grad = bool(old is not None and old.requires_grad and value.is_floating_point())
-        owner._parameters[local] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=requires_grad)
-    else:
-        owner._buffers[local] = value
-
-
-def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
-    owner_name, _, local = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    return owner._parameters[local] if local in owner._parameters else owner._buffers[local]
-
-
-def _retie(model: nn.Module, plan: TensorPlan) -> None:
-    """Point every resident tied alias at its canonical tensor (one tensor, one device copy)."""
-    for name, canonical in plan.canonical.items():
-        if name != canonical and name in plan.resident:
-            _set_tensor(model, name, _get_tensor(model, canonical), plan.is_param[name])
-
-
-def _move_leftover_buffers(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device) -> None:
-    """Non-persistent buffers (e.g. rotary ``inv_freq``) are in no checkpoint: each goes where its module runs."""
-    from offload_core.errors import DeviceMapError
-    from offload_core.planning import device_of
-
-    for name, module in model.named_modules():
-        try:
-            device = torch_device(device_of(device_map, name), execution_device)
-        except DeviceMapError:  # a module holding only such buffers, under no key: the execution device
-            device = execution_device
-        for local, buf in module._buffers.items():
-            if buf is not None and buf.device.type != "meta" and buf.device != device:
-                module._buffers[local] = buf.to(device)
-
-
-def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan, store: Store | None,
+def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRoutes, store: Store | None,
                              dtype: torch.dtype | None = None, progress: bool = True,
                              strict: bool = False) -> dict[str, list[str]]:
     """Stream ``checkpoint`` shard by shard into ``model`` (resident tensors) and ``store`` (offloaded ones).
@@ -110,10 +38,10 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
     ckpt_keys = set(checkpoint.keys())
     # Which checkpoint key feeds each canonical name (a tied group may be saved under any of its names).
     source: dict[str, str] = {}
-    for name, canonical in plan.canonical.items():
+    for name, canonical in routes.canonical.items():
         if name in ckpt_keys:
             source.setdefault(canonical, name)
-    missing = sorted({c for c in plan.canonical.values() if c not in source})
+    missing = sorted({c for c in routes.canonical.values() if c not in source})
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(
@@ -121,7 +49,7 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
             "check that the checkpoint matches the model's config"
         )
     wanted = {key: canonical for canonical, key in source.items()}
-    unexpected = sorted(ckpt_keys - set(plan.canonical))
+    unexpected = sorted(ckpt_keys - set(routes.canonical))
     if unexpected and strict:
         raise CheckpointError(
             f"checkpoint has {len(unexpected)} tensor(s) the model does not use ({', '.join(unexpected[:5])}): "
@@ -132,7 +60,7 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
     state = model.state_dict(keep_vars=True)
     expected = {name: tuple(t.shape) for name, t in state.items()}
     kinds = {name: _dtype_kind(t.dtype) for name, t in state.items()}
-    store_keys = set(plan.offloaded.values())
+    store_keys = set(routes.offloaded.values())
     total = sum(len(keys) for _, keys in checkpoint.shards())
     bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
     for shard, keys in checkpoint.shards():
@@ -159,14 +87,14 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, plan: TensorPlan
                     store.add_from_checkpoint(canonical, checkpoint, key, dtype)
                 continue
             value = convert_dtype(checkpoint.get(key), dtype)
-            device = plan.resident[canonical]
+            device = routes.resident[canonical]
             held = torch.empty(value.shape, dtype=value.dtype, device=device)
             held.copy_(value)
-            _set_tensor(model, canonical, held, plan.is_param[canonical])
+            set_tensor(model, canonical, held, routes.is_param[canonical])
     bar.close()
     if store is not None:
         store.finalize()
-    _retie(model, plan)
+    retie(model, routes)
     return {"missing": missing, "unexpected": unexpected}
 
 
@@ -181,13 +109,16 @@ def _dtype_kind(dtype: torch.dtype) -> str:
 
 @dataclass
 class OffloadState:
-    """What dispatching left on a model (``model.offload_state``): the map, store, policy handle and counters."""
+    """What dispatching left on a model (``model.offload_state``): the map, store, policy handle and counters.
+
+    As a context manager it releases what the run took when the block ends (see :meth:`release`).
+    """
 
     device_map: dict[str, int | str]
     execution_device: torch.device
     store: Store | None
     handle: PolicyHandle
-    tensor_plan: TensorPlan
+    routes: TensorRoutes
 
     @property
     def stats(self):
@@ -196,7 +127,19 @@ class OffloadState:
     def offloaded_bytes(self) -> int:
         if self.store is None:
             return 0
-        return sum(self.store[k].numel() * self.store[k].element_size() for k in self.tensor_plan.store_keys)
+        return sum(self.store[k].numel() * self.store[k].element_size() for k in self.routes.store_keys)
+
+    def release(self) -> None:
+        """Drop every loaded unit and close the store (the model keeps its module hooks)."""
+        self.handle.offload_all()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "OffloadState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def remove(self) -> nn.Module:
         """Remove the module hooks (weights come back to the CPU) and close the store."""
@@ -237,15 +180,16 @@ def _policy(policy: str | Any, skip_keys: str | list[str] | None, preload: list[
         config["skip_keys"] = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys)
     if preload and policy == "align_per_call":
         config["granularity"] = "block"
-    return _resolve("hook", policy, config or None) if isinstance(policy, str) else policy
+    return _resolve("policy", policy, config or None) if isinstance(policy, str) else policy
 
 
-def _attach(model: nn.Module, device_map: dict, plan: TensorPlan, store: Store | None, policy: Any,
+def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Store | None, policy: Any,
             execution_device: torch.device, no_split: list[str]) -> OffloadState:
-    dispatch = DispatchPlan(device_map=device_map, execution_device=execution_device, store=store,
-                            offloaded=dict(plan.offloaded), no_split_module_classes=list(no_split))
-    handle = policy.attach(model, dispatch)
-    state = OffloadState(device_map, execution_device, store, handle, plan)
+    context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
+                            offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
+                            non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"))
+    handle = policy.attach(model, context)
+    state = OffloadState(device_map, execution_device, store, handle, routes)
     model.hf_device_map = dict(device_map)
     model.offload_state = state
     return state
@@ -296,29 +240,29 @@ def load_checkpoint_and_dispatch(
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     owns_checkpoint = not hasattr(checkpoint, "shards")
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
-    plan = plan_tensors(model, device_map, execution_device, offload_buffers)
+    routes = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
-    if plan.offloaded:
+    if routes.offloaded:
         import json
 
         fingerprint = {
             "checkpoint": ckpt.fingerprint(),
             "dtype": str(dtype),
-            "tensors": sorted(plan.store_keys),
+            "tensors": sorted(routes.store_keys),
         }
         fingerprint = json.loads(json.dumps(fingerprint, default=str))
-        context = StoreContext(names=plan.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
+        context = StoreContext(names=routes.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
                                offload_folder=Path(offload_folder) if offload_folder else None,
                                pin_memory=execution_device.type == "cuda")
         store = _resolve("storage", storage).open(context)
     try:
-        load_checkpoint_in_model(model, ckpt, plan, store, dtype, progress, strict)
+        load_checkpoint_in_model(model, ckpt, routes, store, dtype, progress, strict)
     except BaseException:
         if store is not None:
             store.close()
         raise
-    _move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, plan, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
+    move_leftover_buffers(model, device_map, execution_device)
+    _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
             [*no_split, *(preload_module_classes or [])])
     return model
 
@@ -363,33 +307,34 @@ def dispatch_model(
         storage = "memmap" if offload_dir is not None else "pinned_cpu"
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, None)
-    plan = plan_tensors(model, device_map, execution_device, offload_buffers)
+    routes = route_tensors(model, device_map, execution_device, offload_buffers)
     index = read_offload_index(offload_dir, offload_index) if offload_index is not None else {}
     store = None
-    if plan.offloaded:
-        context = StoreContext(names=plan.store_keys, offload_folder=Path(offload_dir) if offload_dir else None,
+    if routes.offloaded:
+        context = StoreContext(names=routes.store_keys, offload_folder=Path(offload_dir) if offload_dir else None,
                                # never matches an earlier folder: an in-memory model's weights are always written
                                fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=execution_device.type == "cuda")
         store = _resolve("storage", storage).open(context)
         placeholders: dict[str, torch.Tensor] = {}
-        for name, key in plan.offloaded.items():
+        for name, key in routes.offloaded.items():
             if key not in placeholders:
-                tensor = _get_tensor(model, key)
+                tensor = get_tensor(model, key)
                 value = (load_offloaded_tensor(offload_dir, key, index[key]) if key in index
                          else state_dict[key] if state_dict is not None and key in state_dict else tensor)
                 store.put(key, value.detach(), owned=value is not tensor)
                 meta = tensor.detach().to("meta")
-                placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if plan.is_param[name] else meta
-        for name, key in plan.offloaded.items():
-            _set_tensor(model, name, placeholders[key], plan.is_param[name])
+                placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if routes.is_param[name] else meta
+        for name, key in routes.offloaded.items():
+            set_tensor(model, name, placeholders[key], routes.is_param[name])
         store.finalize()
-    for name, device in plan.resident.items():
-        if plan.canonical[name] == name:
-            tensor = _get_tensor(model, name)
+    for name, device in routes.resident.items():
+        if routes.canonical[name] == name:
+            tensor = get_tensor(model, name)
             if tensor.device != device:
-                _set_tensor(model, name, tensor.detach().to(device), plan.is_param[name])
-    _retie(model, plan)
-    _move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, plan, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
+                set_tensor(model, name, tensor.detach().to(device), routes.is_param[name])
+    retie(model, routes)
+    move_leftover_buffers(model, device_map, execution_device)
+    _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
             [*no_split, *(preload_module_classes or [])])
     return model
+

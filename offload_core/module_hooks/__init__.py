@@ -7,17 +7,24 @@ from offload_core.module_hooks.base import (
     remove_hook_from_module,
     send_to_device,
 )
-from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
+from offload_core.planning.reservation import InFlight, reserve_units
+
+#: the earlier name of :class:`PolicyContext`, kept for plugins that import it
+DispatchPlan = PolicyContext
 
 __all__ = [
     "DispatchPlan",
     "InFlight",
     "ModuleHook",
     "ModuleHookHandle",
+    "PolicyContext",
     "PolicyHandle",
     "TransferStats",
     "Unit",
     "add_hook_to_module",
+    "check_granularity",
     "find_units",
     "remove_hook_from_module",
     "reserve_units",

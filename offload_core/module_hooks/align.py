@@ -1,4 +1,4 @@
-"""align_per_call (seed 000's AlignDevicesHook): bring a unit's offloaded tensors and the inputs to the execution device before forward, drop them after."""
+"""align_per_call: bring a unit's offloaded tensors and the inputs to the execution device before forward, drop them after."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
+from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.registry.contracts import Policy
 
 
 def _first_tensor_device(obj: Any) -> torch.device | None:
@@ -108,11 +111,11 @@ class AlignDevicesHook(ModuleHook):
             self.unit.release()
 
 
-def attach_io_hooks(model: nn.Module, plan: DispatchPlan, io_same_device: bool, skip_keys: Iterable[str]) -> list:
+def attach_io_hooks(model: nn.Module, context: PolicyContext, io_same_device: bool, skip_keys: Iterable[str]) -> list:
     """Execution-device hooks: on the root (inputs to the main device, outputs back) and on modules resident on other GPUs."""
     handles = []
-    main = plan.execution_device
-    gpu_keys = {k: v for k, v in plan.device_map.items() if isinstance(v, int) and torch.device("cuda", v) != main}
+    main = context.execution_device
+    gpu_keys = {k: v for k, v in context.device_map.items() if isinstance(v, int) and torch.device("cuda", v) != main}
     for key, device in gpu_keys.items():
         try:
             module = model.get_submodule(key)
@@ -128,7 +131,7 @@ def attach_io_hooks(model: nn.Module, plan: DispatchPlan, io_same_device: bool, 
 @dataclass
 class AlignPerCallConfig:
     name: str = "align_per_call"
-    #: "module": one transfer unit per module owning offloaded tensors (the seed's behaviour);
+    #: "module": one transfer unit per module owning offloaded tensors;
     #: "block": one per no-split block (fewer, larger transfers)
     granularity: str = "module"
     #: outputs go back to the device the inputs came from
@@ -139,30 +142,31 @@ class AlignPerCallConfig:
     offload_buffers: bool = False
 
 
-class AlignPerCall:
+class AlignPerCall(Policy):
     """Policy: every call of a unit fetches its offloaded tensors and drops them afterwards."""
 
     def __init__(self, config: AlignPerCallConfig) -> None:
-        if config.granularity not in ("module", "block"):
-            from offload_core.errors import ConfigError
-
-            raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
+        check_granularity(config.granularity)
         self.config = config
 
     @property
     def granularity(self) -> str:
         return self.config.granularity
 
+    @property
+    def offload_buffers(self) -> bool:
+        return self.config.offload_buffers
+
     def reserve(self, need: InFlight) -> dict:
         """One unit in flight: a module, or a block at ``granularity=block``."""
         return reserve_units(need, need.module_bytes if self.config.granularity == "module" else need.block_bytes)
 
-    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
-        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.config.granularity)
-        handles = attach_io_hooks(model, plan, self.config.io_same_device, self.config.skip_keys)
+    def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:
+        units = find_units(model, context.offloaded, context.no_split_module_classes, self.config.granularity)
+        handles = attach_io_hooks(model, context, self.config.io_same_device, self.config.skip_keys)
         for unit in units:
-            hook = AlignDevicesHook(plan.execution_device, offload=True, unit=unit, store=plan.store,
-                                    stats=plan.stats, non_blocking=plan.non_blocking,
+            hook = AlignDevicesHook(context.execution_device, offload=True, unit=unit, store=context.store,
+                                    stats=context.stats, non_blocking=context.non_blocking,
                                     skip_keys=self.config.skip_keys, name="align_offload")
             handles.append(add_hook_to_module(unit.module, hook))
-        return PolicyHandle(model, plan, units, handles)
+        return PolicyHandle(model, context, units, handles)

@@ -1,16 +1,18 @@
-"""chained (seed 000's cpu_offload_with_hook): a unit moves in when called and stays until the next unit in the chain is called."""
+"""chained: a unit moves in when called and stays until the next unit in the chain is called."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, ModuleHookHandle, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import DispatchPlan, PolicyHandle, Slot, TransferStats, Unit, find_units
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.units import Slot, TransferStats, Unit, find_units
+from offload_core.registry.contracts import Policy
 
 
 class ChainedHook(ModuleHook):
@@ -62,7 +64,7 @@ class Chain:
 
 
 class ChainHandle:
-    """Returned by :func:`cpu_offload_with_hook`: ``offload()`` drops the model's weights, ``remove()`` restores it."""
+    """Returned by :func:`chain_model`: ``offload()`` drops the model's weights, ``remove()`` restores it."""
 
     def __init__(self, model: nn.Module, hook: ChainedHook, module_handle: ModuleHookHandle, policy: PolicyHandle) -> None:
         self.model = model
@@ -81,24 +83,16 @@ class ChainHandle:
         return self.policy.remove()
 
 
-def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str | int | None = None,
-                          prev_module_hook: ChainHandle | None = None) -> tuple[nn.Module, ChainHandle]:
-    """Offload ``model`` to host memory; it moves to ``execution_device`` when called and stays there
-    until the next model of the chain (whose ``prev_module_hook`` is this handle) is called. Between
-    calls the weights are on the cpu (accelerate's semantics), never on meta.
+def chain_model(model: nn.Module, store: Any, device: torch.device,
+                prev_module_hook: ChainHandle | None = None) -> tuple[nn.Module, ChainHandle]:
+    """Move ``model``'s tensors into the empty ``store`` (a :class:`~offload_core.storage.Store`); the
+    model moves to ``device`` when called and stays there until the next model of the chain (whose
+    ``prev_module_hook`` is this handle) is called. Between calls the weights rest on the cpu, in the
+    store's memory (accelerate's semantics), never on meta.
 
     The last model of a chain needs an explicit ``handle.offload()``. ``handle.remove()`` puts the
     weights back in the model (on the CPU) and removes the module hook.
     """
-    from offload_core.storage import StoreContext
-    from offload_core.storage.memory import HostMemoryStore
-
-    if execution_device is None:
-        execution_device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    if isinstance(execution_device, int):
-        execution_device = f"cuda:{execution_device}"
-    device = torch.device(execution_device)
-    store = HostMemoryStore(StoreContext(names=[], pin_memory=device.type == "cuda"))
     slots = []
     seen: dict[int, str] = {}
     resting: dict[int, torch.Tensor] = {}
@@ -117,12 +111,13 @@ def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str
     unit = Unit("", model, slots)
     for slot in slots:
         slot.set(slot.original)
-    plan = DispatchPlan(device_map={"": "cpu"}, execution_device=device, store=store,
-                        offloaded={s.full: s.key for s in slots})
-    hook = ChainedHook(unit, store, device, plan.stats, non_blocking=store.pinned)
+    non_blocking = bool(store.pinned and device.type == "cuda")
+    context = PolicyContext(device_map={"": "cpu"}, execution_device=device, store=store,
+                            offloaded={s.full: s.key for s in slots}, non_blocking=non_blocking)
+    hook = ChainedHook(unit, store, device, context.stats, non_blocking=non_blocking)
     hook.prev = prev_module_hook
     module_handle = add_hook_to_module(model, hook)
-    policy = PolicyHandle(model, plan, [unit], [module_handle])
+    policy = PolicyHandle(model, context, [unit], [module_handle])
     return model, ChainHandle(model, hook, module_handle, policy)
 
 
@@ -133,7 +128,7 @@ class ChainedConfig:
     skip_keys: list[str] = field(default_factory=list)
 
 
-class Chained:
+class Chained(Policy):
     """Policy: the model's blocks are chained in execution order; each stays loaded until the next is called."""
 
     granularity = "block"
@@ -146,9 +141,9 @@ class Chained:
         loaded from one forward to the next and nothing moves; otherwise each is brought in once."""
         return 0 if len(unit_bytes) == 1 else sum(unit_bytes)
 
-    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
-        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
-        handles = attach_io_hooks(model, plan, True, self.config.skip_keys)
+    def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:
+        units = find_units(model, context.offloaded, context.no_split_module_classes, self.granularity)
+        handles = attach_io_hooks(model, context, True, self.config.skip_keys)
         chain = Chain()
         nested = {u.name for u in units if any(o.name.startswith(u.name + ".") or (u.name == "" and o.name) for o in units if o is not u)}
         for unit in units:
@@ -156,9 +151,9 @@ class Chained:
                 # A container whose own tensors are offloaded runs around its children: keep it per call.
                 from offload_core.module_hooks.align import AlignDevicesHook
 
-                hook: ModuleHook = AlignDevicesHook(plan.execution_device, offload=True, unit=unit, store=plan.store,
-                                                    stats=plan.stats, non_blocking=plan.non_blocking, name="align_offload")
+                hook: ModuleHook = AlignDevicesHook(context.execution_device, offload=True, unit=unit, store=context.store,
+                                                    stats=context.stats, non_blocking=context.non_blocking, name="align_offload")
             else:
-                hook = ChainedHook(unit, plan.store, plan.execution_device, plan.stats, plan.non_blocking, chain)
+                hook = ChainedHook(unit, context.store, context.execution_device, context.stats, context.non_blocking, chain)
             handles.append(add_hook_to_module(unit.module, hook))
-        return PolicyHandle(model, plan, units, handles)
+        return PolicyHandle(model, context, units, handles)

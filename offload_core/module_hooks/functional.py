@@ -1,4 +1,4 @@
-"""functional_call (seed 003, vLLM's --cpu-offload-gb): offloaded parameters are passed to ``torch.func.functional_call``; the module's own parameters are never rebound."""
+"""functional_call (as vLLM's --cpu-offload-gb does it): offloaded parameters are passed to ``torch.func.functional_call``; the module's own parameters are never rebound."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
-from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, TransferStats, Unit, find_units, reserve_units
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
+from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.registry.contracts import Policy
 from offload_core.values import parse_size
 
 
@@ -76,14 +79,11 @@ class FunctionalCallConfig:
     cpu_offload: Optional[str] = None
 
 
-class FunctionalCall:
+class FunctionalCall(Policy):
     """Policy: offloaded tensors go in as ``functional_call`` arguments for the duration of one call."""
 
     def __init__(self, config: FunctionalCallConfig) -> None:
-        if config.granularity not in ("module", "block"):
-            from offload_core.errors import ConfigError
-
-            raise ConfigError(f"hook.granularity={config.granularity!r} is unknown: use 'module' or 'block'")
+        check_granularity(config.granularity)
         self.config = config
         self.cpu_offload = parse_size(config.cpu_offload, what="hook.cpu_offload") if config.cpu_offload else None
 
@@ -105,10 +105,10 @@ class FunctionalCall:
         """One unit in flight: a block, or a module at ``granularity=module``."""
         return reserve_units(need, need.module_bytes if self.config.granularity == "module" else need.block_bytes)
 
-    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
-        units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.config.granularity)
-        handles = attach_io_hooks(model, plan, True, ())
+    def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:
+        units = find_units(model, context.offloaded, context.no_split_module_classes, self.config.granularity)
+        handles = attach_io_hooks(model, context, True, ())
         for unit in units:
-            hook = FunctionalCallHook(unit, plan.store, plan.execution_device, plan.stats, plan.non_blocking)
+            hook = FunctionalCallHook(unit, context.store, context.execution_device, context.stats, context.non_blocking)
             handles.append(add_hook_to_module(unit.module, hook))
-        return PolicyHandle(model, plan, units, handles)
+        return PolicyHandle(model, context, units, handles)

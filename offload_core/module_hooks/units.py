@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
+from offload_core.errors import ConfigError
+
 
 @dataclass
 class TransferStats:
-    """Counts what module hooks moved: tensors and bytes brought in, and unit activations."""
+    """Counts what module hooks moved: tensors and bytes brought in."""
 
     loads: int = 0
     bytes: int = 0
-    unit_calls: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_unit(self, fetched: Mapping[str, torch.Tensor]) -> None:
@@ -28,13 +29,12 @@ class TransferStats:
         with self._lock:
             self.loads += tensors
             self.bytes += nbytes
-            self.unit_calls += 1
 
     def snapshot(self) -> dict[str, int]:
-        return {"loads": self.loads, "bytes": self.bytes, "unit_calls": self.unit_calls}
+        return {"loads": self.loads, "bytes": self.bytes}
 
     def reset(self) -> None:
-        self.loads = self.bytes = self.unit_calls = 0
+        self.loads = self.bytes = 0
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Slot:
         (self.owner._parameters if self.is_param else self.owner._buffers)[self.local] = value
 
 
-def _as_param(value: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
+def as_param(value: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
     # Keep the flag the model's own parameter had: kernels take different paths on it (torch's CPU
     # bf16 linear copies a whole weight that does not require grad), so the offloaded model runs
     # exactly the arithmetic of the in-memory one.
@@ -92,7 +92,7 @@ class Unit:
         params: dict[str, nn.Parameter] = {}
         for slot in self.slots:
             if slot.is_param and slot.key not in params:
-                params[slot.key] = _as_param(fetched[slot.key], bool(slot.original is not None and slot.original.requires_grad))
+                params[slot.key] = as_param(fetched[slot.key], bool(slot.original is not None and slot.original.requires_grad))
         return params
 
     def load(self, store: Mapping[str, torch.Tensor], device: torch.device, stats: TransferStats | None,
@@ -117,55 +117,14 @@ class Unit:
         self.loaded = False
 
 
-@dataclass
-class DispatchPlan:
-    """What a module-hook policy needs to attach to a model.
-
-    ``offloaded`` maps every offloaded tensor name (tied aliases included) to its key in ``store``.
-    ``device_map`` is the checked map; ``execution_device`` runs everything not resident on a GPU.
-    """
-
-    device_map: dict[str, int | str]
-    execution_device: torch.device
-    store: Mapping[str, torch.Tensor] | None = None
-    offloaded: dict[str, str] = field(default_factory=dict)
-    no_split_module_classes: list[str] = field(default_factory=list)
-    stats: TransferStats = field(default_factory=TransferStats)
-
-    @property
-    def non_blocking(self) -> bool:
-        return bool(getattr(self.store, "pinned", False)) and self.execution_device.type == "cuda"
+GRANULARITIES = ("module", "block")
 
 
-@dataclass(frozen=True)
-class InFlight:
-    """What the planner tells a policy's ``reserve`` so it can size the memory its units in flight take.
-
-    The placement holds the bytes ``reserve`` returns back from each device's budget before filling it.
-    """
-
-    execution_device: torch.device
-    block_bytes: int  # the largest no-split block (the largest module where there are no blocks)
-    module_bytes: int  # the largest single module owning tensors
-    store_converts: bool = False  # the store hands out converted copies, not views, of some tensors
-    store_pinned: bool = False  # the store's memory is page-locked: copies to a GPU need no staging
-
-
-def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu: bool = False) -> dict[Any, int]:
-    """The usual answer: room for ``count`` units of ``unit_bytes`` on the execution device.
-
-    On a CPU run a mapped store hands out views of file-backed pages, so no room is needed unless the
-    units in flight are copies (``copies_on_cpu``, or a store that converts on read).
-    """
-    if need.execution_device.type == "cpu":
-        return {"cpu": unit_bytes * count if copies_on_cpu or need.store_converts else 0}
-    return {need.execution_device.index or 0: unit_bytes * count}
-
-
-def policy_reservation(policy: Any, need: InFlight) -> dict[Any, int]:
-    """``policy.reserve(need)`` where the policy defines it; otherwise one block in flight."""
-    reserve = getattr(policy, "reserve", None)
-    return dict(reserve(need)) if reserve is not None else reserve_units(need, need.block_bytes)
+def check_granularity(granularity: str) -> str:
+    """``granularity`` when it is one :func:`find_units` knows; otherwise a :class:`ConfigError` saying which are."""
+    if granularity not in GRANULARITIES:
+        raise ConfigError(f"hook.granularity={granularity!r} is unknown: use 'module' or 'block'")
+    return granularity
 
 
 def _direct_slots(prefix: str, module: nn.Module, offloaded: Mapping[str, str]) -> list[Slot]:
@@ -187,12 +146,11 @@ def find_units(model: nn.Module, offloaded: Mapping[str, str], no_split_module_c
     """Group offloaded tensors into units, in module order.
 
     ``granularity="module"``: each module that owns offloaded tensors is a unit of its direct tensors
-    (the seed's per-module behaviour). ``"block"``: each no-split block (or leaf module) is one unit of
+    (one transfer per module). ``"block"``: each no-split block (or leaf module) is one unit of
     every offloaded tensor below it — fewer, larger transfers; tensors owned directly by containers
     above the blocks form units of their own.
     """
-    if granularity not in ("module", "block"):
-        raise ValueError(f"granularity must be 'module' or 'block', got {granularity!r}")
+    check_granularity(granularity)
     units: list[Unit] = []
     if not offloaded:
         return units
@@ -219,43 +177,3 @@ def find_units(model: nn.Module, offloaded: Mapping[str, str], no_split_module_c
 
     visit("", model)
     return units
-
-
-class PolicyHandle:
-    """What attaching a policy returns: its counters, and ``remove()`` that restores the model."""
-
-    def __init__(self, model: nn.Module, plan: DispatchPlan, units: list[Unit], handles: list[Any]) -> None:
-        self.model = model
-        self.plan = plan
-        self.units = units
-        self.handles = handles
-        self.removed = False
-
-    @property
-    def stats(self) -> TransferStats:
-        return self.plan.stats
-
-    def offload_all(self) -> None:
-        """Release every loaded unit (the chained policy keeps the last one loaded until this)."""
-        for unit in self.units:
-            unit.release()
-
-    def remove(self, restore_device: torch.device | str = "cpu") -> nn.Module:
-        """Detach every module hook and put real copies of the offloaded tensors back (ties kept)."""
-        if self.removed:
-            return self.model
-        for handle in reversed(self.handles):
-            handle.remove()
-        self.offload_all()
-        store = self.plan.store
-        device = torch.device(restore_device)
-        restored: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            for slot in unit.slots:
-                if slot.key not in restored:
-                    value = store[slot.key].to(device, copy=True)
-                    requires_grad = bool(slot.original is not None and slot.original.requires_grad)
-                    restored[slot.key] = _as_param(value, requires_grad) if slot.is_param else value
-                slot.set(restored[slot.key])
-        self.removed = True
-        return self.model

@@ -14,6 +14,7 @@ import pluggy
 
 from offload_core import hookspecs
 from offload_core.errors import PluginError
+from offload_core.registry.contracts import CONTRACTS
 
 ENTRY_POINT_GROUP = "offload_core"
 DISABLE_ENV = "OFFLOAD_CORE_DISABLE_PLUGINS"
@@ -21,7 +22,7 @@ DISABLE_ENV = "OFFLOAD_CORE_DISABLE_PLUGINS"
 KINDS = {
     "placement": "offload_register_placements",
     "storage": "offload_register_storages",
-    "hook": "offload_register_module_hook_policies",
+    "policy": "offload_register_module_hook_policies",
 }
 
 BUILTIN_PLUGINS = (
@@ -40,7 +41,8 @@ BUILTIN_PLUGINS = (
 
 @dataclass(frozen=True)
 class Strategy:
-    """One registered strategy: its kind, name, factory class, config dataclass and the plugin it came from."""
+    """One registered strategy: its kind, name, factory class (a subclass of the kind's contract), config
+    dataclass and the plugin it came from."""
 
     kind: str
     name: str
@@ -73,7 +75,6 @@ class Registry:
     strategies: dict[str, dict[str, Strategy]] = field(default_factory=lambda: {k: {} for k in KINDS})
     plugins: dict[str, str] = field(default_factory=dict)  # plugin name -> version
     failed: dict[str, str] = field(default_factory=dict)  # plugin name -> one-line reason
-    manager: pluggy.PluginManager | None = None
 
     def get(self, kind: str, name: str) -> Strategy:
         """Return the strategy ``name`` of ``kind``; an unknown name lists the available ones."""
@@ -120,7 +121,7 @@ def build_registry(
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    registry = Registry(manager=pm)
+    registry = Registry()
     disabled = _disabled()
     sources: dict[Any, tuple[str, str]] = {}
 
@@ -160,10 +161,41 @@ def build_registry(
                         f"{_k} {name!r} is registered twice: by plugin {existing.plugin!r} and by plugin "
                         f"{_p!r}; disable one with {DISABLE_ENV}={_p}"
                     )
+                factory = as_contract(_k, name, factory)
                 registry.strategies[_k][name] = Strategy(_k, name, factory, config, _p, _v)
 
             impl.function(register=register)
     return registry
+
+
+def as_contract(kind: str, name: str, factory: Any) -> type:
+    """``factory`` as a subclass of ``kind``'s contract: taken as is when it already is one; a class with
+    the contract's required methods but no base class (a plugin written before the contracts) gets the
+    contract's defaults for everything else; anything else is a one-line error naming what it lacks."""
+    contract = CONTRACTS[kind]
+    if not isinstance(factory, type):
+        raise PluginError(f"{kind} {name!r}: its factory must be a class built from its config, got {factory!r}")
+    if issubclass(factory, contract):
+        return factory
+    missing = sorted(m for m in contract.__abstractmethods__ if not callable(getattr(factory, m, None)))
+    if missing:
+        raise PluginError(
+            f"{kind} {name!r}: {factory.__name__} lacks {', '.join(m + '()' for m in missing)}; "
+            f"subclass offload_core.registry.contracts.{contract.__name__} and define it"
+        )
+    return type(factory.__name__, (factory, contract), {"__module__": factory.__module__, "__qualname__": factory.__qualname__,
+                                                        "__doc__": factory.__doc__})
+
+
+def as_strategy(kind: str, strategy: Any) -> Any:
+    """A built strategy object as an instance of ``kind``'s contract: as is when it already is one; an object
+    of a class written without the contract shares its state with an instance of the adapted class."""
+    if isinstance(strategy, CONTRACTS[kind]):
+        return strategy
+    cls = as_contract(kind, type(strategy).__name__, type(strategy))
+    adapted = cls.__new__(cls)
+    adapted.__dict__ = strategy.__dict__
+    return adapted
 
 
 def _check_config(kind: str, name: str, config: type) -> None:

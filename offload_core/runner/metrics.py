@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -84,19 +83,3 @@ class TokenTimer(StoppingCriteria):
         if len(self.stamps) < 2:
             return float("nan")
         return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
-
-
-@dataclass
-class RunFigures:
-    """The figures every run reports (written to ``metrics.json``)."""
-
-    load_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    peak_anon_rss_bytes: int = 0
-    peak_file_rss_bytes: int = 0
-    peak_gpu_bytes: dict[str, int] = field(default_factory=dict)
-    bytes_moved_per_token: float = 0.0
-    transfers_per_token: float = 0.0
-    offloaded_bytes: int = 0
-    store_bytes_written: int = 0

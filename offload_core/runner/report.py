@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core.registry.contracts import Policy
 from offload_core.values import format_size, parse_dtype
 
 TIER_COLOURS = {"gpu": "tab:green", "cpu": "tab:blue", "disk": "tab:orange", "other": "tab:gray"}
@@ -17,7 +18,7 @@ TIER_COLOURS = {"gpu": "tab:green", "cpu": "tab:blue", "disk": "tab:orange", "ot
 def predicted_bytes_per_token(
     model: nn.Module,
     device_map: Mapping[str, int | str],
-    policy: Any,
+    policy: Policy,
     execution_device: torch.device | str,
     dtype: torch.dtype | str | None,
     no_split_module_classes: list[str] | None = None,
@@ -25,7 +26,7 @@ def predicted_bytes_per_token(
     """Bytes the module-hook policy will bring in per generated token, predicted from the plan alone.
 
     A decoder runs one forward per generated token and calls each unit (a module, or a no-split block:
-    the policy's ``granularity``, "block" where it has none) once per forward; a policy that brings each
+    the policy's ``granularity``) once per forward; a policy that brings each
     unit in per call (``align_per_call``, ``functional_call``, ``prefetch``) reads every offloaded tensor
     once per forward: the sum of the offloaded units' bytes. A tensor tied between two units (embeddings
     and head) is read by each, so it counts twice. A policy that keeps units longer says what it moves
@@ -35,18 +36,16 @@ def predicted_bytes_per_token(
     The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
     the same bytes.
     """
-    from offload_core.loading.dispatch import plan_tensors
+    from offload_core.loading.routes import route_tensors
     from offload_core.module_hooks.units import find_units
     from offload_core.planning import normalize_device_map
 
     device = torch.device(execution_device)
     dtype = parse_dtype(dtype)
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    tensors = plan_tensors(model, normalize_device_map(device_map), device)
-    units = find_units(model, tensors.offloaded, no_split, getattr(policy, "granularity", "block"))
-    unit_bytes = [_unit_bytes(unit, dtype) for unit in units]
-    predict = getattr(policy, "predict_moved", None)
-    return int(predict(unit_bytes)) if predict is not None else sum(unit_bytes)
+    tensors = route_tensors(model, normalize_device_map(device_map), device)
+    units = find_units(model, tensors.offloaded, no_split, policy.granularity)
+    return int(policy.predict_moved([_unit_bytes(unit, dtype) for unit in units]))
 
 
 def _unit_bytes(unit: Any, dtype: torch.dtype | None) -> int:

@@ -1,14 +1,22 @@
-"""Typed config schemas in Hydra's ConfigStore: the run, the model presets, and one option per registered strategy."""
+"""A run's settings: typed config schemas in Hydra's ConfigStore, then a composed config read once into devices, sizes and built strategies."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from offload_core.errors import ConfigError
+from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.registry.manager import Registry, get_registry
+from offload_core.values import device_key, parse_dtype, parse_size
+
+#: registry kind -> its Hydra config group (users pick a module-hook policy with ``hook=``)
+GROUPS = {"placement": "placement", "storage": "storage", "policy": "hook"}
 
 
 @dataclass
@@ -74,7 +82,115 @@ def register_configs(registry: Registry | None = None) -> ConfigStore:
     cs.store(name="run_schema", node=RunConfig)
     for name, node in MODEL_PRESETS.items():
         cs.store(group="model", name=name, node=node)
-    for kind in ("placement", "storage", "hook"):
+    for kind, group in GROUPS.items():
         for name in registry.names(kind):
-            cs.store(group=kind, name=name, node=registry.get(kind, name).config)
+            cs.store(group=group, name=name, node=registry.get(kind, name).config)
     return cs
+
+
+@dataclass
+class Settings:
+    """A composed config read once: devices, budgets and sizes parsed, each strategy section a plain dict."""
+
+    cfg: Any
+    execution_device: torch.device
+    max_memory: dict[Any, int]
+    headroom: int
+    dtype: torch.dtype | None
+    output_dir: Path
+    sections: dict[str, dict]  # "placement", "storage", "hook", "model" -> that section of the config
+
+    @property
+    def model(self) -> dict:
+        return self.sections["model"]
+
+    @property
+    def budgets(self) -> dict[Any, int]:
+        """``max_memory`` as the placement fills it: on a CPU run the cpu budget less the headroom."""
+        budgets = dict(self.max_memory)
+        if self.execution_device.type == "cpu" and "cpu" in budgets:
+            budgets["cpu"] = max(budgets["cpu"] - self.headroom, 0)
+        return budgets
+
+
+@dataclass
+class Strategies:
+    """The placement, storage and module-hook policy a run composes, and the names they were picked by."""
+
+    placement: Placement
+    storage: Storage
+    policy: Policy
+    names: dict[str, str]  # config group -> chosen name
+
+    def __str__(self) -> str:
+        return " ".join(f"{group}={name}" for group, name in self.names.items())
+
+
+def _section(cfg: Any, key: str) -> dict:
+    node = cfg.get(key) if isinstance(cfg, DictConfig) else cfg[key]
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
+    """Parse ``cfg`` (a composed config) once; a value that cannot be used is a :class:`ConfigError`."""
+    device = execution_device(cfg.execution_device)
+    return Settings(
+        cfg=cfg,
+        execution_device=device,
+        max_memory=max_memory(_section(cfg, "max_memory"), device),
+        headroom=parse_size(cfg.headroom, what="headroom"),
+        dtype=parse_dtype(cfg.dtype),
+        output_dir=Path(output_dir) if output_dir else Path.cwd(),
+        sections={key: _section(cfg, key) for key in ("placement", "storage", "hook", "model")},
+    )
+
+
+def build_strategies(settings: Settings, registry: Registry | None = None) -> Strategies:
+    """Build the strategies the config's ``placement``, ``storage`` and ``hook`` sections name."""
+    registry = registry or get_registry()
+    built = {kind: registry.create(kind, settings.sections[group]["name"], settings.sections[group]) for kind, group in GROUPS.items()}
+    names = {group: settings.sections[group]["name"] for group in GROUPS.values()}
+    return Strategies(built["placement"], built["storage"], built["policy"], names)
+
+
+def execution_device(value: str | None) -> torch.device:
+    """``execution_device`` as a torch device: ``auto``/empty picks ``cuda:0`` when present, else ``cpu``."""
+    if value in (None, "", "auto"):
+        from offload_core.loading.dispatch import default_execution_device
+
+        return default_execution_device()
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ConfigError(f"execution_device={value!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ConfigError(f"execution_device={value!r} does not exist: this machine has {count} CUDA device(s); use cpu")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ConfigError(f"execution_device={value!r} is not supported: use cpu or cuda:N")
+    return device
+
+
+def max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
+    """The ``max_memory`` section as budgets in bytes keyed like a device map (GPU index, ``cpu``, ``disk``)."""
+    budgets: dict[Any, int] = {}
+    for key, value in raw.items():
+        key_s = str(key)
+        dev = device_key(key_s)
+        if dev is None or dev == "mps":
+            raise ConfigError(f"max_memory has an unknown device {key_s!r}: use cpu, disk or a GPU index like 0")
+        if isinstance(dev, int):
+            if execution_device.type == "cuda" and dev >= torch.cuda.device_count():
+                raise ConfigError(f"max_memory.{key_s}: GPU {dev} does not exist (this machine has {torch.cuda.device_count()}); remove it")
+            if execution_device.type == "cpu":
+                raise ConfigError(f"max_memory.{key_s}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
+        if value is None:
+            continue
+        size = parse_size(value, what=f"max_memory.{key_s}")
+        if size == 0 and dev != "disk":
+            raise ConfigError(f"max_memory.{key_s}=0 leaves nothing to run with: give a size above 0 or remove the key")
+        budgets[dev] = size
+    return budgets

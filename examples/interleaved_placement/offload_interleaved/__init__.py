@@ -14,6 +14,7 @@ from offload_core.hookspecs import hookimpl
 from offload_core.planning import PlacementRequest, compress_device_map, get_max_memory, plan_device_map
 from offload_core.values import device_key
 from offload_core.planning.sizing import named_module_tensors, tensor_aliases, tensor_bytes
+from offload_core.registry.contracts import Placement
 from offload_core.values import parse_dtype, parse_size
 
 __all__ = ["Interleaved", "InterleavedConfig"]
@@ -28,7 +29,7 @@ class InterleavedConfig:
     k: int = 2
 
 
-class Interleaved:
+class Interleaved(Placement):
     """Among the no-split blocks, every k-th resident on the fastest device with room, the rest offloaded.
 
     Resident means the first GPU with a budget, or ``cpu`` on a CPU-only plan. Offloaded means ``cpu``

@@ -12,13 +12,26 @@ from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import add_hook_to_module
 from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook, RevalidateHook
 from offload_core.module_hooks.prefetch.transfer import STAGING_BUFFERS
-from offload_core.module_hooks.units import DispatchPlan, InFlight, PolicyHandle, Unit, find_units, reserve_units
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.units import Unit, find_units
+from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.registry.contracts import Policy
 
 
 class PrefetchHandle(PolicyHandle):
+    """The prefetch policy's handle: its counters are the prefetcher's."""
+
     def __init__(self, *args: Any, prefetcher: Prefetcher, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prefetcher = prefetcher
+
+    def counters(self) -> dict[str, int | float]:
+        """Blocks read ahead (``hits``) or loaded on demand (``misses``), read-ahead waited for (``late``,
+        ``wait_s``), tied tensors borrowed, read-ahead read again after the page cache evicted it, and
+        recorded execution orders dropped because a unit ran out of order (``invalidations``)."""
+        p = self.prefetcher
+        return {"hits": p.hits, "misses": p.misses, "late": p.late, "wait_s": p.waited_s, "borrowed": p.borrowed,
+                "read_again": p.reread, "invalidations": p.trace.invalidations}
 
     def offload_all(self) -> None:
         for index in list(self.prefetcher.held):
@@ -42,7 +55,7 @@ class PrefetchConfig:
     staging_chunk: str = "16MiB"
 
 
-class Prefetch:
+class Prefetch(Policy):
     """Policy: block-granular units, loaded ahead of use along the recorded execution order."""
 
     granularity = "block"
@@ -67,7 +80,7 @@ class Prefetch:
             reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
         return reserve
 
-    def attach(self, model: nn.Module, plan: DispatchPlan) -> PolicyHandle:
+    def attach(self, model: nn.Module, plan: PolicyContext) -> PolicyHandle:
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
         handles = attach_io_hooks(model, plan, True, ())
         prefetcher = self.make_prefetcher(units, plan)
@@ -77,7 +90,7 @@ class Prefetch:
             handles.append(add_hook_to_module(unit.module, PrefetchHook(index, prefetcher, plan.execution_device)))
         return PrefetchHandle(model, plan, units, handles, prefetcher=prefetcher)
 
-    def make_prefetcher(self, units: list[Unit], plan: DispatchPlan) -> Prefetcher:
+    def make_prefetcher(self, units: list[Unit], plan: PolicyContext) -> Prefetcher:
         """The reader that :meth:`attach` drives. A seam: a subclass may build it otherwise (tests force
         the pinned staging ring on, to run the GPU data path on a CPU)."""
         return Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,

@@ -1,0 +1,75 @@
+"""What a module-hook policy is given when it attaches (PolicyContext) and what it hands back (PolicyHandle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.module_hooks.units import TransferStats, Unit, as_param
+
+
+@dataclass
+class PolicyContext:
+    """What a module-hook policy needs to attach to a model.
+
+    ``offloaded`` maps every offloaded tensor name (tied aliases included) to its key in ``store``.
+    ``device_map`` is the checked map; ``execution_device`` runs everything not resident on a GPU.
+    ``non_blocking``: copies from the store to the execution device may be asynchronous (the store's
+    memory is page-locked and the run executes on a GPU).
+    """
+
+    device_map: dict[str, int | str]
+    execution_device: torch.device
+    store: Mapping[str, torch.Tensor] | None = None
+    offloaded: dict[str, str] = field(default_factory=dict)
+    no_split_module_classes: list[str] = field(default_factory=list)
+    stats: TransferStats = field(default_factory=TransferStats)
+    non_blocking: bool = False
+
+
+class PolicyHandle:
+    """What attaching a policy returns: its counters, ``offload_all()`` and ``remove()`` that restores the model."""
+
+    def __init__(self, model: nn.Module, context: PolicyContext, units: list[Unit], handles: list[Any]) -> None:
+        self.model = model
+        self.context = context
+        self.units = units
+        self.handles = handles
+        self.removed = False
+
+    @property
+    def stats(self) -> TransferStats:
+        return self.context.stats
+
+    def counters(self) -> dict[str, int | float]:
+        """The policy's own counters since attach, by name (the runner prints them and writes them to
+        ``metrics.json``); a name ending in ``_s`` is seconds. None by default."""
+        return {}
+
+    def offload_all(self) -> None:
+        """Release every loaded unit (the chained policy keeps the last one loaded until this)."""
+        for unit in self.units:
+            unit.release()
+
+    def remove(self, restore_device: torch.device | str = "cpu") -> nn.Module:
+        """Detach every module hook and put real copies of the offloaded tensors back (ties kept)."""
+        if self.removed:
+            return self.model
+        for handle in reversed(self.handles):
+            handle.remove()
+        self.offload_all()
+        store = self.context.store
+        device = torch.device(restore_device)
+        restored: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            for slot in unit.slots:
+                if slot.key not in restored:
+                    value = store[slot.key].to(device, copy=True)
+                    requires_grad = bool(slot.original is not None and slot.original.requires_grad)
+                    restored[slot.key] = as_param(value, requires_grad) if slot.is_param else value
+                slot.set(restored[slot.key])
+        self.removed = True
+        return self.model

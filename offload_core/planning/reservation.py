@@ -1,0 +1,33 @@
+"""What the planner holds back for a policy's units in flight: the facts it gives a policy (InFlight) and the usual answer (reserve_units)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What the planner tells a policy's ``reserve`` so it can size the memory its units in flight take.
+
+    The placement holds the bytes ``reserve`` returns back from each device's budget before filling it.
+    """
+
+    execution_device: torch.device
+    block_bytes: int  # the largest no-split block (the largest module where there are no blocks)
+    module_bytes: int  # the largest single module owning tensors
+    store_converts: bool = False  # the store hands out converted copies, not views, of some tensors
+    store_pinned: bool = False  # the store's memory is page-locked: copies to a GPU need no staging
+
+
+def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu: bool = False) -> dict[Any, int]:
+    """The usual answer: room for ``count`` units of ``unit_bytes`` on the execution device.
+
+    On a CPU run a mapped store hands out views of file-backed pages, so no room is needed unless the
+    units in flight are copies (``copies_on_cpu``, or a store that converts on read).
+    """
+    if need.execution_device.type == "cpu":
+        return {"cpu": unit_bytes * count if copies_on_cpu or need.store_converts else 0}
+    return {need.execution_device.index or 0: unit_bytes * count}

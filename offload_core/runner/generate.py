@@ -1,0 +1,51 @@
+"""Generation: the prompt as token ids, greedy or sampled generation timed per token, and the in-memory reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def prompt_ids(tokenizer: Any, prompt: str, chat: bool, vocab_size: int) -> torch.Tensor:
+    """``prompt`` as a (1, n) tensor of token ids (with the chat template where asked and present)."""
+    if tokenizer is None:
+        # Synthetic models have no tokenizer: a deterministic id per prompt byte.
+        return torch.tensor([[1 + b % (vocab_size - 1) for b in prompt.encode()]], dtype=torch.long)
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        return ids if torch.is_tensor(ids) else ids["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
+    """The new token ids ``model`` generates after ``input_ids`` with ``cfg``'s sampling settings, and the timer."""
+    from transformers import StoppingCriteriaList
+
+    from offload_core.runner.metrics import TokenTimer
+
+    torch.manual_seed(int(cfg.seed))
+    timer = TokenTimer(total=int(cfg.max_new_tokens), progress=bool(cfg.get("progress", False)))
+    kwargs: dict[str, Any] = {"max_new_tokens": int(cfg.max_new_tokens), "do_sample": bool(cfg.do_sample)}
+    if cfg.do_sample:
+        kwargs.update(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
+    pad = getattr(model.generation_config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None)
+    with torch.inference_mode():
+        try:
+            out = model.generate(input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
+                                 stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad, **kwargs)
+        finally:
+            timer.close()
+    return out[0, input_ids.shape[1]:].tolist(), timer
+
+
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any) -> list[int]:
+    """Tokens of the same checkpoint loaded fully in memory by transformers (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    model.eval()
+    tokens, _ = generate(model, input_ids, cfg, torch.device("cpu"))
+    del model
+    return tokens

@@ -1,0 +1,152 @@
+"""The run's plan, made before anything is loaded: the device map, the bytes held back for units in flight, and what it predicts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload_core.errors import ConfigError, DeviceMapError
+from offload_core.planning.reservation import InFlight
+from offload_core.registry.contracts import Policy, Storage
+from offload_core.runner.model import RunModel
+from offload_core.runner.settings import Settings, Strategies
+from offload_core.values import format_size, is_offloaded
+
+
+@dataclass
+class Plan:
+    """Where every weight goes and what that costs: the checked device map, its per-device summary, the
+    bytes held back per device for units in flight (``reserve``) and from the cpu budget (``headroom``),
+    the largest no-split block and the bytes predicted to move per generated token."""
+
+    device_map: dict[str, int | str]
+    summary: dict[str, Any]
+    reserve: dict[Any, int]
+    headroom: int
+    largest_block: int
+    predicted_bytes_per_token: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
+        return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
+                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token}
+
+
+def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,
+                converts: bool) -> dict[Any, int]:
+    """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
+    given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
+    (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
+    need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
+                    store_pinned=storage.pinned)
+    return dict(policy.reserve(need))
+
+
+def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
+    """The device map (a user's file, else the policy's own, else the placement's) and the figures around it."""
+    from offload_core.planning import PlacementRequest, check_device_map, largest_block_size, normalize_device_map, summarize_device_map
+    from offload_core.runner.report import predicted_bytes_per_token
+    from offload_core.storage.base import converts
+
+    model, dtype, no_split, device = run_model.model, run_model.dtype, run_model.no_split, settings.execution_device
+    stored_differs = any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
+    block = largest_block_size(model, no_split, dtype=dtype)
+    module_bytes = largest_block_size(model, [], dtype=dtype)
+    reserve = reservation(strategies.policy, strategies.storage, device, block, module_bytes, stored_differs)
+    path = settings.cfg.device_map
+    device_map = read_device_map(path) if path else strategies.policy.own_device_map(model, device)
+    if device_map is None:
+        request = PlacementRequest(model=model, max_memory=settings.budgets, no_split_module_classes=no_split, dtype=dtype,
+                                   special_dtypes=None, reserve=reserve)
+        device_map = strategies.placement.make_device_map(request)
+    device_map = normalize_device_map(device_map)
+    check_device_map(model, device_map, strict=True)
+    summary = summarize_device_map(model, device_map, settings.max_memory, dtype=dtype)
+    headroom = settings.headroom if device.type == "cpu" else 0
+    check_disk_budget(summary, settings.max_memory, block, headroom)
+    predicted = predicted_bytes_per_token(model, device_map, strategies.policy, device, dtype, no_split)
+    return Plan(device_map, summary, reserve, settings.headroom, block, predicted)
+
+
+def read_device_map(path: str) -> dict:
+    """The device map in the JSON file ``path`` (an object of name -> device)."""
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text())
+    except OSError as exc:
+        raise DeviceMapError(f"device_map={path!r} cannot be read ({exc.strerror}); give a JSON file path") from None
+    except ValueError as exc:
+        raise DeviceMapError(f"device_map file {path!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise DeviceMapError(f"device_map file {path!r} must hold a JSON object of name -> device")
+    return data
+
+
+def check_disk_budget(summary: dict, max_memory: dict, largest_block: int, headroom: int) -> None:
+    """A ``disk`` budget is a limit: ``max_memory.disk=0`` means nothing may be offloaded to disk."""
+    if "disk" not in max_memory:
+        return
+    on_disk = summary["devices"].get("disk", {}).get("bytes", 0)
+    allowed = max_memory["disk"]
+    if on_disk <= allowed:
+        return
+    short = on_disk - allowed
+    needed = summary["devices"].get("cpu", {}).get("bytes", 0) + short + headroom
+    memory = ", ".join(f"max_memory.{k}={format_size(v)}" for k, v in max_memory.items() if k != "disk") or "no memory budget"
+    if headroom:
+        memory += f" less headroom {format_size(headroom)}"
+    raise ConfigError(
+        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) does not "
+        f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
+        f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
+    )
+
+
+def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
+    """Print the chosen strategies and the plan (with the device map's keys in a plan-only run)."""
+    from offload_core.runner.report import plan_text
+
+    print(strategies)
+    print(plan_text(plan.summary, plan.as_dict(), plan.predicted_bytes_per_token,
+                    plan.device_map if settings.cfg.plan_only else None))
+    warn_if_fits(plan.summary, settings.execution_device)
+
+
+def write_plan(settings: Settings, run_model: RunModel, plan: Plan, picture: bool = True) -> None:
+    """Write ``device_map.json`` (and ``placement.png`` with ``picture``) for a plan-only run."""
+    from offload_core.planning import compute_module_sizes
+    from offload_core.runner.report import plot_placement
+
+    out_dir = settings.output_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "device_map.json").write_text(json.dumps(plan.device_map, indent=1))
+    written = "device_map.json"
+    if picture:
+        sizes = compute_module_sizes(run_model.model, dtype=run_model.dtype)
+        written = f"{plot_placement(run_model.model, plan.device_map, sizes, out_dir / 'placement.png')} and {written}"
+    print(f"wrote {written} (plan only: nothing was loaded)")
+
+
+def warn_if_fits(summary: dict, execution_device: torch.device) -> None:
+    """Offloading costs time: say so when the whole model would fit where it runs."""
+    import psutil
+
+    devices = summary["devices"]
+    total = sum(info["bytes"] for info in devices.values())
+    offloaded = sum(info["bytes"] for dev, info in devices.items() if is_offloaded(dev, execution_device))
+    if offloaded == 0:
+        return
+    if execution_device.type == "cuda":
+        free = torch.cuda.mem_get_info(execution_device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    if total < 0.8 * free:
+        print(
+            f"  warning: the whole model ({format_size(total)}) would fit in the free memory of {execution_device} "
+            f"({format_size(free)}), yet {format_size(offloaded)} is offloaded by max_memory; raise the budget "
+            "to run it in memory, which is faster"
+        )
