@@ -22,9 +22,9 @@ from offload_core.loading import sources
 from offload_core.storage import StoreContext
 from offload_core.storage import folder as folder_module
 from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
-from test_cli_errors import assert_one_line, cli, snapshot
+from tests.runner.test_cli_errors import assert_one_line, cli, snapshot
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from offload_core.runner.settings import register_configs
 from offload_core.module_hooks.functional import offload_by_budget
 from offload_core.runner.job import run
 
-from test_runner import ROOT
+from tests import ROOT
 
 
 def _tied_llama(seed=0):

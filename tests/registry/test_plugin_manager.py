@@ -143,3 +143,12 @@ def test_plugins_command_lists_versions_and_strategies(installed_plugin):
     assert out.returncode == 0, out.stderr
     assert "demo" in out.stdout and "1.2.3" in out.stdout and "placement=every_other" in out.stdout
     assert "offload_core_plugins.storage_memmap" in out.stdout and "storage=memmap" in out.stdout
+
+
+@pytest.mark.parametrize("spec,group", [("offload_register_placements", "placement"),
+                                        ("offload_register_storages", "storage"),
+                                        ("offload_register_module_hook_policies", "hook")])
+def test_each_plugin_hook_registers_into_its_group(spec, group):
+    registry = build_registry(extra_plugins=[_plugin(spec, "third_party")], load_entry_points=False)
+    assert "third_party" in registry.names(group)
+    assert registry.get(group, "third_party").plugin == "fake_plugin"
