@@ -22,7 +22,7 @@ from offload_core.loading import sources
 from offload_core.storage import StoreContext
 from offload_core.storage import folder as folder_module
 from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
-from tests.runner.test_cli_errors import assert_one_line, cli, snapshot
+from tests.end_to_end.test_cli_errors import assert_one_line, cli, snapshot
 
 from tests import ROOT
 

@@ -62,6 +62,7 @@ def test_offload_by_budget_follows_vllm_rule():
     assert any(n.endswith("input_layernorm.weight") for n in offloaded)
 
 
+@pytest.mark.slow  # a whole run
 def test_functional_call_cpu_offload_budget_through_the_runner(tmp_path):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

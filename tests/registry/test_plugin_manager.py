@@ -137,6 +137,7 @@ def test_disabling_a_plugin_by_name(installed_plugin, monkeypatch):
     assert "demo" not in registry.plugins and "broken" not in registry.failed
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_plugins_command_lists_versions_and_strategies(installed_plugin):
     out = subprocess.run([sys.executable, "-m", "offload_core", "plugins"], capture_output=True, text=True,
                          env={**__import__("os").environ, "PYTHONPATH": str(installed_plugin)})

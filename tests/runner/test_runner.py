@@ -1,9 +1,11 @@
-"""run(cfg) on small synthetic models: plan only, a user's device map, reservations per store and policy, the prefetch pool's budget."""
+"""run(cfg) on small synthetic models: plan only, a user's device map, reservations per store and policy, the prefetch pool's budget;
+the whole runs are marked slow."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from offload_core.runner.settings import register_configs
@@ -30,6 +32,7 @@ def test_plan_only_loads_nothing(tmp_path):
     assert quiet.device_map == result.device_map and not (tmp_path / "no_plot" / "placement.png").exists()
 
 
+@pytest.mark.slow  # a whole run
 def test_user_device_map_file(tmp_path):
     mapping = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
                "model.layers.3": "cpu", "model.norm": "cpu", "lm_head": "disk"}
@@ -88,6 +91,7 @@ def test_a_third_party_policy_declares_its_own_reservation():
     assert policy_reservation(object(), InFlight(torch.device("cuda", 0), 1000, 100)) == {0: 1000}
 
 
+@pytest.mark.slow  # a whole run
 def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):
     cfg = _cfg(["model=synthetic", "model.preset=small", "hook=prefetch", "hook.pool=true", "hook.depth=1",
                 "storage=memmap", "max_memory.cpu=48MiB", "headroom=0", "progress=false", "max_new_tokens=4",
