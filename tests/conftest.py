@@ -13,6 +13,13 @@ from offload_core.testing import round_trip_tensors
 END_TO_END = Path(__file__).resolve().parent / "end_to_end"
 
 
+def pytest_ignore_collect(collection_path, config):
+    """With ``-m "not slow"`` the end_to_end/ folder, slow throughout, is not even imported."""
+    if collection_path == END_TO_END and config.getoption("markexpr").strip() == "not slow":
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
