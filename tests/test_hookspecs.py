@@ -15,7 +15,7 @@ MANAGER = pluggy.PluginManager(hookspecs.PROJECT)
 MANAGER.add_hookspecs(hookspecs)
 SPECS = {name: caller.spec for name, caller in vars(MANAGER.hook).items() if isinstance(caller, pluggy.HookCaller)}
 
-# hookspecs.py belongs to the `contracts` branch (issue 12, typed contracts), which rewrites these docstrings.
+# hookspecs.py belongs to the `contracts` branch, which rewrites these docstrings.
 UNDOCUMENTED_ON_THIS_BRANCH = {"offload_register_storages", "offload_register_module_hook_policies"}
 
 
