@@ -48,7 +48,8 @@ def offload_register_storages(register: Register) -> None:
     :mod:`offload_core.storage`). It may set ``converts_on_read = True`` (a tensor stored in another
     dtype is converted on every read: the planner holds room for the copies in flight) and
     ``pinned = True`` (page-locked memory: a GPU run copies from it without staging); both default to
-    False. All implementations are called; results are ignored.
+    False. ``register(name, factory, config)`` adds one storage. All implementations are called;
+    results are ignored (use ``register``).
     """
 
 
@@ -66,5 +67,6 @@ def offload_register_module_hook_policies(register: Register) -> None:
     ``own_device_map(model, execution_device)``, a map the policy decides itself or None to leave it to
     the placement (None; a user's ``device_map`` file still comes first); ``offload_buffers`` (False).
     Its handle reports counters through ``PolicyHandle.counters()`` (none by default), which the runner
-    prints and writes to ``metrics.json``. All implementations are called; results are ignored.
+    prints and writes to ``metrics.json``. ``register(name, factory, config)`` adds one policy. All
+    implementations are called; results are ignored (use ``register``).
     """

@@ -1,17 +1,34 @@
-"""Shared fixtures: tensors of every dtype the stores must round-trip."""
+"""Shared fixtures and markers: tensors of every dtype the stores must round-trip; everything under
+end_to_end/ is marked slow; tests marked gpu skip cleanly without a CUDA device."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from offload_core.testing import round_trip_tensors
 
+END_TO_END = Path(__file__).resolve().parent / "end_to_end"
 
-def sample_tensors() -> dict[str, torch.Tensor]:
-    return round_trip_tensors()
+
+def pytest_ignore_collect(collection_path, config):
+    """With ``-m "not slow"`` the end_to_end/ folder, slow throughout, is not even imported."""
+    if collection_path == END_TO_END and config.getoption("markexpr").strip() == "not slow":
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if END_TO_END in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture
 def tensors() -> dict[str, torch.Tensor]:
-    return sample_tensors()
+    return round_trip_tensors()

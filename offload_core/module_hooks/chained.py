@@ -12,7 +12,7 @@ from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, ModuleHookHandle, add_hook_to_module, send_to_device
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import Slot, TransferStats, Unit, find_units
-from offload_core.registry.contracts import Policy
+from offload_core.module_hooks.policy import Policy
 
 
 class ChainedHook(ModuleHook):

@@ -13,7 +13,7 @@ from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
-from offload_core.registry.contracts import Policy
+from offload_core.module_hooks.policy import Policy
 from offload_core.values import parse_size
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -9,6 +11,8 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.units import TransferStats, Unit, as_param
+from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.strategy import StrategyBase
 
 
 @dataclass
@@ -73,3 +77,30 @@ class PolicyHandle:
                 slot.set(restored[slot.key])
         self.removed = True
         return self.model
+
+
+class Policy(StrategyBase):
+    """Brings offloaded tensors in around each unit's forward: ``attach`` wraps the model's modules."""
+
+    #: the unit a policy moves: "block" (a no-split block) or "module" (each module owning tensors)
+    granularity: str = "block"
+    #: buffers are offloaded with the parameters (otherwise they stay on the execution device)
+    offload_buffers: bool = False
+
+    @abstractmethod
+    def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:
+        """Attach module hooks to ``model``; the handle reports counters and removes them."""
+
+    def reserve(self, need: InFlight) -> dict[Any, int]:
+        """Bytes the units in flight take on each device (held back from the budgets): one block."""
+        return reserve_units(need, need.block_bytes)
+
+    def predict_moved(self, unit_bytes: list[int]) -> int:
+        """Bytes brought in per forward, given each offloaded unit's bytes: every unit once."""
+        return sum(unit_bytes)
+
+    def own_device_map(self, model: nn.Module, execution_device: torch.device) -> dict[str, int | str] | None:
+        """A device map the policy decides itself (a user's ``device_map`` file still comes first), or
+        None to leave it to the placement."""
+        return None
+

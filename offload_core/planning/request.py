@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from offload_core.strategy import StrategyBase
 
 
 @dataclass
@@ -26,3 +30,12 @@ class PlacementRequest:
     special_dtypes: Mapping[str, torch.dtype | str] | None = None
     reserve: Mapping[Any, int | str] | None = None
     fallback_allocation: bool = False
+
+
+class Placement(StrategyBase):
+    """Decides the device map: which device (GPU index, ``"cpu"``, ``"disk"``) holds each module or tensor."""
+
+    @abstractmethod
+    def make_device_map(self, request: PlacementRequest) -> dict[str, int | str]:
+        """The device map for ``request`` (the model, the budgets, the no-split classes, the reservation)."""
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from offload_core.storage.pagecache import populate
+from offload_core.strategy import StrategyBase
 
 
 @dataclass
@@ -96,3 +99,18 @@ class Store(Mapping):
 
     def __len__(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class Storage(StrategyBase):
+    """Keeps the offloaded tensors: ``open`` gives the :class:`~offload_core.storage.Store` of one run."""
+
+    #: a tensor stored in another dtype than the run's is converted on every read: the planner holds
+    #: room for the copies in flight
+    converts_on_read: bool = False
+    #: the store's memory is page-locked: a GPU run copies from it with no staging
+    pinned: bool = False
+
+    @abstractmethod
+    def open(self, context: StoreContext) -> Store:
+        """The store for the tensors ``context`` names."""
+

@@ -15,7 +15,7 @@ from offload_core.module_hooks.prefetch.transfer import STAGING_BUFFERS
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import Unit, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
-from offload_core.registry.contracts import Policy
+from offload_core.module_hooks.policy import Policy
 
 
 class PrefetchHandle(PolicyHandle):

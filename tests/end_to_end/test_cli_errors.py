@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from offload_core.loading import sources
 from offload_core.runner.cli import hydra_main
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
 
 

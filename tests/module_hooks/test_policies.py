@@ -12,7 +12,7 @@ from offload_core.runner.settings import register_configs
 from offload_core.module_hooks.functional import offload_by_budget
 from offload_core.runner.job import run
 
-from test_runner import ROOT
+from tests import ROOT
 
 
 def _tied_llama(seed=0):
@@ -62,6 +62,7 @@ def test_offload_by_budget_follows_vllm_rule():
     assert any(n.endswith("input_layernorm.weight") for n in offloaded)
 
 
+@pytest.mark.slow  # a whole run
 def test_functional_call_cpu_offload_budget_through_the_runner(tmp_path):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 BUDGET_MIB = 80  # the "small" synthetic model is 42 MiB in bf16; this keeps ~half of it on disk
 
 

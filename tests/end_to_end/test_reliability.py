@@ -22,9 +22,9 @@ from offload_core.loading import sources
 from offload_core.storage import StoreContext
 from offload_core.errors import StorageError
 from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
-from test_cli_errors import assert_one_line, cli, snapshot
+from tests.end_to_end.test_cli_errors import assert_one_line, cli, snapshot
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from offload_core.runner.sweep import COLUMNS
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 RAY_CLI = Path(sys.executable).parent / "ray"
 SWEEP = ["model=synthetic", "model.preset=tiny", "progress=false", "max_new_tokens=2", "headroom=0",
          "max_memory.cpu=1MiB", "storage=memmap,safetensors", "hook=align_per_call,chained"]

@@ -178,9 +178,19 @@ def test_disabling_a_plugin_by_name(installed_plugin, monkeypatch):
     assert "demo" not in registry.plugins and "broken" not in registry.failed
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_plugins_command_lists_versions_and_strategies(installed_plugin):
     out = subprocess.run([sys.executable, "-m", "offload_core", "plugins"], capture_output=True, text=True,
                          env={**__import__("os").environ, "PYTHONPATH": str(installed_plugin)})
     assert out.returncode == 0, out.stderr
     assert "demo" in out.stdout and "1.2.3" in out.stdout and "placement=every_other" in out.stdout
     assert "offload_core_plugins.storage_memmap" in out.stdout and "storage=memmap" in out.stdout
+
+
+@pytest.mark.parametrize("spec,group", [("offload_register_placements", "placement"),
+                                        ("offload_register_storages", "storage"),
+                                        ("offload_register_module_hook_policies", "hook")])
+def test_each_plugin_hook_registers_into_its_group(spec, group):
+    registry = build_registry(extra_plugins=[_plugin(spec, "third_party")], load_entry_points=False)
+    assert "third_party" in registry.names(group)
+    assert registry.get(group, "third_party").plugin == "fake_plugin"

@@ -11,11 +11,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 EXAMPLE = ROOT / "examples" / "interleaved_placement"
 RUN = [sys.executable, str(ROOT / "run.py"), "model=synthetic", "progress=false", "max_new_tokens=4"]
 

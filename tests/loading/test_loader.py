@@ -16,7 +16,7 @@ from offload_core.errors import CheckpointError, StorageError
 from offload_core.storage import StoreContext
 from offload_core.storage.inplace import InPlaceStore
 
-from conftest import sample_tensors
+from offload_core.testing import round_trip_tensors as sample_tensors
 
 CONFIG = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)

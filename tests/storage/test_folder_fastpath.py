@@ -18,7 +18,7 @@ from offload_core.storage import Store, StoreContext, convert_dtype
 from offload_core.storage.filecopy import FileSpan
 from offload_core.storage.folder import INDEX, TAG, FolderStore
 
-from conftest import sample_tensors
+from offload_core.testing import round_trip_tensors as sample_tensors
 
 
 @pytest.fixture

@@ -103,6 +103,7 @@ def test_plan_text_folds_runs_of_blocks(checkpoint):
     assert "model.layers.0-2" in plan_text(summary, {"reserve": {}}, None, device_map=device_map)
 
 
+@pytest.mark.slow  # matplotlib's first figure; test_runner's plan-only run also draws one
 def test_plot_placement_writes_a_png(checkpoint, tmp_path):
     _, config = checkpoint
     model = _empty(config)

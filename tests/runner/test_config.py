@@ -11,7 +11,9 @@ from hydra.errors import ConfigCompositionException
 
 from offload_core.runner.settings import register_configs
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+from tests import ROOT
+
+CONF = str(ROOT / "conf")
 
 
 def _options() -> list[tuple[str, str]]:

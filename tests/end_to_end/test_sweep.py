@@ -13,7 +13,7 @@ import pytest
 
 from offload_core.runner.sweep import COLUMNS, summarize
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 BASE = ["model=synthetic", "model.preset=tiny", "compare_in_memory=true", "progress=false", "max_new_tokens=4",
         "headroom=0"]
 #: columns that do not depend on timing or on the machine's memory

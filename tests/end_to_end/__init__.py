@@ -1,0 +1,1 @@
+"""End-to-end tests: run.py in subprocesses, whole models through every strategy, faults, sweeps; all marked slow."""

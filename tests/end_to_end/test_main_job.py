@@ -1,0 +1,62 @@
+"""The main job end to end: SmolLM2 with part of it on disk answers like the in-memory model, in this process and as `python run.py`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from offload_core.runner.job import run
+from tests import ROOT
+from tests.runner.test_runner import _cfg
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("main_job")
+    cfg = _cfg(["compare_in_memory=true", "progress=false", "max_new_tokens=12"])
+    return run(cfg, output_dir=out), out
+
+
+def test_main_job_answers_paris_with_weights_on_disk(main_job):
+    result, out = main_job
+    assert "Paris" in result.text
+    assert result.matches_in_memory is True
+    devices = result.summary["devices"]
+    assert devices["disk"]["bytes"] > 0 and devices["cpu"]["bytes"] > 0
+    assert result.figures["bytes_moved_per_token"] > 0
+
+
+def test_main_job_writes_its_files(main_job):
+    result, out = main_job
+    device_map = json.loads((out / "device_map.json").read_text())
+    assert device_map == result.device_map
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("prompt", "text", "token_ids", "load_s", "time_to_first_token_s", "decode_tokens_per_s",
+                "peak_anon_rss_bytes", "peak_file_rss_bytes", "bytes_moved_per_token"):
+        assert key in metrics, key
+    assert metrics["token_ids"] == result.token_ids
+    assert metrics["text"] == result.text
+
+
+def test_budget_is_used_and_reported(main_job):
+    result, _ = main_job
+    cpu = result.summary["devices"]["cpu"]
+    # 200 MiB budget, 48 MiB headroom, no reservation needed for a zero-copy mapped read on CPU.
+    assert cpu["bytes"] <= 200 * 2**20 - 48 * 2**20
+    assert cpu["bytes"] > 0.6 * (200 - 48) * 2**20
+    assert result.plan["reserve"] == {"cpu": 0}
+
+
+def test_run_py_main_job_subprocess(tmp_path):
+    """`python run.py` as a user runs it: exit 0, the answer printed, files in Hydra's run folder."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path}", "progress=false", "max_new_tokens=10"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    assert "disk:" in proc.stdout
+    assert (tmp_path / "metrics.json").exists() and (tmp_path / "device_map.json").exists()

@@ -1,0 +1,24 @@
+"""The layering, checked by import-linter: each contract in pyproject.toml's [tool.importlinter] must be kept
+(`lint-imports` from the repository root runs the same contracts and prints any import that breaks one)."""
+
+from __future__ import annotations
+
+import pytest
+from importlinter.api import read_configuration
+from importlinter.cli import EXIT_STATUS_SUCCESS, lint_imports
+
+from tests import ROOT
+
+CONFIG = str(ROOT / "pyproject.toml")
+CONTRACTS = [contract["id"] for contract in read_configuration(CONFIG)["contracts_options"]]
+
+
+
+def test_every_contract_has_an_id():
+    assert {"layers", "storage-planning-below", "planning-acyclic", "no-accelerate"} <= set(CONTRACTS)
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_contract_is_kept(contract):
+    # The broken imports, if any, are in the captured output.
+    assert lint_imports(CONFIG, limit_to_contracts=(contract,), no_cache=True, no_logo=True) == EXIT_STATUS_SUCCESS
