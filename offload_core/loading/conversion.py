@@ -278,6 +278,7 @@ class ConvertedCheckpoint:
         for item in conversion.converted.values():
             consumed.update(item.sources)
         self._consumed = consumed
+        self._shards: list[tuple[Path, list[str]]] | None = None
 
     @property
     def conversion_targets(self) -> set[str]:
@@ -286,27 +287,24 @@ class ConvertedCheckpoint:
 
     def shards(self) -> list[tuple[Path, list[str]]]:
         """``(file, names)`` per shard; a converted tensor is listed with the shard of its last source."""
-        last: dict[str, str] = {}
-        for name, item in self.conversion.converted.items():
-            for key in item.sources:
-                last[key] = name
-        renamed = {key: name for name, key in self._source.items()}
-        order = {key: i for i, (_, keys) in enumerate(self.checkpoint.shards()) for key in keys}
-        result = []
-        for shard, keys in self.checkpoint.shards():
-            names = []
-            for key in keys:
-                if key in renamed:
-                    names.append(renamed[key])
-                elif key in last:
-                    item = self.conversion.converted[last[key]]
-                    if max(order[k] for k in item.sources) == order[key] and key == max(
-                            (k for k in item.sources if order[k] == order[key]), key=keys.index):
-                        names.append(item.target)
-                elif key not in self._consumed:
-                    names.append(key)
-            result.append((shard, names))
-        return result
+        if self._shards is None:
+            underlying = self.checkpoint.shards()
+            position = {key: (i, j) for i, (_, keys) in enumerate(underlying) for j, key in enumerate(keys)}
+            built_at: dict[str, list[str]] = {}  # last source (in file order) -> converted tensors it completes
+            for name, item in self.conversion.converted.items():
+                built_at.setdefault(max(item.sources, key=position.__getitem__), []).append(name)
+            renamed = {key: name for name, key in self._source.items()}
+            self._shards = []
+            for shard, keys in underlying:
+                names = []
+                for key in keys:
+                    if key in renamed:
+                        names.append(renamed[key])
+                    elif key not in self._consumed:
+                        names.append(key)
+                    names.extend(built_at.get(key, ()))
+                self._shards.append((shard, names))
+        return self._shards
 
     def keys(self) -> list[str]:
         return [name for _, names in self.shards() for name in names]
@@ -360,7 +358,7 @@ class ConvertedCheckpoint:
                 "renamed": sorted(self.conversion.renamed.items())}
 
     def __getattr__(self, attribute: str) -> Any:
-        if attribute in ("checkpoint", "conversion", "_model", "_source", "_consumed"):
+        if attribute in ("checkpoint", "conversion", "_model", "_source", "_consumed", "_shards"):
             raise AttributeError(attribute)
         return getattr(self.checkpoint, attribute)
 
