@@ -310,3 +310,15 @@ def test_gpt2_tied_head_split_across_tiers(saved, tmp_path):
     model.offload_state.remove()
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(got, gpt2.expected)
+
+
+def test_layer_without_one_kind_of_expert_tensor_is_one_line(saved, tmp_path):
+    qwen = saved("qwen2_moe")
+    path = _rewrite(qwen.path, tmp_path / "ckpt", lambda state: [state.pop(k) for k in list(state)
+                                                                  if k.startswith("model.layers.2.") and ".up_proj." in k
+                                                                  and ".experts." in k])
+    with init_empty_weights():
+        model = qwen.auto.from_config(qwen.config)
+    with pytest.raises(OffloadError, match=r"up_proj.*model\.layers\.2\.mlp\.experts\.gate_up_proj") as info:
+        load_checkpoint_and_dispatch(model, path, device_map="sequential", progress=False)
+    assert "\n" not in str(info.value)

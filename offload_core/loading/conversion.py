@@ -14,7 +14,7 @@ from torch import nn
 
 from offload_core.errors import CheckpointError
 
-__all__ = ["ConvertedTensor", "ConversionSummary", "KeyConversion", "ConvertedCheckpoint", "key_conversion",
+__all__ = ["ConversionMismatchError", "ConvertedTensor", "ConversionSummary", "KeyConversion", "ConvertedCheckpoint", "key_conversion",
            "convert_checkpoint"]
 
 #: An index into a target tensor: one int or slice per dimension.
@@ -98,7 +98,7 @@ class KeyConversion:
         )
 
 
-def _transforms(model: nn.Module) -> tuple[list, list]:
+def _transforms(model: nn.Module, key_mapping: dict[str, str] | None) -> tuple[list, list]:
     """transformers' renamings and converters for ``model`` (empty for a model that is not a PreTrainedModel)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
@@ -106,12 +106,8 @@ def _transforms(model: nn.Module) -> tuple[list, list]:
 
     if not isinstance(model, PreTrainedModel):
         return [], []
-    mapping = get_model_conversion_mapping(model)
+    mapping = get_model_conversion_mapping(model, key_mapping)
     return ([t for t in mapping if isinstance(t, WeightRenaming)], [t for t in mapping if isinstance(t, WeightConverter)])
-
-
-def _meta(shape: tuple[int, ...], dtype: torch.dtype):
-    return lambda: torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _run_converter(converter: Any, target: str, sources: dict[str, list[str]], tensor: Any, model: nn.Module) -> dict:
@@ -185,12 +181,13 @@ def _missing_source(converter: Any, sources: dict[str, list[str]], expected: tup
     return None
 
 
-def key_conversion(model: nn.Module, checkpoint: Any) -> KeyConversion:
+def key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, str] | None = None) -> KeyConversion:
     """The conversion from ``checkpoint``'s tensor names to ``model``'s (built on meta), as transformers loads it.
 
     ``checkpoint`` is a checkpoint folder or file, or an opened :class:`Checkpoint`. Keys are renamed
     and grouped exactly as ``from_pretrained`` does (its mapping, its base-model-prefix rule, its key
-    order); nothing is read but headers. Raises :class:`ConversionMismatchError` for a missing expert
+    order); nothing is read but headers. ``key_mapping`` is ``from_pretrained``'s argument of that name
+    (regex renamings applied first). Raises :class:`ConversionMismatchError` for a missing expert
     tensor or a checkpoint that holds a fused tensor and its per-expert parts at once.
     """
     from transformers.core_model_loading import dot_natural_key, rename_source_key
@@ -199,7 +196,7 @@ def key_conversion(model: nn.Module, checkpoint: Any) -> KeyConversion:
         from offload_core.loading.checkpoint import Checkpoint
 
         checkpoint = Checkpoint.open(checkpoint)
-    renamings, converters = _transforms(model)
+    renamings, converters = _transforms(model, key_mapping)
     conversion = KeyConversion()
     if not (renamings or converters or getattr(model, "base_model_prefix", "")):
         return conversion
@@ -237,7 +234,21 @@ def key_conversion(model: nn.Module, checkpoint: Any) -> KeyConversion:
         shapes = {key: tuple(checkpoint.shape(key)) for keys_ in sources.values() for key in keys_}
         dtypes = {checkpoint.dtype(key) for key in shapes}
         dtype = dtypes.pop() if len(dtypes) == 1 else meta[name].dtype
-        built = _run_converter(converter, name, sources, lambda key: torch.empty(shapes[key], dtype=dtype, device="meta"), model)
+        absent = [pattern for pattern in converter.source_patterns if pattern not in sources]
+        try:
+            built = _run_converter(converter, name, sources,
+                                   lambda key: torch.empty(shapes[key], dtype=dtype, device="meta"), model)
+        except (ValueError, RuntimeError, IndexError) as error:
+            if absent:
+                built = {}
+            else:
+                raise ConversionMismatchError(
+                    f"cannot build {name!r} from {len(shapes)} checkpoint tensor(s) such as {next(iter(shapes))!r}: "
+                    f"{str(error).splitlines()[0]}; check that the checkpoint matches the model's config") from None
+        if absent and tuple(getattr(built.get(name), "shape", ())) != expected:
+            raise ConversionMismatchError(
+                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; re-download the checkpoint or add the missing shard"
+            )
         for target, value in built.items():
             ordered = [key for keys_ in sources.values() for key in keys_]
             parts = _layout(converter.operations, sources, shapes) if len(built) == 1 else None
