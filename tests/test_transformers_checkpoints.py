@@ -322,3 +322,17 @@ def test_layer_without_one_kind_of_expert_tensor_is_one_line(saved, tmp_path):
     with pytest.raises(OffloadError, match=r"up_proj.*model\.layers\.2\.mlp\.experts\.gate_up_proj") as info:
         load_checkpoint_and_dispatch(model, path, device_map="sequential", progress=False)
     assert "\n" not in str(info.value)
+
+
+def test_memmap_writes_converted_experts_once_and_reuses_them(saved, tmp_path):
+    qwen = saved("qwen2_moe")
+    first = _dispatch(qwen, "sequential", "memmap", "align_per_call", tmp_path / "off", fraction=3)
+    store = first.offload_state.store
+    fused = [name for name in store if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert fused and store.bytes_written >= sum(store[name].numel() * store[name].element_size() for name in fused)
+    first.offload_state.remove()
+    again = _dispatch(qwen, "sequential", "memmap", "align_per_call", tmp_path / "off", fraction=3)
+    assert again.offload_state.store.reused and again.offload_state.store.bytes_written == 0
+    with torch.no_grad():
+        assert torch.equal(again(**qwen.inputs).logits, qwen.expected)
+    again.offload_state.remove()
