@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,8 @@ def _transforms(model: nn.Module, key_mapping: dict[str, str] | None) -> tuple[l
     return ([t for t in mapping if isinstance(t, WeightRenaming)], [t for t in mapping if isinstance(t, WeightConverter)])
 
 
-def _run_converter(converter: Any, target: str, sources: dict[str, list[str]], tensor: Any, model: nn.Module) -> dict:
+def _run_converter(converter: Any, target: str, sources: dict[str, list[str]], tensor: Any,
+                   model: nn.Module | None) -> dict:
     """Run a fresh copy of transformers' converter on ``tensor(key)`` for each source key: ``{model name: tensor}``."""
     job = copy.deepcopy(converter)
     for pattern, keys in sources.items():
@@ -283,18 +285,17 @@ class ConvertedCheckpoint:
     def __init__(self, checkpoint: Any, conversion: KeyConversion, model: nn.Module) -> None:
         self.checkpoint = checkpoint
         self.conversion = conversion
-        self._model = model
+        # Some operations read the model (a parameter's shape) or its config. A weak reference: the model's
+        # store holds this checkpoint, and the model must still be freed as soon as it is dropped.
+        self._model = weakref.ref(model)
         self._source = dict(conversion.renamed)
         consumed = set(conversion.renamed.values())
         for item in conversion.converted.values():
             consumed.update(item.sources)
         self._consumed = consumed
         self._shards: list[tuple[Path, list[str]]] | None = None
-
-    @property
-    def conversion_targets(self) -> set[str]:
-        """Names of tensors built from several checkpoint tensors (never copied file to file)."""
-        return set(self.conversion.converted)
+        #: names of tensors built from several checkpoint tensors (stores never copy these file to file)
+        self.conversion_targets: frozenset[str] = frozenset(conversion.converted)
 
     def shards(self) -> list[tuple[Path, list[str]]]:
         """``(file, names)`` per shard; a converted tensor is listed with the shard of its last source."""
@@ -362,14 +363,14 @@ class ConvertedCheckpoint:
         item = self.conversion.converted.get(name)
         if item is None:
             return self.checkpoint.get(self._key(name))
-        return _run_converter(item.converter, name, item.by_pattern, self.checkpoint.get, self._model)[name]
+        return _run_converter(item.converter, name, item.by_pattern, self.checkpoint.get, self._model())[name]
 
     def fingerprint(self) -> dict[str, Any]:
         return {**self.checkpoint.fingerprint(), "converted": sorted(self.conversion.converted),
                 "renamed": sorted(self.conversion.renamed.items())}
 
     def __getattr__(self, attribute: str) -> Any:
-        if attribute in ("checkpoint", "conversion", "_model", "_source", "_consumed", "_shards"):
+        if attribute in ("checkpoint", "conversion", "conversion_targets", "_model", "_source", "_consumed", "_shards"):
             raise AttributeError(attribute)
         return getattr(self.checkpoint, attribute)
 
