@@ -229,6 +229,7 @@ def load_checkpoint_and_dispatch(
     """
     from offload_core.loading.allocator import return_freed_memory_to_os
     from offload_core.loading.checkpoint import Checkpoint
+    from offload_core.loading.conversion import convert_checkpoint
     from offload_core.values import parse_dtype
 
     return_freed_memory_to_os()
@@ -240,6 +241,7 @@ def load_checkpoint_and_dispatch(
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     owns_checkpoint = not hasattr(checkpoint, "shards")
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
+    ckpt = convert_checkpoint(model, ckpt)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
     if routes.offloaded:

@@ -39,13 +39,25 @@ class FunctionalCallHook(ModuleHook):
         fetched = self.unit.fetch(self.store, self.execution_device, self.non_blocking)
         self.stats.add_unit(fetched)
         params = self.unit.as_params(fetched)
-        tensors = {name: params.get(key, fetched[key]) for name, key in self._names}
-        hooked_forward = module.__dict__["forward"]
-        module.forward = forward  # functional_call calls the module: run the inner forward, not this hook again
-        try:
-            return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
-        finally:
-            module.forward = hooked_forward
+        tensors = {_CALL_PREFIX + name: params.get(key, fetched[key]) for name, key in self._names}
+        # functional_call calls the module it is given: give it a bare one around the inner forward, so
+        # the block's own forward hooks and pre-hooks run once, around this call, as in memory.
+        return torch.func.functional_call(_InnerCall(module, forward), tensors, args, kwargs, tie_weights=False, strict=False)
+
+
+_CALL_PREFIX = "block."
+
+
+class _InnerCall(nn.Module):
+    """Runs ``forward`` with ``block``'s tensors swapped by functional_call, without going through ``block.__call__``."""
+
+    def __init__(self, block: nn.Module, forward: Callable) -> None:
+        super().__init__()
+        self.block = block
+        self._inner = forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner(*args, **kwargs)
 
 
 def offload_by_budget(model: nn.Module, budget: int, tier: str = "cpu") -> dict[str, int | str]:

@@ -204,7 +204,8 @@ class FolderStore(Store):
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`);
         one that is converted, or comes from a ``.bin`` file, is written through :meth:`put`."""
-        if not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False)) or converts(checkpoint.dtype(key), dtype):
+        if (not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False)) or converts(checkpoint.dtype(key), dtype)
+                or key in getattr(checkpoint, "conversion_targets", ())):
             super().add_from_checkpoint(name, checkpoint, key, dtype)
             return
         shard = checkpoint.file_of(key)

@@ -1,4 +1,5 @@
-"""A store that writes nothing: offloaded tensors are read in place from the checkpoint's own safetensors shards."""
+"""A store that writes nothing: offloaded tensors are read in place from the checkpoint's own safetensors shards
+(a tensor built from several checkpoint tensors, such as fused experts, is read part by part into its destination)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ class InPlaceStore(Store):
 
     When the run's dtype differs from a tensor's stored dtype, the tensor is converted on every read
     (one copy per read, into fresh memory that is dropped after the module runs); nothing is cached.
+    A tensor the checkpoint presents as several parts (``checkpoint.parts(key)``: per-expert tensors
+    of a fused expert parameter) is assembled on every read, each part copied from its mapped bytes
+    into its place in the destination; one the checkpoint can only build (``checkpoint.get``) is built
+    on every read. Either way nothing is written to disk.
     """
 
     def __init__(self, context: StoreContext) -> None:
@@ -33,6 +38,7 @@ class InPlaceStore(Store):
         self._refs: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self.converting: set[str] = set()
+        self.assembled: set[str] = set()  # built from several checkpoint tensors on each read
         self.bytes_written = 0
 
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
@@ -40,6 +46,8 @@ class InPlaceStore(Store):
         self._refs[name] = key
         if converts(checkpoint.dtype(key), dtype):
             self.converting.add(name)
+        if key in getattr(checkpoint, "conversion_targets", ()):
+            self.assembled.add(name)
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         raise StorageError(
@@ -63,6 +71,11 @@ class InPlaceStore(Store):
         return view
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.assembled:
+            shape, dtype = self.spec(name)
+            out = torch.empty(shape, dtype=dtype)
+            self.read_into(name, out)
+            return out
         view = self._view(name)
         if name in self.converting:
             return convert_dtype(view, self.dtype)
@@ -77,11 +90,19 @@ class InPlaceStore(Store):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Copy ``name`` into ``out``, converting in the same pass (no converted copy in between)."""
+        if name in self.assembled:
+            parts = self.checkpoint.parts(self._refs[name])
+            if parts is None:
+                out.copy_(self.checkpoint.get(self._refs[name]))
+                return
+            for index, source in parts:
+                out[index].copy_(source)
+            return
         out.copy_(self._view(name))
 
     def warm(self, name: str) -> bool:
-        if name in self.converting:
-            return False  # a converted copy is made on read: the caller fetches it ahead instead
+        if name in self.converting or name in self.assembled:
+            return False  # a copy is made on read: the caller fetches it ahead instead
         return populate(self[name])
 
     def __iter__(self) -> Iterator[str]:

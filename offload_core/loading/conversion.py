@@ -1,0 +1,384 @@
+"""Map checkpoint tensor names to a model's state-dict names with transformers' own conversion mapping (renamings,
+per-expert tensors merged into fused experts), and present a checkpoint under the model's names."""
+
+from __future__ import annotations
+
+import copy
+import re
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_core.errors import CheckpointError
+
+__all__ = ["ConversionMismatchError", "ConvertedTensor", "ConversionSummary", "KeyConversion", "ConvertedCheckpoint", "key_conversion",
+           "convert_checkpoint"]
+
+#: An index into a target tensor: one int or slice per dimension.
+Index = tuple
+
+
+class ConversionMismatchError(CheckpointError):
+    """A checkpoint whose tensors cannot be converted to the model's: a missing expert, or two layouts at once."""
+
+
+@dataclass
+class ConvertedTensor:
+    """One model tensor built from several checkpoint tensors by transformers' operations.
+
+    ``parts`` says where each source lies in the target (``target[index] = source``) when the operations
+    only place sources side by side (stack, concatenate): such a target is read part by part, in place.
+    ``None`` when another operation is involved: the target is then materialised by transformers' converter.
+    """
+
+    target: str
+    sources: list[str]
+    operations: list[str]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: list[tuple[str, Index]] | None
+    converter: Any = field(repr=False, default=None)
+    by_pattern: dict[str, list[str]] = field(repr=False, default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class ConversionSummary:
+    """What the plan report says about conversion: renamed and converted tensors, and what converting costs."""
+
+    renamed: int
+    converted: int
+    converted_bytes: int
+    part_by_part: int  # converted tensors read part by part in place (no copy of the whole source on disk)
+    operations: dict[str, int]  # "MergeModulelist+Concatenate" -> how many targets
+
+    def lines(self) -> list[str]:
+        if not (self.renamed or self.converted):
+            return ["checkpoint names match the model: nothing converted"]
+        lines = [f"{self.renamed} tensor(s) renamed to the model's names (no cost)"]
+        if self.converted:
+            ops = ", ".join(f"{name} x{count}" for name, count in sorted(self.operations.items()))
+            lines.append(
+                f"{self.converted} tensor(s) built from several checkpoint tensors ({ops}): {self.converted_bytes} bytes; "
+                f"{self.part_by_part} read part by part in place, the rest materialised once per read or write"
+            )
+        return lines
+
+
+@dataclass
+class KeyConversion:
+    """Which checkpoint key(s) feed each model tensor: ``renamed`` (model name -> key) and ``converted`` targets."""
+
+    renamed: dict[str, str] = field(default_factory=dict)
+    converted: dict[str, ConvertedTensor] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.renamed or self.converted)
+
+    def summary(self) -> ConversionSummary:
+        operations: dict[str, int] = {}
+        for item in self.converted.values():
+            name = "+".join(item.operations)
+            operations[name] = operations.get(name, 0) + 1
+        return ConversionSummary(
+            renamed=len(self.renamed),
+            converted=len(self.converted),
+            converted_bytes=sum(item.nbytes for item in self.converted.values()),
+            part_by_part=sum(1 for item in self.converted.values() if item.parts is not None),
+            operations=operations,
+        )
+
+
+def _transforms(model: nn.Module, key_mapping: dict[str, str] | None) -> tuple[list, list]:
+    """transformers' renamings and converters for ``model`` (empty for a model that is not a PreTrainedModel)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.modeling_utils import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return [], []
+    mapping = get_model_conversion_mapping(model, key_mapping)
+    return ([t for t in mapping if isinstance(t, WeightRenaming)], [t for t in mapping if isinstance(t, WeightConverter)])
+
+
+def _run_converter(converter: Any, target: str, sources: dict[str, list[str]], tensor: Any,
+                   model: nn.Module | None) -> dict:
+    """Run a fresh copy of transformers' converter on ``tensor(key)`` for each source key: ``{model name: tensor}``."""
+    job = copy.deepcopy(converter)
+    for pattern, keys in sources.items():
+        for key in keys:
+            job.add_tensor(target, key, pattern, lambda key=key: tensor(key))
+    out = job.convert(target, model=model, config=getattr(model, "config", None))
+    return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
+
+
+def _layout(operations: list[Any], sources: dict[str, list[str]], shapes: dict[str, tuple[int, ...]]
+            ) -> list[tuple[str, Index]] | None:
+    """Where each source lands in the target when the operations are a stack and/or a concatenation; else None."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    # Each pattern is a list of (shape, parts) "tensors"; a part is (key, index) with one entry per dimension.
+    current: dict[str, list[tuple[list[int], list[tuple[str, list]]]]] = {
+        pattern: [(list(shapes[key]), [(key, [slice(None)] * len(shapes[key]))]) for key in keys]
+        for pattern, keys in sources.items()
+    }
+    for op in operations:
+        if type(op) is MergeModulelist:
+            merged = {}
+            for pattern, items in current.items():
+                ndim = len(items[0][0]) + 1
+                dim = op.dim % ndim
+                parts = [(key, idx[:dim] + [j] + idx[dim:]) for j, (_, ps) in enumerate(items) for key, idx in ps]
+                merged[pattern] = [(items[0][0][:dim] + [len(items)] + items[0][0][dim:], parts)]
+            current = merged
+        elif type(op) is Concatenate:
+            items = [item for pattern in sources if pattern in current for item in current[pattern]]
+            ndim = len(items[0][0])
+            dim = op.dim % ndim
+            offset, parts = 0, []
+            for shape, ps in items:
+                for key, idx in ps:
+                    entry = idx[dim]
+                    shifted = entry + offset if isinstance(entry, int) else slice(
+                        (entry.start or 0) + offset, (entry.stop if entry.stop is not None else shape[dim]) + offset)
+                    parts.append((key, idx[:dim] + [shifted] + idx[dim + 1:]))
+                offset += shape[dim]
+            current = {"": [(items[0][0][:dim] + [offset] + items[0][0][dim + 1:], parts)]}
+        else:
+            return None
+    (only,) = [item for items in current.values() for item in items]
+    return [(key, tuple(idx)) for key, idx in only[1]]
+
+
+def _missing_source(converter: Any, sources: dict[str, list[str]], expected: tuple[int, ...]) -> str | None:
+    """The first per-expert key absent from ``sources`` (numbers at ``*`` run 0..N-1), or None when none is."""
+    from transformers.core_model_loading import MergeModulelist
+
+    merges = [op for op in converter.operations if type(op) is MergeModulelist]
+    if not merges or not expected:
+        return None
+    count = expected[merges[0].dim % len(expected)]
+    for pattern, keys in sources.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+        numbers = {}
+        for key in keys:
+            match = regex.search(key)
+            if match:
+                numbers[int(match.group(1))] = key
+        for n in range(count):
+            if n not in numbers and numbers:
+                sample_n, sample = next(iter(numbers.items()))
+                match = regex.search(sample)
+                return sample[:match.start(1)] + str(n) + sample[match.end(1):]
+    return None
+
+
+def key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, str] | None = None) -> KeyConversion:
+    """The conversion from ``checkpoint``'s tensor names to ``model``'s (built on meta), as transformers loads it.
+
+    ``checkpoint`` is a checkpoint folder or file, or an opened :class:`Checkpoint`. Keys are renamed
+    and grouped exactly as ``from_pretrained`` does (its mapping, its base-model-prefix rule, its key
+    order); nothing is read but headers. ``key_mapping`` is ``from_pretrained``'s argument of that name
+    (regex renamings applied first). Raises :class:`ConversionMismatchError` for a missing expert
+    tensor or a checkpoint that holds a fused tensor and its per-expert parts at once.
+    """
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    if not hasattr(checkpoint, "shards"):
+        from offload_core.loading.checkpoint import Checkpoint
+
+        checkpoint = Checkpoint.open(checkpoint)
+    renamings, converters = _transforms(model, key_mapping)
+    conversion = KeyConversion()
+    if not (renamings or converters or getattr(model, "base_model_prefix", "")):
+        return conversion
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+    keys = set(checkpoint.keys())
+    for key in sorted(keys, key=dot_natural_key):
+        name, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if name not in meta and key in meta:
+            name, pattern = rename_source_key(key, [], [], prefix, meta)
+        if name not in meta:
+            continue
+        if pattern is None:
+            if name != key:
+                conversion.renamed.setdefault(name, key)
+            continue
+        converter, sources = groups.setdefault(name, (by_pattern[pattern], {}))
+        sources.setdefault(pattern, []).append(key)
+    for name, (converter, sources) in groups.items():
+        expected = tuple(meta[name].shape)
+        both = name in keys or name in conversion.renamed
+        if both:
+            first = next(iter(sources.values()))[0]
+            raise ConversionMismatchError(
+                f"checkpoint holds both {name!r} and per-expert tensors such as {first!r}; keep one layout "
+                "(remove the fused tensor or the per-expert ones)"
+            )
+        missing = _missing_source(converter, sources, expected)
+        if missing is not None:
+            raise ConversionMismatchError(
+                f"checkpoint lacks {missing!r}, needed to build {name!r}; re-download the checkpoint or add the missing shard"
+            )
+        shapes = {key: tuple(checkpoint.shape(key)) for keys_ in sources.values() for key in keys_}
+        dtypes = {checkpoint.dtype(key) for key in shapes}
+        dtype = dtypes.pop() if len(dtypes) == 1 else meta[name].dtype
+        absent = [pattern for pattern in converter.source_patterns if pattern not in sources]
+        try:
+            built = _run_converter(converter, name, sources,
+                                   lambda key: torch.empty(shapes[key], dtype=dtype, device="meta"), model)
+        except (ValueError, RuntimeError, IndexError) as error:
+            if absent:
+                built = {}
+            else:
+                raise ConversionMismatchError(
+                    f"cannot build {name!r} from {len(shapes)} checkpoint tensor(s) such as {next(iter(shapes))!r}: "
+                    f"{str(error).splitlines()[0]}; check that the checkpoint matches the model's config") from None
+        if absent and tuple(getattr(built.get(name), "shape", ())) != expected:
+            raise ConversionMismatchError(
+                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; re-download the checkpoint or add the missing shard"
+            )
+        for target, value in built.items():
+            ordered = [key for keys_ in sources.values() for key in keys_]
+            parts = _layout(converter.operations, sources, shapes) if len(built) == 1 else None
+            conversion.converted[target] = ConvertedTensor(
+                target, ordered, [type(op).__name__ for op in converter.operations], tuple(value.shape), value.dtype,
+                parts, converter, sources)
+    return conversion
+
+
+class _RenamedFile:
+    """A shard's :class:`SafetensorsFile` answered under the model's names (byte ranges of renamed tensors)."""
+
+    def __init__(self, file: Any, source: dict[str, str]) -> None:
+        self._file = file
+        self._source = source
+
+    def byte_range(self, name: str) -> tuple[int, int]:
+        return self._file.byte_range(self._source.get(name, name))
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._file, attribute)
+
+
+class ConvertedCheckpoint:
+    """A checkpoint read under the model's names: renamed tensors are the same views, converted ones are built.
+
+    Shapes and dtypes come from headers (converted ones from transformers' operations run on meta
+    tensors). ``get`` of a converted tensor materialises it with transformers' converter; stores that
+    read in place use :meth:`parts` instead. Everything else is the wrapped checkpoint's.
+    """
+
+    def __init__(self, checkpoint: Any, conversion: KeyConversion, model: nn.Module) -> None:
+        self.checkpoint = checkpoint
+        self.conversion = conversion
+        # Some operations read the model (a parameter's shape) or its config. A weak reference: the model's
+        # store holds this checkpoint, and the model must still be freed as soon as it is dropped.
+        self._model = weakref.ref(model)
+        self._source = dict(conversion.renamed)
+        consumed = set(conversion.renamed.values())
+        for item in conversion.converted.values():
+            consumed.update(item.sources)
+        self._consumed = consumed
+        self._shards: list[tuple[Path, list[str]]] | None = None
+        #: names of tensors built from several checkpoint tensors (stores never copy these file to file)
+        self.conversion_targets: frozenset[str] = frozenset(conversion.converted)
+
+    def shards(self) -> list[tuple[Path, list[str]]]:
+        """``(file, names)`` per shard; a converted tensor is listed with the shard of its last source."""
+        if self._shards is None:
+            underlying = self.checkpoint.shards()
+            position = {key: (i, j) for i, (_, keys) in enumerate(underlying) for j, key in enumerate(keys)}
+            built_at: dict[str, list[str]] = {}  # last source (in file order) -> converted tensors it completes
+            for name, item in self.conversion.converted.items():
+                built_at.setdefault(max(item.sources, key=position.__getitem__), []).append(name)
+            renamed = {key: name for name, key in self._source.items()}
+            self._shards = []
+            for shard, keys in underlying:
+                names = []
+                for key in keys:
+                    if key in renamed:
+                        names.append(renamed[key])
+                    elif key not in self._consumed:
+                        names.append(key)
+                    names.extend(built_at.get(key, ()))
+                self._shards.append((shard, names))
+        return self._shards
+
+    def keys(self) -> list[str]:
+        return [name for _, names in self.shards() for name in names]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.conversion.converted or name in self._source or (
+            name in self.checkpoint and name not in self._consumed)
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def _key(self, name: str) -> str:
+        return self._source.get(name, name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        item = self.conversion.converted.get(name)
+        return item.shape if item is not None else tuple(self.checkpoint.shape(self._key(name)))
+
+    def dtype(self, name: str) -> torch.dtype:
+        item = self.conversion.converted.get(name)
+        return item.dtype if item is not None else self.checkpoint.dtype(self._key(name))
+
+    def nbytes(self, name: str) -> int:
+        item = self.conversion.converted.get(name)
+        return item.nbytes if item is not None else self.checkpoint.nbytes(self._key(name))
+
+    def file_of(self, name: str) -> Path:
+        item = self.conversion.converted.get(name)
+        return self.checkpoint.file_of(item.sources[-1] if item is not None else self._key(name))
+
+    def safetensors_file(self, path: Any) -> _RenamedFile:
+        return _RenamedFile(self.checkpoint.safetensors_file(path), self._source)
+
+    def parts(self, name: str) -> list[tuple[Index, torch.Tensor]] | None:
+        """``[(index, source view)]`` with ``target[index] = source`` for a converted tensor read in place;
+        None for a tensor that is not converted or whose operations are more than placement."""
+        item = self.conversion.converted.get(name)
+        if item is None or item.parts is None:
+            return None
+        return [(index, self.checkpoint.get(key)) for key, index in item.parts]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor under the model's name: a zero-copy view, or a converted tensor built by transformers."""
+        item = self.conversion.converted.get(name)
+        if item is None:
+            return self.checkpoint.get(self._key(name))
+        return _run_converter(item.converter, name, item.by_pattern, self.checkpoint.get, self._model())[name]
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**self.checkpoint.fingerprint(), "converted": sorted(self.conversion.converted),
+                "renamed": sorted(self.conversion.renamed.items())}
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute in ("checkpoint", "conversion", "conversion_targets", "_model", "_source", "_consumed", "_shards"):
+            raise AttributeError(attribute)
+        return getattr(self.checkpoint, attribute)
+
+    def __repr__(self) -> str:
+        return f"ConvertedCheckpoint({self.checkpoint!r}, {len(self._source)} renamed, {len(self.conversion.converted)} converted)"
+
+
+def convert_checkpoint(model: nn.Module, checkpoint: Any) -> Any:
+    """``checkpoint`` as ``model`` names its tensors: itself when names already match, else a :class:`ConvertedCheckpoint`."""
+    conversion = key_conversion(model, checkpoint)
+    return ConvertedCheckpoint(checkpoint, conversion, model) if conversion else checkpoint
