@@ -189,7 +189,7 @@ def test_plugins_command_lists_versions_and_strategies(installed_plugin):
 
 @pytest.mark.parametrize("spec,group", [("offload_register_placements", "placement"),
                                         ("offload_register_storages", "storage"),
-                                        ("offload_register_module_hook_policies", "hook")])
+                                        ("offload_register_module_hook_policies", "policy")])
 def test_each_plugin_hook_registers_into_its_group(spec, group):
     registry = build_registry(extra_plugins=[_plugin(spec, "third_party")], load_entry_points=False)
     assert "third_party" in registry.names(group)
