@@ -37,14 +37,16 @@ def generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
                                  stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad, **kwargs)
         finally:
             timer.close()
-    return out[0, input_ids.shape[1]:].tolist(), timer
+    # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
+    start = 1 if getattr(model.config, "is_encoder_decoder", False) else input_ids.shape[1]
+    return out[0, start:].tolist(), timer
 
 
-def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any) -> list[int]:
-    """Tokens of the same checkpoint loaded fully in memory by transformers (the reference)."""
-    from transformers import AutoModelForCausalLM
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm") -> list[int]:
+    """Tokens of the same checkpoint loaded fully in memory by transformers with ``task``'s Auto class (the reference)."""
+    from offload_core.loading.tasks import auto_class
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
     model.eval()
     tokens, _ = generate(model, input_ids, cfg, torch.device("cpu"))
     del model
