@@ -127,7 +127,8 @@ def check_task_fits(model: nn.Module, checkpoint: Any, task: str, what: str = "m
         groups.setdefault(id(tensor), []).append(name)
     missing = sorted(names[0] for names in groups.values() if not keys.intersection(names))
     if missing:
-        raise TaskError(
-            f"{what}={task!r} does not fit this checkpoint: it lacks {len(missing)} weight(s) that task needs, such as "
-            f"{missing[0]!r}; use the task the checkpoint was saved for or leave {what} out"
-        )
+        saved_as = infer_task(model.config)
+        advice = (f"use {what}={saved_as} (what its config.architectures names) or leave {what} out" if saved_as != task
+                  else "check that the checkpoint is complete")
+        raise TaskError(f"{what}={task!r} does not fit this checkpoint: it lacks {len(missing)} weight(s) that task needs, "
+                        f"such as {missing[0]!r}; {advice}")
