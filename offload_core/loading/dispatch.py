@@ -186,7 +186,7 @@ def _policy(policy: str | Any, skip_keys: str | list[str] | None, preload: list[
     return _resolve("policy", policy, config or None) if isinstance(policy, str) else policy
 
 
-def _encoder_io_hook(model: nn.Module, execution_device: torch.device) -> list:
+def _encoder_io_hook(model: nn.Module) -> list:
     """transformers' ``generate`` gives a dispatched encoder-decoder's encoder an accelerate hook returning outputs
     on the inputs' device, unless the encoder has ``_hf_hook``: attach ours, which does that, and name it so."""
     from offload_core.module_hooks.align import AlignDevicesHook
@@ -210,7 +210,7 @@ def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Sto
                             offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
                             non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"))
     handle = policy.attach(model, context)
-    state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model, execution_device))
+    state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
     model.hf_device_map = dict(device_map)
     model.offload_state = state
     return state

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import transformers
 from safetensors.torch import load_file
 
 from tests.end_to_end.test_cli_errors import assert_one_line, cli
-from tests.loading.test_transformers_checkpoints import _minilm_folder, saved  # noqa: F401 (the saved-models fixture)
+from tests.loading.test_transformers_checkpoints import TINY, _minilm_folder, saved  # noqa: F401 (the saved-models fixture)
 
 BUDGET = ["max_memory.cpu=60KiB", "headroom=1KiB", "compare_in_memory=true", "max_new_tokens=4"]
 
@@ -31,6 +33,20 @@ def test_local_folder_of_each_kind_runs_offloaded_and_matches_in_memory(saved, n
         assert load_file(str(tmp_path / "hydra" / "logits.safetensors"))["logits"].shape[0] == 1
     else:
         assert len(metrics["token_ids"]) == 4
+
+
+def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys):
+    config = transformers.BertConfig(**TINY, max_position_embeddings=64, num_labels=3,
+                                     id2label={0: "negative", 1: "neutral", 2: "positive"},
+                                     label2id={"negative": 0, "neutral": 1, "positive": 2})
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "cls", max_shard_size="20KB")
+    code, err = cli(["model=local", f"model.path={tmp_path / 'cls'}", *BUDGET, "texts=[good,bad,so so]"], tmp_path, capsys)
+    assert code == 0, err
+    metrics = _metrics(tmp_path)
+    assert metrics["task"] == "sequence_classification" and metrics["matches_in_memory"] is True
+    assert len(metrics["labels"]) == 3 and set(metrics["labels"]) <= {"negative", "neutral", "positive"}
+    assert metrics["devices"]["disk"]["bytes"] > 0
 
 
 def test_embeddings_of_several_texts_print_and_write_cosines(tmp_path, capsys, monkeypatch):
