@@ -6,6 +6,7 @@ Importing this package loads no plugin; the registry is built on first use.
 from offload_core.loading.cpu_offload import cpu_offload_with_hook
 from offload_core.loading.dispatch import dispatch_model, load_checkpoint_and_dispatch
 from offload_core.loading.empty import init_empty_weights, init_on_device
+from offload_core.loading.pretrained import from_pretrained
 from offload_core.errors import OffloadError
 from offload_core.module_hooks.align import AlignDevicesHook
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, remove_hook_from_module
@@ -30,6 +31,7 @@ __all__ = [
     "cpu_offload_with_hook",
     "dispatch_model",
     "find_tied_parameters",
+    "from_pretrained",
     "get_max_memory",
     "infer_auto_device_map",
     "init_empty_weights",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -119,6 +119,7 @@ class OffloadState:
     store: Store | None
     handle: PolicyHandle
     routes: TensorRoutes
+    extra_handles: list = field(default_factory=list)  # module hooks attached beside the policy's (an encoder's)
 
     @property
     def stats(self):
@@ -143,6 +144,8 @@ class OffloadState:
 
     def remove(self) -> nn.Module:
         """Remove the module hooks (weights come back to the CPU) and close the store."""
+        for handle in self.extra_handles:
+            handle.remove()
         model = self.handle.remove()
         if self.store is not None:
             self.store.close()
@@ -183,13 +186,31 @@ def _policy(policy: str | Any, skip_keys: str | list[str] | None, preload: list[
     return _resolve("policy", policy, config or None) if isinstance(policy, str) else policy
 
 
+def _encoder_io_hook(model: nn.Module) -> list:
+    """transformers' ``generate`` gives a dispatched encoder-decoder's encoder an accelerate hook returning outputs
+    on the inputs' device, unless the encoder has ``_hf_hook``: attach ours, which does that, and name it so."""
+    from offload_core.module_hooks.align import AlignDevicesHook
+    from offload_core.module_hooks.base import add_hook_to_module
+
+    get_encoder = getattr(model, "get_encoder", None)
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False) or get_encoder is None:
+        return []
+    encoder = get_encoder()
+    if encoder is None or encoder is model or hasattr(encoder, "_hf_hook"):
+        return []
+    hook = AlignDevicesHook(io_same_device=True)
+    handle = add_hook_to_module(encoder, hook)
+    encoder._hf_hook = hook
+    return [handle]
+
+
 def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Store | None, policy: Any,
             execution_device: torch.device, no_split: list[str]) -> OffloadState:
     context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
                             offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
                             non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"))
     handle = policy.attach(model, context)
-    state = OffloadState(device_map, execution_device, store, handle, routes)
+    state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
     model.hf_device_map = dict(device_map)
     model.offload_state = state
     return state

@@ -31,20 +31,32 @@ def generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
     if cfg.do_sample:
         kwargs.update(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
     pad = getattr(model.generation_config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None)
+    kwargs.update(decoder_start(model))
     with torch.inference_mode():
         try:
             out = model.generate(input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
                                  stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad, **kwargs)
         finally:
             timer.close()
-    return out[0, input_ids.shape[1]:].tolist(), timer
+    # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
+    start = 1 if getattr(model.config, "is_encoder_decoder", False) else input_ids.shape[1]
+    return out[0, start:].tolist(), timer
 
 
-def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any) -> list[int]:
-    """Tokens of the same checkpoint loaded fully in memory by transformers (the reference)."""
-    from transformers import AutoModelForCausalLM
+def decoder_start(model) -> dict[str, int]:
+    """An encoder-decoder whose configs name no decoder start (nor bos) token starts from its pad token, as T5 does."""
+    gen, config = model.generation_config, model.config
+    if not getattr(config, "is_encoder_decoder", False) or gen.decoder_start_token_id is not None or gen.bos_token_id is not None:
+        return {}
+    pad = gen.pad_token_id if gen.pad_token_id is not None else getattr(config, "pad_token_id", None)
+    return {"decoder_start_token_id": pad if pad is not None else 0}
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm") -> list[int]:
+    """Tokens of the same checkpoint loaded fully in memory by transformers with ``task``'s Auto class (the reference)."""
+    from offload_core.loading.tasks import auto_class
+
+    model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
     model.eval()
     tokens, _ = generate(model, input_ids, cfg, torch.device("cpu"))
     del model

@@ -9,6 +9,9 @@ from typing import Any, Iterator
 
 import torch
 
+from offload_core.errors import ConfigError
+from offload_core.loading.tasks import GENERATIVE, check_task_fits
+from offload_core.runner.encode import run_encoder
 from offload_core.runner.generate import generate, in_memory_tokens, prompt_ids
 from offload_core.runner.model import RunModel, open_model
 from offload_core.runner.plan import Plan, make_plan, print_plan, write_plan
@@ -30,11 +33,14 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     strategies = build_strategies(settings)
     run_model = open_model(settings.model, settings.dtype)
     with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
+        check_run_task(cfg, run_model, checkpoint)
         plan = make_plan(settings, strategies, run_model, checkpoint)
         print_plan(settings, strategies, plan)
         if cfg.plan_only:
             write_plan(settings, run_model, plan, picture=plot)
             return RunResult("", [], plan.device_map, {}, plan.summary, None, settings.output_dir, plan.as_dict())
+        if run_model.task not in GENERATIVE:
+            return run_encoder(settings, strategies, run_model, checkpoint, plan, labels or {})
         input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
                                run_model.model.config.vocab_size)
         with MemoryMonitor() as memory:
@@ -43,11 +49,21 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     result = RunResult(decode(run_model, tokens), tokens, plan.device_map, figures, plan.summary, None, settings.output_dir,
                        plan.as_dict())
     if cfg.compare_in_memory:
-        figures["in_memory_tokens"] = in_memory_tokens(run_model.checkpoint_dir, run_model.dtype, input_ids, cfg)
+        figures["in_memory_tokens"] = in_memory_tokens(run_model.checkpoint_dir, run_model.dtype, input_ids, cfg, run_model.task)
         result.matches_in_memory = figures["in_memory_tokens"] == tokens
     write_outputs(result, cfg.prompt, labels or {}, strategies.names["hook"])
     print_result(result, strategies.names["hook"])
     return result
+
+
+def check_run_task(cfg: Any, run_model: RunModel, checkpoint: Any) -> None:
+    """Before planning: a ``model.task`` the checkpoint lacks weights for is one line naming the task, and ``texts``
+    belong to the tasks that read texts (a generating run reads ``prompt``)."""
+    if run_model.task_given:
+        check_task_fits(run_model.model, checkpoint, run_model.task)
+    if run_model.task in GENERATIVE and cfg.get("texts"):
+        raise ConfigError(f"texts is read by masked_lm, sequence_classification and embeddings runs; this {run_model.task} "
+                          "run generates from prompt: set prompt=... instead")
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The model a run names: its local checkpoint folder, and the model of its config built with every weight on the meta device."""
+"""The model a run names: its local checkpoint folder, its task, and the model of that task built with every weight on the meta device."""
 
 from __future__ import annotations
 
@@ -11,17 +11,21 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
-from offload_core.values import parse_dtype
 
 
 @dataclass
 class RunModel:
-    """An empty (meta) model, the dtype it runs in, its no-split classes, checkpoint folder and tokenizer."""
+    """An empty (meta) model, the dtype it runs in, its no-split classes, checkpoint folder, task and tokenizer.
+
+    ``task_given``: the task came from ``model.task`` (not inferred from the checkpoint's config).
+    """
 
     model: nn.Module
     dtype: torch.dtype
     no_split: list[str]
     checkpoint_dir: Path
+    task: str = "causal_lm"
+    task_given: bool = False
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -48,28 +52,20 @@ def resolve_checkpoint(model_cfg: dict) -> Path:
     raise ConfigError(f"model.name={name!r} needs model.path=<a local checkpoint folder> (known names: smollm2, synthetic)")
 
 
-def build_empty_model(checkpoint: Path, dtype: torch.dtype | None):
-    """The model of ``checkpoint``'s config with every weight on the meta device; returns (model, dtype)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_empty_model(checkpoint: Path, dtype: torch.dtype | None, task: str | None = None):
+    """The ``task`` model (None: the one the config's architectures name) of ``checkpoint``'s config with every
+    weight on the meta device; returns (model, dtype, task)."""
+    from offload_core.loading.tasks import build_empty, config_dtype, infer_task, read_config
 
-    from offload_core.loading.empty import init_empty_weights
-
-    try:
-        config = AutoConfig.from_pretrained(checkpoint)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{checkpoint} has no usable config.json ({str(exc).splitlines()[0]}); point model.path at a Hugging Face checkpoint folder") from None
-    if dtype is None:
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        dtype = parse_dtype(str(stored)) if stored is not None else torch.float32
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval()
-    return model, dtype
+    config = read_config(checkpoint)
+    task = task or infer_task(config)
+    dtype = dtype or config_dtype(config)
+    return build_empty(config, task, dtype), dtype, task
 
 
 def open_model(model_cfg: dict, dtype: torch.dtype | None) -> RunModel:
     """The run's model section as an empty model, ready to plan and load (``dtype`` None: the checkpoint's)."""
     checkpoint_dir = resolve_checkpoint(model_cfg)
-    model, dtype = build_empty_model(checkpoint_dir, dtype)
+    model, dtype, task = build_empty_model(checkpoint_dir, dtype, model_cfg.get("task"))
     no_split = model_cfg.get("no_split_module_classes") or list(getattr(model, "_no_split_modules", None) or [])
-    return RunModel(model, dtype, list(no_split), checkpoint_dir)
+    return RunModel(model, dtype, list(no_split), checkpoint_dir, task, bool(model_cfg.get("task")))

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from offload_core.errors import ConfigError, DeviceMapError
-from offload_core.planning.reservation import InFlight
-from offload_core.registry.contracts import Policy, Storage
+from offload_core.loading.reserve import reservation, reserve_for  # noqa: F401 (reservation: the runner's name for the rule)
 from offload_core.runner.model import RunModel
 from offload_core.runner.settings import Settings, Strategies
 from offload_core.values import format_size, is_offloaded
@@ -21,7 +20,8 @@ from offload_core.values import format_size, is_offloaded
 class Plan:
     """Where every weight goes and what that costs: the checked device map, its per-device summary, the
     bytes held back per device for units in flight (``reserve``) and from the cpu budget (``headroom``),
-    the largest no-split block and the bytes predicted to move per generated token."""
+    the largest no-split block, the bytes predicted to move per generated token, and what converting the
+    checkpoint's names to the model's costs (``conversion``: the report's lines)."""
 
     device_map: dict[str, int | str]
     summary: dict[str, Any]
@@ -29,34 +29,24 @@ class Plan:
     headroom: int
     largest_block: int
     predicted_bytes_per_token: int
+    conversion: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
         return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
-                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token}
-
-
-def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,
-                converts: bool) -> dict[Any, int]:
-    """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
-    given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
-    (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
-    need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
-                    store_pinned=storage.pinned)
-    return dict(policy.reserve(need))
+                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
+                "conversion": list(self.conversion)}
 
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
     """The device map (a user's file, else the policy's own, else the placement's) and the figures around it."""
     from offload_core.planning import PlacementRequest, check_device_map, largest_block_size, normalize_device_map, summarize_device_map
+    from offload_core.loading.conversion import key_conversion
     from offload_core.runner.report import predicted_bytes_per_token
-    from offload_core.storage.base import converts
 
     model, dtype, no_split, device = run_model.model, run_model.dtype, run_model.no_split, settings.execution_device
-    stored_differs = any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
     block = largest_block_size(model, no_split, dtype=dtype)
-    module_bytes = largest_block_size(model, [], dtype=dtype)
-    reserve = reservation(strategies.policy, strategies.storage, device, block, module_bytes, stored_differs)
+    reserve = reserve_for(model, checkpoint, strategies.policy, strategies.storage, device, no_split, dtype)
     path = settings.cfg.device_map
     device_map = read_device_map(path) if path else strategies.policy.own_device_map(model, device)
     if device_map is None:
@@ -69,7 +59,12 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     headroom = settings.headroom if device.type == "cpu" else 0
     check_disk_budget(summary, settings.max_memory, block, headroom)
     predicted = predicted_bytes_per_token(model, device_map, strategies.policy, device, dtype, no_split)
-    return Plan(device_map, summary, reserve, settings.headroom, block, predicted)
+    conversion = key_conversion(model, checkpoint)
+    lines = conversion.summary().lines()
+    if conversion.converted:
+        names = sorted(conversion.converted)
+        lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
+    return Plan(device_map, summary, reserve, settings.headroom, block, predicted, lines)
 
 
 def read_device_map(path: str) -> dict:
@@ -113,6 +108,8 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
     print(strategies)
     print(plan_text(plan.summary, plan.as_dict(), plan.predicted_bytes_per_token,
                     plan.device_map if settings.cfg.plan_only else None))
+    for line in plan.conversion:
+        print(f"  conversion: {line}")
     warn_if_fits(plan.summary, settings.execution_device)
 
 

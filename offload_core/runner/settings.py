@@ -32,6 +32,8 @@ class ModelConfig:
     chat_template: bool = True
     #: module classes never split across devices (default: the model's own ``_no_split_modules``)
     no_split_module_classes: Optional[List[str]] = None
+    #: causal_lm, seq2seq_lm, masked_lm, sequence_classification or embeddings (default: from config.architectures)
+    task: Optional[str] = None
 
 
 @dataclass
@@ -43,6 +45,8 @@ class RunConfig:
     hook: Any = MISSING
     model: ModelConfig = MISSING
     prompt: str = "What is the capital of France?"
+    #: the texts a masked_lm, sequence_classification or embeddings run reads at once (default: [prompt])
+    texts: Optional[List[str]] = None
     max_new_tokens: int = 16
     do_sample: bool = False
     temperature: float = 1.0

@@ -1,0 +1,66 @@
+"""One call from a local checkpoint folder to a ready, offloaded model of the right class: ``from_pretrained``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+
+def from_pretrained(
+    path: str | Path,
+    max_memory: Mapping[Any, int | str] | None = None,
+    placement: str | Any = "sequential",
+    storage: str | Any = "memmap",
+    policy: str | Any = "align_per_call",
+    offload_folder: str | Path | None = None,
+    dtype: torch.dtype | str | None = None,
+    task: str | None = None,
+    *,
+    device_map: Mapping[str, int | str] | None = None,
+    execution_device: torch.device | str | None = None,
+    no_split_module_classes: list[str] | None = None,
+    progress: bool = False,
+) -> nn.Module:
+    """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
+    plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
+    ``hf_device_map`` (as transformers sets it) and ``offload_state``.
+
+    ``placement``, ``storage`` and ``policy`` are plugin names or built strategies; ``device_map`` (a dict)
+    replaces the placement. The placement holds back what the policy's units in flight need, by the same
+    rule as ``run.py``. ``dtype`` None runs in the checkpoint's dtype; ``execution_device`` defaults to
+    ``cuda:0`` when present, else ``cpu``. ``model.offload_state.remove()`` undoes the offloading.
+    """
+    from offload_core.loading.checkpoint import Checkpoint
+    from offload_core.loading.dispatch import _resolve, default_execution_device, load_checkpoint_and_dispatch
+    from offload_core.loading.reserve import reserve_for
+    from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
+    from offload_core.planning import PlacementRequest, get_max_memory
+    from offload_core.values import parse_dtype
+
+    config = read_config(path, what="path")
+    given = task is not None
+    task = task or infer_task(config)
+    dtype = parse_dtype(dtype) or config_dtype(config)
+    model = build_empty(config, task, dtype, what="task")
+    device = torch.device(execution_device) if execution_device is not None else default_execution_device()
+    no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
+    storage, policy = _resolve("storage", storage), _resolve("policy", policy)
+    checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it
+    try:
+        if given:
+            check_task_fits(model, checkpoint, task, what="task")
+        if device_map is None:
+            reserve = reserve_for(model, checkpoint, policy, storage, device, no_split, dtype)
+            request = PlacementRequest(model=model, max_memory=get_max_memory(max_memory), no_split_module_classes=no_split,
+                                       dtype=dtype, reserve=reserve)
+            device_map = _resolve("placement", "balanced" if placement == "auto" else placement).make_device_map(request)
+        return load_checkpoint_and_dispatch(model, checkpoint, device_map, no_split_module_classes=no_split,
+                                            offload_folder=offload_folder, dtype=dtype, storage=storage, policy=policy,
+                                            execution_device=device, progress=progress,
+                                            offload_buffers=policy.offload_buffers)
+    except BaseException:
+        checkpoint.close()
+        raise

@@ -1,0 +1,86 @@
+"""``run.py model=local model.path=<folder>`` for every kind of model: a T5 generates, a BERT fills in tokens, a Mixtral
+(per-expert tensors as transformers saves them) generates, MiniLM embeds several texts; each offloads to disk and
+matches the in-memory model; a task that does not fit and an unknown architecture end in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from tests.end_to_end.test_cli_errors import assert_one_line, cli
+from tests.loading.test_transformers_checkpoints import TINY, _minilm_folder, saved  # noqa: F401 (the saved-models fixture)
+
+BUDGET = ["max_memory.cpu=60KiB", "headroom=1KiB", "compare_in_memory=true", "max_new_tokens=4"]
+
+
+def _metrics(tmp_path) -> dict:
+    return json.loads((tmp_path / "hydra" / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("name,task", [("t5", "seq2seq_lm"), ("bert", "masked_lm"), ("mixtral", "causal_lm")])
+def test_local_folder_of_each_kind_runs_offloaded_and_matches_in_memory(saved, name, task, tmp_path, capsys):
+    code, err = cli(["model=local", f"model.path={saved(name).path}", *BUDGET], tmp_path, capsys)
+    assert code == 0, err
+    metrics = _metrics(tmp_path)
+    assert metrics["matches_in_memory"] is True
+    assert metrics["devices"]["disk"]["bytes"] > 0
+    if task == "masked_lm":
+        assert metrics["task"] == "masked_lm" and len(metrics["predicted_token_ids"]) == 1
+        assert load_file(str(tmp_path / "hydra" / "logits.safetensors"))["logits"].shape[0] == 1
+    else:
+        assert len(metrics["token_ids"]) == 4
+
+
+def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys):
+    config = transformers.BertConfig(**TINY, max_position_embeddings=64, num_labels=3,
+                                     id2label={0: "negative", 1: "neutral", 2: "positive"},
+                                     label2id={"negative": 0, "neutral": 1, "positive": 2})
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "cls", max_shard_size="20KB")
+    code, err = cli(["model=local", f"model.path={tmp_path / 'cls'}", *BUDGET, "texts=[good,bad,so so]"], tmp_path, capsys)
+    assert code == 0, err
+    metrics = _metrics(tmp_path)
+    assert metrics["task"] == "sequence_classification" and metrics["matches_in_memory"] is True
+    assert len(metrics["labels"]) == 3 and set(metrics["labels"]) <= {"negative", "neutral", "positive"}
+    assert metrics["devices"]["disk"]["bytes"] > 0
+
+
+def test_embeddings_of_several_texts_print_and_write_cosines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = "texts=[the cat sits on the mat,a cat is sitting on a mat,stock markets fell sharply]"
+    code, err = cli(["model=local", f"model.path={_minilm_folder()}", "max_memory.cpu=40MiB", "headroom=1KiB",
+                     "compare_in_memory=true", texts], tmp_path, capsys)
+    assert code == 0, err
+    metrics = _metrics(tmp_path)
+    assert metrics["matches_in_memory"] is True and metrics["embedding_shape"] == [3, 384]
+    cosine = metrics["cosine_similarities"]
+    assert cosine[0][1] > 0.8 > 0.3 > cosine[0][2]  # the two sentences about a cat are close, the third is not
+    assert load_file(str(tmp_path / "hydra" / "embeddings.safetensors"))["embeddings"].shape == (3, 384)
+
+
+def test_task_that_does_not_fit_is_one_line_naming_it(saved, tmp_path, capsys):
+    code, err = cli(["model=local", f"model.path={saved('bert').path}", "model.task=sequence_classification"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "model.task='sequence_classification' does not fit", "model.task=masked_lm")
+    code, err = cli(["model=local", f"model.path={saved('bert').path}", "model.task=seq2seq_lm"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "model.task='seq2seq_lm' does not fit", "AutoModelForSeq2SeqLM")
+
+
+def test_unknown_architecture_is_one_line_naming_model_type(tmp_path, capsys):
+    folder = tmp_path / "new"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "brand_new_arch"}))
+    code, err = cli(["model=local", f"model.path={folder}"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "model_type 'brand_new_arch'", "upgrade transformers")
+
+
+def test_texts_on_a_generating_run_is_one_line(saved, tmp_path, capsys):
+    code, err = cli(["model=local", f"model.path={saved('t5').path}", "texts=[a,b]"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "texts is read by", "set prompt=")

@@ -1,0 +1,34 @@
+"""The runner's side of tasks: the plan of a checkpoint saved with per-expert tensors reports what converting
+costs, and one whose names match says so."""
+
+from __future__ import annotations
+
+from hydra import compose, initialize_config_dir
+
+from offload_core.runner.job import run
+from offload_core.runner.settings import register_configs
+
+from tests import ROOT
+from tests.loading.test_transformers_checkpoints import saved  # noqa: F401 (the saved-models fixture)
+
+
+def _cfg(overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_plan_reports_converted_tensors_and_their_cost(saved, tmp_path, capsys):
+    cfg = _cfg(["plan_only=true", "model=local", f"model.path={saved('mixtral').path}", "max_memory.cpu=60KiB", "headroom=1KiB"])
+    result = run(cfg, output_dir=tmp_path, plot=False)
+    out = capsys.readouterr().out
+    built = [line for line in result.plan["conversion"] if "built from several checkpoint tensors" in line]
+    assert len(built) == 1 and "6 tensor(s)" in built[0] and "bytes" in built[0]
+    assert "conversion: converted: model.layers.0.mlp.experts.down_proj" in out
+
+
+def test_plan_of_a_checkpoint_whose_names_match_says_so(saved, tmp_path, capsys):
+    cfg = _cfg(["plan_only=true", "model=local", f"model.path={saved('t5').path}", "max_memory.cpu=60KiB", "headroom=1KiB"])
+    result = run(cfg, output_dir=tmp_path, plot=False)
+    assert result.plan["conversion"] == ["checkpoint names match the model: nothing converted"]
+    assert "conversion: checkpoint names match the model" in capsys.readouterr().out
