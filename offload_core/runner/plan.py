@@ -37,12 +37,12 @@ class Plan:
 
 
 def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,
-                converts: bool) -> dict[Any, int]:
+                converts: bool, model: Any = None, dtype: Any = None) -> dict[Any, int]:
     """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
     (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
     need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
-                    store_pinned=storage.pinned)
+                    store_pinned=storage.pinned, model=model, dtype=dtype)
     return dict(policy.reserve(need))
 
 
@@ -56,7 +56,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     stored_differs = any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
-    reserve = reservation(strategies.policy, strategies.storage, device, block, module_bytes, stored_differs)
+    reserve = reservation(strategies.policy, strategies.storage, device, block, module_bytes, stored_differs, model, dtype)
     path = settings.cfg.device_map
     device_map = read_device_map(path) if path else strategies.policy.own_device_map(model, device)
     if device_map is None:
@@ -113,6 +113,8 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
     print(strategies)
     print(plan_text(plan.summary, plan.as_dict(), plan.predicted_bytes_per_token,
                     plan.device_map if settings.cfg.plan_only else None))
+    for line in strategies.policy.plan_lines():
+        print(line)
     warn_if_fits(plan.summary, settings.execution_device)
 
 

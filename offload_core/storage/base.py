@@ -78,6 +78,11 @@ class Store(Mapping):
         """
         return populate(self[name])
 
+    def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
+        """Copy row ``expert`` of ``store[name]`` (one expert of a fused expert tensor) into ``out``, reading
+        only that row's bytes: the default copies a row of the view ``store[name]`` hands out."""
+        out.copy_(self[name][expert])
+
     def finalize(self) -> None:
         """Called once all tensors are in: make the store complete (and durable, for folders)."""
 
