@@ -169,10 +169,16 @@ class ExpertLayer:
             rows = self.guess.pop(expert).result()
             self.counters.predicted_hits += 1
             self.cache.admit(expert, rows)
-        else:
+        elif self.pinned or self.cache.wants(expert):
             rows = self.read_rows(expert)
             self.counters.misses += 1
             self.cache.admit(expert, rows)
+        else:  # a CPU run, not kept: read straight into the buffer's row
+            for key, buffer in tensors.items():
+                read_expert(self.store, key, expert, buffer[expert])
+            self.counters.add_bytes(len(tensors), self.row_bytes)
+            self.counters.misses += 1
+            return
         for key, buffer in tensors.items():
             buffer[expert].copy_(rows[key], non_blocking=self.pinned)
 
