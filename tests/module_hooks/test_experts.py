@@ -153,3 +153,13 @@ def test_cache_keeps_the_frequent_expert():
 def test_bad_settings_are_config_errors(bad):
     with pytest.raises(ConfigError):
         Experts(ExpertsConfig(**bad))
+
+
+def test_a_full_cache_hands_back_the_evicted_rows_for_reuse():
+    cache = ExpertCache(1)
+    cache.request([1])
+    cache.admit(1, {"w": "memory of 1"})
+    cache.request([2])
+    assert cache.wants(2)
+    assert cache.spare() == {"w": "memory of 1"} and cache.get(1) is None
+    assert cache.admit(2, {"w": "memory of 1"}) and cache.get(2) == {"w": "memory of 1"}

@@ -42,6 +42,13 @@ class ExpertCache:
         victim = min(self.resident, key=self._rank)
         return self._rank(expert) >= self._rank(victim)
 
+    def spare(self) -> dict[str, Any] | None:
+        """When the cache is full, evict the lowest-ranked expert and hand back its rows, so the expert
+        about to be admitted is read into that memory instead of a new allocation; None otherwise."""
+        if self.slots == 0 or len(self.resident) < self.slots:
+            return None
+        return self.resident.pop(min(self.resident, key=self._rank))
+
     def admit(self, expert: int, rows: dict[str, Any]) -> bool:
         """Keep ``rows`` for ``expert`` if it ranks high enough (evicting the lowest); True when kept."""
         if not self.wants(expert):

@@ -102,11 +102,12 @@ class ExpertLayer:
         self.pinned = buffers.device.type == "cuda"
 
     # -- reading ----------------------------------------------------------------------------------
-    def read_rows(self, expert: int) -> dict[str, torch.Tensor]:
-        """Expert ``expert``'s rows from the store in host memory (the reader thread, or on demand)."""
+    def read_rows(self, expert: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Expert ``expert``'s rows from the store in host memory (the reader thread, or on demand), read
+        into ``into`` (an evicted cache slot's rows) where given."""
         rows = {}
         for key, (shape, dtype) in self.specs.items():
-            out = torch.empty(shape[1:], dtype=dtype, pin_memory=self.pinned)
+            out = into[key] if into is not None else torch.empty(shape[1:], dtype=dtype, pin_memory=self.pinned)
             read_expert(self.store, key, expert, out)
             rows[key] = out
         self.counters.add_bytes(len(rows), self.row_bytes)
@@ -169,10 +170,15 @@ class ExpertLayer:
             rows = self.guess.pop(expert).result()
             self.counters.predicted_hits += 1
             self.cache.admit(expert, rows)
-        elif self.pinned or self.cache.wants(expert):
-            rows = self.read_rows(expert)
+        elif self.cache.wants(expert):
+            # On a GPU an evicted slot's pinned rows may still be read by a copy in flight: a new one is
+            # allocated (the caching host allocator frees the old once its copy is done).
+            rows = self.read_rows(expert, None if self.pinned else self.cache.spare())
             self.counters.misses += 1
             self.cache.admit(expert, rows)
+        elif self.pinned:
+            rows = self.read_rows(expert)
+            self.counters.misses += 1
         else:  # a CPU run, not kept: read straight into the buffer's row
             for key, buffer in tensors.items():
                 read_expert(self.store, key, expert, buffer[expert])
