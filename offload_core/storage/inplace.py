@@ -110,9 +110,12 @@ class InPlaceStore(Store):
                 return
             for index, source in parts:
                 if _row_of(index) == expert:
+                    populate(source)  # one read of its pages rather than a page fault per page
                     out[index[1:]].copy_(source)
             return
-        out.copy_(self._view(name)[expert])
+        row = self._view(name)[expert]
+        populate(row)
+        out.copy_(row)
 
     def warm(self, name: str) -> bool:
         if name in self.converting or name in self.assembled:
