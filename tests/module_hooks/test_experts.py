@@ -46,7 +46,7 @@ def _routing(model: torch.nn.Module, inputs: dict) -> dict[int, set[int]]:
     handles = []
     for name, module in model.named_modules():
         if is_fused_experts(module):
-            layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+            layer = int(re.match(r".*?layers\.(\d+)\.", name).group(1))
 
             def record(mod, args, kwargs, layer=layer):
                 routed.setdefault(layer, set()).update(torch.unique(args[1]).tolist())
@@ -90,7 +90,7 @@ def test_never_routed_experts_are_never_read(saved, store, tmp_path):
             continue
         state = load_file(file)
         for key in state:
-            found = re.search(r"layers\.(\d+)\..*experts\.(\d+)\.", key)
+            found = re.match(r".*?layers\.(\d+)\..*experts\.(\d+)\.", key)
             if found and int(found.group(2)) not in routed[int(found.group(1))]:
                 state[key] = torch.full_like(state[key], float("nan"))
                 nan_rows += 1
