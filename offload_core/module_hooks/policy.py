@@ -99,6 +99,10 @@ class Policy(StrategyBase):
         """Bytes brought in per forward, given each offloaded unit's bytes: every unit once."""
         return sum(unit_bytes)
 
+    def plan_lines(self) -> list[str]:
+        """Lines the policy adds to the printed plan (what it holds back and why), after :meth:`reserve`. None by default."""
+        return []
+
     def own_device_map(self, model: nn.Module, execution_device: torch.device) -> dict[str, int | str] | None:
         """A device map the policy decides itself (a user's ``device_map`` file still comes first), or
         None to leave it to the placement."""

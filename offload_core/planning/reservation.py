@@ -20,6 +20,8 @@ class InFlight:
     module_bytes: int  # the largest single module owning tensors
     store_converts: bool = False  # the store hands out converted copies, not views, of some tensors
     store_pinned: bool = False  # the store's memory is page-locked: copies to a GPU need no staging
+    model: Any = None  # the model being planned (on the meta device), for policies that size by its modules
+    dtype: Any = None  # the run's dtype (None: each tensor's own)
 
 
 def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu: bool = False) -> dict[Any, int]:

@@ -36,6 +36,7 @@ BUILTIN_PLUGINS = (
     "offload_core_plugins.hook_chained",
     "offload_core_plugins.hook_functional_call",
     "offload_core_plugins.hook_prefetch",
+    "offload_core_plugins.hook_experts",
 )
 
 

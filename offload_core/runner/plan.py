@@ -110,6 +110,8 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
                     plan.device_map if settings.cfg.plan_only else None))
     for line in plan.conversion:
         print(f"  conversion: {line}")
+    for line in strategies.policy.plan_lines():
+        print(line)
     warn_if_fits(plan.summary, settings.execution_device)
 
 

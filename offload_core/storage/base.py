@@ -78,6 +78,14 @@ class Store(Mapping):
         """
         return populate(self[name])
 
+    def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
+        """Copy row ``expert`` of ``store[name]`` (one expert of a fused expert tensor) into ``out``, reading
+        only that row's bytes: the default reads in the pages of a row of the view ``store[name]`` hands
+        out (one read rather than a page fault per page), then copies it."""
+        row = self[name][expert]
+        populate(row)
+        out.copy_(row)
+
     def finalize(self) -> None:
         """Called once all tensors are in: make the store complete (and durable, for folders)."""
 

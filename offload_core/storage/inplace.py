@@ -100,6 +100,23 @@ class InPlaceStore(Store):
             return
         out.copy_(self._view(name))
 
+    def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
+        """Copy expert ``expert`` of ``name`` into ``out`` from the mapped shard: a row of the stored tensor,
+        or the per-expert checkpoint tensors that form it (converting in the same pass)."""
+        if name in self.assembled:
+            parts = self.checkpoint.parts(self._refs[name])
+            if parts is None:
+                out.copy_(self.checkpoint.get(self._refs[name])[expert])
+                return
+            for index, source in parts:
+                if _row_of(index) == expert:
+                    populate(source)  # one read of its pages rather than a page fault per page
+                    out[index[1:]].copy_(source)
+            return
+        row = self._view(name)[expert]
+        populate(row)
+        out.copy_(row)
+
     def warm(self, name: str) -> bool:
         if name in self.converting or name in self.assembled:
             return False  # a copy is made on read: the caller fetches it ahead instead
@@ -113,3 +130,9 @@ class InPlaceStore(Store):
 
     def close(self) -> None:
         self._views.clear()
+
+
+def _row_of(index: tuple) -> int | None:
+    """The first-dimension position of a part's index (per-expert parts sit at one row of the fused tensor)."""
+    first = index[0] if index else None
+    return first if isinstance(first, int) else None

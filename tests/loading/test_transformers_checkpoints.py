@@ -22,7 +22,7 @@ from offload_core.planning import compute_module_sizes
 
 PLACEMENTS = ["sequential", "balanced", "balanced_low_0"]
 STORES = ["pinned_cpu", "memmap", "safetensors"]
-POLICIES = ["align_per_call", "chained", "functional_call", "prefetch"]
+POLICIES = ["align_per_call", "chained", "experts", "functional_call", "prefetch"]
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=128)
 

@@ -27,7 +27,7 @@ MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": 
 
 
 @pytest.mark.parametrize("storage", ["pinned_cpu", "memmap"])
-@pytest.mark.parametrize("policy", ["align_per_call", "chained", "functional_call", "prefetch"])
+@pytest.mark.parametrize("policy", ["align_per_call", "chained", "experts", "functional_call", "prefetch"])
 def test_dispatch_then_remove_restores_outputs_and_state_dict(policy, storage, tmp_path):
     reference = _tied_llama()
     expected_state = {k: v.clone() for k, v in reference.state_dict().items()}

@@ -47,7 +47,7 @@ def test_builtins_provide_every_strategy():
     registry = build_registry(load_entry_points=False)
     assert registry.names("placement") == ["balanced", "balanced_low_0", "sequential"]
     assert registry.names("storage") == ["memmap", "pinned_cpu", "safetensors"]
-    assert registry.names("policy") == ["align_per_call", "chained", "functional_call", "prefetch"]
+    assert registry.names("policy") == ["align_per_call", "chained", "experts", "functional_call", "prefetch"]
     assert set(registry.plugins) == set(BUILTIN_PLUGINS)
     assert registry.get("storage", "memmap").plugin == "offload_core_plugins.storage_memmap"
 

@@ -1,0 +1,173 @@
+"""The expert-granular policy ``experts``: prefetch's block units for everything but the MoE experts, whose routed rows alone are read, cached and guessed ahead."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
+from offload_core.module_hooks.experts.cache import ExpertCache
+from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, ExpertLayer, ExpertsHook, expert_sizes,
+                                                      expert_slots, is_fused_experts)
+from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.prefetch.policy import Prefetch, PrefetchConfig, PrefetchHandle
+from offload_core.module_hooks.units import Unit
+from offload_core.planning.reservation import InFlight
+from offload_core.values import format_size
+
+GUESSES = ("router", "previous", "none")
+
+
+@dataclass
+class ExpertsConfig(PrefetchConfig):
+    name: str = "experts"
+    #: experts of each MoE layer kept in host memory (LFRU); 0 turns the cache off
+    cache_slots: int = 2
+    #: how the next MoE layer's experts are guessed and read ahead: "router" (its router on this
+    #: layer's hidden state), "previous" (what it selected for the previous token) or "none"
+    guess: str = "router"
+    #: a call that selects at least this fraction of a layer's experts reads the whole tensors at once
+    whole_fraction: float = 0.75
+
+
+class ExpertsHandle(PrefetchHandle):
+    """The handle of the ``experts`` policy: prefetch's counters for the blocks, the experts' own beside them."""
+
+    def __init__(self, *args: Any, layers: list[ExpertLayer], counters: ExpertCounters, reader: ThreadPoolExecutor,
+                 cache_slots: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layers = layers
+        self.expert_counters = counters
+        self.reader = reader
+        self.cache_slots = cache_slots
+
+    def counters(self) -> dict[str, int | float]:
+        """Prefetch's block counters, and for the experts: cache ``expert_hits``, guesses read ahead and
+        used (``expert_guess_hits``), reads on demand (``expert_misses``), whole-tensor reads, bytes read
+        (in all and per decode token), the cache hit rate and how often a guessed expert was selected."""
+        c = self.expert_counters
+        served = c.hits + c.predicted_hits + c.misses
+        counters = dict(super().counters())
+        counters.update({
+            "expert_cache_slots": self.cache_slots, "expert_hits": c.hits, "expert_guess_hits": c.predicted_hits,
+            "expert_misses": c.misses, "expert_whole_reads": c.whole_reads, "expert_bytes": c.bytes,
+            "expert_bytes_per_token": c.decode_bytes / c.decode_tokens if c.decode_tokens else 0.0,
+            "expert_hit_rate": c.hits / served if served else 0.0,
+            "expert_guess_accuracy": c.guessed_right / c.routed if c.routed else 0.0,
+        })
+        return counters
+
+    def remove(self, restore_device: torch.device | str = "cpu") -> nn.Module:
+        self.reader.shutdown(wait=True, cancel_futures=True)
+        return super().remove(restore_device)
+
+
+class TokenCounter(ModuleHook):
+    """On the model's root: counts decode tokens (one new position per sequence) and the expert bytes they read."""
+
+    name = "experts_tokens"
+
+    def __init__(self, counters: ExpertCounters) -> None:
+        self.counters = counters
+        self.start = 0
+        self.decode = 0
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+        self.decode = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1 else 0
+        self.start = self.counters.bytes
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self.decode:
+            self.counters.decode_tokens += self.decode
+            self.counters.decode_bytes += self.counters.bytes - self.start
+        return output
+
+
+class Experts(Prefetch):
+    """Policy: block-granular prefetch, except the experts of MoE layers: only the routed ones are read."""
+
+    def __init__(self, config: ExpertsConfig) -> None:
+        from offload_core.errors import ConfigError
+
+        super().__init__(config)
+        if config.cache_slots < 0:
+            raise ConfigError(f"hook.cache_slots={config.cache_slots} is negative: give the experts to keep per layer (0: no cache)")
+        if config.guess not in GUESSES:
+            raise ConfigError(f"hook.guess={config.guess!r} is unknown: use one of {', '.join(GUESSES)}")
+        if not 0 < config.whole_fraction <= 1:
+            raise ConfigError(f"hook.whole_fraction={config.whole_fraction} is not in (0, 1]: give a fraction such as 0.75")
+        self.cache_note = ""
+
+    def reserve(self, need: InFlight) -> dict:
+        """Prefetch's reservation for the blocks, and from the cpu budget the expert cache (``cache_slots``
+        experts per MoE layer) and the next layer's experts guessed ahead (``top_k`` at most, counted as
+        the cache's size again); on a GPU run, one full-shape buffer per expert tensor on the device."""
+        reserve = dict(super().reserve(need))
+        if need.model is None:
+            return reserve
+        row, layers = expert_sizes(need.model, need.dtype)
+        cache = self.config.cache_slots * row * layers
+        reserve["cpu"] = reserve.get("cpu", 0) + cache + self.config.cache_slots * row
+        self.cache_note = (f"expert cache: {self.config.cache_slots} slots per layer x {layers} MoE layers of "
+                           f"{format_size(row)} experts = {format_size(cache)} of the cpu budget") if layers else ""
+        return reserve
+
+    def plan_lines(self) -> list[str]:
+        return [self.cache_note] if self.cache_note else []
+
+    def attach(self, model: nn.Module, plan: PolicyContext) -> PolicyHandle:
+        config = self.config
+        expert_units = []
+        for name, module in model.named_modules():
+            if is_fused_experts(module):
+                slots = expert_slots(name, module, plan.offloaded)
+                if slots:
+                    expert_units.append(Unit(name, module, slots))
+        taken = {slot.full for unit in expert_units for slot in unit.slots}
+        rest = {name: key for name, key in plan.offloaded.items() if name not in taken}
+        blocks = super().attach(model, replace(plan, offloaded=rest))
+        counters = ExpertCounters(stats=plan.stats)
+        reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-experts")
+        buffers = Buffers(plan.execution_device)
+        layers = [ExpertLayer(unit, plan.store, buffers, ExpertCache(config.cache_slots), counters, config.whole_fraction,
+                              reader) for unit in expert_units]
+        for layer, following in zip(layers, layers[1:]):
+            if config.guess != "none":
+                layer.next = following
+            if config.guess == "router":
+                layer.router = router_guess(model, following.unit.name, plan)
+        handles = list(blocks.handles)
+        handles.append(add_hook_to_module(model, TokenCounter(counters)))
+        handles.extend(add_hook_to_module(layer.unit.module, ExpertsHook(layer)) for layer in layers)
+        return ExpertsHandle(model, plan, blocks.units + expert_units, handles, prefetcher=blocks.prefetcher,
+                             layers=layers, counters=counters, reader=reader, cache_slots=config.cache_slots)
+
+
+def router_guess(model: nn.Module, experts_name: str, plan: PolicyContext) -> Optional[Callable[[torch.Tensor], Any]]:
+    """The router beside ``experts_name`` (its MoE block's ``gate``: weight ``[E, hidden]``, ``top_k``) as a
+    guess of that block's experts from a hidden state; None where the block has no such router."""
+    parent_name, _, _ = experts_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    gate = getattr(parent, "gate", None)
+    experts = model.get_submodule(experts_name)
+    top_k = getattr(gate, "top_k", getattr(parent, "top_k", None))
+    weight = getattr(gate, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != experts.num_experts or not top_k:
+        return None
+    weight_name = f"{parent_name}.gate.weight" if parent_name else "gate.weight"
+    key = plan.offloaded.get(weight_name)
+
+    def guess(hidden: torch.Tensor) -> Any:
+        if hidden.dim() != 2 or hidden.shape[0] * top_k > experts.num_experts:
+            return None  # many tokens route to most experts: nothing worth guessing
+        w = plan.store[key] if key is not None else gate.weight
+        logits = torch.nn.functional.linear(hidden.to(device=w.device, dtype=w.dtype), w)
+        return torch.unique(torch.topk(logits, top_k, dim=-1).indices).tolist()
+
+    return guess

@@ -1,0 +1,165 @@
+"""The expert-granular policy ``experts``: only routed experts are read, outputs bit-identical to the in-memory model,
+the cache and the guesses counted; on CPU, with the stores that read in place, map or pin."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from offload_core import init_empty_weights, load_checkpoint_and_dispatch
+from offload_core.errors import ConfigError
+from offload_core.module_hooks.experts import ExpertCache, Experts, ExpertsConfig, is_fused_experts
+from offload_core.planning import compute_module_sizes
+from tests.loading.test_transformers_checkpoints import Saved
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_saved")
+    cache: dict[str, Saved] = {}
+
+    def get(name: str) -> Saved:
+        if name not in cache:
+            cache[name] = Saved(name, root)
+        return cache[name]
+
+    return get
+
+
+def _dispatch(saved: Saved, path: Path, store: str, folder: Path, **config) -> torch.nn.Module:
+    with init_empty_weights():
+        model = saved.auto.from_config(saved.config).eval()
+    total = compute_module_sizes(model)[""]
+    load_checkpoint_and_dispatch(model, path, device_map="sequential", max_memory={"cpu": total // 8}, storage=store,
+                                 policy=Experts(ExpertsConfig(**config)), offload_folder=folder,
+                                 execution_device="cpu", progress=False)
+    return model
+
+
+def _routing(model: torch.nn.Module, inputs: dict) -> dict[int, set[int]]:
+    """The experts each layer's fused experts module is routed to on ``inputs`` (the in-memory model)."""
+    routed: dict[int, set[int]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            layer = int(re.match(r".*?layers\.(\d+)\.", name).group(1))
+
+            def record(mod, args, kwargs, layer=layer):
+                routed.setdefault(layer, set()).update(torch.unique(args[1]).tolist())
+            handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    with torch.no_grad():
+        model(**inputs)
+    for handle in handles:
+        handle.remove()
+    return routed
+
+
+@pytest.mark.parametrize("name,store", [("mixtral", "safetensors"), ("qwen2_moe", "memmap"), ("mixtral", "pinned_cpu")])
+def test_experts_policy_bit_identical(saved, name, store, tmp_path):
+    moe = saved(name)
+    model = _dispatch(moe, moe.path, store, tmp_path / "off")
+    assert "disk" in set(model.hf_device_map.values())
+    with torch.no_grad():
+        got = model(**moe.inputs).logits
+    counters = model.offload_state.handle.counters()
+    model.offload_state.remove()
+    assert torch.equal(got, moe.expected), (got - moe.expected).abs().max()
+    assert counters["expert_misses"] + counters["expert_whole_reads"] > 0
+
+
+@pytest.mark.parametrize("store", ["safetensors", "memmap"])
+def test_never_routed_experts_are_never_read(saved, store, tmp_path):
+    """Per-expert tensors of the experts no token is routed to are NaN in the checkpoint: the logits are still
+    the in-memory model's, and exactly the routed experts' bytes were read."""
+    moe = saved("mixtral")
+    reference = moe.auto.from_pretrained(moe.path).eval()
+    inputs = {"input_ids": moe.inputs["input_ids"][:1, :1]}
+    routed = _routing(reference, inputs)
+    with torch.no_grad():
+        want = reference(**inputs).logits
+    poisoned = tmp_path / "ckpt"
+    poisoned.mkdir()
+    nan_rows = 0
+    for file in moe.path.iterdir():
+        if file.suffix != ".safetensors":
+            (poisoned / file.name).write_bytes(file.read_bytes())
+            continue
+        state = load_file(file)
+        for key in state:
+            found = re.match(r".*?layers\.(\d+)\..*experts\.(\d+)\.", key)
+            if found and int(found.group(2)) not in routed[int(found.group(1))]:
+                state[key] = torch.full_like(state[key], float("nan"))
+                nan_rows += 1
+        save_file(state, poisoned / file.name, metadata={"format": "pt"})
+    assert nan_rows > 0
+    model = _dispatch(moe, poisoned, store, tmp_path / "off", cache_slots=0, guess="none", whole_fraction=1.0)
+    offloaded_layers = {k for k, v in model.hf_device_map.items() if v == "disk"}
+    assert offloaded_layers
+    with torch.no_grad():
+        got = model(**inputs).logits
+    counters = model.offload_state.handle.counters()
+    model.offload_state.remove()
+    assert torch.equal(got, want)
+    assert not torch.isnan(got).any()
+    experts = [m for m in model.modules() if is_fused_experts(m)]
+    row = sum(p[0].numel() * p.element_size() for p in experts[0].parameters(recurse=False) if p.dim() == 3)
+    assert counters["expert_bytes"] == counters["expert_misses"] * row > 0
+    assert counters["expert_whole_reads"] == 0
+
+
+def test_cache_and_guess_counters_over_decode(saved, tmp_path):
+    moe = saved("mixtral")
+    reference = moe.auto.from_pretrained(moe.path).eval()
+    model = _dispatch(moe, moe.path, "safetensors", tmp_path / "off", cache_slots=4, guess="previous")
+    ids = moe.inputs["input_ids"][:1, :1]
+    with torch.no_grad():
+        for _ in range(3):  # the same token again: the same routing, served from the cache
+            assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    counters = model.offload_state.handle.counters()
+    model.offload_state.remove()
+    assert counters["expert_hits"] > 0 and counters["expert_hit_rate"] > 0.5
+    assert counters["expert_bytes_per_token"] > 0
+    assert counters["expert_cache_slots"] == 4
+
+
+def test_router_guess_reads_ahead_and_scores(saved, tmp_path):
+    moe = saved("mixtral")
+    reference = moe.auto.from_pretrained(moe.path).eval()
+    model = _dispatch(moe, moe.path, "memmap", tmp_path / "off", cache_slots=0, guess="router")
+    ids = moe.inputs["input_ids"][:1, :1]
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    counters = model.offload_state.handle.counters()
+    model.offload_state.remove()
+    assert torch.equal(got, reference(input_ids=ids).logits)
+    assert 0.0 <= counters["expert_guess_accuracy"] <= 1.0
+    assert counters["expert_guess_hits"] + counters["expert_misses"] > 0
+
+
+def test_cache_keeps_the_frequent_expert():
+    cache = ExpertCache(1)
+    for expert in (3, 3, 5):
+        cache.request([expert])
+        if cache.get(expert) is None:
+            cache.admit(expert, {"w": expert})
+    assert cache.get(3) == {"w": 3} and cache.get(5) is None
+
+
+@pytest.mark.parametrize("bad", [{"cache_slots": -1}, {"guess": "oracle"}, {"whole_fraction": 0.0}])
+def test_bad_settings_are_config_errors(bad):
+    with pytest.raises(ConfigError):
+        Experts(ExpertsConfig(**bad))
+
+
+def test_a_full_cache_hands_back_the_evicted_rows_for_reuse():
+    cache = ExpertCache(1)
+    cache.request([1])
+    cache.admit(1, {"w": "memory of 1"})
+    cache.request([2])
+    assert cache.wants(2)
+    assert cache.spare() == {"w": "memory of 1"} and cache.get(1) is None
+    assert cache.admit(2, {"w": "memory of 1"}) and cache.get(2) == {"w": "memory of 1"}
