@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,8 @@ from offload_core.values import format_size, is_offloaded
 class Plan:
     """Where every weight goes and what that costs: the checked device map, its per-device summary, the
     bytes held back per device for units in flight (``reserve``) and from the cpu budget (``headroom``),
-    the largest no-split block and the bytes predicted to move per generated token."""
+    the largest no-split block, the bytes predicted to move per generated token and the page-cache plan
+    (:func:`offload_core.runner.keep.page_cache_plan`: kept and streamed bytes)."""
 
     device_map: dict[str, int | str]
     summary: dict[str, Any]
@@ -29,11 +30,13 @@ class Plan:
     headroom: int
     largest_block: int
     predicted_bytes_per_token: int
+    page_cache: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
         return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
-                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token}
+                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
+                "page_cache": self.page_cache}
 
 
 def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,
@@ -49,6 +52,7 @@ def reservation(policy: Policy, storage: Storage, execution_device: torch.device
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
     """The device map (a user's file, else the policy's own, else the placement's) and the figures around it."""
     from offload_core.planning import PlacementRequest, check_device_map, largest_block_size, normalize_device_map, summarize_device_map
+    from offload_core.runner.keep import page_cache_plan
     from offload_core.runner.report import predicted_bytes_per_token
     from offload_core.storage.base import converts
 
@@ -69,7 +73,9 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     headroom = settings.headroom if device.type == "cpu" else 0
     check_disk_budget(summary, settings.max_memory, block, headroom)
     predicted = predicted_bytes_per_token(model, device_map, strategies.policy, device, dtype, no_split)
-    return Plan(device_map, summary, reserve, settings.headroom, block, predicted)
+    page_cache = page_cache_plan(getattr(settings.cfg, "page_cache", "auto"), summary, device,
+                                 strategies.policy.keeps_page_cache)
+    return Plan(device_map, summary, reserve, settings.headroom, block, predicted, page_cache)
 
 
 def read_device_map(path: str) -> dict:
@@ -108,11 +114,14 @@ def check_disk_budget(summary: dict, max_memory: dict, largest_block: int, headr
 
 def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
     """Print the chosen strategies and the plan (with the device map's keys in a plan-only run)."""
+    from offload_core.runner.keep import page_cache_text
     from offload_core.runner.report import plan_text
 
     print(strategies)
     print(plan_text(plan.summary, plan.as_dict(), plan.predicted_bytes_per_token,
                     plan.device_map if settings.cfg.plan_only else None))
+    if plan.page_cache.get("offloaded_bytes"):
+        print(page_cache_text(plan.page_cache))
     warn_if_fits(plan.summary, settings.execution_device)
 
 

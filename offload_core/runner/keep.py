@@ -1,0 +1,96 @@
+"""The run's page-cache plan (kept and streamed offloaded bytes, predicted disk reads per token) and its honest
+accounting: bytes this process read from disk while generating, and the bandwidth achieved."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psutil
+
+from offload_core.errors import ConfigError
+from offload_core.storage.residency import Residency, available_memory, page_cache_budget
+from offload_core.values import format_size, is_offloaded, parse_size
+
+
+def page_cache_setting(value: Any) -> int | None | str:
+    """``page_cache`` as the run uses it: None (auto), a size in bytes, or ``"lru"`` (no kept set)."""
+    text = str(value).strip().lower() if value is not None else "auto"
+    if text in ("auto", "", "none"):
+        return None
+    if text == "lru":
+        return "lru"
+    try:
+        return parse_size(value, what="page_cache")
+    except ConfigError:
+        raise ConfigError(f"page_cache={value!r} is not auto, lru or a size: give e.g. page_cache=8GiB "
+                          "(0 streams every offloaded block)") from None
+
+
+def offloaded_bytes(summary: dict, execution_device: Any) -> int:
+    """Bytes of the model the plan offloads (read from the store while generating)."""
+    return sum(info["bytes"] for dev, info in summary["devices"].items() if is_offloaded(dev, execution_device))
+
+
+def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps: bool,
+                    available=available_memory) -> dict[str, Any]:
+    """The plan's kept and streamed bytes and the bytes predicted to be read from disk per token.
+
+    ``keeps``: the policy honours a kept set. Without one (``page_cache=lru`` or a policy that does not
+    keep one) nothing is predicted: the kernel's page cache decides what stays.
+    """
+    setting = page_cache_setting(page_cache)
+    offloaded = offloaded_bytes(summary, execution_device)
+    if setting == "lru" or not keeps or offloaded == 0:
+        return {"page_cache": "lru", "offloaded_bytes": offloaded}
+    budget = page_cache_budget(setting, available)
+    kept = min(budget, offloaded)
+    return {"page_cache": "auto" if setting is None else setting, "page_cache_budget": budget, "offloaded_bytes": offloaded,
+            "kept_bytes": kept, "streamed_bytes": offloaded - kept, "predicted_disk_bytes_per_token": offloaded - kept}
+
+
+def page_cache_text(plan: dict[str, Any]) -> str:
+    """The page-cache plan as printed with the rest of the plan."""
+    if plan.get("page_cache") == "lru":
+        return "page cache: no kept set (the kernel's cache decides what stays between tokens)"
+    return (f"page cache: kept set {format_size(plan['kept_bytes'])} of {format_size(plan['offloaded_bytes'])} offloaded "
+            f"(budget {format_size(plan['page_cache_budget'])}), streamed {format_size(plan['streamed_bytes'])}; "
+            f"predicted disk reads per generated token: {format_size(plan['predicted_disk_bytes_per_token'])}")
+
+
+def make_residency(plan: dict[str, Any], available=available_memory) -> Residency | None:
+    """The kept/streamed split the policy applies (None where the plan keeps no set)."""
+    if "page_cache_budget" not in plan:
+        return None
+    return Residency(plan["page_cache_budget"], available=available)
+
+
+def read_bytes() -> int | None:
+    """Bytes this process has caused to be read from storage (``/proc/self/io`` read_bytes); None where unknown."""
+    try:
+        return int(psutil.Process().io_counters().read_bytes)
+    except (AttributeError, psutil.Error, OSError):
+        return None
+
+
+class DiskReads:
+    """Measures the bytes read from disk while a block of code runs, and the time it took."""
+
+    def __enter__(self) -> "DiskReads":
+        self.start_bytes, self.started = read_bytes(), time.perf_counter()
+        self.bytes: int | None = None
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = read_bytes()
+        self.seconds = time.perf_counter() - self.started
+        if end is not None and self.start_bytes is not None:
+            self.bytes = end - self.start_bytes
+
+    def figures(self, forwards: int) -> dict[str, Any]:
+        """Disk bytes per forward pass (one per generated token) and the achieved read bandwidth."""
+        if self.bytes is None:
+            return {}
+        return {"disk_read_bytes_per_token": self.bytes / max(forwards, 1),
+                "read_bandwidth_bytes_per_s": self.bytes / self.seconds if self.seconds > 0 else 0.0}
