@@ -32,18 +32,19 @@ def offloaded_bytes(summary: dict, execution_device: Any) -> int:
     return sum(info["bytes"] for dev, info in summary["devices"].items() if is_offloaded(dev, execution_device))
 
 
-def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps: bool,
+def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps: bool, anon_budget: int = 0,
                     available=available_memory) -> dict[str, Any]:
     """The plan's kept and streamed bytes and the bytes predicted to be read from disk per token.
 
     ``keeps``: the policy honours a kept set. Without one (``page_cache=lru`` or a policy that does not
-    keep one) nothing is predicted: the kernel's page cache decides what stays.
+    keep one) nothing is predicted: the kernel's page cache decides what stays. ``anon_budget``: memory
+    the run will still take once loaded (its cpu budget), left out of an ``auto`` page cache.
     """
     setting = page_cache_setting(page_cache)
     offloaded = offloaded_bytes(summary, execution_device)
     if setting == "lru" or not keeps or offloaded == 0:
         return {"page_cache": "lru", "offloaded_bytes": offloaded}
-    budget = page_cache_budget(setting, available)
+    budget = page_cache_budget(setting, lambda: available() - anon_budget)
     kept = min(budget, offloaded)
     return {"page_cache": "auto" if setting is None else setting, "page_cache_budget": budget, "offloaded_bytes": offloaded,
             "kept_bytes": kept, "streamed_bytes": offloaded - kept, "predicted_disk_bytes_per_token": offloaded - kept}

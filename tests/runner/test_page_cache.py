@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
@@ -14,6 +15,7 @@ from offload_core.runner.settings import register_configs
 
 from tests import ROOT
 
+CPU = torch.device("cpu")
 SUMMARY = {"devices": {"cpu": {"bytes": 100}, "disk": {"bytes": 1000}}}
 
 
@@ -31,17 +33,17 @@ def test_page_cache_setting_reads_auto_lru_and_sizes():
 
 
 def test_the_plan_predicts_disk_reads_from_the_kept_set():
-    plan = page_cache_plan("400", SUMMARY, "cpu", keeps=True)
+    plan = page_cache_plan("400", SUMMARY, CPU, keeps=True)
     assert plan["kept_bytes"] == 400 and plan["streamed_bytes"] == 600 and plan["predicted_disk_bytes_per_token"] == 600
-    auto = page_cache_plan("auto", SUMMARY, "cpu", keeps=True, available=lambda: (1 << 30) + 250)
-    assert auto["kept_bytes"] == 250
-    assert page_cache_plan("400", SUMMARY, "cpu", keeps=False) == {"page_cache": "lru", "offloaded_bytes": 1000}
+    auto = page_cache_plan("auto", SUMMARY, CPU, keeps=True, anon_budget=50, available=lambda: (1 << 30) + 300)
+    assert auto["kept_bytes"] == 250  # available less the 1 GiB margin less the run's own budget
+    assert page_cache_plan("400", SUMMARY, CPU, keeps=False) == {"page_cache": "lru", "offloaded_bytes": 1000}
 
 
 @pytest.mark.slow  # a whole run
 def test_a_run_with_page_cache_zero_streams_every_block_and_reports_disk_reads(tmp_path, capsys):
     cfg = _cfg(["model=synthetic", "storage=memmap", "hook=prefetch", f"offload_folder={tmp_path / 'off'}",
-                "max_memory.cpu=2MiB", "headroom=0", "max_new_tokens=3", "page_cache=0", "progress=false"])
+                "max_memory.cpu=1MiB", "headroom=0", "max_new_tokens=3", "page_cache=0", "progress=false"])
     result = run(cfg, output_dir=tmp_path)
     assert "page cache: kept set 0 B" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "metrics.json").read_text())
