@@ -62,7 +62,9 @@ def summary_row(run: dict, bandwidth: float, budget_bytes: int) -> dict:
     return {"store": run["store"], "page_cache": run["page_cache"], "s_per_token": s_per_token, "bound_s": bound,
             "within_bound": s_per_token <= bound, "kept_bytes": kept, "offloaded_bytes": m["offloaded_bytes"],
             "disk_read_bytes_per_token": m.get("disk_read_bytes_per_token"),
+            "disk_read_bytes_first_token": m.get("disk_read_bytes_first_token"),
             "kept_served_bytes_per_token": counters.get("kept_served_bytes", 0) / max(m["generated_tokens"], 1),
+            "time_to_first_token_s": m["time_to_first_token_s"], "load_s": m["load_s"],
             "read_bandwidth_bytes_per_s": m.get("read_bandwidth_bytes_per_s"), "wait_s_per_token": counters.get("wait_s_per_token"),
             "kept_shrinks": counters.get("kept_shrinks", 0), "peak_anon_rss_bytes": m["peak_anon_rss_bytes"],
             "anon_within_budget": m["peak_anon_rss_bytes"] <= budget_bytes, "swap_used_delta": run["swap_used_delta"],
@@ -74,13 +76,15 @@ def write_report(path: Path, args: argparse.Namespace, bandwidth: tuple, rows: l
              "", f"Reproduce: `flock /tmp/bench.lock python bench/keep.py {' '.join(sys.argv[1:])}`", "",
              f"Disk sequential read, cache dropped first: {bandwidth[1] / GB:.2f} GB in {bandwidth[2]:.1f} s = "
              f"{bandwidth[0] / GB:.2f} GB/s.", "",
-             "| store | page_cache | s/token | bound s (1.25 × streamed ÷ bw) | within | kept GB | disk read GB/token | "
-             "kept served GB/token | read GB/s | waited s/token | peak anon GB | swap Δ | tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| store | page_cache | load s | first token s | s/token after it | bound s (1.25 × streamed ÷ bw) | within | kept GB | "
+             "disk read GB first token | disk read GB/token after it | kept served GB/token | read GB/s | waited s/token | "
+             "peak anon GB | swap Δ | tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         disk = r["disk_read_bytes_per_token"]
-        lines.append(f"| {r['store']} | {r['page_cache']} | {r['s_per_token']:.2f} | {r['bound_s']:.2f} | {r['within_bound']} | "
-                     f"{r['kept_bytes'] / GB:.2f} | {(disk or 0) / GB:.2f} | {r['kept_served_bytes_per_token'] / GB:.2f} | "
+        lines.append(f"| {r['store']} | {r['page_cache']} | {r['load_s']:.1f} | {r['time_to_first_token_s']:.1f} | "
+                     f"{r['s_per_token']:.2f} | {r['bound_s']:.2f} | {r['within_bound']} | {r['kept_bytes'] / GB:.2f} | "
+                     f"{(r['disk_read_bytes_first_token'] or 0) / GB:.2f} | {(disk or 0) / GB:.2f} | {r['kept_served_bytes_per_token'] / GB:.2f} | "
                      f"{(r['read_bandwidth_bytes_per_s'] or 0) / GB:.2f} | {r['wait_s_per_token'] or 0:.2f} | "
                      f"{r['peak_anon_rss_bytes'] / GB:.2f} | {r['swap_used_delta']} | {r['token_ids']} |")
     path.write_text("\n".join(lines) + "\n")

@@ -78,10 +78,10 @@ def generate_offloaded(settings: Settings, strategies: Strategies, run_model: Ru
         state.stats.reset()
         if settings.execution_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        with DiskReads() as reads:
+        with DiskReads(run_model.model) as reads:
             tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device)
         figures = generation_figures(state, tokens, timer, load_s, strategies.names["hook"])
-        return tokens, {**figures, **reads.figures(len(tokens))}
+        return tokens, {**figures, **reads.figures()}
 
 
 def decode(run_model: RunModel, tokens: list[int]) -> str:

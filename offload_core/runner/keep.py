@@ -75,23 +75,36 @@ def read_bytes() -> int | None:
 
 
 class DiskReads:
-    """Measures the bytes read from disk while a block of code runs, and the time it took."""
+    """Measures the bytes read from disk while a model generates: sampled as each forward pass (one per
+    generated token) starts, so the first token, which reads the kept set in, is reported apart from
+    the steady state."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.marks: list[tuple[int, float]] = []
+
+    def _mark(self, *_: Any) -> None:
+        now = read_bytes()
+        if now is not None:
+            self.marks.append((now, time.perf_counter()))
 
     def __enter__(self) -> "DiskReads":
-        self.start_bytes, self.started = read_bytes(), time.perf_counter()
-        self.bytes: int | None = None
-        self.seconds = 0.0
+        self._hook = self.model.register_forward_pre_hook(self._mark)
+        self._mark()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        end = read_bytes()
-        self.seconds = time.perf_counter() - self.started
-        if end is not None and self.start_bytes is not None:
-            self.bytes = end - self.start_bytes
+        self._hook.remove()
+        self._mark()
 
-    def figures(self, forwards: int) -> dict[str, Any]:
-        """Disk bytes per forward pass (one per generated token) and the achieved read bandwidth."""
-        if self.bytes is None:
+    def figures(self) -> dict[str, Any]:
+        """Disk bytes read by the first forward, per forward after it (the steady state; the first
+        forward's when it is the only one), and the read bandwidth achieved over those forwards."""
+        forwards = len(self.marks) - 2  # marks: the start, one as each forward starts, the end
+        if forwards < 1:  # read_bytes unknown here, or no forward ran
             return {}
-        return {"disk_read_bytes_per_token": self.bytes / max(forwards, 1),
-                "read_bandwidth_bytes_per_s": self.bytes / self.seconds if self.seconds > 0 else 0.0}
+        (start, _), (end, end_t) = self.marks[0], self.marks[-1]
+        first, since, since_t = (self.marks[2][0] - start, *self.marks[2]) if forwards > 1 else (end - start, *self.marks[0])
+        seconds = end_t - since_t
+        return {"disk_read_bytes_first_token": first, "disk_read_bytes_per_token": (end - since) / max(forwards - 1, 1),
+                "read_bandwidth_bytes_per_s": (end - since) / seconds if seconds > 0 else 0.0}

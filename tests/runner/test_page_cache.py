@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
 from offload_core.runner.job import run
-from offload_core.runner.keep import page_cache_plan, page_cache_setting
+from offload_core.runner.keep import DiskReads, page_cache_plan, page_cache_setting
 from offload_core.runner.settings import register_configs
 
 from tests import ROOT
@@ -51,3 +51,17 @@ def test_a_run_with_page_cache_zero_streams_every_block_and_reports_disk_reads(t
     assert metrics["prefetch"]["dropped_bytes"] > 0
     assert "disk_read_bytes_per_token" in metrics and metrics["read_bandwidth_bytes_per_s"] >= 0
     assert result.plan["page_cache"]["predicted_disk_bytes_per_token"] == result.plan["page_cache"]["offloaded_bytes"]
+
+
+def test_disk_reads_are_sampled_per_forward_and_the_first_reported_apart():
+    model = torch.nn.Linear(2, 2)
+    with DiskReads(model) as reads:
+        for _ in range(3):
+            model(torch.ones(2))
+    figures = reads.figures()
+    if not figures:
+        pytest.skip("this platform does not report the process's read_bytes")
+    assert len(reads.marks) == 5
+    assert figures["disk_read_bytes_first_token"] >= 0 and figures["disk_read_bytes_per_token"] >= 0
+    model(torch.ones(2))
+    assert len(reads.marks) == 5, "the sampling module hook was left on the model"
