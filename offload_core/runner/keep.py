@@ -9,7 +9,10 @@ from typing import Any
 import psutil
 
 from offload_core.errors import ConfigError
-from offload_core.storage.residency import Residency, available_memory, page_cache_budget
+from offload_core.storage.residency import SAFETY_MARGIN, Residency, available_memory, page_cache_budget
+
+#: streamed blocks whose pages are in memory at once: the one running, two read ahead, one being dropped
+STREAMED_AT_ONCE = 4
 from offload_core.values import format_size, is_offloaded, parse_size
 
 
@@ -33,20 +36,24 @@ def offloaded_bytes(summary: dict, execution_device: Any) -> int:
 
 
 def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps: bool, anon_budget: int = 0,
-                    available=available_memory) -> dict[str, Any]:
+                    largest_block: int = 0, available=available_memory) -> dict[str, Any]:
     """The plan's kept and streamed bytes and the bytes predicted to be read from disk per token.
 
     ``keeps``: the policy honours a kept set. Without one (``page_cache=lru`` or a policy that does not
     keep one) nothing is predicted: the kernel's page cache decides what stays. ``anon_budget``: memory
-    the run will still take once loaded (its cpu budget), left out of an ``auto`` page cache.
+    the run will still take once loaded (its cpu budget), left out of an ``auto`` page cache. The margin
+    kept free (at load and as each token starts) is :data:`SAFETY_MARGIN` plus the streamed blocks in
+    memory at once (:data:`STREAMED_AT_ONCE` of ``largest_block``).
     """
     setting = page_cache_setting(page_cache)
     offloaded = offloaded_bytes(summary, execution_device)
     if setting == "lru" or not keeps or offloaded == 0:
         return {"page_cache": "lru", "offloaded_bytes": offloaded}
-    budget = page_cache_budget(setting, lambda: available() - anon_budget)
+    margin = SAFETY_MARGIN + STREAMED_AT_ONCE * largest_block
+    budget = page_cache_budget(setting, lambda: available() - anon_budget, margin)
     kept = min(budget, offloaded)
-    return {"page_cache": "auto" if setting is None else setting, "page_cache_budget": budget, "offloaded_bytes": offloaded,
+    return {"page_cache": "auto" if setting is None else setting, "page_cache_budget": budget, "page_cache_margin": margin,
+            "offloaded_bytes": offloaded,
             "kept_bytes": kept, "streamed_bytes": offloaded - kept, "predicted_disk_bytes_per_token": offloaded - kept}
 
 
@@ -63,7 +70,7 @@ def make_residency(plan: dict[str, Any], available=available_memory) -> Residenc
     """The kept/streamed split the policy applies (None where the plan keeps no set)."""
     if "page_cache_budget" not in plan:
         return None
-    return Residency(plan["page_cache_budget"], available=available)
+    return Residency(plan["page_cache_budget"], available=available, margin=plan["page_cache_margin"])
 
 
 def read_bytes() -> int | None:

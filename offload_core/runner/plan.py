@@ -74,7 +74,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     check_disk_budget(summary, settings.max_memory, block, headroom)
     predicted = predicted_bytes_per_token(model, device_map, strategies.policy, device, dtype, no_split)
     page_cache = page_cache_plan(getattr(settings.cfg, "page_cache", "auto"), summary, device,
-                                 strategies.policy.keeps_page_cache, settings.max_memory.get("cpu", 0))
+                                 strategies.policy.keeps_page_cache, settings.max_memory.get("cpu", 0), block)
     return Plan(device_map, summary, reserve, settings.headroom, block, predicted, page_cache)
 
 

@@ -35,8 +35,9 @@ def test_page_cache_setting_reads_auto_lru_and_sizes():
 def test_the_plan_predicts_disk_reads_from_the_kept_set():
     plan = page_cache_plan("400", SUMMARY, CPU, keeps=True)
     assert plan["kept_bytes"] == 400 and plan["streamed_bytes"] == 600 and plan["predicted_disk_bytes_per_token"] == 600
-    auto = page_cache_plan("auto", SUMMARY, CPU, keeps=True, anon_budget=50, available=lambda: (1 << 30) + 300)
-    assert auto["kept_bytes"] == 250  # available less the 1 GiB margin less the run's own budget
+    auto = page_cache_plan("auto", SUMMARY, CPU, keeps=True, anon_budget=50, largest_block=10,
+                           available=lambda: (1 << 30) + 300)
+    assert auto["kept_bytes"] == 210  # available less the run's budget, the 1 GiB margin and 4 streamed blocks
     assert page_cache_plan("400", SUMMARY, CPU, keeps=False) == {"page_cache": "lru", "offloaded_bytes": 1000}
 
 
