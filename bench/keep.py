@@ -1,7 +1,7 @@
 """Kept set against the kernel's LRU on a model larger than the page cache: fresh ``run.py`` processes per configuration,
 the disk's sequential bandwidth measured in the same session, figures written to bench/results/keep-<preset>.{json,md}.
 
-    flock /tmp/bench.lock python bench/keep.py --preset 30b --budget 4GB --stores safetensors
+    OFFLOAD_CORE_CACHE=/tmp/bigcache flock /tmp/bench.lock python bench/keep.py --preset 30b --budget 4GB --stores safetensors
     flock /tmp/bench.lock python bench/keep.py --preset 1.1b --budget 700MB --stores safetensors memmap --half
 """
 
@@ -72,8 +72,9 @@ def summary_row(run: dict, bandwidth: float, budget_bytes: int) -> dict:
 
 
 def write_report(path: Path, args: argparse.Namespace, bandwidth: tuple, rows: list[dict]) -> None:
+    cache = f"OFFLOAD_CORE_CACHE={os.environ['OFFLOAD_CORE_CACHE']} " if os.environ.get("OFFLOAD_CORE_CACHE") else ""
     lines = [f"# Kept set against the kernel's LRU: `{args.preset}`, max_memory.cpu={args.budget}, {args.tokens} tokens, hook=prefetch",
-             "", f"Reproduce: `flock /tmp/bench.lock python bench/keep.py {' '.join(sys.argv[1:])}`", "",
+             "", f"Reproduce: `{cache}flock /tmp/bench.lock python bench/keep.py {' '.join(sys.argv[1:])}`", "",
              f"Disk sequential read, cache dropped first: {bandwidth[1] / GB:.2f} GB in {bandwidth[2]:.1f} s = "
              f"{bandwidth[0] / GB:.2f} GB/s.", "",
              "| store | page_cache | load s | first token s | s/token after it | bound s (1.25 × streamed ÷ bw) | within | kept GB | "
@@ -99,6 +100,8 @@ def main() -> None:
     parser.add_argument("--stores", nargs="+", default=["safetensors"])
     parser.add_argument("--tokens", type=int, default=3)
     parser.add_argument("--half", action="store_true", help="kept set: page_cache = half the offloaded bytes (else auto)")
+    parser.add_argument("--page-caches", nargs="+", default=["lru", "kept"],
+                        help="lru: today's behaviour (the kernel's cache); kept: the kept set (auto, or half with --half); or sizes")
     parser.add_argument("--bandwidth-bytes", type=float, default=6e9, help="bytes of the checkpoint read to time the disk")
     args = parser.parse_args()
     results = REPO / "bench" / "results"
@@ -115,13 +118,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="keep-bench-") as scratch:
         for store in args.stores:
             folder = Path(scratch) / "offload" if store == "memmap" else None
-            today = one_run(args.preset, store, args.budget, "lru", args.tokens, Path(scratch) / f"{store}-lru", folder)
-            kept = str(today["metrics"]["offloaded_bytes"] // 2) if args.half else "auto"
-            ours = one_run(args.preset, store, args.budget, kept, args.tokens, Path(scratch) / f"{store}-kept", folder)
-            for run in (today, ours):
+            offloaded = None
+            for mode in args.page_caches:
+                page_cache = mode
+                if mode == "kept":
+                    page_cache = str(offloaded // 2) if args.half and offloaded else "auto"
+                run = one_run(args.preset, store, args.budget, page_cache, args.tokens, Path(scratch) / f"{store}-{mode}", folder)
+                offloaded = run["metrics"]["offloaded_bytes"]
                 rows.append(summary_row(run, bandwidth[0], parse_size(args.budget)))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "token_ids"}), flush=True)
-    stem = f"keep-{args.preset}"
+    stem = f"keep-{args.preset}" + ("" if args.page_caches == ["lru", "kept"] else "-" + "-".join(args.page_caches))
     (results / f"{stem}.json").write_text(json.dumps({"args": vars(args), "bandwidth": bandwidth, "rows": rows}, indent=1))
     write_report(results / f"{stem}.md", args, bandwidth, rows)
     print(f"wrote {results / stem}.md")
