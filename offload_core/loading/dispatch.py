@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from offload_core.errors import CheckpointError
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
+from offload_core.storage.residency import Residency
 from offload_core.loading.routes import TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor
 
 log = logging.getLogger(__name__)
@@ -205,10 +206,11 @@ def _encoder_io_hook(model: nn.Module) -> list:
 
 
 def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Store | None, policy: Any,
-            execution_device: torch.device, no_split: list[str]) -> OffloadState:
+            execution_device: torch.device, no_split: list[str], residency: Residency | None = None) -> OffloadState:
     context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
                             offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
-                            non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"))
+                            non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"),
+                            residency=residency)
     handle = policy.attach(model, context)
     state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
     model.hf_device_map = dict(device_map)
@@ -238,6 +240,7 @@ def load_checkpoint_and_dispatch(
     execution_device: torch.device | str | None = None,
     reserve: Mapping[Any, int] | None = None,
     progress: bool = True,
+    residency: Residency | None = None,
 ) -> nn.Module:
     """Load ``checkpoint`` into ``model`` (built under :func:`init_empty_weights`) and attach offloading.
 
@@ -245,7 +248,9 @@ def load_checkpoint_and_dispatch(
     ``"cpu"``, ``"disk"``), a placement name, or ``None`` (everything in RAM, run on the cpu).
     ``offload_state_dict`` needs nothing here: shards are always streamed, never held whole.
     ``preload_module_classes`` are loaded whole by their outermost module hook. Ours, keyword-only:
-    ``storage`` and ``policy`` (plugin names or built objects), ``execution_device``, ``reserve``.
+    ``storage`` and ``policy`` (plugin names or built objects), ``execution_device``, ``reserve``, and
+    ``residency`` (:class:`offload_core.storage.residency.Residency`: the offloaded blocks kept in the page
+    cache across tokens; the others are streamed and dropped after use by policies that stream blocks).
     The model gets ``hf_device_map`` and ``offload_state`` (see :class:`OffloadState`).
     """
     from offload_core.loading.allocator import return_freed_memory_to_os
@@ -286,7 +291,7 @@ def load_checkpoint_and_dispatch(
         raise
     move_leftover_buffers(model, device_map, execution_device)
     _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
-            [*no_split, *(preload_module_classes or [])])
+            [*no_split, *(preload_module_classes or [])], residency)
     return model
 
 
@@ -308,6 +313,7 @@ def dispatch_model(
     policy: str | Any = "align_per_call",
     offload_folder: str | Path | None = None,
     execution_device: torch.device | str | None = None,
+    residency: Residency | None = None,
 ) -> nn.Module:
     """Dispatch an in-memory ``model`` (accelerate's signature): offloaded tensors move into the store (the
     model then holds meta placeholders for them), resident ones to their devices, and the policy's module
@@ -317,7 +323,7 @@ def dispatch_model(
     values come from ``offload_index`` (an accelerate offload folder ``offload_dir``), else ``state_dict``,
     else the model. ``offload_dir`` makes the default store write a real offload folder there. Module
     hooks are always attached (``force_hooks`` is what we always do). Ours, keyword-only: ``max_memory``
-    and ``no_split_module_classes`` (for a placement name), ``storage`` and ``policy``, and the names
+    and ``no_split_module_classes`` (for a placement name), ``storage``, ``policy``, ``residency``, and the names
     :func:`load_checkpoint_and_dispatch` uses for ``offload_dir`` and ``main_device``.
     """
     from offload_core.loading.offload_index import load_offloaded_tensor, read_offload_index
@@ -358,6 +364,6 @@ def dispatch_model(
     retie(model, routes)
     move_leftover_buffers(model, device_map, execution_device)
     _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
-            [*no_split, *(preload_module_classes or [])])
+            [*no_split, *(preload_module_classes or [])], residency)
     return model
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from offload_core.module_hooks.units import TransferStats, Unit, as_param
 from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.storage.residency import Residency
 from offload_core.strategy import StrategyBase
 
 
@@ -22,7 +23,8 @@ class PolicyContext:
     ``offloaded`` maps every offloaded tensor name (tied aliases included) to its key in ``store``.
     ``device_map`` is the checked map; ``execution_device`` runs everything not resident on a GPU.
     ``non_blocking``: copies from the store to the execution device may be asynchronous (the store's
-    memory is page-locked and the run executes on a GPU).
+    memory is page-locked and the run executes on a GPU). ``residency``: which offloaded blocks stay in
+    the page cache across tokens and which are streamed (policies that stream blocks honour it).
     """
 
     device_map: dict[str, int | str]
@@ -32,6 +34,7 @@ class PolicyContext:
     no_split_module_classes: list[str] = field(default_factory=list)
     stats: TransferStats = field(default_factory=TransferStats)
     non_blocking: bool = False
+    residency: Residency | None = None
 
 
 class PolicyHandle:
@@ -86,6 +89,9 @@ class Policy(StrategyBase):
     granularity: str = "block"
     #: buffers are offloaded with the parameters (otherwise they stay on the execution device)
     offload_buffers: bool = False
+    #: the policy honours ``PolicyContext.residency``: it keeps the kept set cached across tokens and
+    #: drops each streamed block's pages once the block has run
+    keeps_page_cache: bool = False
 
     @abstractmethod
     def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:

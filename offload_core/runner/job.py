@@ -71,12 +71,14 @@ def dispatched(settings: Settings, strategies: Strategies, run_model: RunModel, 
     """Load ``checkpoint`` into the model as ``plan`` places it, with the run's storage and policy; yields
     the model's ``offload_state`` and, however the block ends, drops every loaded unit and closes the store."""
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.runner.keep import make_residency
 
     cfg = settings.cfg
     load_checkpoint_and_dispatch(run_model.model, checkpoint, plan.device_map, no_split_module_classes=run_model.no_split,
                                  storage=strategies.storage, policy=strategies.policy, offload_folder=cfg.offload_folder,
                                  dtype=run_model.dtype, execution_device=settings.execution_device, progress=cfg.progress,
-                                 offload_buffers=strategies.policy.offload_buffers)
+                                 offload_buffers=strategies.policy.offload_buffers,
+                                 residency=make_residency(plan.page_cache))
     with run_model.model.offload_state as state:
         yield state
 
@@ -84,14 +86,18 @@ def dispatched(settings: Settings, strategies: Strategies, run_model: RunModel, 
 def generate_offloaded(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any, plan: Plan,
                        input_ids: torch.Tensor) -> tuple[list[int], dict[str, Any]]:
     """Dispatch, generate from ``input_ids`` and measure: the new token ids and the run's figures."""
+    from offload_core.runner.keep import DiskReads
+
     started = time.perf_counter()
     with dispatched(settings, strategies, run_model, checkpoint, plan) as state:
         load_s = time.perf_counter() - started
         state.stats.reset()
         if settings.execution_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device)
-        return tokens, generation_figures(state, tokens, timer, load_s, strategies.names["hook"])
+        with DiskReads(run_model.model) as reads:
+            tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device)
+        figures = generation_figures(state, tokens, timer, load_s, strategies.names["hook"])
+        return tokens, {**figures, **reads.figures()}
 
 
 def decode(run_model: RunModel, tokens: list[int]) -> str:

@@ -20,8 +20,9 @@ from offload_core.values import format_size, is_offloaded
 class Plan:
     """Where every weight goes and what that costs: the checked device map, its per-device summary, the
     bytes held back per device for units in flight (``reserve``) and from the cpu budget (``headroom``),
-    the largest no-split block, the bytes predicted to move per generated token, and what converting the
-    checkpoint's names to the model's costs (``conversion``: the report's lines)."""
+    the largest no-split block, the bytes predicted to move per generated token, what converting the
+    checkpoint's names to the model's costs (``conversion``: the report's lines) and the page-cache plan
+    (:func:`offload_core.runner.keep.page_cache_plan`: kept and streamed bytes)."""
 
     device_map: dict[str, int | str]
     summary: dict[str, Any]
@@ -30,18 +31,20 @@ class Plan:
     largest_block: int
     predicted_bytes_per_token: int
     conversion: list[str] = field(default_factory=list)
+    page_cache: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
         return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
                 "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
-                "conversion": list(self.conversion)}
+                "conversion": list(self.conversion), "page_cache": self.page_cache}
 
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
     """The device map (a user's file, else the policy's own, else the placement's) and the figures around it."""
     from offload_core.planning import PlacementRequest, check_device_map, largest_block_size, normalize_device_map, summarize_device_map
     from offload_core.loading.conversion import key_conversion
+    from offload_core.runner.keep import page_cache_plan
     from offload_core.runner.report import predicted_bytes_per_token
 
     model, dtype, no_split, device = run_model.model, run_model.dtype, run_model.no_split, settings.execution_device
@@ -64,7 +67,9 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     if conversion.converted:
         names = sorted(conversion.converted)
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
-    return Plan(device_map, summary, reserve, settings.headroom, block, predicted, lines)
+    page_cache = page_cache_plan(settings.cfg.page_cache, summary, device,
+                                 strategies.policy.keeps_page_cache, settings.max_memory.get("cpu", 0), block)
+    return Plan(device_map, summary, reserve, settings.headroom, block, predicted, lines, page_cache)
 
 
 def read_device_map(path: str) -> dict:
@@ -103,6 +108,7 @@ def check_disk_budget(summary: dict, max_memory: dict, largest_block: int, headr
 
 def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
     """Print the chosen strategies and the plan (with the device map's keys in a plan-only run)."""
+    from offload_core.runner.keep import page_cache_text
     from offload_core.runner.report import plan_text
 
     print(strategies)
@@ -112,6 +118,8 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
         print(f"  conversion: {line}")
     for line in strategies.policy.plan_lines():
         print(line)
+    if plan.page_cache.get("offloaded_bytes"):
+        print(page_cache_text(plan.page_cache))
     warn_if_fits(plan.summary, settings.execution_device)
 
 

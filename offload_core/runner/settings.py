@@ -69,6 +69,10 @@ class RunConfig:
     compare_in_memory: bool = False
     #: print the plan (device map, bytes per device, reservation) and stop before loading anything
     plan_only: bool = False
+    #: offloaded blocks kept in the page cache across tokens (the rest are streamed and dropped after
+    #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
+    #: or lru (keep no set: the kernel's page cache decides, as before)
+    page_cache: str = "auto"
     progress: bool = True
 
 

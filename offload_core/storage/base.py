@@ -86,6 +86,11 @@ class Store(Mapping):
         populate(row)
         out.copy_(row)
 
+    def drop(self, name: str) -> bool:
+        """Drop ``name``'s bytes from memory after use (the page cache included), so that streaming it
+        never evicts what is kept. Returns False where the store cannot (the default: nothing is done)."""
+        return False
+
     def finalize(self) -> None:
         """Called once all tensors are in: make the store complete (and durable, for folders)."""
 

@@ -28,6 +28,7 @@ from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
+from offload_core.storage.pagecache import drop
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +318,9 @@ class FolderStore(Store):
 
     def file_of(self, name: str) -> Path:
         return _safe_file_name(self.folder, name)
+
+    def drop(self, name: str) -> bool:
+        return drop(self[name], self.file_of(name), 0)
 
     def close(self) -> None:
         self.wait_until_sealed()

@@ -10,7 +10,7 @@ import torch
 
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
-from offload_core.storage.pagecache import populate
+from offload_core.storage.pagecache import drop, populate
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,13 @@ class InPlaceStore(Store):
         if name in self.converting or name in self.assembled:
             return False  # a copy is made on read: the caller fetches it ahead instead
         return populate(self[name])
+
+    def drop(self, name: str) -> bool:
+        if name in self.assembled:
+            return False
+        key = self._refs[name]
+        shard = self.checkpoint.file_of(key)
+        return drop(self._view(name), shard, self.checkpoint.safetensors_file(shard).byte_range(key)[0])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._refs)

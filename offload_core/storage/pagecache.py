@@ -1,18 +1,20 @@
-"""The page cache seen from a mapped tensor: whether its pages are in memory (``mincore``) and reading them in ahead of use (``madvise``)."""
+"""The page cache seen from a mapped tensor: whether its pages are in memory (``mincore``), reading them in ahead of use and dropping them after (``madvise``, ``posix_fadvise``)."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import mmap
+import os
 import sys
 from functools import lru_cache
 
 import torch
 
-__all__ = ["libc", "populate", "resident"]
+__all__ = ["drop", "libc", "populate", "resident"]
 
 _MADV_WILLNEED = 3
+_MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14+: read the pages in (from disk if needed) and map them, no copy
 
 
@@ -82,3 +84,27 @@ def populate(tensor: torch.Tensor) -> bool:
     if lib.madvise(start, length, _MADV_POPULATE_READ) == 0:
         return True
     return lib.madvise(start, length, _MADV_WILLNEED) == 0
+
+
+def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> bool:
+    """Let go of a mapped tensor's pages: unmap them from this process (``MADV_DONTNEED``), then drop
+    the file's bytes ``[offset, offset + nbytes)`` from the page cache (``POSIX_FADV_DONTNEED``).
+
+    Only for tensors that are read-only views of a file mapping of ``path`` whose bytes start at
+    ``offset`` in the file: the next read faults the pages in from disk again (time, never data).
+    Returns False where this cannot be done (off Linux, an empty or non-CPU tensor, the file gone).
+    """
+    lib = libc()
+    if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu" or not hasattr(os, "posix_fadvise"):
+        return False
+    start, length = _page_span(tensor)
+    lib.madvise(start, length, _MADV_DONTNEED)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, offset, tensor.numel() * tensor.element_size(), os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True

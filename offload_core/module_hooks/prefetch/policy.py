@@ -28,10 +28,14 @@ class PrefetchHandle(PolicyHandle):
     def counters(self) -> dict[str, int | float]:
         """Blocks read ahead (``hits``) or loaded on demand (``misses``), read-ahead waited for (``late``,
         ``wait_s``), tied tensors borrowed, read-ahead read again after the page cache evicted it, and
-        recorded execution orders dropped because a unit ran out of order (``invalidations``)."""
+        recorded execution orders dropped because a unit ran out of order (``invalidations``); with a
+        kept set (``PolicyContext.residency``), its figures (:meth:`Residency.counters`)."""
         p = self.prefetcher
-        return {"hits": p.hits, "misses": p.misses, "late": p.late, "wait_s": p.waited_s, "borrowed": p.borrowed,
-                "read_again": p.reread, "invalidations": p.trace.invalidations}
+        counters = {"hits": p.hits, "misses": p.misses, "late": p.late, "wait_s": p.waited_s, "borrowed": p.borrowed,
+                    "read_again": p.reread, "invalidations": p.trace.invalidations}
+        if p.residency is not None:
+            counters.update(p.residency.counters())
+        return counters
 
     def offload_all(self) -> None:
         for index in list(self.prefetcher.held):
@@ -59,6 +63,7 @@ class Prefetch(Policy):
     """Policy: block-granular units, loaded ahead of use along the recorded execution order."""
 
     granularity = "block"
+    keeps_page_cache = True
 
     def __init__(self, config: PrefetchConfig) -> None:
         from offload_core.errors import ConfigError
@@ -84,7 +89,7 @@ class Prefetch(Policy):
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
         handles = attach_io_hooks(model, plan, True, ())
         prefetcher = self.make_prefetcher(units, plan)
-        if units and prefetcher.depth and not prefetcher.copy:
+        if units and ((prefetcher.depth and not prefetcher.copy) or prefetcher.residency is not None):
             handles.append(add_hook_to_module(model, RevalidateHook(prefetcher)))
         for index, unit in enumerate(units):
             handles.append(add_hook_to_module(unit.module, PrefetchHook(index, prefetcher, plan.execution_device)))
@@ -94,4 +99,4 @@ class Prefetch(Policy):
         """The reader that :meth:`attach` drives. A seam: a subclass may build it otherwise (tests force
         the pinned staging ring on, to run the GPU data path on a CPU)."""
         return Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
-                          copy=self.config.pool, staging_chunk=self.chunk)
+                          copy=self.config.pool, staging_chunk=self.chunk, residency=plan.residency)

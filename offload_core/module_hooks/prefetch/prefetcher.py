@@ -18,6 +18,7 @@ from offload_core.module_hooks.prefetch.trace import Trace
 from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRing, Streams, flat_bytes
 from offload_core.module_hooks.units import TransferStats, Unit
 from offload_core.storage.pagecache import resident
+from offload_core.storage.residency import Residency
 
 #: byte alignment of each tensor inside a block buffer (CUDA kernels want 256-byte aligned operands)
 ALIGN = 256
@@ -56,10 +57,12 @@ class Prefetcher:
 
     def __init__(self, units: list[Unit], store: Mapping[str, torch.Tensor], device: torch.device,
                  depth: int, stats: TransferStats, copy: bool | None = None, staging: bool | None = None,
-                 staging_chunk: int = STAGING_CHUNK) -> None:
+                 staging_chunk: int = STAGING_CHUNK, residency: Residency | None = None) -> None:
         """``copy``: copy units into the block pool even on a CPU run with a mapped store (default: only
         where needed). ``staging``: carry bytes through the pinned ring (default: on a GPU run, for a
-        store that is not pinned); forced on, it runs the GPU data path on a CPU."""
+        store that is not pinned); forced on, it runs the GPU data path on a CPU. ``residency``: the
+        units it streams have their pages dropped from the page cache once they have run; the ones it
+        keeps stay cached across tokens."""
         self.units = units
         self.store = store
         self.device = device
@@ -84,6 +87,9 @@ class Prefetcher:
         self._layouts: dict[str, tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]] = {}
         self._nesting = _max_nesting(units)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-prefetch") if self.depth else None
+        self.residency = residency
+        if residency is not None:
+            residency.assign([(unit.name, self.unit_bytes(unit)) for unit in units])
 
     # -- the block pool ---------------------------------------------------------------------------
     @property
@@ -224,10 +230,30 @@ class Prefetcher:
         (memory pressure; a benchmark dropping the cache). Read in again now, they arrive while the
         resident layers run, instead of by page faults on the compute thread when their unit runs.
         """
+        if self.residency is not None:
+            self._shrink_kept_set()
         for index, (future, dropped, fetched) in list(self.pending.items()):
             if future.done() and not future.cancelled() and future.exception() is None and self._evicted(fetched):
                 self.pending[index] = (self._pool.submit(self._read_again, fetched), dropped, fetched)
                 self.reread += 1
+
+    # -- the kept set and the streamed set --------------------------------------------------------
+    def _shrink_kept_set(self) -> None:
+        """Under memory pressure, blocks leave the kept set: their pages go now unless they are in use."""
+        moved = set(self.residency.check())
+        busy = set(self.pending) | set(self.held)
+        for index, unit in enumerate(self.units):
+            if unit.name in moved and index not in busy:
+                self._drop_pages(unit)
+
+    def _drop_pages(self, unit: Unit) -> None:
+        drop = getattr(self.store, "drop", None)
+        if drop is None:
+            return
+        for key in unit.keys:
+            if drop(key):
+                shape, dtype = tensor_spec(self.store, key)
+                self.residency.dropped += _nbytes(shape, dtype)
 
     def _drop(self, fetched: Fetched, event: Any = None) -> None:
         for index in fetched.buffers:
@@ -290,6 +316,8 @@ class Prefetcher:
                 self._drop_pending(stale)
             fetched = self._fetch(index)
         self.accel.compute_waits(fetched.event)
+        if self.residency is not None and self.residency.is_kept(unit.name):
+            self.residency.kept_served += self.unit_bytes(unit)
         self.held[index] = fetched
         unit.load(self.store, self.device, None, fetched=fetched.tensors)
         self.stats.add_moved(len(unit.keys), fetched.moved)
@@ -305,10 +333,13 @@ class Prefetcher:
         return list(range(index + 1, min(index + 1 + self.depth, len(self.units))))
 
     def release(self, index: int) -> None:
-        self.units[index].release()
+        unit = self.units[index]
+        unit.release()
         fetched = self.held.pop(index, None)
         if fetched is not None and fetched.buffers:
             self._drop(fetched, self.accel.record_on_compute())
+        if fetched is not None and self.residency is not None and not self.residency.is_kept(unit.name):
+            self._drop_pages(unit)
 
     def close(self) -> None:
         for index in list(self.pending):
