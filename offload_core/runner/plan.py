@@ -48,6 +48,7 @@ def reservation(policy: Policy, storage: Storage, execution_device: torch.device
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
     """The device map (a user's file, else the policy's own, else the placement's) and the figures around it."""
+    from offload_core.runner.validate import check_device_map_devices, check_module_classes
     from offload_core.planning import PlacementRequest, check_device_map, largest_block_size, normalize_device_map, summarize_device_map
     from offload_core.runner.report import predicted_bytes_per_token
     from offload_core.storage.base import converts
@@ -58,7 +59,10 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     module_bytes = largest_block_size(model, [], dtype=dtype)
     reserve = reservation(strategies.policy, strategies.storage, device, block, module_bytes, stored_differs)
     path = settings.cfg.device_map
+    check_module_classes(model, settings.model.get("no_split_module_classes"))
     device_map = read_device_map(path) if path else strategies.policy.own_device_map(model, device)
+    if path:
+        check_device_map_devices(device_map, device)
     if device_map is None:
         request = PlacementRequest(model=model, max_memory=settings.budgets, no_split_module_classes=no_split, dtype=dtype,
                                    special_dtypes=None, reserve=reserve)

@@ -102,7 +102,7 @@ def test_hydra_reports_unknown_options_keys_and_wrong_types(args, expected, tmp_
     (["dtype=float8"], ["dtype='float8' is unknown", "bfloat16"]),
     (["hook=functional_call", "hook.cpu_offload=half"], ["hook.cpu_offload='half' is not a size"]),
     (["model.preset=huge"], ["synthetic preset 'huge' is unknown", "tiny"]),
-    (["max_memory.cpu=100KiB", "max_memory.disk=0"],
+    (["max_memory.cpu=100KiB", "max_memory.disk=0", "headroom=0"],
      ["does not fit in max_memory.cpu=100.00 KiB", "largest unsplittable layer", "more bytes are needed",
       "set max_memory.cpu to at least", "allow disk"]),
 ])
