@@ -118,6 +118,7 @@ class FolderStore(Store):
         if problem is None:
             self._index = self._read_index()
             self.reused = True
+            self._lock.reading()
             self._lock.end_build()
             log.info("memmap: reusing complete offload folder %s (%s)", folder,
                      "contents verified" if self.verify else "contents not verified: verify=false")
@@ -137,7 +138,7 @@ class FolderStore(Store):
                                "choose a writable folder with free space") from None
 
     def _refuse_foreign(self, present: set[str]) -> None:
-        others = sorted(present - {LOCK})
+        others = sorted(present - {LOCK, TAG + ".tmp"})  # what a start of ours leaves before its tag is in place
         if others and TAG not in present and not self.temporary:
             raise StorageError(
                 f"offload_folder {self.folder} holds files offload_core did not create ({', '.join(others[:3])}"
@@ -290,12 +291,14 @@ class FolderStore(Store):
         except OSError as exc:
             raise self._failed(exc, "writing its index") from None
         if self.temporary:
+            self._lock.reading()
             self._lock.end_build()
         else:
             self._sealer = threading.Thread(target=self._seal, name="offload-folder-seal", daemon=True)
             self._sealer.start()
 
     def _seal(self) -> None:
+        self._lock.reading()
         try:
             sums = {}
             for name in self._written:  # each file's checksum, read back as written, then the file flushed

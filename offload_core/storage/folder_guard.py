@@ -70,6 +70,7 @@ class _Held:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.users = 0
+        self.readers = 0  # stores of this process whose tensors come from the folder as it is now
         self.building = threading.Lock()  # held by the one store of this process inspecting or writing the folder
 
 
@@ -85,6 +86,7 @@ class FolderLock:
         self.folder = folder
         self._released = False
         self._building: threading.Lock | None = None
+        self._reading = False
         with _held_guard:
             held = _held.get(folder)
             if held is None:
@@ -104,11 +106,18 @@ class FolderLock:
         if building is not None:
             building.release()
 
+    def reading(self) -> None:
+        """This store now reads the folder's content: no other store of this process may rebuild it."""
+        with _held_guard:
+            if not self._reading:
+                self._reading = True
+                _held[self.folder].readers += 1
+
     @property
     def shared(self) -> bool:
-        """Whether another store of this process holds the folder too."""
+        """Whether another store of this process reads the folder's content."""
         with _held_guard:
-            return _held[self.folder].users > 1
+            return _held[self.folder].readers > int(self._reading)
 
     def release(self) -> None:
         """Idempotent: the flock goes with the last user in this process."""
@@ -119,6 +128,7 @@ class FolderLock:
             self._released = True
             held = _held[self.folder]
             held.users -= 1
+            held.readers -= int(self._reading)
             if held.users == 0:
                 del _held[self.folder]
                 os.close(held.fd)
