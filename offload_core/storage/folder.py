@@ -106,7 +106,7 @@ class FolderStore(Store):
             self._lock.begin_build()
             present = entries(folder)  # under the lock: what the folder holds now
             self._refuse_foreign(present)
-            problem = self._check_reusable(names)
+            problem = self._check_reusable()
             if problem is not None and self._lock.shared:
                 gc.collect()  # a dropped model of this process may still hold the folder until collected
                 if self._lock.shared:
@@ -150,8 +150,9 @@ class FolderStore(Store):
         with os.fdopen(fd, "rb") as handle:
             return json.loads(handle.read())
 
-    def _check_reusable(self, names: list[str]) -> str | None:
-        """None when the folder holds a complete, intact copy for this fingerprint; else why not."""
+    def _check_reusable(self) -> str | None:
+        """None when the folder holds a complete, intact copy for this fingerprint; else why not (the index's own
+        checksum is always checked, so an edited, dropped or added entry is never used)."""
         try:
             marker = self._read_json(COMPLETE)
         except (OSError, ValueError):
@@ -163,8 +164,8 @@ class FolderStore(Store):
         except (OSError, ValueError):
             return "verification (its index is unreadable)"
         sums = marker.get("checksums")
-        if not isinstance(index, dict) or set(index) != set(names) or not isinstance(sums, dict):
-            return "verification (its index does not name the tensors this run offloads)"
+        if not isinstance(index, dict) or not isinstance(sums, dict):
+            return "verification (its index or checksums are not JSON objects)"
         for name in index:
             _safe_file_name(self.folder, name)  # an index naming paths outside the folder: refuse, never read
         for file in [INDEX, *(_safe_file_name(self.folder, name).name for name in index)]:
