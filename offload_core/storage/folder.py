@@ -166,17 +166,21 @@ class FolderStore(Store):
         sums = marker.get("checksums")
         if not isinstance(index, dict) or not isinstance(sums, dict):
             return "verification (its index or checksums are not JSON objects)"
+        try:
+            if checksum(self.folder / INDEX) != sums.get(INDEX):
+                return "verification (index.json does not match its checksum)"
+        except (OSError, StorageError):
+            return "verification (index.json is unreadable)"
         for name in index:
-            _safe_file_name(self.folder, name)  # an index naming paths outside the folder: refuse, never read
-        for file in [INDEX, *(_safe_file_name(self.folder, name).name for name in index)]:
+            _safe_file_name(self.folder, name)  # an intact index naming paths outside the folder: refuse, never read
+        for file in [_safe_file_name(self.folder, name).name for name in index]:
             path = self.folder / file
             try:
-                if file != INDEX:
-                    info = index[file.removesuffix(".dat")]
-                    expected = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
-                    if os.lstat(path).st_size != expected:
-                        return f"verification ({file} has the wrong size)"
-                if (self.verify or file == INDEX) and checksum(path) != sums.get(file):
+                info = index[file.removesuffix(".dat")]
+                expected = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
+                if os.lstat(path).st_size != expected:
+                    return f"verification ({file} has the wrong size)"
+                if self.verify and checksum(path) != sums.get(file):
                     return f"verification ({file} does not match its checksum)"
             except (OSError, KeyError, TypeError, ValueError, StorageError):
                 return f"verification ({file} is missing or damaged)"
