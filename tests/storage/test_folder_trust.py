@@ -182,6 +182,7 @@ def _start(folder: str, barrier, results) -> None:
         results.put(f"{type(error).__name__}: {error}")
 
 
+@pytest.mark.slow
 def test_100_pairs_of_simultaneous_processes_take_turns(tmp_path):
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
@@ -198,6 +199,7 @@ def test_100_pairs_of_simultaneous_processes_take_turns(tmp_path):
     assert outcomes == ["ok"] * 200, [o for o in outcomes if o != "ok"][:3]
 
 
+@pytest.mark.slow
 def test_100_pairs_of_simultaneous_threads_take_turns(tmp_path):
     import queue
 
