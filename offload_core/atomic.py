@@ -10,9 +10,9 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 
-def fsync_path(path: str | os.PathLike | Path) -> None:
-    """Flush a file (or a folder's entries) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+def fsync_path(path: str | os.PathLike | Path, follow: bool = True) -> None:
+    """Flush a file (or a folder's entries) to the disk; with ``follow=False`` a symlink is refused (``ELOOP``)."""
+    fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
     try:
         os.fsync(fd)
     finally:
@@ -37,6 +37,11 @@ def atomic_write(target: str | os.PathLike | Path, *, folder: bool = False, sync
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     else:
         tmp = target.with_name(target.name + ".tmp")
+        # A leftover temporary (or a link planted in its place) is removed, never followed; the new one is
+        # created exclusively, so writing it can never reach a file elsewhere.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
     try:
         yield tmp
         if sync:

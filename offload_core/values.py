@@ -38,6 +38,8 @@ def parse_size(size: int | str, what: str = "size") -> int:
     if isinstance(size, float) and size.is_integer() and size >= 0:
         return int(size)
     match = _SIZE.match(str(size))
+    if match is None and str(size).strip().startswith("-") and _SIZE.match(str(size).strip()[1:]):
+        raise ConfigError(f"{what}={size!r} is negative: give a size of 0 bytes or more")
     if match is None:
         raise ConfigError(
             f"{what}={size!r} is not a size: use bytes or a number with one of "

@@ -13,6 +13,9 @@ from offload_core.storage.folder import FolderStore
 @dataclass
 class MemmapConfig:
     name: str = "memmap"
+    #: check every offloaded file against its checksum before reusing a folder (false: sizes only; a file
+    #: changed in place would then be used as it is)
+    verify: bool = True
 
 
 class MemmapStorage(Storage):
@@ -20,7 +23,7 @@ class MemmapStorage(Storage):
         self.config = config
 
     def open(self, context: StoreContext) -> FolderStore:
-        return FolderStore(context)
+        return FolderStore(context, verify=self.config.verify)
 
 
 @hookimpl

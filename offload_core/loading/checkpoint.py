@@ -9,15 +9,46 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from offload_core.errors import CheckpointError
-from offload_core.loading.safetensors_file import SAFETENSORS_DTYPES, SafetensorsFile
+from offload_core.loading.safetensors_file import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SafetensorsFile
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsFile", "Checkpoint"]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+
+
+def _header_digest(file: Path) -> str:
+    """xxh3-128 of a file's head: a safetensors file's whole header (8-byte length and JSON), else its first 64 KiB."""
+    try:
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            length = int.from_bytes(head, "little") if file.suffix == ".safetensors" and len(head) == 8 else 65536 - 8
+            head += handle.read(min(length, MAX_HEADER_BYTES))
+    except OSError as error:
+        raise CheckpointError(f"cannot read {file}: {error.strerror or error}; check the path and its permissions") from None
+    return xxhash.xxh3_128_hexdigest(head)
+
+
+def _inside(root: Path, path: Path) -> bool:
+    """Whether ``path`` (symlinks resolved) lies inside the folder ``root``."""
+    return path.resolve().is_relative_to(root.resolve()) and path.resolve() != root.resolve()
+
+
+def _is_pickle(shard: Path, error: pickle.UnpicklingError) -> bool:
+    """Whether an unpickling refusal came from a real pickle (a zip archive, or a stream opening with a pickle
+    protocol byte) rather than from bytes that are no pickle at all."""
+    try:
+        with open(shard, "rb") as handle:
+            head = handle.read(2)
+    except OSError:
+        return False
+    if head[:2] == b"PK":
+        return True
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and "Weights only load failed" in str(error)
 
 
 class Checkpoint:
@@ -87,7 +118,12 @@ class Checkpoint:
         shard_names = sorted(set(weight_map.values()))
         files = []
         for name in shard_names:
-            shard = root / name
+            shard = root / name if isinstance(name, str) else root
+            if not isinstance(name, str) or not _inside(root, shard):
+                raise CheckpointError(
+                    f"{index_file.name} in {root} names shard {name!r}, which is not a file inside that folder; "
+                    "fix the index's weight_map (shard names are file names in the checkpoint folder)"
+                )
             if not shard.is_file():
                 count = sum(1 for v in weight_map.values() if v == name)
                 raise CheckpointError(
@@ -143,7 +179,10 @@ class Checkpoint:
                     raise
                 # Files in torch's legacy (pre-zip) format cannot be mapped; still load them as weights only.
                 state = torch.load(shard, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
+        except pickle.UnpicklingError as error:
+            if not _is_pickle(shard, error):
+                raise CheckpointError(f"{shard} is not a PyTorch weights file (neither a torch zip archive nor a "
+                                      "pickle); re-download or re-convert the checkpoint") from None
             raise CheckpointError(
                 f"{shard} contains Python objects beyond tensors; refusing to unpickle it (it could run code). "
                 "Convert it to safetensors with a tool you trust"
@@ -225,7 +264,12 @@ class Checkpoint:
         return sum(self.nbytes(key) for key in self._key_files)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies this checkpoint's content cheaply: each file's name, size and mtime (index included)."""
+        """What identifies this checkpoint's content without reading its data: per file (index included) its
+        name, size, inode, mtime and ctime (a rewrite changes the ctime even where the mtime is set back) and
+        a digest of its header (for safetensors: the header naming every tensor, its dtype, shape and offsets).
+
+        The offloaded copies' own bytes are checked separately, by the store's checksums.
+        """
         files = list(self.files) + ([self.index_file] if self.index_file is not None else [])
         entries = []
         for file in files:
@@ -234,7 +278,8 @@ class Checkpoint:
                 name = file.relative_to(self.root).as_posix()
             except ValueError:
                 name = str(file)
-            entries.append({"name": name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+            entries.append({"name": name, "size": stat.st_size, "inode": stat.st_ino, "mtime_ns": stat.st_mtime_ns,
+                            "ctime_ns": stat.st_ctime_ns, "header": _header_digest(file)})
         return {"path": str(self.root.resolve()), "files": entries}
 
     def close(self) -> None:

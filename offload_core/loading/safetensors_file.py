@@ -99,10 +99,13 @@ class SafetensorsFile:
                 raise self._fail(f"is truncated: tensor {key!r} ends at byte {self._data_start + end} but the file has {size} bytes")
             self._entries[key] = (dtype, shape, begin, end)
             spans.append((begin, end, key))
-        spans.sort()
-        for (_, prev_end, prev_key), (begin, end, key) in zip(spans, spans[1:]):
-            if begin < prev_end and end > begin:
-                raise self._fail(f"is corrupt: tensors {prev_key!r} and {key!r} overlap (bytes {begin} < {prev_end})")
+        # Every pair, not only neighbours: each range against the furthest end seen so far (0-byte tensors
+        # alias nothing and hide nothing, so they are left out of the comparison).
+        furthest, furthest_key = 0, None
+        for begin, end, key in sorted(span for span in spans if span[1] > span[0]):
+            if begin < furthest:
+                raise self._fail(f"is corrupt: tensors {furthest_key!r} and {key!r} overlap (bytes {begin} < {furthest})")
+            furthest, furthest_key = end, key
 
     def _check_entry(self, key: str, info: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():

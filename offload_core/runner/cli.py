@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM, so a terminated run unwinds (and cleans up) as an interrupted one does."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 def _fail(error: BaseException) -> None:
@@ -61,9 +71,17 @@ def hydra_main() -> None:
                 _fail(error)
             raise
 
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         main()
+    except Terminated:
+        # SIGTERM (timeout, a batch system's preemption) unwinds like Ctrl-C: stores close, temporary folders go.
+        print("offload_core: terminated (SIGTERM); temporary files were removed", file=sys.stderr)
+        sys.exit(143)
     except KeyboardInterrupt:
         # Stores were closed on the way out (temporary offload folders removed); no traceback for Ctrl-C.
         print("offload_core: interrupted (Ctrl-C); temporary files were removed", file=sys.stderr)
         sys.exit(130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -42,6 +42,7 @@ class Plan:
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
     """The device map (a user's file, else the policy's own, else the placement's) and the figures around it."""
+    from offload_core.runner.validate import check_device_map_devices, check_module_classes
     from offload_core.planning import PlacementRequest, check_device_map, largest_block_size, normalize_device_map, summarize_device_map
     from offload_core.loading.conversion import key_conversion
     from offload_core.runner.keep import page_cache_plan
@@ -51,7 +52,10 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     block = largest_block_size(model, no_split, dtype=dtype)
     reserve = reserve_for(model, checkpoint, strategies.policy, strategies.storage, device, no_split, dtype)
     path = settings.cfg.device_map
+    check_module_classes(model, settings.model.get("no_split_module_classes"))
     device_map = read_device_map(path) if path else strategies.policy.own_device_map(model, device)
+    if path:
+        check_device_map_devices(device_map, device)
     if device_map is None:
         request = PlacementRequest(model=model, max_memory=settings.budgets, no_split_module_classes=no_split, dtype=dtype,
                                    special_dtypes=None, reserve=reserve)

@@ -141,12 +141,18 @@ def _section(cfg: Any, key: str) -> dict:
 
 def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     """Parse ``cfg`` (a composed config) once; a value that cannot be used is a :class:`ConfigError`."""
+    from offload_core.runner.validate import check_generation, check_headroom
+
+    check_generation(cfg)
     device = execution_device(cfg.execution_device)
+    budgets = max_memory(_section(cfg, "max_memory"), device)
+    headroom = parse_size(cfg.headroom, what="headroom")
+    check_headroom(budgets, headroom, device)
     return Settings(
         cfg=cfg,
         execution_device=device,
-        max_memory=max_memory(_section(cfg, "max_memory"), device),
-        headroom=parse_size(cfg.headroom, what="headroom"),
+        max_memory=budgets,
+        headroom=headroom,
         dtype=parse_dtype(cfg.dtype),
         output_dir=Path(output_dir) if output_dir else Path.cwd(),
         sections={key: _section(cfg, key) for key in ("placement", "storage", "hook", "model")},

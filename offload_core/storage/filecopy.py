@@ -77,7 +77,8 @@ def _reserve(fd: int, size: int) -> None:
 
 def write_file(path: Path, data: bytes | memoryview | FileSpan) -> None:
     """Write ``data`` to a new file at ``path``, its blocks reserved first (flushing to the disk is the caller's)."""
-    with open(path, "wb") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb") as f:  # never through a symlink
         _reserve(f.fileno(), len(data))
         if isinstance(data, FileSpan):
             data.copy_to(f.fileno())

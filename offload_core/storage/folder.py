@@ -3,14 +3,16 @@
 Layout (readable by accelerate's ``load_offloaded_weights``): ``index.json`` maps each tensor name to
 ``{"dtype": ..., "shape": [...]}``; ``<name>.dat`` holds its bytes. Beside them, files of our own:
 ``.offload_core`` (our tag: the names of every file we wrote, so only those are ever removed),
-``.offload_complete`` (written last: the fingerprint of what the folder holds), and ``.lock``.
+``.offload_complete`` (written last: the fingerprint of what the folder holds and each file's xxh3-128
+checksum, verified before the folder is reused), and ``.lock``. No file in the folder is opened through a
+symlink.
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
-import fcntl
+import gc
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,6 +31,7 @@ from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
+from offload_core.storage.folder_guard import LOCK, FolderLock, checksum, entries, open_nofollow
 from offload_core.storage.pagecache import drop
 
 log = logging.getLogger(__name__)
@@ -35,7 +39,6 @@ log = logging.getLogger(__name__)
 INDEX = "index.json"
 TAG = ".offload_core"
 COMPLETE = ".offload_complete"
-LOCK = ".lock"
 _OURS = {INDEX, TAG, COMPLETE, LOCK}
 
 
@@ -67,7 +70,8 @@ class FolderStore(Store):
     #: the one place this store writes data. A seam: tests replace it to inject a full disk or a crash.
     write_file = staticmethod(write_file)
 
-    def __init__(self, context: StoreContext) -> None:
+    def __init__(self, context: StoreContext, verify: bool = True) -> None:
+        self.verify = verify
         self.fingerprint = {"store": "memmap/1", **context.fingerprint}
         self.temporary = context.offload_folder is None
         if self.temporary:
@@ -80,7 +84,7 @@ class FolderStore(Store):
         self._index: dict[str, dict] = {}
         self._written: list[str] = []
         self._tagged: dict[str, None] = {}  # the files named in the tag, in order
-        self._lock_fd: int | None = None
+        self._lock: FolderLock | None = None
         self._aborted = False
         self._sealer: threading.Thread | None = None
         self.bytes_written = 0
@@ -96,26 +100,36 @@ class FolderStore(Store):
             raise StorageError(f"cannot create offload_folder {folder}: {exc.strerror}; choose a writable folder") from None
         if not os.access(folder, os.W_OK | os.X_OK):
             raise StorageError(f"offload_folder {folder} is not writable; choose a folder you can write to")
-        entries = {p.name for p in folder.iterdir()}
-        if entries and TAG not in entries and not self.temporary:
-            raise StorageError(
-                f"offload_folder {folder} holds files offload_core did not create ({', '.join(sorted(entries)[:3])}"
-                f"{', ...' if len(entries) > 3 else ''}); give an empty or new folder (nothing was changed)"
-            )
-        self._lock()
+        self._refuse_foreign(entries(folder))  # before the lock: a foreign folder is left exactly as it was
+        self._lock = FolderLock(folder)
+        weakref.finalize(self, self._lock.release)  # a store dropped without close() lets the folder go
         try:
-            complete = self._is_complete()
-        except StorageError:
+            self._lock.begin_build()
+            present = entries(folder)  # under the lock: what the folder holds now
+            self._refuse_foreign(present)
+            problem = self._check_reusable()
+            if problem is not None and self._lock.shared:
+                gc.collect()  # a dropped model of this process may still hold the folder until collected
+                if self._lock.shared:
+                    raise StorageError(f"offload_folder {folder} is in use by another model of this process built "
+                                       "for different weights; delete that model or give another offload_folder")
+        except BaseException:
             self.close()
             raise
-        if complete:
+        if problem is None:
             self._index = self._read_index()
             self.reused = True
-            log.info("memmap: reusing complete offload folder %s", folder)
+            self._lock.reading()
+            self._lock.end_build()
+            log.info("memmap: reusing complete offload folder %s (%s)", folder,
+                     "contents verified" if self.verify else "contents not verified: verify=false")
             return
         try:
-            if TAG in entries:
-                log.info("memmap: offload folder %s is stale or incomplete; rebuilding it", folder)
+            if TAG in present:
+                if problem.startswith("verification"):
+                    print(f"offload_core: offload folder {folder} failed {problem}; rebuilding it", file=sys.stderr)
+                else:
+                    log.info("memmap: offload folder %s is %s; rebuilding it", folder, problem)
                 self._remove_our_files()
             self._tagged = dict.fromkeys(planned)
             self._write_tag(list(self._tagged))  # every file this run will write, named once before any is written
@@ -124,52 +138,58 @@ class FolderStore(Store):
             raise StorageError(f"cannot prepare offload_folder {folder}: {exc.strerror or exc}; "
                                "choose a writable folder with free space") from None
 
-    def _lock(self) -> None:
-        try:
-            fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StorageError(f"cannot create the lock file in offload_folder {self.folder}: {exc.strerror}; "
-                               "choose a writable folder") from None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                print(f"offload_core: offload_folder {self.folder} is in use by another run (pid {holder}); "
-                      "waiting for it to finish (Ctrl-C to stop, or give another offload_folder)", file=sys.stderr)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._lock_fd = fd
+    def _refuse_foreign(self, present: set[str]) -> None:
+        others = sorted(present - {LOCK, TAG + ".tmp"})  # what a start of ours leaves before its tag is in place
+        if others and TAG not in present and not self.temporary:
+            raise StorageError(
+                f"offload_folder {self.folder} holds files offload_core did not create ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}); give an empty or new folder (nothing was changed)"
+            )
 
-    def _is_complete(self) -> bool:
+    def _read_json(self, name: str) -> Any:
+        fd = open_nofollow(self.folder / name)
+        with os.fdopen(fd, "rb") as handle:
+            return json.loads(handle.read())
+
+    def _check_reusable(self) -> str | None:
+        """None when the folder holds a complete, intact copy for this fingerprint; else why not (the index's own
+        checksum is always checked, so an edited, dropped or added entry is never used)."""
         try:
-            marker = json.loads((self.folder / COMPLETE).read_text())
+            marker = self._read_json(COMPLETE)
         except (OSError, ValueError):
-            return False
-        if marker != json.loads(json.dumps(self.fingerprint)):
-            return False
+            return "incomplete"
+        if not isinstance(marker, dict) or marker.get("fingerprint") != json.loads(json.dumps(self.fingerprint)):
+            return "stale"
         try:
-            index = json.loads((self.folder / INDEX).read_text())
+            index = self._read_json(INDEX)
         except (OSError, ValueError):
-            return False
-        if not isinstance(index, dict):
-            return False
+            return "verification (its index is unreadable)"
+        sums = marker.get("checksums")
+        if not isinstance(index, dict) or not isinstance(sums, dict):
+            return "verification (its index or checksums are not JSON objects)"
+        try:
+            if checksum(self.folder / INDEX) != sums.get(INDEX):
+                return "verification (index.json does not match its checksum)"
+        except (OSError, StorageError):
+            return "verification (index.json is unreadable)"
         for name in index:
-            _safe_file_name(self.folder, name)  # an index naming paths outside the folder: refuse, never read
-        for name, info in index.items():
-            path = _safe_file_name(self.folder, name)
-            expected = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
-            if not path.exists() or path.stat().st_size != expected:
-                return False
-        return True
+            _safe_file_name(self.folder, name)  # an intact index naming paths outside the folder: refuse, never read
+        for file in [_safe_file_name(self.folder, name).name for name in index]:
+            path = self.folder / file
+            try:
+                info = index[file.removesuffix(".dat")]
+                expected = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
+                if os.lstat(path).st_size != expected:
+                    return f"verification ({file} has the wrong size)"
+                if self.verify and checksum(path) != sums.get(file):
+                    return f"verification ({file} does not match its checksum)"
+            except (OSError, KeyError, TypeError, ValueError, StorageError):
+                return f"verification ({file} is missing or damaged)"
+        return None
 
     def _read_index(self) -> dict[str, dict]:
         try:
-            index = json.loads((self.folder / INDEX).read_text())
+            index = self._read_json(INDEX)
         except (OSError, ValueError) as exc:
             raise StorageError(f"offload index {self.folder / INDEX} is unreadable ({exc}); delete the folder and run again") from None
         for name in index:
@@ -178,9 +198,10 @@ class FolderStore(Store):
 
     def _tagged_files(self) -> list[str]:
         try:
-            return json.loads((self.folder / TAG).read_text()).get("files", [])
-        except (OSError, ValueError):
+            files = self._read_json(TAG).get("files", [])
+        except (OSError, ValueError, AttributeError, StorageError):
             return []
+        return [name for name in files if isinstance(name, str)]
 
     def _write_tag(self, files: list[str]) -> None:
         with atomic_write(self.folder / TAG, sync=False) as tmp:
@@ -256,6 +277,8 @@ class FolderStore(Store):
         self._tagged.clear()
         self._index.clear()
         self._aborted = True
+        if self._lock is not None:
+            self._lock.end_build()
 
     def finalize(self) -> None:
         """Write the index; then, on a thread, flush every file to the disk and only then the completion marker.
@@ -273,18 +296,27 @@ class FolderStore(Store):
             self._tag(INDEX)
         except OSError as exc:
             raise self._failed(exc, "writing its index") from None
-        if not self.temporary:
+        if self.temporary:
+            self._lock.reading()
+            self._lock.end_build()
+        else:
             self._sealer = threading.Thread(target=self._seal, name="offload-folder-seal", daemon=True)
             self._sealer.start()
 
     def _seal(self) -> None:
+        self._lock.reading()
         try:
-            for name in self._written:
-                fsync_path(self.folder / name)
+            sums = {}
+            for name in self._written:  # each file's checksum, read back as written, then the file flushed
+                sums[name] = checksum(self.folder / name)
+                fsync_path(self.folder / name, follow=False)
             with atomic_write(self.folder / COMPLETE) as tmp:  # flushed, renamed, the folder flushed
-                self.write_file(tmp, json.dumps(self.fingerprint).encode())
-        except OSError as exc:  # the folder stays unmarked: the next run rebuilds it
+                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums}).encode())
+        except (OSError, StorageError) as exc:  # the folder stays unmarked: the next run rebuilds it
             log.warning("memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc)
+        finally:
+            if self._lock is not None:
+                self._lock.end_build()
 
     def wait_until_sealed(self) -> None:
         """Block until the completion marker is written (close() does this before releasing the lock)."""
@@ -304,8 +336,9 @@ class FolderStore(Store):
             else:
                 # mode "c": private copy-on-write mapping, so the tensor is writable for torch and the
                 # file can never be changed through it; pages stay file-backed until written.
-                array = np.memmap(_safe_file_name(self.folder, name), dtype=np.uint8, mode="c",
-                                  shape=(numel * dtype.itemsize,))
+                fd = open_nofollow(_safe_file_name(self.folder, name))
+                with os.fdopen(fd, "rb") as handle:
+                    array = np.memmap(handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,))
                 tensor = torch.from_numpy(array).view(dtype).reshape(shape)
             self._maps[name] = tensor
         return tensor
@@ -325,11 +358,11 @@ class FolderStore(Store):
     def close(self) -> None:
         self.wait_until_sealed()
         self._maps.clear()
-        if self._aborted and not self.temporary:
-            (self.folder / LOCK).unlink(missing_ok=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:
+            if self._aborted and not self.temporary and not self._lock.shared:
+                (self.folder / LOCK).unlink(missing_ok=True)
+            self._lock.release()
+            self._lock = None
         if self.temporary and self.folder.exists():
             shutil.rmtree(self.folder, ignore_errors=True)
         elif self._aborted and self._created:

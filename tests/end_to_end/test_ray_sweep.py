@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 from tests import ROOT
 RAY_CLI = Path(sys.executable).parent / "ray"
 SWEEP = ["model=synthetic", "model.preset=tiny", "progress=false", "max_new_tokens=2", "headroom=0",
-         "max_memory.cpu=1MiB", "storage=memmap,safetensors", "hook=align_per_call,chained"]
+         "max_memory.cpu=1MiB", "headroom=0", "storage=memmap,safetensors", "hook=align_per_call,chained"]
 #: columns that do not depend on timing or on the machine's memory
 STABLE = ["job", "placement", "storage", "hook", "model", "overrides", "status", "matches_in_memory",
           "bytes_moved_per_token", "error"]

@@ -38,7 +38,7 @@ def _csv(sweep_dir: Path) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def basic_sweep(tmp_path_factory):
     return _sweep(tmp_path_factory.mktemp("basic"), "storage=memmap,safetensors", "hook=align_per_call,chained",
-                  "max_memory.cpu=1MiB,abc")
+                  "max_memory.cpu=1MiB,abc", "headroom=0")
 
 
 def test_every_combination_is_a_row(basic_sweep):
@@ -105,7 +105,7 @@ def _launcher_installed(module: str) -> bool:
 def test_hydra_launchers_give_the_same_summary(launcher, module, basic_sweep, tmp_path):
     if not _launcher_installed(module):
         pytest.skip(f"{module} is not installed (pip install -e '.[sweep]')")
-    proc, sweep_dir = _sweep(tmp_path, "storage=safetensors", "hook=chained", "max_memory.cpu=1MiB,abc",
+    proc, sweep_dir = _sweep(tmp_path, "storage=safetensors", "hook=chained", "max_memory.cpu=1MiB,abc", "headroom=0",
                              launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _csv(sweep_dir)

@@ -128,9 +128,12 @@ def test_memmap_index_escaping_the_folder_is_refused(tmp_path):
     s = FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))
     _fill(s, {"w": torch.ones(2)})
     s.close()
+    (tmp_path / "escape.dat").write_bytes(b"outside")
     (folder / INDEX).write_text(json.dumps({"../escape": {"dtype": "float32", "shape": [2]}}))
-    with pytest.raises(StorageError, match="escape"):  # an index naming a path outside is refused, never read
-        FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))
+    rebuilt = FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))
+    assert not rebuilt.reused  # an edited index fails verification: rebuilt, nothing outside read or touched
+    rebuilt.close()
+    assert (tmp_path / "escape.dat").read_bytes() == b"outside"
     with pytest.raises(StorageError, match="escape"):
         FolderStore(StoreContext(names=["x"], offload_folder=folder)).put("../x", torch.ones(1))
 

@@ -1,0 +1,158 @@
+"""What keeps an offload folder safe to share: its lock (one per folder per process, shared by stores in one process), symlink-refusing opens and scans, and content checksums."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import sys
+import threading
+from pathlib import Path
+
+import xxhash
+
+from offload_core.errors import StorageError
+
+LOCK = ".lock"
+#: opening flags that never follow a symlink in the last path component, nor leak into child processes
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_CHUNK = 16 << 20
+
+
+def open_nofollow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """``os.open`` that refuses a symlink (and anything but a regular file) with a one-line :class:`StorageError`."""
+    try:
+        fd = os.open(path, flags | NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise symlink_error(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StorageError(f"offload folder entry {path} is not a regular file; remove it and run again")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def symlink_error(path: Path) -> StorageError:
+    return StorageError(f"offload_folder {path.parent} holds a symlink ({path.name}); offload_core never follows links "
+                        "in its folder: remove the link (nothing was read or written through it) and run again")
+
+
+def entries(folder: Path) -> set[str]:
+    """The names in ``folder``; a symlink among them is refused with one line."""
+    names = set()
+    with os.scandir(folder) as scan:
+        for entry in scan:
+            if entry.is_symlink():
+                raise symlink_error(folder / entry.name)
+            names.add(entry.name)
+    return names
+
+
+def checksum(path: Path) -> str:
+    """xxh3-128 of the regular file at ``path`` (never through a symlink)."""
+    digest = xxhash.xxh3_128()
+    fd = open_nofollow(path)
+    try:
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as handle:
+            buffer = bytearray(_CHUNK)
+            view = memoryview(buffer)
+            while count := handle.readinto(view):
+                digest.update(view[:count])
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+class _Held:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.readers = 0  # stores of this process whose tensors come from the folder as it is now
+        self.building = threading.Lock()  # held by the one store of this process inspecting or writing the folder
+
+
+_held: dict[Path, _Held] = {}
+_held_guard = threading.Lock()
+
+
+class FolderLock:
+    """This process's hold on one folder's ``.lock``: taken once per process (flock), shared by every store
+    of the process that uses the folder, and let go when the last of them releases it (or is collected)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._released = False
+        self._building: threading.Lock | None = None
+        self._reading = False
+        with _held_guard:
+            held = _held.get(folder)
+            if held is None:
+                held = _held[folder] = _Held(_take(folder))
+            held.users += 1
+
+    def begin_build(self) -> None:
+        """Wait until no other store of this process is inspecting or writing the folder, then be that store."""
+        with _held_guard:
+            building = _held[self.folder].building
+        building.acquire()
+        self._building = building
+
+    def end_build(self) -> None:
+        """Idempotent: let the next store of this process inspect the folder."""
+        building, self._building = self._building, None
+        if building is not None:
+            building.release()
+
+    def reading(self) -> None:
+        """This store now reads the folder's content: no other store of this process may rebuild it."""
+        with _held_guard:
+            if not self._reading:
+                self._reading = True
+                _held[self.folder].readers += 1
+
+    @property
+    def shared(self) -> bool:
+        """Whether another store of this process reads the folder's content."""
+        with _held_guard:
+            return _held[self.folder].readers > int(self._reading)
+
+    def release(self) -> None:
+        """Idempotent: the flock goes with the last user in this process."""
+        self.end_build()
+        with _held_guard:
+            if self._released:
+                return
+            self._released = True
+            held = _held[self.folder]
+            held.users -= 1
+            held.readers -= int(self._reading)
+            if held.users == 0:
+                del _held[self.folder]
+                os.close(held.fd)
+
+
+def _take(folder: Path) -> int:
+    """Open (never through a symlink) and flock ``folder/.lock``, waiting for another process; write our pid in it."""
+    path = folder / LOCK
+    try:
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
+    except OSError as exc:
+        raise StorageError(f"cannot create the lock file in offload_folder {folder}: {exc.strerror}; "
+                           "choose a writable folder") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            print(f"offload_core: offload_folder {folder} is in use by another run (pid {holder}); "
+                  "waiting for it to finish (Ctrl-C to stop, or give another offload_folder)", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
