@@ -86,6 +86,8 @@ class Policy(StrategyBase):
     granularity: str = "block"
     #: buffers are offloaded with the parameters (otherwise they stay on the execution device)
     offload_buffers: bool = False
+    #: reads of offloaded units overlap compute (a reader ahead of the forward); the time prediction reads it
+    overlaps_io: bool = False
 
     @abstractmethod
     def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:

@@ -29,17 +29,29 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     settings = read_settings(cfg, output_dir)
     strategies = build_strategies(settings)
     run_model = open_model(settings.model, settings.dtype)
+    batches = need = None
+    if cfg.get("prompts"):
+        from offload_core.runner.batch_job import plan_batch_memory, read_batches
+
+        batches = read_batches(cfg, run_model)
+        settings, need = plan_batch_memory(settings, run_model, batches)
     with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
         plan = make_plan(settings, strategies, run_model, checkpoint)
         print_plan(settings, strategies, plan)
+        input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
+                               run_model.model.config.vocab_size)
+        plan.predicted_time = predicted_time(settings, strategies, run_model, plan, batches, input_ids.shape[1])
         if cfg.plan_only:
             write_plan(settings, run_model, plan, picture=plot)
             return RunResult("", [], plan.device_map, {}, plan.summary, None, settings.output_dir, plan.as_dict())
-        input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
-                               run_model.model.config.vocab_size)
+        if batches is not None:
+            from offload_core.runner.batch_job import run_batched
+
+            return run_batched(settings, strategies, run_model, checkpoint, plan, batches, need, labels or {})
         with MemoryMonitor() as memory:
             tokens, figures = generate_offloaded(settings, strategies, run_model, checkpoint, plan, input_ids)
-        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta)
+        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta, **plan.predicted_time)
+        figures["time_per_decode_step_s"] = 1 / figures["decode_tokens_per_s"] if figures["decode_tokens_per_s"] else float("nan")
     result = RunResult(decode(run_model, tokens), tokens, plan.device_map, figures, plan.summary, None, settings.output_dir,
                        plan.as_dict())
     if cfg.compare_in_memory:
@@ -76,6 +88,17 @@ def generate_offloaded(settings: Settings, strategies: Strategies, run_model: Ru
             torch.cuda.reset_peak_memory_stats()
         tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device)
         return tokens, generation_figures(state, tokens, timer, load_s, strategies.names["hook"])
+
+
+def predicted_time(settings: Settings, strategies: Strategies, run_model: RunModel, plan: Plan, batches: Any,
+                   prompt_tokens: int) -> dict[str, float]:
+    """The plan's predicted times (printed) for the run's batch, or the single prompt of ``prompt_tokens`` tokens."""
+    from offload_core.runner.predict import calibrate_and_predict, print_prediction
+
+    rows, tokens = (batches.rows, batches.longest) if batches is not None else (1, prompt_tokens)
+    predicted = calibrate_and_predict(settings, strategies, run_model, plan, rows, tokens)
+    print_prediction(predicted, rows)
+    return predicted
 
 
 def decode(run_model: RunModel, tokens: list[int]) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,14 @@ class Plan:
     headroom: int
     largest_block: int
     predicted_bytes_per_token: int
+    #: predicted_load_s, predicted_ttft_s, predicted_step_s (see :func:`offload_core.runner.predict.predict_time`)
+    predicted_time: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
         return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
-                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token}
+                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
+                **self.predicted_time}
 
 
 def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,

@@ -43,6 +43,10 @@ class RunConfig:
     hook: Any = MISSING
     model: ModelConfig = MISSING
     prompt: str = "What is the capital of France?"
+    #: a file of prompts (one per line, or JSON lines with a "prompt" field) generated in batches instead of ``prompt``
+    prompts: Optional[str] = None
+    #: prompts generated at once when ``prompts`` is given (left-padded; the KV cache is planned for it)
+    batch_size: int = 1
     max_new_tokens: int = 16
     do_sample: bool = False
     temperature: float = 1.0
@@ -66,6 +70,8 @@ class RunConfig:
     #: print the plan (device map, bytes per device, reservation) and stop before loading anything
     plan_only: bool = False
     progress: bool = True
+    #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction
+    calibrate: bool = False
 
 
 MODEL_PRESETS = {

@@ -59,6 +59,7 @@ class Prefetch(Policy):
     """Policy: block-granular units, loaded ahead of use along the recorded execution order."""
 
     granularity = "block"
+    overlaps_io = True
 
     def __init__(self, config: PrefetchConfig) -> None:
         from offload_core.errors import ConfigError
