@@ -114,8 +114,8 @@ def block_compute(model: nn.Module, no_split: list[str], dtype: torch.dtype, dev
             p.normal_(0, 0.02)
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if rotary is not None:
-        rotary = copy.deepcopy(rotary).to_empty(device=device)
-        rotary.__init__(model.config, device=device)
+        with torch.device(device):
+            rotary = type(rotary)(model.config)
     hidden = model.config.get_text_config().hidden_size
     times = {}
     with torch.inference_mode():
@@ -173,7 +173,10 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
     blocks = data.setdefault("blocks", {})
     key = _model_key(model, dtype, device)
     if refresh or key not in blocks:
-        blocks[key] = block_compute(model, no_split, dtype, device)
+        try:
+            blocks[key] = block_compute(model, no_split, dtype, device)
+        except (TypeError, ValueError, RuntimeError):  # a block whose forward wants more than hidden states and positions
+            blocks[key] = {}
         changed = True
     found["block"] = blocks[key]
     if changed:

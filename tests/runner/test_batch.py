@@ -112,7 +112,7 @@ def test_batched_outputs_equal_memory_in_the_same_batches(tmp_path, hook):
     # 5 prompts of different lengths in batches of 2: batch shapes change (width, and 2 -> 1 rows at the end)
     prompts = _prompts(tmp_path, ["a", "the longest prompt of them all", "mid length", json.dumps({"prompt": "json"}), "z"])
     cfg = _cfg(["model=synthetic", "model.preset=small", f"hook={hook}", "storage=memmap", f"prompts={prompts}",
-                "batch_size=2", "max_memory.cpu=40MiB", "progress=false", "max_new_tokens=3", "compare_in_memory=true",
+                "batch_size=2", "max_memory.cpu=20MiB", "progress=false", "max_new_tokens=3", "compare_in_memory=true",
                 f"offload_folder={tmp_path / 'off'}"])
     result = run(cfg, output_dir=tmp_path / "out")
     assert result.matches_in_memory is True
