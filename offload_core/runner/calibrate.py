@@ -124,10 +124,11 @@ def block_compute(model: nn.Module, no_split: list[str], dtype: torch.dtype, dev
             kwargs: dict[str, Any] = {}
             if rotary is not None:
                 kwargs["position_embeddings"] = rotary(x, torch.arange(tokens, device=device)[None])
-            block(x, **kwargs)
+            for _ in range(2):
+                block(x, **kwargs)
             _sync(device)
             best = float("inf")
-            for _ in range(3):
+            for _ in range(5):
                 started = time.perf_counter()
                 block(x, **kwargs)
                 _sync(device)
@@ -138,7 +139,7 @@ def block_compute(model: nn.Module, no_split: list[str], dtype: torch.dtype, dev
 
 def _model_key(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     text = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(f"{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"block-v2|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
 
 
 def existing_folder(path: Path) -> Path:

@@ -17,10 +17,11 @@ def _linear_params(module: nn.Module) -> int:
 
 
 def compute_s(block: dict[str, float], scale: float, tokens: int) -> float:
-    """Seconds of one forward over ``tokens`` tokens: the block's time interpolated linearly between its 1- and
-    64-token measurements, times ``scale`` (the model's linear parameters over the block's)."""
+    """Seconds of one forward over ``tokens`` tokens: the block's time along the line through its 1- and 64-token
+    measurements (never falling with more tokens: a noisy pair gives a flat line), times ``scale`` (the model's
+    linear parameters over the block's)."""
     t1, t64 = block["t1_s"], block["t64_s"]
-    return scale * (t1 + (t64 - t1) * (tokens - 1) / 63)
+    return scale * (t1 + max(t64 - t1, 0.0) * (tokens - 1) / 63)
 
 
 def fits_page_cache(nbytes: int) -> bool:
