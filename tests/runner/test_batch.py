@@ -138,3 +138,37 @@ def test_bytes_moved_per_generated_token_falls_with_the_batch(tmp_path):
                     f"offload_folder={tmp_path / f'off{batch}'}"])
         moved[batch] = run(cfg, output_dir=tmp_path / f"b{batch}").figures["bytes_moved_per_token"]
     assert moved[4] == pytest.approx(moved[1] / 4, rel=0.01)
+
+
+def test_sweep_summary_shows_predicted_beside_measured(tmp_path):
+    from offload_core.runner.sweep import COLUMNS, summarize
+
+    job = tmp_path / "0"
+    job.mkdir()
+    (job / "metrics.json").write_text(json.dumps({
+        "choices": {"placement": "sequential", "storage": "memmap", "hook": "prefetch", "model": "synthetic"},
+        "overrides": ["batch_size=8"], "batch_size": 8, "load_s": 1.0, "predicted_load_s": 1.25,
+        "time_per_decode_step_s": 0.5, "predicted_step_s": 0.4, "aggregate_tokens_per_s": 16.0,
+        "latency_median_s": 2.0, "latency_p90_s": 3.0}))
+    (row,) = summarize(tmp_path)
+    assert (row["batch_size"], row["predicted_load_s"], row["predicted_step_s"], row["aggregate_tokens_per_s"]) == (8, 1.25, 0.4, 16.0)
+    assert row["predicted_ttft_s"] == "" and row["status"] == "ok"
+    assert COLUMNS.index("predicted_step_s") == COLUMNS.index("time_per_decode_step_s") + 1
+
+
+@pytest.mark.slow  # measures the disk twice
+def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch):
+    from offload_core.runner.calibrate import calibrate, calibration_file
+    from offload_core.runner.model import open_model
+
+    run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    folders = {"offload_folder": tmp_path / "not-yet" / "off", "checkpoint": tmp_path}
+    args = (run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), folders)
+    first = calibrate(*args)
+    assert first["offload_folder"]["cold_read_bps"] > 0 and first["block"]["t64_s"] > 0 and first["block"]["params"] > 0
+    assert not (tmp_path / "not-yet").exists() and [p.name for p in tmp_path.iterdir()] == ["cache"]  # probes cleaned up
+    written = calibration_file().stat().st_mtime_ns
+    assert calibrate(*args) == first and calibration_file().stat().st_mtime_ns == written  # cached
+    again = calibrate(*args, refresh=True)
+    assert calibration_file().stat().st_mtime_ns != written and again["block"]["params"] == first["block"]["params"]
