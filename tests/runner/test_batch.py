@@ -63,6 +63,7 @@ def test_kv_cache_counts_layers_kv_heads_head_dim_and_tokens():
     assert largest_batch(config, one.total - 1, 10, 6, torch.bfloat16, upto=64) == 0
 
 
+@pytest.mark.slow  # four plans of a model
 def test_a_batch_that_cannot_fit_names_the_largest_that_does(tmp_path):
     prompts = _prompts(tmp_path, [f"prompt number {i} " * 20 for i in range(64)])
     base = ["plan_only=true", "model=synthetic", "model.preset=small", "storage=memmap", f"prompts={prompts}",
