@@ -160,6 +160,8 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
     found: dict[str, Any] = {}
     for role, folder in folders.items():
         target = existing_folder(folder)
+        if not os.access(target, os.W_OK) or os.statvfs(target).f_flag & os.ST_RDONLY:
+            target = existing_folder(Path(tempfile.gettempdir()))  # the run reports the folder itself; probe beside it
         key = str(os.stat(target).st_dev)
         if refresh or key not in disks:
             disks[key] = disk_bandwidth(target)

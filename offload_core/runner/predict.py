@@ -83,8 +83,12 @@ def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: 
 
     cfg = settings.cfg
     folders = {"offload_folder": Path(cfg.offload_folder or tempfile.gettempdir()), "checkpoint": run_model.checkpoint_dir.parent}
-    calibration = calibrate(run_model.model, run_model.no_split, run_model.dtype, settings.execution_device, folders,
-                            refresh=bool(cfg.get("calibrate", False)))
+    try:
+        calibration = calibrate(run_model.model, run_model.no_split, run_model.dtype, settings.execution_device, folders,
+                                refresh=bool(cfg.get("calibrate", False)))
+    except OSError as exc:  # a probe that cannot be written (a full disk): the run goes on without a prediction
+        print(f"  no time prediction: calibration failed ({exc.strerror or exc})")
+        return {}
     return predict_time(run_model.model, plan.summary, plan.predicted_bytes_per_token, strategies.storage, strategies.policy,
                         settings.execution_device, calibration, rows, prompt_tokens, page_cache)
 
