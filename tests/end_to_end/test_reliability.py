@@ -190,7 +190,9 @@ def test_disk_full_in_an_existing_folder_keeps_the_users_files(tmp_path, monkeyp
 
 # -- Ctrl-C -------------------------------------------------------------------------------------
 
-def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny, tmp_path):
+def signal_after_load(tiny: Path, tmp_path: Path, sig: int) -> tuple[int, str, Path]:
+    """Start a long run of ``tiny`` with its temporary files under ``tmp_path/tmp``, send ``sig`` once it has
+    loaded (its temporary offload folder has an index), and return its exit code, stderr and that scratch folder."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.Popen(
@@ -208,9 +210,14 @@ def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny
         proc.kill()
         pytest.fail("the run never finished loading")
     time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    return proc.returncode, err, scratch
+
+
+def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny, tmp_path):
+    returncode, err, scratch = signal_after_load(tiny, tmp_path, signal.SIGINT)
+    assert returncode == 130, err
     assert err.strip().splitlines()[-1] == "offload_core: interrupted (Ctrl-C); temporary files were removed"
     assert "Traceback" not in err
     assert not list(scratch.glob("offload_core-*"))

@@ -5,9 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from offload_core.loading import sources
 from offload_core.storage.folder import INDEX
-from tests import ROOT
 from tests.end_to_end.test_cli_errors import cli
-from tests.end_to_end.test_reliability import _args, _env, _metrics
+from tests.end_to_end.test_reliability import _args, _metrics, signal_after_load
 
 
 @pytest.fixture(scope="module")
@@ -27,26 +23,8 @@ def tiny() -> Path:
 
 
 def test_sigterm_removes_temporary_files_in_one_line_with_exit_143(tiny, tmp_path):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "run.py"), *_args(tiny), "max_new_tokens=1500", "progress=false",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "TMPDIR": str(scratch)},
-    )
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if any((p / INDEX).exists() for p in scratch.glob("offload_core-*")):
-            break
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("the run never finished loading")
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    returncode, err, scratch = signal_after_load(tiny, tmp_path, signal.SIGTERM)
+    assert returncode == 143, err
     assert err.strip().splitlines()[-1] == "offload_core: terminated (SIGTERM); temporary files were removed"
     assert "Traceback" not in err
     assert not list(scratch.glob("offload_core-*"))

@@ -14,20 +14,7 @@ from offload_core import init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.errors import ConfigError
 from offload_core.module_hooks.experts import ExpertCache, Experts, ExpertsConfig, is_fused_experts
 from offload_core.planning import compute_module_sizes
-from tests.loading.test_transformers_checkpoints import Saved
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_saved")
-    cache: dict[str, Saved] = {}
-
-    def get(name: str) -> Saved:
-        if name not in cache:
-            cache[name] = Saved(name, root)
-        return cache[name]
-
-    return get
+from tests.loading.test_transformers_checkpoints import Saved, saved  # noqa: F401, F811 (saved: the session fixture of tiny models)
 
 
 def _dispatch(saved: Saved, path: Path, store: str, folder: Path, **config) -> torch.nn.Module:
