@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -201,7 +203,13 @@ def test_get_max_memory_duplicate_device_is_an_error():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without that many GPUs")
-def test_get_max_memory_warns_of_missing_devices_unless_told_not_to(caplog):
+def test_get_max_memory_warns_of_missing_devices_unless_told_not_to(caplog, monkeypatch):
+    # An in-process Hydra run earlier in the same worker may have configured logging with existing loggers
+    # disabled; the warning is this module's, so make sure its logger is live and reaches caplog.
+    logger = logging.getLogger("offload_core.planning.budgets")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger="offload_core.planning.budgets")
     assert get_max_memory({7: "1GB"}) == {7: 10**9}
     assert "Device 7 is not available" in caplog.text
     caplog.clear()
