@@ -38,17 +38,29 @@ def _inside(root: Path, path: Path) -> bool:
     return path.resolve().is_relative_to(root.resolve()) and path.resolve() != root.resolve()
 
 
-def _is_pickle(shard: Path, error: pickle.UnpicklingError) -> bool:
-    """Whether an unpickling refusal came from a real pickle (a zip archive, or a stream opening with a pickle
-    protocol byte) rather than from bytes that are no pickle at all."""
+def _head(shard: Path) -> bytes:
     try:
         with open(shard, "rb") as handle:
-            head = handle.read(2)
+            return handle.read(2)
     except OSError:
-        return False
-    if head[:2] == b"PK":
-        return True
-    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and "Weights only load failed" in str(error)
+        return b""
+
+
+def _opens_like_weights(shard: Path) -> bool:
+    """Whether ``shard`` opens as a torch file can: a zip archive, or a stream opening with a pickle protocol byte."""
+    head = _head(shard)
+    return head == b"PK" or (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
+def _is_pickle(shard: Path, error: pickle.UnpicklingError) -> bool:
+    """Whether an unpickling refusal came from a real pickle (a zip archive, or a pickle stream refused for what
+    it holds) rather than from bytes that are no pickle at all."""
+    return _opens_like_weights(shard) and (_head(shard) == b"PK" or "Weights only load failed" in str(error))
+
+
+def _not_weights(shard: Path) -> CheckpointError:
+    return CheckpointError(f"{shard} is not a PyTorch weights file (neither a torch zip archive nor a pickle); "
+                           "re-download or re-convert the checkpoint")
 
 
 class Checkpoint:
@@ -181,13 +193,14 @@ class Checkpoint:
                 state = torch.load(shard, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
             if not _is_pickle(shard, error):
-                raise CheckpointError(f"{shard} is not a PyTorch weights file (neither a torch zip archive nor a "
-                                      "pickle); re-download or re-convert the checkpoint") from None
+                raise _not_weights(shard) from None
             raise CheckpointError(
                 f"{shard} contains Python objects beyond tensors; refusing to unpickle it (it could run code). "
                 "Convert it to safetensors with a tool you trust"
             ) from None
         except Exception as error:  # noqa: BLE001 - torch raises many types for corrupt files
+            if not _opens_like_weights(shard):
+                raise _not_weights(shard) from None
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise CheckpointError(f"cannot read {shard}: {message}; re-download or re-convert the checkpoint") from None
         if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
