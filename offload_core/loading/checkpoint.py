@@ -46,16 +46,16 @@ def _head(shard: Path) -> bytes:
         return b""
 
 
-def _opens_like_weights(shard: Path) -> bool:
-    """Whether ``shard`` opens as a torch file can: a zip archive, or a stream opening with a pickle protocol byte."""
-    head = _head(shard)
+def _opens_like_weights(head: bytes) -> bool:
+    """Whether a file's first two bytes open like a torch file: a zip archive, or a pickle protocol byte."""
     return head == b"PK" or (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
 
 
 def _is_pickle(shard: Path, error: pickle.UnpicklingError) -> bool:
     """Whether an unpickling refusal came from a real pickle (a zip archive, or a pickle stream refused for what
     it holds) rather than from bytes that are no pickle at all."""
-    return _opens_like_weights(shard) and (_head(shard) == b"PK" or "Weights only load failed" in str(error))
+    head = _head(shard)
+    return head == b"PK" or (_opens_like_weights(head) and "Weights only load failed" in str(error))
 
 
 def _not_weights(shard: Path) -> CheckpointError:
@@ -199,7 +199,7 @@ class Checkpoint:
                 "Convert it to safetensors with a tool you trust"
             ) from None
         except Exception as error:  # noqa: BLE001 - torch raises many types for corrupt files
-            if not _opens_like_weights(shard):
+            if not _opens_like_weights(_head(shard)):
                 raise _not_weights(shard) from None
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise CheckpointError(f"cannot read {shard}: {message}; re-download or re-convert the checkpoint") from None
