@@ -16,6 +16,7 @@ from offload_core.errors import CheckpointError
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
 from offload_core.storage.residency import Residency
+from offload_core.loading.model_device import report_execution_device, restore_device_report
 from offload_core.loading.routes import TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class OffloadState:
         for handle in self.extra_handles:
             handle.remove()
         model = self.handle.remove()
+        restore_device_report(model)
         if self.store is not None:
             self.store.close()
         return model
@@ -215,6 +217,7 @@ def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Sto
     state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
     model.hf_device_map = dict(device_map)
     model.offload_state = state
+    report_execution_device(model, execution_device)
     return state
 
 

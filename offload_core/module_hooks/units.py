@@ -78,13 +78,17 @@ class Unit:
         return sum(store[k].numel() * store[k].element_size() for k in self.keys)
 
     def fetch(self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False) -> dict[str, torch.Tensor]:
-        """The unit's tensors on ``device``, one per store key (tied names share one tensor)."""
+        """The unit's tensors on ``device``, one per store key (tied names share one tensor).
+
+        Copies are normal tensors even under ``torch.inference_mode``: kernels treat a parameter made of an
+        inference tensor as one that needs no grad, and take another path than for the in-memory model's."""
         fetched = {}
-        for key in self.keys:
-            value = store[key]
-            if value.device != device:
-                value = value.to(device, non_blocking=non_blocking)
-            fetched[key] = value
+        with torch.inference_mode(False):
+            for key in self.keys:
+                value = store[key]
+                if value.device != device:
+                    value = value.to(device, non_blocking=non_blocking)
+                fetched[key] = value
         return fetched
 
     def as_params(self, fetched: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:

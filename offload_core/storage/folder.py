@@ -339,7 +339,8 @@ class FolderStore(Store):
                 fd = open_nofollow(_safe_file_name(self.folder, name))
                 with os.fdopen(fd, "rb") as handle:
                     array = np.memmap(handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,))
-                tensor = torch.from_numpy(array).view(dtype).reshape(shape)
+                with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode this call runs in
+                    tensor = torch.from_numpy(array).view(dtype).reshape(shape)
             self._maps[name] = tensor
         return tensor
 

@@ -67,7 +67,8 @@ class InPlaceStore(Store):
         """The stored bytes as a tensor of the stored dtype (a view of the mapped shard)."""
         view = self._views.get(name)
         if view is None:
-            view = self._views[name] = self.checkpoint.get(self._refs[name])
+            with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode the first call ran in
+                view = self._views[name] = self.checkpoint.get(self._refs[name])
         return view
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -75,7 +75,8 @@ class Buffers:
     def get(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         key = (tuple(shape), dtype)
         if key not in self.buffers:
-            self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
+            with torch.inference_mode(False):  # the experts' weights: normal tensors, as the in-memory model's
+                self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
         return self.buffers[key]
 
 
@@ -107,7 +108,11 @@ class ExpertLayer:
         into ``into`` (an evicted cache slot's rows) where given."""
         rows = {}
         for key, (shape, dtype) in self.specs.items():
-            out = into[key] if into is not None else torch.empty(shape[1:], dtype=dtype, pin_memory=self.pinned)
+            if into is not None:
+                out = into[key]
+            else:
+                with torch.inference_mode(False):  # kept in the cache across calls
+                    out = torch.empty(shape[1:], dtype=dtype, pin_memory=self.pinned)
             read_expert(self.store, key, expert, out)
             rows[key] = out
         self.counters.add_bytes(len(rows), self.row_bytes)

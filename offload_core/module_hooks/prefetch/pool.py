@@ -55,7 +55,8 @@ class BlockPool:
             self.peak_in_use = max(self.peak_in_use, self.count - len(self.free))
             event, self.free_events[index] = self.free_events[index], None
         if self.buffers[index] is None:
-            self.buffers[index] = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+            with torch.inference_mode(False):  # weights are views of it: normal tensors, as the in-memory model's
+                self.buffers[index] = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         return index, self.buffers[index], event
 
     def borrow(self, key: str) -> tuple[torch.Tensor, int] | None:

@@ -195,7 +195,8 @@ class Prefetcher:
                 view = dst.view(dtype).view(shape)
                 self._copy_tensor(key, view, dst)
             else:
-                view = torch.empty(shape, dtype=dtype, device=self.device)
+                with torch.inference_mode(False):
+                    view = torch.empty(shape, dtype=dtype, device=self.device)
             pool.publish(key, view, index)
             fetched.tensors[key] = view
             fetched.moved += nbytes

@@ -1,0 +1,70 @@
+"""A dispatched model reports the device it runs on, as the in-memory model does, even when its first weight is
+offloaded: ``generate`` then takes the same decisions (a Mixture-of-Experts model keeps its experts' kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import offload_core
+from offload_core import load_checkpoint_and_dispatch
+from tests.loading.test_transformers_checkpoints import POLICIES, STORES, Saved, saved  # noqa: F401, F811 (saved: the session fixture of tiny models)
+
+
+def _generate(model: nn.Module, moe: Saved) -> tuple[torch.Tensor, list[torch.Tensor], set[str]]:
+    """Greedy tokens, each step's logits, and the experts implementations the experts modules ran with."""
+    seen: set[str] = set()
+    handles = [module.register_forward_pre_hook(lambda mod, args: seen.add(mod.config._experts_implementation))
+               for name, module in model.named_modules() if name.endswith("mlp.experts")]
+    ids = moe.inputs["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    for handle in handles:
+        handle.remove()
+    return out.sequences, list(out.logits), seen
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_path):
+    """Every step's logits bit for bit, under ``inference_mode`` as ``generate`` runs; then a plain call."""
+    moe = saved("mixtral")
+    reference = moe.auto.from_pretrained(moe.path).eval()
+    want_tokens, want_logits, want_impl = _generate(reference, moe)
+    model = offload_core.from_pretrained(moe.path, device_map={"": "disk"}, storage=store, policy=policy,
+                                         offload_folder=tmp_path / "off", execution_device="cpu")
+    assert next(model.parameters()).device.type == "meta"
+    assert model.device == torch.device("cpu")
+    tokens, logits, impl = _generate(model, moe)
+    assert impl == want_impl == {"grouped_mm"}
+    assert torch.equal(tokens, want_tokens)
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        assert torch.equal(got, want), f"step {step}: {(got - want).abs().max()}"
+    with torch.no_grad():  # the weights read under inference_mode are usable outside it
+        assert torch.equal(model(**moe.inputs).logits, moe.expected)
+    model.offload_state.remove()
+    assert type(model) is type(reference)
+    assert model.device == torch.device("cpu")
+
+
+def test_a_model_with_a_resident_first_weight_reports_that_weight_s_device(saved, tmp_path):
+    moe = saved("mixtral")
+    model = offload_core.from_pretrained(moe.path, device_map={"model.embed_tokens": "cpu", "model.layers": "disk",
+                                                               "model.norm": "disk", "lm_head": "disk"},
+                                         storage="memmap", offload_folder=tmp_path / "off", execution_device="cpu")
+    assert model.device == torch.device("cpu")
+    model.offload_state.remove()
+
+
+def test_a_plain_module_keeps_its_class(tmp_path):
+    from safetensors.torch import save_file
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    load_checkpoint_and_dispatch(model, tmp_path, device_map={"": "disk"}, storage="safetensors",
+                                 execution_device="cpu", progress=False)
+    assert type(model) is nn.Sequential
+    assert model(torch.ones(1, 4)).shape == (1, 2)
+    model.offload_state.remove()
