@@ -3,6 +3,8 @@ offloaded: ``generate`` then takes the same decisions (a Mixture-of-Experts mode
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import pytest
 import torch
 from torch import nn
@@ -18,12 +20,20 @@ def _generate(model: nn.Module, moe: Saved) -> tuple[torch.Tensor, list[torch.Te
     handles = [module.register_forward_pre_hook(lambda mod, args: seen.add(mod.config._experts_implementation))
                for name, module in model.named_modules() if name.endswith("mlp.experts")]
     ids = moe.inputs["input_ids"]
+    start = {"decoder_start_token_id": 0} if model.config.is_encoder_decoder else {}
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True, **start)
     for handle in handles:
         handle.remove()
     return out.sequences, list(out.logits), seen
+
+
+@lru_cache(maxsize=None)
+def _reference(moe: Saved) -> tuple[type, torch.Tensor, list[torch.Tensor], set[str]]:
+    """The in-memory model's class and generation (one per tiny model, shared by the tests)."""
+    reference = moe.auto.from_pretrained(moe.path).eval()
+    return (type(reference), *_generate(reference, moe))
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -31,8 +41,7 @@ def _generate(model: nn.Module, moe: Saved) -> tuple[torch.Tensor, list[torch.Te
 def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_path):
     """Every step's logits bit for bit, under ``inference_mode`` as ``generate`` runs; then a plain call."""
     moe = saved("mixtral")
-    reference = moe.auto.from_pretrained(moe.path).eval()
-    want_tokens, want_logits, want_impl = _generate(reference, moe)
+    cls, want_tokens, want_logits, want_impl = _reference(moe)
     model = offload_core.from_pretrained(moe.path, device_map={"": "disk"}, storage=store, policy=policy,
                                          offload_folder=tmp_path / "off", execution_device="cpu")
     assert next(model.parameters()).device.type == "meta"
@@ -45,8 +54,22 @@ def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_pa
     with torch.no_grad():  # the weights read under inference_mode are usable outside it
         assert torch.equal(model(**moe.inputs).logits, moe.expected)
     model.offload_state.remove()
-    assert type(model) is type(reference)
+    assert type(model) is cls
     assert model.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3", "qwen2_moe", "t5"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_generation_steps_are_bit_identical(saved, name, policy, tmp_path):
+    moe = saved(name)
+    _, want_tokens, want_logits, _ = _reference(moe)
+    model = offload_core.from_pretrained(moe.path, device_map={"": "disk"}, storage="safetensors", policy=policy,
+                                         execution_device="cpu")
+    tokens, logits, _ = _generate(model, moe)
+    model.offload_state.remove()
+    assert torch.equal(tokens, want_tokens)
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        assert torch.equal(got, want), f"step {step}: {(got - want).abs().max()}"
 
 
 def test_a_model_with_a_resident_first_weight_reports_that_weight_s_device(saved, tmp_path):
