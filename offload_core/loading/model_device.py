@@ -15,7 +15,9 @@ from torch import nn
 
 
 def report_execution_device(model: nn.Module, execution_device: torch.device) -> None:
-    """Make ``model.device`` name ``execution_device`` whenever the model's first parameter is offloaded.
+    """Make ``model.device`` name ``execution_device`` whenever the model's first parameter is offloaded (on
+    ``meta`` between calls, or resting on the cpu while the model runs on an accelerator); a first parameter
+    resident on an accelerator names its own device, as it does in memory.
 
     Only models whose class has a ``device`` property (transformers models) are changed; the class is swapped
     for a subclass of the same name, undone by :func:`restore_device_report`.
@@ -38,7 +40,7 @@ def restore_device_report(model: nn.Module) -> None:
 def _reporting_class(cls: type) -> type:
     def device(self) -> torch.device:
         first = next(self.parameters()).device
-        return self._offload_core_execution_device if first.type == "meta" else first
+        return self._offload_core_execution_device if first.type in ("meta", "cpu") else first
 
     return type(cls.__name__, (cls,), {"device": property(device, doc=cls.device.__doc__),
                                        "_offload_core_reports_device": True,
