@@ -4,6 +4,7 @@ offloaded: ``generate`` then takes the same decisions (a Mixture-of-Experts mode
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import product
 
 import pytest
 import torch
@@ -36,8 +37,13 @@ def _reference(moe: Saved) -> tuple[type, torch.Tensor, list[torch.Tensor], set[
     return (type(reference), *_generate(reference, moe))
 
 
-@pytest.mark.parametrize("store", STORES)
-@pytest.mark.parametrize("policy", POLICIES)
+def _matrix(*axes: list[str]) -> list:
+    """Every combination of ``axes``; all but the first marked slow (the quick subset keeps one)."""
+    combos = list(product(*axes))
+    return [pytest.param(*combo, marks=() if i == 0 else pytest.mark.slow) for i, combo in enumerate(combos)]
+
+
+@pytest.mark.parametrize("policy,store", _matrix(POLICIES, STORES))
 def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_path):
     """Every step's logits bit for bit, under ``inference_mode`` as ``generate`` runs; then a plain call."""
     moe = saved("mixtral")
@@ -58,8 +64,7 @@ def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_pa
     assert model.device == torch.device("cpu")
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3", "qwen2_moe", "t5"])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy,name", _matrix(POLICIES, ["llama", "gpt2", "gemma3", "qwen2_moe", "t5"]))
 def test_generation_steps_are_bit_identical(saved, name, policy, tmp_path):
     moe = saved(name)
     _, want_tokens, want_logits, _ = _reference(moe)
