@@ -1,4 +1,5 @@
-"""The expert-granular policy ``experts``: prefetch's block units for everything but the MoE experts, whose routed rows alone are read, cached and guessed ahead."""
+"""The expert-granular policy ``experts``: prefetch's block units for everything but the MoE experts, whose routed rows
+alone are read, cached and guessed ahead (a list of expert modules: each expert read when called, and cached)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
 from offload_core.module_hooks.experts.cache import ExpertCache
+from offload_core.module_hooks.experts.lists import ListedExpertHook, listed_expert_sizes, listed_expert_units
 from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, ExpertLayer, ExpertsHook, expert_sizes,
                                                       expert_slots, is_fused_experts)
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
@@ -111,7 +113,9 @@ class Experts(Prefetch):
         reserve = dict(super().reserve(need))
         if need.model is None:
             return reserve
-        row, layers = expert_sizes(need.model, need.dtype)
+        (fused_row, fused_layers), (listed_row, listed_layers) = (expert_sizes(need.model, need.dtype),
+                                                                    listed_expert_sizes(need.model, need.dtype))
+        row, layers = max(fused_row, listed_row), fused_layers + listed_layers
         cache = self.config.cache_slots * row * layers
         reserve["cpu"] = reserve.get("cpu", 0) + cache + self.config.cache_slots * row
         self.cache_note = (f"expert cache: {self.config.cache_slots} slots per layer x {layers} MoE layers of "
@@ -129,7 +133,9 @@ class Experts(Prefetch):
                 slots = expert_slots(name, module, plan.offloaded)
                 if slots:
                     expert_units.append(Unit(name, module, slots))
-        taken = {slot.full for unit in expert_units for slot in unit.slots}
+        listed = listed_expert_units(model, plan.offloaded)
+        listed_units = [unit for units, _ in listed for unit in units]
+        taken = {slot.full for unit in expert_units + listed_units for slot in unit.slots}
         rest = {name: key for name, key in plan.offloaded.items() if name not in taken}
         blocks = super().attach(model, replace(plan, offloaded=rest))
         counters = ExpertCounters(stats=plan.stats)
@@ -145,7 +151,12 @@ class Experts(Prefetch):
         handles = list(blocks.handles)
         handles.append(add_hook_to_module(model, TokenCounter(counters)))
         handles.extend(add_hook_to_module(layer.unit.module, ExpertsHook(layer)) for layer in layers)
-        return ExpertsHandle(model, plan, blocks.units + expert_units, handles, prefetcher=blocks.prefetcher,
+        for units, positions in listed:  # a list of expert modules: each read when called, cached per layer
+            cache = ExpertCache(config.cache_slots)
+            handles.extend(add_hook_to_module(unit.module, ListedExpertHook(unit, position, cache, plan.store,
+                                                                            plan.execution_device, counters))
+                           for unit, position in zip(units, positions))
+        return ExpertsHandle(model, plan, blocks.units + expert_units + listed_units, handles, prefetcher=blocks.prefetcher,
                              layers=layers, counters=counters, reader=reader, cache_slots=config.cache_slots)
 
 
