@@ -109,7 +109,8 @@ class Experts(Prefetch):
     def reserve(self, need: InFlight) -> dict:
         """Prefetch's reservation for the blocks, and from the cpu budget the expert cache (``cache_slots``
         experts per MoE layer) and the next layer's experts guessed ahead (``top_k`` at most, counted as
-        the cache's size again); on a GPU run, one full-shape buffer per expert tensor on the device."""
+        the cache's size again); on a GPU run, one full-shape buffer per expert tensor on the device, and
+        the cache of a list of expert modules, which stays on the device."""
         reserve = dict(super().reserve(need))
         if need.model is None:
             return reserve
@@ -118,6 +119,9 @@ class Experts(Prefetch):
         row, layers = max(fused_row, listed_row), fused_layers + listed_layers
         cache = self.config.cache_slots * row * layers
         reserve["cpu"] = reserve.get("cpu", 0) + cache + self.config.cache_slots * row
+        if listed_layers and need.execution_device.type != "cpu":  # listed experts are cached where they run
+            gpu = need.execution_device.index or 0
+            reserve[gpu] = reserve.get(gpu, 0) + self.config.cache_slots * listed_row * listed_layers
         self.cache_note = (f"expert cache: {self.config.cache_slots} slots per layer x {layers} MoE layers of "
                            f"{format_size(row)} experts = {format_size(cache)} of the cpu budget") if layers else ""
         return reserve
