@@ -141,6 +141,11 @@ def _direct_slots(prefix: str, module: nn.Module, offloaded: Mapping[str, str]) 
     return slots
 
 
+def subtree_slots(prefix: str, module: nn.Module, offloaded: Mapping[str, str]) -> list[Slot]:
+    """The offloaded tensors of ``module`` (named ``prefix``) and of every module below it."""
+    return [s for sub_name, sub in module.named_modules(prefix=prefix) for s in _direct_slots(sub_name, sub, offloaded)]
+
+
 def _is_block(module: nn.Module, no_split: Iterable[str]) -> bool:
     return type(module).__name__ in set(no_split) or not any(True for _ in module.children())
 
@@ -169,7 +174,7 @@ def find_units(model: nn.Module, offloaded: Mapping[str, str], no_split_module_c
 
     def visit(prefix: str, module: nn.Module) -> None:
         if _is_block(module, no_split):
-            slots = [s for sub_name, sub in module.named_modules(prefix=prefix) for s in _direct_slots(sub_name, sub, offloaded)]
+            slots = subtree_slots(prefix, module, offloaded)
             if slots:
                 units.append(Unit(prefix, module, slots))
             return

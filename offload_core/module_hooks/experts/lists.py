@@ -11,7 +11,7 @@ from torch import nn
 from offload_core.module_hooks.base import ModuleHook
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.loader import ExpertCounters
-from offload_core.module_hooks.units import Slot, Unit
+from offload_core.module_hooks.units import Unit, subtree_slots
 
 
 def expert_lists(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -46,13 +46,7 @@ def listed_expert_units(model: nn.Module, offloaded: Mapping[str, str]) -> list[
         units, positions = [], []
         for position, (child_name, child) in enumerate(container.named_children()):
             prefix = f"{name}.{child_name}"
-            slots = []
-            for sub_name, sub in child.named_modules(prefix=prefix):
-                for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
-                    for local, tensor in table.items():
-                        full = f"{sub_name}.{local}"
-                        if tensor is not None and full in offloaded:
-                            slots.append(Slot(sub, local, full, offloaded[full], is_param, tensor))
+            slots = subtree_slots(prefix, child, offloaded)
             if slots:
                 units.append(Unit(prefix, child, slots))
                 positions.append(position)
