@@ -10,10 +10,10 @@ import psutil
 
 from offload_core.errors import ConfigError
 from offload_core.storage.residency import SAFETY_MARGIN, Residency, available_memory, page_cache_budget
+from offload_core.values import format_size, is_offloaded, parse_size
 
 #: streamed blocks whose pages are in memory at once: the one running, two read ahead, one being dropped
 STREAMED_AT_ONCE = 4
-from offload_core.values import format_size, is_offloaded, parse_size
 
 
 def page_cache_setting(value: Any) -> int | None | str:
