@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 
+import pytest
 import torch
 
 from offload_core.atomic import fsync_path
@@ -96,3 +99,29 @@ def test_dropping_a_mapped_tensor_takes_its_pages_out_of_the_page_cache(tmp_path
         assert torch.equal(store["w"], tensor), "a dropped tensor reads back other values"
     finally:
         store.close()
+
+
+def _mapped_halves(path, nbytes):
+    """Two tensors mapping the two halves of a new file of ``nbytes`` bytes, its pages out of the page cache."""
+    path.write_bytes(bytes(range(256)) * (nbytes // 256))
+    fsync_path(path)  # the kernel drops clean pages only
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    half = nbytes // 2
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return whole[:half], whole[half:]
+
+
+@pytest.mark.skipif(libc() is None or not hasattr(os, "posix_fadvise"), reason="needs mincore and posix_fadvise")
+def test_populating_with_the_file_range_reads_the_tensor_in_and_a_file_gone_is_no_error(tmp_path):
+    first, second = _mapped_halves(tmp_path / "weights", 16 << 20)
+    assert populate(first, tmp_path / "weights", 0) and resident(first)
+    assert torch.equal(first[:256], torch.arange(256, dtype=torch.uint8))
+    (tmp_path / "weights").unlink()  # the mapping still reads; advising the file by name cannot
+    assert populate(second, tmp_path / "weights", 8 << 20) and resident(second)
+    assert torch.equal(second[-256:], torch.arange(256, dtype=torch.uint8))
