@@ -64,6 +64,7 @@ def summary_row(run: dict, bandwidth: float, budget_bytes: int) -> dict:
             "within_bound": s_per_token <= bound, "kept_bytes": kept, "offloaded_bytes": m["offloaded_bytes"],
             "disk_read_bytes_per_token": m.get("disk_read_bytes_per_token"),
             "disk_read_bytes_first_token": m.get("disk_read_bytes_first_token"),
+            "disk_read_bytes_by_token": m.get("disk_read_bytes_by_token", []), "prefetch": counters,
             "kept_served_bytes_per_token": counters.get("kept_served_bytes", 0) / max(m["generated_tokens"], 1),
             "time_to_first_token_s": m["time_to_first_token_s"], "load_s": m["load_s"],
             "read_bandwidth_bytes_per_s": m.get("read_bandwidth_bytes_per_s"), "wait_s_per_token": counters.get("wait_s_per_token"),
@@ -90,7 +91,8 @@ def write_report(path: Path, args: argparse.Namespace, bandwidths: dict, rows: l
         speedup = lru[r["store"]] / r["s_per_token"] if r["store"] in lru and r["s_per_token"] else float("nan")
         lines.append(f"| {r['store']} | {r['page_cache']} | {r['load_s']:.1f} | {r['time_to_first_token_s']:.1f} | "
                      f"{r['s_per_token']:.2f} | {speedup:.2f} | {r['bound_s']:.2f} | {r['within_bound']} | {r['kept_bytes'] / GB:.2f} | "
-                     f"{(r['disk_read_bytes_first_token'] or 0) / GB:.2f} | {(disk or 0) / GB:.2f} | {r['kept_served_bytes_per_token'] / GB:.2f} | "
+                     f"{(r['disk_read_bytes_first_token'] or 0) / GB:.2f} | {(disk or 0) / GB:.2f} "
+                     f"({', '.join(f'{b / GB:.2f}' for b in r['disk_read_bytes_by_token'][1:])}) | {r['kept_served_bytes_per_token'] / GB:.2f} | "
                      f"{(r['read_bandwidth_bytes_per_s'] or 0) / GB:.2f} | {r['wait_s_per_token'] or 0:.2f} | "
                      f"{r['kept_shrinks']} ({r['kept_shrunk_bytes'] / GB:.2f}) / {r['kept_grows']} | "
                      f"{r['peak_anon_rss_bytes'] / GB:.2f} | {r['swap_used_delta']} | {r['token_ids']} |")
