@@ -56,9 +56,10 @@ class Residency:
 
     def assign(self, blocks: list[tuple[str, int]]) -> None:
         """Choose the kept set from ``blocks`` (name, bytes) in execution order, up to the budget; the rest
-        are streamed. The kept blocks are spread evenly through the order (about one in every
-        ``total / budget`` bytes) rather than taken as a prefix: while a kept block computes, the reader
-        has a streamed block to read, so the disk is not left idle through a run of kept blocks."""
+        are streamed. The kept blocks are spread evenly through the order (the kept share of the bytes
+        seen so far follows ``budget / total``) rather than taken as a prefix: while a kept block
+        computes, the reader has a streamed block to read, so the disk is not left idle through a run of
+        kept blocks."""
         sizes: dict[str, int] = {}
         for name, size in blocks:
             sizes.setdefault(name, size)
