@@ -10,10 +10,10 @@ import psutil
 
 from offload_core.errors import ConfigError
 from offload_core.storage.residency import SAFETY_MARGIN, Residency, available_memory, page_cache_budget
+from offload_core.values import format_size, is_offloaded, parse_size
 
 #: streamed blocks whose pages are in memory at once: the one running, two read ahead, one being dropped
 STREAMED_AT_ONCE = 4
-from offload_core.values import format_size, is_offloaded, parse_size
 
 
 def page_cache_setting(value: Any) -> int | None | str:
@@ -106,12 +106,14 @@ class DiskReads:
 
     def figures(self) -> dict[str, Any]:
         """Disk bytes read by the first forward, per forward after it (the steady state; the first
-        forward's when it is the only one), and the read bandwidth achieved over those forwards."""
+        forward's when it is the only one), by each forward (the last one's bytes run to the end, read-ahead
+        for a forward that never came included), and the read bandwidth achieved after the first."""
         forwards = len(self.marks) - 2  # marks: the start, one as each forward starts, the end
         if forwards < 1:  # read_bytes unknown here, or no forward ran
             return {}
         (start, _), (end, end_t) = self.marks[0], self.marks[-1]
         first, since, since_t = (self.marks[2][0] - start, *self.marks[2]) if forwards > 1 else (end - start, *self.marks[0])
         seconds = end_t - since_t
+        each = [first] + [b - a for (a, _), (b, _) in zip(self.marks[2:-1], self.marks[3:])]
         return {"disk_read_bytes_first_token": first, "disk_read_bytes_per_token": (end - since) / max(forwards - 1, 1),
-                "read_bandwidth_bytes_per_s": (end - since) / seconds if seconds > 0 else 0.0}
+                "disk_read_bytes_by_token": each, "read_bandwidth_bytes_per_s": (end - since) / seconds if seconds > 0 else 0.0}

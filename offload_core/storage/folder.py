@@ -32,7 +32,7 @@ from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
 from offload_core.storage.folder_guard import LOCK, FolderLock, checksum, entries, open_nofollow
-from offload_core.storage.pagecache import drop
+from offload_core.storage.pagecache import drop, populate
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +352,9 @@ class FolderStore(Store):
 
     def file_of(self, name: str) -> Path:
         return _safe_file_name(self.folder, name)
+
+    def warm(self, name: str) -> bool:
+        return populate(self[name], self.file_of(name), 0)
 
     def drop(self, name: str) -> bool:
         return drop(self[name], self.file_of(name), 0)

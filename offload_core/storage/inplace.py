@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -121,14 +122,18 @@ class InPlaceStore(Store):
     def warm(self, name: str) -> bool:
         if name in self.converting or name in self.assembled:
             return False  # a copy is made on read: the caller fetches it ahead instead
-        return populate(self[name])
+        return populate(self._view(name), *self._where(name))
 
     def drop(self, name: str) -> bool:
         if name in self.assembled:
             return False
+        return drop(self._view(name), *self._where(name))
+
+    def _where(self, name: str) -> tuple[Path, int]:
+        """The shard holding ``name``'s bytes and their offset in it."""
         key = self._refs[name]
         shard = self.checkpoint.file_of(key)
-        return drop(self._view(name), shard, self.checkpoint.safetensors_file(shard).byte_range(key)[0])
+        return shard, self.checkpoint.safetensors_file(shard).byte_range(key)[0]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._refs)

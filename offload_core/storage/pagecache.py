@@ -67,13 +67,16 @@ def resident(tensor: torch.Tensor) -> bool:
     return _all_resident(lib, *_page_span(tensor))
 
 
-def populate(tensor: torch.Tensor) -> bool:
+def populate(tensor: torch.Tensor, path: str | os.PathLike[str] | None = None, offset: int = 0) -> bool:
     """Bring a CPU tensor's file-backed pages into memory ahead of use, on the calling (reader) thread.
 
     When ``mincore`` shows the tensor already in memory, nothing is done (walking the pages of every
-    offloaded byte on every token is costly). Otherwise ``MADV_POPULATE_READ`` reads and maps them
-    (the GIL is released meanwhile); kernels without it get the ``MADV_WILLNEED`` hint, which some
-    disks ignore. Returns False where madvise is unavailable.
+    offloaded byte on every token is costly). Otherwise, given the file the tensor maps (``path``, its
+    bytes starting at ``offset``), the tensor's byte range is first asked for with ``POSIX_FADV_WILLNEED``,
+    which queues the whole range at once (a deeper queue than the page faults' readahead windows:
+    ``bench/readpath.py``); then ``MADV_POPULATE_READ`` waits for the pages and maps them (the GIL is
+    released meanwhile). Kernels without it get the ``MADV_WILLNEED`` hint, which some disks ignore.
+    Returns False where madvise is unavailable.
     """
     lib = libc()
     if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":
@@ -81,9 +84,26 @@ def populate(tensor: torch.Tensor) -> bool:
     start, length = _page_span(tensor)
     if _all_resident(lib, start, length):
         return True
+    if path is not None:
+        _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_WILLNEED")
     if lib.madvise(start, length, _MADV_POPULATE_READ) == 0:
         return True
     return lib.madvise(start, length, _MADV_WILLNEED) == 0
+
+
+def _advise(path: str | os.PathLike[str], offset: int, length: int, advice: str) -> bool:
+    """``posix_fadvise`` on a byte range of ``path``; False where it cannot be given (no such call, the file gone)."""
+    if not hasattr(os, advice):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, offset, length, getattr(os, advice))
+    finally:
+        os.close(fd)
+    return True
 
 
 def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> bool:
@@ -99,12 +119,4 @@ def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> boo
         return False
     start, length = _page_span(tensor)
     lib.madvise(start, length, _MADV_DONTNEED)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        os.posix_fadvise(fd, offset, tensor.numel() * tensor.element_size(), os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return True
+    return _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_DONTNEED")

@@ -33,7 +33,8 @@ class Residency:
     ``budget``: bytes the kept set may hold (:func:`page_cache_budget`). ``available`` is a seam: the
     memory available now (tests give a function that fakes it). At every token :meth:`check` compares
     the kept set with ``min(budget, available() - margin)`` (our kept pages count as available, being
-    clean page cache) and moves blocks from the end of the kept set to the streamed set until it fits.
+    clean page cache) and moves blocks from the end of the kept set to the streamed set until it fits, or
+    back again when there is room.
     """
 
     budget: int
@@ -44,27 +45,56 @@ class Residency:
     #: times the kept set shrank under memory pressure, and the bytes it gave up
     shrinks: int = 0
     shrunk_bytes: int = 0
+    #: times blocks came back to the kept set once memory was available again, and their bytes
+    grows: int = 0
+    grown_bytes: int = 0
     #: bytes of kept blocks handed to a forward (served from the page cache) and streamed blocks dropped
     kept_served: int = 0
     dropped: int = 0
+    #: blocks that left the kept set under memory pressure, in the order they left
+    _left: list[str] = field(default_factory=list, init=False, repr=False)
 
     def assign(self, blocks: list[tuple[str, int]]) -> None:
-        """Choose the kept set from ``blocks`` (name, bytes) in execution order: blocks are kept while they
-        fit in the budget, the rest are streamed. Which blocks are kept does not matter for a scan that
-        reads every block once per token; keeping a prefix lets the reader run ahead through it."""
-        self.kept, self.streamed = {}, {}
-        used = 0
+        """Choose the kept set from ``blocks`` (name, bytes) in execution order, up to the budget; the rest
+        are streamed. The kept blocks are spread evenly through the order (the kept share of the bytes
+        seen so far follows ``budget / total``) rather than taken as a prefix: while a kept block
+        computes, the reader has a streamed block to read, so the disk is not left idle through a run of
+        kept blocks."""
+        sizes: dict[str, int] = {}
         for name, size in blocks:
-            if name in self.kept or name in self.streamed:
-                continue
-            if used + size <= self.budget:
-                self.kept[name] = size
+            sizes.setdefault(name, size)
+        total = sum(sizes.values())
+        share = min(self.budget / total, 1.0) if total else 1.0
+        kept: set[str] = set()
+        used = credit = 0.0
+        for name, size in sizes.items():
+            credit += size * share
+            if size <= credit + 1e-9 * total and used + size <= self.budget:
+                kept.add(name)
                 used += size
-            else:
-                self.streamed[name] = size
+                credit -= size
+        for name, size in sizes.items():  # what rounding left of the budget
+            if name not in kept and used + size <= self.budget:
+                kept.add(name)
+                used += size
+        self._left = []
+        self.kept = {name: size for name, size in sizes.items() if name in kept}
+        self.streamed = {name: size for name, size in sizes.items() if name not in kept}
 
     def is_kept(self, name: str) -> bool:
         return name in self.kept
+
+    def window(self, ahead: list[str], depth: int) -> int:
+        """How many of the blocks ``ahead`` (in the order they run) to read ahead: up to and including the
+        ``depth``-th streamed one. Kept blocks on a mapped run cost no read and no memory (their pages stay
+        cached), so counting only streamed ones lets the reader read the next streamed blocks while kept
+        ones compute, instead of leaving the disk idle until the window reaches them."""
+        streamed = 0
+        for count, name in enumerate(ahead):
+            if streamed == depth:
+                return count
+            streamed += name not in self.kept
+        return len(ahead)
 
     @property
     def kept_bytes(self) -> int:
@@ -79,8 +109,13 @@ class Residency:
         return max(min(self.budget, self.available() - self.margin), 0)
 
     def check(self) -> list[str]:
-        """Shrink the kept set to :meth:`limit` (called as a token starts); returns the blocks that moved
-        to the streamed set (their pages are the caller's to drop)."""
+        """Fit the kept set to :meth:`limit` (called as a token starts); returns the blocks that moved to
+        the streamed set (their pages are the caller's to drop).
+
+        Blocks leave from the end of the kept set while it is over the limit. When the limit has room
+        again (the other process let go of its memory), blocks that left come back, most recent first,
+        while they fit: their pages stay cached after their next use instead of being dropped.
+        """
         limit, moved = self.limit(), []
         kept = self.kept_bytes
         while self.kept and kept > limit:
@@ -91,11 +126,23 @@ class Residency:
         if moved:
             self.shrinks += 1
             self.shrunk_bytes += sum(self.streamed[name] for name in moved)
+            self._left.extend(moved)
+            return moved
+        back = []
+        while self._left and kept + self.streamed[self._left[-1]] <= limit:
+            name = self._left.pop()
+            size = self.kept[name] = self.streamed.pop(name)
+            kept += size
+            back.append(name)
+        if back:
+            self.grows += 1
+            self.grown_bytes += sum(self.kept[name] for name in back)
         return moved
 
     def counters(self) -> dict[str, int]:
         """The kept and streamed sets' sizes now, what was served from the kept set, dropped after use,
-        and given up under memory pressure."""
+        given up under memory pressure and taken back once memory was available again."""
         return {"kept_blocks": len(self.kept), "kept_bytes": self.kept_bytes, "streamed_blocks": len(self.streamed),
                 "streamed_bytes": self.streamed_bytes, "kept_served_bytes": self.kept_served,
-                "dropped_bytes": self.dropped, "kept_shrinks": self.shrinks, "kept_shrunk_bytes": self.shrunk_bytes}
+                "dropped_bytes": self.dropped, "kept_shrinks": self.shrinks, "kept_shrunk_bytes": self.shrunk_bytes,
+                "kept_grows": self.grows, "kept_grown_bytes": self.grown_bytes}

@@ -3,12 +3,15 @@ shrinks at the next forward when (faked) available memory falls, and outputs sta
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import dispatch_model
-from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
+from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig, Prefetcher
 from offload_core.storage.residency import Residency
 
 DISK = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "disk", "model.layers.2": "cpu",
@@ -65,3 +68,61 @@ def test_kept_blocks_are_served_from_the_cache_and_shrink_under_pressure(tmp_pat
         model.offload_state.remove()
     assert counters["kept_shrinks"] == 1 and counters["kept_blocks"] == 1 and counters["streamed_blocks"] == 2
     assert counters["kept_shrunk_bytes"] > 0 and counters["dropped_bytes"] > 0
+
+
+class _RecordingStore(Mapping):
+    """The run's store, calling ``on_warm(key)`` whenever the reader brings a tensor in."""
+
+    def __init__(self, inner, on_warm):
+        self.inner, self.on_warm = inner, on_warm
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __getitem__(self, key):
+        return self.inner[key]
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def warm(self, key):
+        self.on_warm(key)
+        return self.inner.warm(key)
+
+
+def test_the_reader_reads_the_next_streamed_block_while_a_kept_one_is_next(tmp_path):
+    """Layers 0-3 offloaded, layers 1 and 3 kept: with depth 1, layer 2 (streamed) is read while layer 0
+    runs, because layer 1 (kept) costs no read; counting layer 1 against the depth would leave the disk
+    idle until layer 1 starts."""
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
+    expected = _generate(_model(), ids)
+    model = _model()
+    layer2_read = threading.Event()
+
+    def on_warm(key):
+        if key.startswith("model.layers.2."):
+            layer2_read.set()
+
+    class Recording(Prefetch):
+        def make_prefetcher(self, units, plan):
+            return Prefetcher(units, _RecordingStore(plan.store, on_warm), plan.execution_device, self.config.depth,
+                              plan.stats, residency=plan.residency)
+
+    block = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    residency = Residency(budget=block * 5 // 2)  # two of the four blocks, spread: layers 1 and 3
+    dispatch_model(model, {**DISK, "model.layers.2": "disk"}, storage="memmap", policy=Recording(PrefetchConfig(depth=1)),
+                   offload_folder=tmp_path / "off", no_split_module_classes=["LlamaDecoderLayer"], residency=residency)
+    handle = model.offload_state.handle
+    assert list(residency.kept) == ["model.layers.1", "model.layers.3"]
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda *_: seen.append(layer2_read.wait(timeout=10)))
+    try:
+        assert torch.equal(_generate(model, ids), expected)
+        counters = handle.counters()
+    finally:
+        model.offload_state.remove()
+    assert seen and all(seen), "layer 2 was not read while layer 0 ran: the kept layer 1 held the read-ahead back"
+    assert counters["kept_served_bytes"] > 0 and counters["dropped_bytes"] > 0

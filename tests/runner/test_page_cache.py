@@ -64,5 +64,8 @@ def test_disk_reads_are_sampled_per_forward_and_the_first_reported_apart():
         pytest.skip("this platform does not report the process's read_bytes")
     assert len(reads.marks) == 5
     assert figures["disk_read_bytes_first_token"] >= 0 and figures["disk_read_bytes_per_token"] >= 0
+    each = figures["disk_read_bytes_by_token"]
+    assert len(each) == 3 and each[0] == figures["disk_read_bytes_first_token"]
+    assert sum(each[1:]) == 2 * figures["disk_read_bytes_per_token"]
     model(torch.ones(2))
     assert len(reads.marks) == 5, "the sampling module hook was left on the model"

@@ -50,7 +50,8 @@ class PrefetchHandle(PolicyHandle):
 @dataclass
 class PrefetchConfig:
     name: str = "prefetch"
-    #: look-ahead depth k: how many upcoming offloaded blocks are in flight while one computes
+    #: look-ahead depth k: how many upcoming offloaded blocks are in flight while one computes (with a
+    #: kept set on a mapped run, streamed blocks: kept ones between them are read ahead too, at no cost)
     depth: int = 2
     #: copy blocks into k+1 reusable buffers on the execution device (null: on a GPU run, or where the
     #: store converts on read; true on a CPU run reads mapped pages into private buffers ahead of use)

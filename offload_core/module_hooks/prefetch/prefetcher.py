@@ -323,15 +323,19 @@ class Prefetcher:
         unit.load(self.store, self.device, None, fetched=fetched.tensors)
         self.stats.add_moved(len(unit.keys), fetched.moved)
         if self._pool is not None:
-            # Along the recorded trace once there is one; until then, in module order (usually the
-            # order of execution). Fetches for units no longer expected are dropped (bounded memory).
-            upcoming = self.trace.upcoming(self.depth) if predicted else self._in_module_order(index)
+            # Fetches for units no longer expected are dropped (bounded memory).
+            upcoming = self._window(index, predicted)
             for stale in [i for i in self.pending if i not in upcoming]:
                 self._drop_pending(stale)
             self._schedule(upcoming)
 
-    def _in_module_order(self, index: int) -> list[int]:
-        return list(range(index + 1, min(index + 1 + self.depth, len(self.units))))
+    def _window(self, index: int, predicted: bool) -> list[int]:
+        """The units to have in flight after ``index`` (along the trace once there is one, else in module
+        order): the next ``depth``; on a mapped run with a kept set, kept units ride free (:meth:`Residency.window`)."""
+        free_kept = self.residency is not None and not self.copy
+        n = len(self.units) if free_kept else self.depth
+        ahead = self.trace.upcoming(n) if predicted else list(range(index + 1, min(index + 1 + n, len(self.units))))
+        return ahead[:self.residency.window([self.units[i].name for i in ahead], self.depth)] if free_kept else ahead
 
     def release(self, index: int) -> None:
         unit = self.units[index]
