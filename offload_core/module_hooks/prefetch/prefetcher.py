@@ -190,13 +190,10 @@ class Prefetcher:
         for key in keys:
             offset, shape, dtype = offsets[key]
             nbytes = _nbytes(shape, dtype)
+            dst = buffer[offset:offset + nbytes]
+            view = dst.view(dtype).view(shape)  # an empty tensor is an empty view of the buffer
             if nbytes:
-                dst = buffer[offset:offset + nbytes]
-                view = dst.view(dtype).view(shape)
                 self._copy_tensor(key, view, dst)
-            else:
-                with torch.inference_mode(False):
-                    view = torch.empty(shape, dtype=dtype, device=self.device)
             pool.publish(key, view, index)
             fetched.tensors[key] = view
             fetched.moved += nbytes
