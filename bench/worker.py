@@ -211,7 +211,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         "_policy": strategies.names["hook"],
         "planned_batch_bytes": need.total,
         "_predict": lambda: calibrate_and_predict(settings, strategies, run_model, plan, batch, len(ids),
-                                                  page_cache=not spec["cold"]),
+                                                  cold=spec["cold"]),
     }
     return model, info
 

@@ -78,13 +78,18 @@ class Unit:
         return sum(store[k].numel() * store[k].element_size() for k in self.keys)
 
     def fetch(self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False) -> dict[str, torch.Tensor]:
-        """The unit's tensors on ``device``, one per store key (tied names share one tensor)."""
+        """The unit's tensors on ``device``, one per store key (tied names share one tensor).
+
+        Read with inference mode off, even inside a forward run under it: a tensor made under it (a store's lazy
+        view, a copy to the device) is an inference tensor, which torch's CPU matmul treats like a weight that
+        does not require grad (see :func:`as_param`)."""
         fetched = {}
-        for key in self.keys:
-            value = store[key]
-            if value.device != device:
-                value = value.to(device, non_blocking=non_blocking)
-            fetched[key] = value
+        with torch.inference_mode(False):
+            for key in self.keys:
+                value = store[key]
+                if value.device != device:
+                    value = value.to(device, non_blocking=non_blocking)
+                fetched[key] = value
         return fetched
 
     def as_params(self, fetched: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:

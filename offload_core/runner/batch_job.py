@@ -4,6 +4,7 @@ through one dispatched model, with ``generations.jsonl`` and ``metrics.json`` wr
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from typing import Any
 
@@ -28,6 +29,13 @@ class Batches:
     @property
     def longest(self) -> int:
         return max(len(row) for row in self.encoded)
+
+    @property
+    def width(self) -> int:
+        """The padded prompt length of a typical batch: the median over the batches of each one's longest prompt."""
+        size = self.batch_size
+        return int(statistics.median_low(max(len(row) for row in self.encoded[i:i + size])
+                                         for i in range(0, len(self.encoded), size)))
 
     @property
     def rows(self) -> int:

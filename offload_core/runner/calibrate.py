@@ -1,5 +1,6 @@
 """Machine calibration for time predictions: disk read bandwidth (cold and page-cached) per filesystem, pinned
-host-to-device bandwidth, and compute time of one block of the model at hand; cached in ``calibration.json``."""
+host-to-device bandwidth, and compute time of one block and the output embedding of the model at hand per input shape;
+cached in ``calibration.json``."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def h2d_bandwidth(device: torch.device) -> float:
     return PROBE_BYTES / best
 
 
-def _first_block(model: nn.Module, no_split: list[str]) -> nn.Module | None:
+def first_block(model: nn.Module, no_split: list[str]) -> nn.Module | None:
+    """The first module of a no-split class (a decoder layer): the unit the compute calibration times."""
     for module in model.modules():
         if type(module).__name__ in no_split:
             return module
@@ -102,44 +104,67 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def block_compute(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, float]:
-    """Seconds one block of ``model`` (a copy with random weights) takes on ``device`` for 1 and for 64 tokens,
-    and the block's parameter count; the model's rotary embedding gives the positions when it has one."""
-    meta_block = _first_block(model, no_split)
+def _best_of(fn: Any, device: torch.device, reps: int = 3) -> float:
+    """Seconds of ``fn()``'s fastest of ``reps`` calls, after one untimed call (which builds kernels for the shape)."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A copy of a meta ``module`` on ``device`` in ``dtype`` with small random weights."""
+    copy_ = copy.deepcopy(module).to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.normal_(0, 0.02)
+    return copy_
+
+
+#: rows the output embedding is timed with at most (the time of more rows is scaled): a strided last-position
+#: slice makes torch's CPU matmul copy the weight once per row
+HEAD_ROWS = 8
+
+
+def compute_times(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device, rows: int,
+                  tokens: int) -> dict[str, float]:
+    """Seconds one block of ``model`` (a copy with random weights) takes on ``device`` over ``rows`` sequences of
+    ``tokens`` tokens (``block_s``), and the output embedding over the last position of each row, laid out as
+    generation slices it (``head_s``); the model's rotary embedding gives the positions when it has one."""
+    meta_block = first_block(model, no_split)
     if meta_block is None:
         return {}
-    block = copy.deepcopy(meta_block).to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.02)
+    block = _materialized(meta_block, dtype, device)
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if rotary is not None:
         with torch.device(device):
             rotary = type(rotary)(model.config)
     hidden = model.config.get_text_config().hidden_size
-    times = {}
+    times: dict[str, float] = {}
     with torch.inference_mode():
-        for tokens in (1, 64):
-            x = torch.randn(1, tokens, hidden, dtype=dtype, device=device)
-            kwargs: dict[str, Any] = {}
-            if rotary is not None:
-                kwargs["position_embeddings"] = rotary(x, torch.arange(tokens, device=device)[None])
-            for _ in range(2):
-                block(x, **kwargs)
-            _sync(device)
-            best = float("inf")
-            for _ in range(5):
-                started = time.perf_counter()
-                block(x, **kwargs)
-                _sync(device)
-                best = min(best, time.perf_counter() - started)
-            times[f"t{tokens}_s"] = best
-    return {**times, "params": sum(p.numel() for p in block.parameters())}
+        x = torch.randn(rows, tokens, hidden, dtype=dtype, device=device)
+        kwargs: dict[str, Any] = {}
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(x, torch.arange(tokens, device=device)[None])
+        times["block_s"] = _best_of(lambda: block(x, **kwargs), device)
+        del block
+        meta_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if isinstance(meta_head, nn.Linear):
+            head = _materialized(meta_head, dtype, device)
+            timed = min(rows, HEAD_ROWS)
+            last = torch.randn(timed, tokens, hidden, dtype=dtype, device=device)[:, -1:, :]
+            times["head_s"] = _best_of(lambda: head(last), device) * rows / timed
+    return times
 
 
 def _model_key(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     text = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(f"block-v2|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"compute-v3|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
 
 
 def existing_folder(path: Path) -> Path:
@@ -151,9 +176,10 @@ def existing_folder(path: Path) -> Path:
 
 
 def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device,
-              folders: dict[str, Path], refresh: bool = False) -> dict[str, Any]:
+              folders: dict[str, Path], shapes: dict[str, tuple[int, int]], refresh: bool = False) -> dict[str, Any]:
     """The calibration for this machine and model: per ``folders`` entry (``offload_folder``, ``checkpoint``) its
-    filesystem's bandwidths, ``h2d_bps`` on a GPU run and ``block`` timings; measured once and cached."""
+    filesystem's bandwidths, ``h2d_bps`` on a GPU run, and per named ``(rows, tokens)`` shape in ``shapes`` the
+    :func:`compute_times` under ``compute``; each measured once and cached (``refresh`` measures again)."""
     data = _read_cached()
     changed = False
     disks = data.setdefault("disks", {})
@@ -173,15 +199,17 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
             gpus[str(device)] = h2d_bandwidth(device)
             changed = True
         found["h2d_bps"] = gpus[str(device)]
-    blocks = data.setdefault("blocks", {})
-    key = _model_key(model, dtype, device)
-    if refresh or key not in blocks:
-        try:
-            blocks[key] = block_compute(model, no_split, dtype, device)
-        except (TypeError, ValueError, RuntimeError):  # a block whose forward wants more than hidden states and positions
-            blocks[key] = {}
-        changed = True
-    found["block"] = blocks[key]
+    timed = data.setdefault("compute", {}).setdefault(_model_key(model, dtype, device), {})
+    found["compute"] = {}
+    for name, (rows, tokens) in shapes.items():
+        key = f"{rows}x{tokens}"
+        if refresh or key not in timed:
+            try:
+                timed[key] = compute_times(model, no_split, dtype, device, rows, tokens)
+            except (TypeError, ValueError, RuntimeError):  # a block whose forward wants more than hidden states and positions
+                timed[key] = {}
+            changed = True
+        found["compute"][name] = timed[key]
     if changed:
         _write_cached(data)
     return found

@@ -116,7 +116,7 @@ def predicted_time(settings: Settings, strategies: Strategies, run_model: RunMod
 
     if run_model.task not in GENERATIVE:  # one forward over the texts: no decoding step to predict
         return {}
-    rows, tokens = (batches.rows, batches.longest) if batches is not None else (1, prompt_tokens)
+    rows, tokens = (batches.rows, batches.width) if batches is not None else (1, prompt_tokens)
     predicted = calibrate_and_predict(settings, strategies, run_model, plan, rows, tokens)
     print_prediction(predicted, rows)
     return predicted

@@ -12,16 +12,12 @@ from torch import nn
 from offload_core.values import is_offloaded
 
 
-def _linear_params(module: nn.Module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+def count_blocks(model: nn.Module, no_split: list[str]) -> int:
+    """How many blocks of the calibrated kind (the first no-split module's class) a forward runs."""
+    from offload_core.runner.calibrate import first_block
 
-
-def compute_s(block: dict[str, float], scale: float, tokens: int) -> float:
-    """Seconds of one forward over ``tokens`` tokens: the block's time along the line through its 1- and 64-token
-    measurements (never falling with more tokens: a noisy pair gives a flat line), times ``scale`` (the model's
-    linear parameters over the block's)."""
-    t1, t64 = block["t1_s"], block["t64_s"]
-    return scale * (t1 + max(t64 - t1, 0.0) * (tokens - 1) / 63)
+    block = first_block(model, no_split)
+    return 0 if block is None else sum(type(m) is type(block) for m in model.modules())
 
 
 def fits_page_cache(nbytes: int) -> bool:
@@ -29,53 +25,78 @@ def fits_page_cache(nbytes: int) -> bool:
     return nbytes < psutil.virtual_memory().available / 2
 
 
-def read_bps(calibration: dict[str, Any], reads_from: str, cached: bool, execution_device: torch.device) -> float:
-    """Bytes/s at which offloaded tensors reach the execution device: the store's disk (from the page cache when
-    ``cached``, cold otherwise), then the host-to-device copy on a GPU."""
-    rates = []
-    if reads_from != "memory":
+def disk_bytes_per_forward(page_cache: dict[str, Any], offloaded: int, bytes_per_token: int, reads_from: str,
+                           cold: bool = False) -> int:
+    """Bytes one forward reads from the disk itself: every byte moved when ``cold`` (the page cache dropped before
+    each token); else the page-cache plan's streamed bytes where it keeps a set; otherwise none while the offloaded
+    files fit in the page cache, every byte moved when they do not."""
+    if reads_from == "memory":
+        return 0
+    if cold:
+        return bytes_per_token
+    if "predicted_disk_bytes_per_token" in page_cache:
+        return int(page_cache["predicted_disk_bytes_per_token"])
+    return 0 if fits_page_cache(offloaded) else bytes_per_token
+
+
+def io_s(calibration: dict[str, Any], bytes_per_token: int, disk_bytes: int, reads_from: str, pinned: bool,
+         execution_device: torch.device) -> float:
+    """Seconds one forward spends bringing offloaded tensors to the execution device: ``disk_bytes`` at the store's
+    cold read rate, and on a GPU every moved byte across the host-to-device copy (from page-cached pages first unless
+    the store is pinned). On a CPU run a page-cached tensor is computed on where it lies: no copy."""
+    seconds = 0.0
+    if disk_bytes and reads_from != "memory":
         disk = calibration["checkpoint" if reads_from == "checkpoint" else "offload_folder"]
-        rates.append(disk["warm_read_bps" if cached else "cold_read_bps"])
-    if execution_device.type == "cuda":
-        rates.append(calibration["h2d_bps"])
-    if not rates:
-        return float("inf")
-    return 1 / sum(1 / r for r in rates)
+        seconds += disk_bytes / disk["cold_read_bps"]
+    if execution_device.type == "cuda" and bytes_per_token:
+        seconds += bytes_per_token / calibration["h2d_bps"]
+        if reads_from != "memory" and not pinned:
+            disk = calibration["checkpoint" if reads_from == "checkpoint" else "offload_folder"]
+            seconds += bytes_per_token / disk["warm_read_bps"]
+    return seconds
 
 
-def predict_time(model: nn.Module, summary: dict, bytes_per_token: int, storage: Any, policy: Any,
-                 execution_device: torch.device, calibration: dict[str, Any], rows: int, prompt_tokens: int,
-                 page_cache: bool | None = None) -> dict[str, float]:
-    """``predicted_load_s``, ``predicted_ttft_s`` and ``predicted_step_s`` (one decoding step for ``rows`` sequences
-    of ``prompt_tokens``). Counted: reading the checkpoint (and writing a store's offload folder) at load; per
-    forward the compute of every linear layer (scaled from the calibrated block) plus the plan's bytes moved per
-    token at the store's read rate, overlapped (the larger of the two) for a policy that ``overlaps_io``. Not
-    counted: attention over a long cache, module-hook overheads. ``page_cache`` says whether offloaded reads hit the
-    page cache (default: when the offloaded bytes fit in it). Empty when the block could not be timed."""
-    block = calibration.get("block") or {}
-    if "t1_s" not in block:
+def load_s(calibration: dict[str, Any], total: int, offloaded: int, reads_from: str) -> float:
+    """Seconds to load: every byte read from the checkpoint (page-cached when it fits), the resident part copied
+    again into memory, and a store that writes an offload folder writing the offloaded part."""
+    ckpt = calibration["checkpoint"]
+    seconds = total / ckpt["warm_read_bps" if fits_page_cache(total) else "cold_read_bps"]
+    seconds += (total - offloaded) / ckpt["warm_read_bps"]
+    if reads_from == "offload_folder":
+        seconds += offloaded / calibration["offload_folder"]["write_bps"]
+    return seconds
+
+
+def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_device: torch.device,
+                 calibration: dict[str, Any], cold: bool = False) -> dict[str, float]:
+    """``predicted_load_s``, ``predicted_ttft_s`` and ``predicted_step_s`` of a run whose forwards were calibrated
+    as ``prefill`` (the batch's rows over its prompt) and ``decode`` (one token per row).
+
+    A forward costs ``blocks`` times the calibrated block plus the output embedding, and the plan's offloaded
+    reads (:func:`io_s`), overlapped (the larger of the two) for a policy that ``overlaps_io``. Not counted: the
+    embedding and norms, attention over a long cache, module-hook overheads. Empty when no block could be timed."""
+    compute = calibration.get("compute") or {}
+    if any("block_s" not in compute.get(name, {}) for name in ("prefill", "decode")):
         return {}
-    scale = _linear_params(model) / max(block["params"], 1)
-    devices = summary["devices"]
+    devices = plan.summary["devices"]
     total = sum(info["bytes"] for info in devices.values())
     offloaded = sum(info["bytes"] for dev, info in devices.items() if is_offloaded(dev, execution_device))
-    ckpt = calibration["checkpoint"]
-    load = total / ckpt["warm_read_bps" if fits_page_cache(total) else "cold_read_bps"]
-    if storage.reads_from == "offload_folder":
-        load += offloaded / calibration["offload_folder"]["write_bps"]
-    cached = fits_page_cache(offloaded) if page_cache is None else page_cache
-    io = bytes_per_token / read_bps(calibration, storage.reads_from, cached, execution_device)
+    moved = plan.predicted_bytes_per_token
+    disk = disk_bytes_per_forward(plan.page_cache, offloaded, moved, storage.reads_from, cold)
+    io = io_s(calibration, moved, disk, storage.reads_from, storage.pinned, execution_device)
 
-    def forward(tokens: int) -> float:
-        work = compute_s(block, scale, tokens)
+    def forward(times: dict[str, float]) -> float:
+        work = blocks * times["block_s"] + times.get("head_s", 0.0)
         return max(work, io) if policy.overlaps_io else work + io
 
-    return {"predicted_load_s": load, "predicted_ttft_s": forward(rows * prompt_tokens), "predicted_step_s": forward(rows)}
+    return {"predicted_load_s": load_s(calibration, total, offloaded, storage.reads_from),
+            "predicted_ttft_s": forward(compute["prefill"]), "predicted_step_s": forward(compute["decode"])}
 
 
 def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: Any, rows: int, prompt_tokens: int,
-                          page_cache: bool | None = None) -> dict[str, float]:
-    """Calibrate (cached; ``calibrate=true`` measures again) and predict the run's times from its plan."""
+                          cold: bool = False) -> dict[str, float]:
+    """Calibrate (cached; ``calibrate=true`` measures again) and predict the run's times from its plan, for ``rows``
+    sequences of ``prompt_tokens`` tokens generated at once (``cold``: see :func:`disk_bytes_per_forward`)."""
     import tempfile
     from pathlib import Path
 
@@ -83,14 +104,15 @@ def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: 
 
     cfg = settings.cfg
     folders = {"offload_folder": Path(cfg.offload_folder or tempfile.gettempdir()), "checkpoint": run_model.checkpoint_dir.parent}
+    shapes = {"prefill": (rows, prompt_tokens), "decode": (rows, 1)}
     try:
         calibration = calibrate(run_model.model, run_model.no_split, run_model.dtype, settings.execution_device, folders,
-                                refresh=bool(cfg.get("calibrate", False)))
+                                shapes, refresh=bool(cfg.get("calibrate", False)))
     except OSError as exc:  # a probe that cannot be written (a full disk): the run goes on without a prediction
         print(f"  no time prediction: calibration failed ({exc.strerror or exc})")
         return {}
-    return predict_time(run_model.model, plan.summary, plan.predicted_bytes_per_token, strategies.storage, strategies.policy,
-                        settings.execution_device, calibration, rows, prompt_tokens, page_cache)
+    return predict_time(count_blocks(run_model.model, run_model.no_split), plan, strategies.storage, strategies.policy,
+                        settings.execution_device, calibration, cold)
 
 
 def print_prediction(predicted: dict[str, float], rows: int) -> None:

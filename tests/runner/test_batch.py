@@ -14,6 +14,7 @@ from transformers import LlamaConfig
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import batch_memory, largest_batch
 from offload_core.runner.batch import left_padded, read_prompts, trim
+from offload_core.runner.batch_job import Batches
 from offload_core.runner.job import run
 from offload_core.runner.predict import predict_time
 from offload_core.runner.settings import register_configs
@@ -82,8 +83,8 @@ def test_a_batch_that_cannot_fit_names_the_largest_that_does(tmp_path):
 
 
 class _Storage:
-    def __init__(self, reads_from):
-        self.reads_from = reads_from
+    def __init__(self, reads_from, pinned=False):
+        self.reads_from, self.pinned = reads_from, pinned
 
 
 class _Policy:
@@ -91,20 +92,43 @@ class _Policy:
         self.overlaps_io = overlaps_io
 
 
-def test_prediction_adds_io_to_compute_or_overlaps_them():
-    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
-    disk = {"write_bps": 1e9, "cold_read_bps": 1e8, "warm_read_bps": 1e8}
-    calibration = {"offload_folder": disk, "checkpoint": disk, "block": {"t1_s": 0.01, "t64_s": 0.64, "params": 100}}
-    summary = {"devices": {"cpu": {"bytes": 400}, "disk": {"bytes": 400}}}
+class _Plan:
+    def __init__(self, page_cache=None):
+        self.summary = {"devices": {"cpu": {"bytes": 400}, "disk": {"bytes": 10**7}}}
+        self.predicted_bytes_per_token = 10**7
+        self.page_cache = page_cache or {}
+
+
+def _calibration(prefill=(0.05, 0.02), decode=(0.01, 0.005)):
+    disk = {"write_bps": 1e9, "cold_read_bps": 1e8, "warm_read_bps": 1e9}
+    return {"offload_folder": disk, "checkpoint": disk,
+            "compute": {"prefill": {"block_s": prefill[0], "head_s": prefill[1]},
+                        "decode": {"block_s": decode[0], "head_s": decode[1]}}}
+
+
+def test_prediction_counts_blocks_head_and_the_disk_reads_the_page_cache_plan_leaves():
     cpu = torch.device("cpu")
-    serial = predict_time(model, summary, 10**7, _Storage("offload_folder"), _Policy(False), cpu, calibration, 1, 5)
-    assert serial["predicted_step_s"] == pytest.approx(2 * 0.01 + 0.1)
-    assert serial["predicted_ttft_s"] == pytest.approx(2 * 0.05 + 0.1)
-    overlapped = predict_time(model, summary, 10**7, _Storage("offload_folder"), _Policy(True), cpu, calibration, 8, 5)
-    assert overlapped["predicted_step_s"] == pytest.approx(2 * 0.08)  # 8 rows: compute (0.16 s) hides the 0.1 s read
-    in_memory = predict_time(model, summary, 10**7, _Storage("memory"), _Policy(False), cpu, calibration, 1, 5)
-    assert in_memory["predicted_step_s"] == pytest.approx(0.02)
-    assert predict_time(model, summary, 1, _Storage("memory"), _Policy(False), cpu, {"block": {}}, 1, 5) == {}
+    streamed = _Plan({"predicted_disk_bytes_per_token": 10**7})  # every offloaded byte streamed: 0.1 s a forward
+    serial = predict_time(4, streamed, _Storage("offload_folder"), _Policy(False), cpu, _calibration())
+    assert serial["predicted_step_s"] == pytest.approx(4 * 0.01 + 0.005 + 0.1)
+    assert serial["predicted_ttft_s"] == pytest.approx(4 * 0.05 + 0.02 + 0.1)
+    overlapped = predict_time(4, streamed, _Storage("offload_folder"), _Policy(True), cpu, _calibration(prefill=(0.1, 0.0)))
+    assert overlapped["predicted_step_s"] == pytest.approx(0.1)  # the read hides the 0.045 s of compute
+    assert overlapped["predicted_ttft_s"] == pytest.approx(0.4)  # the compute hides the read
+    # kept in the page cache: a CPU run computes on the cached pages, nothing is read per forward
+    kept = predict_time(4, _Plan({"predicted_disk_bytes_per_token": 0}), _Storage("offload_folder"), _Policy(False), cpu,
+                        _calibration())
+    assert kept["predicted_step_s"] == pytest.approx(0.045)
+    cold = predict_time(4, _Plan({"predicted_disk_bytes_per_token": 0}), _Storage("checkpoint"), _Policy(False), cpu,
+                        _calibration(), cold=True)
+    assert cold["predicted_step_s"] == pytest.approx(0.145)
+    assert predict_time(4, streamed, _Storage("memory"), _Policy(False), cpu, _calibration())["predicted_step_s"] == pytest.approx(0.045)
+    assert predict_time(4, streamed, _Storage("memory"), _Policy(False), cpu, {"compute": {"prefill": {}}}) == {}
+
+
+def test_prediction_width_is_the_typical_batch_prompt():
+    batches = Batches(["a"] * 5, [[1] * 3, [1] * 9, [1] * 4, [1] * 5, [1] * 30], 2)
+    assert (batches.rows, batches.longest, batches.width) == (2, 30, 9)  # batches padded to 9, 5 and 30
 
 
 @pytest.mark.slow  # whole runs, one per policy
@@ -165,11 +189,12 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
     run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
     folders = {"offload_folder": tmp_path / "not-yet" / "off", "checkpoint": tmp_path}
-    args = (run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), folders)
+    args = (run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), folders, {"prefill": (2, 5), "decode": (2, 1)})
     first = calibrate(*args)
-    assert first["offload_folder"]["cold_read_bps"] > 0 and first["block"]["t64_s"] > 0 and first["block"]["params"] > 0
+    assert first["offload_folder"]["cold_read_bps"] > 0
+    assert all(first["compute"][name]["block_s"] > 0 and first["compute"][name]["head_s"] > 0 for name in ("prefill", "decode"))
     assert not (tmp_path / "not-yet").exists() and [p.name for p in tmp_path.iterdir()] == ["cache"]  # probes cleaned up
     written = calibration_file().stat().st_mtime_ns
     assert calibrate(*args) == first and calibration_file().stat().st_mtime_ns == written  # cached
     again = calibrate(*args, refresh=True)
-    assert calibration_file().stat().st_mtime_ns != written and again["block"]["params"] == first["block"]["params"]
+    assert calibration_file().stat().st_mtime_ns != written and again["compute"].keys() == first["compute"].keys()
