@@ -21,9 +21,9 @@ ROWS, PROMPT, NEW = 8, 20, 3
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A 2-layer bf16 Llama whose untied output embedding (64000 x 256: 31 MiB) dwarfs the slack."""
+    """A 2-layer bf16 Llama whose untied output embedding (32000 x 256: 16 MiB; a copy per row is 128 MiB) dwarfs the slack."""
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64000, tie_word_embeddings=False, dtype="bfloat16")
+                         num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False, dtype="bfloat16")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     folder = tmp_path_factory.mktemp("wide_head")
