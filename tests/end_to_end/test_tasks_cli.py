@@ -1,6 +1,7 @@
 """``run.py model=local model.path=<folder>`` for every kind of model: a T5 generates, a BERT fills in tokens, a Mixtral
 (per-expert tensors as transformers saves them) generates, MiniLM embeds several texts; each offloads to disk and
-matches the in-memory model; a task that does not fit and an unknown architecture end in one line; a T5 generates a prompts file in batches."""
+matches the in-memory model, a T5 also over a prompts file in batches; a task that does not fit, an unknown
+architecture and prompts given to a task that reads texts end in one line."""
 
 from __future__ import annotations
 
