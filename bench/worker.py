@@ -70,10 +70,13 @@ class Timer(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def prompt_ids(prompt: str, vocab_size: int) -> torch.Tensor:
+def prompt_ids(prompt: str, vocab_size: int, batch: int = 1) -> torch.Tensor:
+    """``batch`` rows of the prompt's ids, each row's first id made distinct (equal lengths: no padding)."""
     from offload_core.runner.generate import prompt_ids as runner_prompt_ids
 
-    return runner_prompt_ids(None, prompt, False, vocab_size)
+    ids = runner_prompt_ids(None, prompt, False, vocab_size).repeat(batch, 1)
+    ids[:, 0] = (ids[:, 0] + torch.arange(batch)) % (vocab_size - 1) + 1
+    return ids
 
 
 def generate(model, input_ids: torch.Tensor, tokens: int, cold_files: list[str]) -> tuple[list[int], Timer]:
@@ -162,7 +165,9 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.runner.job import dispatched
     from offload_core.runner.model import open_model
+    from offload_core.runner.batch_job import Batches, plan_batch_memory
     from offload_core.runner.plan import make_plan
+    from offload_core.runner.predict import calibrate_and_predict
     from offload_core.runner.settings import build_strategies, read_settings
 
     offload_folder = str(Path(spec["scratch"]) / "offload") if spec["store"] == "memmap" else None
@@ -171,6 +176,8 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     run_model = open_model(settings.model, settings.dtype)
     release = ExitStack()
     ckpt = release.enter_context(Checkpoint.open(run_model.checkpoint_dir))
+    batch, ids = spec.get("batch", 1), prompt_ids(spec["prompt"], run_model.model.config.vocab_size)[0].tolist()
+    settings, need = plan_batch_memory(settings, run_model, Batches([spec["prompt"]] * batch, [ids] * batch, batch))
     plan = make_plan(settings, strategies, run_model, ckpt)  # counted in the load time, as before
     model = run_model.model
     started = time.perf_counter()
@@ -202,6 +209,9 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         "converting": len(getattr(store, "converting", ()) or ()),
         "_release": release,
         "_policy": strategies.names["hook"],
+        "planned_batch_bytes": need.total,
+        "_predict": lambda: calibrate_and_predict(settings, strategies, run_model, plan, batch, len(ids),
+                                                  cold=spec["cold"]),
     }
     return model, info
 
@@ -271,7 +281,7 @@ def main() -> None:
         import accelerate  # noqa: F401  (imported before the baseline, like everything else)
     config = AutoConfig.from_pretrained(spec["checkpoint"])
     cuda = on_gpu(spec)
-    input_ids = prompt_ids(spec["prompt"], config.vocab_size).to(execution_device(spec))
+    input_ids = prompt_ids(spec["prompt"], config.vocab_size, spec.get("batch", 1)).to(execution_device(spec))
     h2d = None
     if cuda:
         h2d = pinned_h2d_bandwidth()
@@ -313,6 +323,9 @@ def main() -> None:
         "time_to_first_token_s": stamps[0] - timer.start,
         "load_to_first_token_s": load_s + stamps[0] - timer.start,
         "decode_tokens_per_s": len(intervals) / sum(intervals) if intervals else float("nan"),
+        "batch": spec.get("batch", 1),
+        "aggregate_tokens_per_s": spec.get("batch", 1) * len(tokens) / (stamps[-1] - timer.start),
+        "planned_batch_bytes": info.get("planned_batch_bytes"),
         "decode_token_s": sorted(intervals)[len(intervals) // 2] if intervals else float("nan"),
         "decode_token_mean_s": sum(intervals) / len(intervals) if intervals else float("nan"),
         "generated_tokens": len(tokens),
@@ -349,6 +362,8 @@ def main() -> None:
         result["ideal_read_s_per_token"] = ideal
         result["cold_token_over_ideal"] = result["decode_token_mean_s"] / ideal if ideal else None
         result["disk_read_bandwidth_bytes_per_s"] = result["disk_read_bytes_per_token"] / result["decode_token_mean_s"]
+    if "_predict" in info:
+        result.update(info["_predict"]())  # after the measurement: a first calibration is not timed
     if state is not None:
         from offload_core.runner.results import per_token_counters
 

@@ -18,6 +18,9 @@ class PinnedCpuConfig:
 
 
 class PinnedCpuStorage(Storage):
+    #: offloaded tensors are held in host memory
+    reads_from = "memory"
+
     def __init__(self, config: PinnedCpuConfig) -> None:
         self.config = config
 

@@ -19,6 +19,8 @@ class SafetensorsStorage(Storage):
     #: a tensor stored in another dtype than the run's is converted on every read (the planner holds
     #: room for those copies)
     converts_on_read = True
+    #: offloaded tensors are read in place from the checkpoint's files
+    reads_from = "checkpoint"
 
     def __init__(self, config: SafetensorsConfig) -> None:
         self.config = config

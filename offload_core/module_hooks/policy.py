@@ -92,6 +92,8 @@ class Policy(StrategyBase):
     #: the policy honours ``PolicyContext.residency``: it keeps the kept set cached across tokens and
     #: drops each streamed block's pages once the block has run
     keeps_page_cache: bool = False
+    #: reads of offloaded units overlap compute (a reader ahead of the forward); the time prediction reads it
+    overlaps_io: bool = False
 
     @abstractmethod
     def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:

@@ -80,8 +80,9 @@ class Unit:
     def fetch(self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False) -> dict[str, torch.Tensor]:
         """The unit's tensors on ``device``, one per store key (tied names share one tensor).
 
-        Copies are normal tensors even under ``torch.inference_mode``: kernels treat a parameter made of an
-        inference tensor as one that needs no grad, and take another path than for the in-memory model's."""
+        Read with inference mode off, even inside a forward run under it: a tensor made under it (a store's lazy
+        view, a copy to the device) is an inference tensor, which torch's CPU matmul treats like a weight that
+        does not require grad (see :func:`as_param`)."""
         fetched = {}
         with torch.inference_mode(False):
             for key in self.keys:

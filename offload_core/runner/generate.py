@@ -21,26 +21,40 @@ def prompt_ids(tokenizer: Any, prompt: str, chat: bool, vocab_size: int) -> torc
 
 def generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
     """The new token ids ``model`` generates after ``input_ids`` with ``cfg``'s sampling settings, and the timer."""
+    rows, timer = generate_rows(model, input_ids, torch.ones_like(input_ids), cfg, device, bool(cfg.get("progress", False)))
+    return rows[0], timer
+
+
+def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg: Any, device: torch.device,
+                  progress: bool = False):
+    """The new token ids of every row of ``input_ids`` (left-padded where ``attention_mask`` is 0), and the timer."""
     from transformers import StoppingCriteriaList
 
     from offload_core.runner.metrics import TokenTimer
 
     torch.manual_seed(int(cfg.seed))
-    timer = TokenTimer(total=int(cfg.max_new_tokens), progress=bool(cfg.get("progress", False)))
+    timer = TokenTimer(total=int(cfg.max_new_tokens), progress=progress)
     kwargs: dict[str, Any] = {"max_new_tokens": int(cfg.max_new_tokens), "do_sample": bool(cfg.do_sample)}
     if cfg.do_sample:
         kwargs.update(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
-    pad = getattr(model.generation_config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None)
     kwargs.update(decoder_start(model))
     with torch.inference_mode():
         try:
-            out = model.generate(input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
-                                 stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad, **kwargs)
+            out = model.generate(input_ids.to(device), attention_mask=attention_mask.to(device),
+                                 stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad_token_id(model), **kwargs)
         finally:
             timer.close()
     # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
     start = 1 if getattr(model.config, "is_encoder_decoder", False) else input_ids.shape[1]
-    return out[0, start:].tolist(), timer
+    return out[:, start:].tolist(), timer
+
+
+def pad_token_id(model) -> int | None:
+    """The id generation pads finished rows with: the generation config's pad token, else the model's end of sequence."""
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "eos_token_id", None)
+    return pad[0] if isinstance(pad, (list, tuple)) else pad
 
 
 def decoder_start(model) -> dict[str, int]:

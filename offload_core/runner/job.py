@@ -11,6 +11,7 @@ import torch
 
 from offload_core.errors import ConfigError
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
+from offload_core.runner.batch_job import read_batches, run_batched
 from offload_core.runner.encode import run_encoder
 from offload_core.runner.generate import generate, in_memory_tokens, prompt_ids
 from offload_core.runner.model import RunModel, open_model
@@ -34,18 +35,23 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     run_model = open_model(settings.model, settings.dtype)
     with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
         check_run_task(cfg, run_model, checkpoint)
+        settings, batches = read_batches(settings, run_model)
         plan = make_plan(settings, strategies, run_model, checkpoint)
         print_plan(settings, strategies, plan)
+        input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
+                               run_model.model.config.vocab_size)
+        plan.predicted_time = predicted_time(settings, strategies, run_model, plan, batches, input_ids.shape[1])
         if cfg.plan_only:
             write_plan(settings, run_model, plan, picture=plot)
             return RunResult("", [], plan.device_map, {}, plan.summary, None, settings.output_dir, plan.as_dict())
         if run_model.task not in GENERATIVE:
             return run_encoder(settings, strategies, run_model, checkpoint, plan, labels or {})
-        input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
-                               run_model.model.config.vocab_size)
+        if batches is not None:
+            return run_batched(settings, strategies, run_model, checkpoint, plan, batches, labels or {})
         with MemoryMonitor() as memory:
             tokens, figures = generate_offloaded(settings, strategies, run_model, checkpoint, plan, input_ids)
-        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta)
+        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta, **plan.predicted_time)
+        figures["time_per_decode_step_s"] = 1 / figures["decode_tokens_per_s"] if figures["decode_tokens_per_s"] else float("nan")
     result = RunResult(decode(run_model, tokens), tokens, plan.device_map, figures, plan.summary, None, settings.output_dir,
                        plan.as_dict())
     if cfg.compare_in_memory:
@@ -57,13 +63,16 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
 
 
 def check_run_task(cfg: Any, run_model: RunModel, checkpoint: Any) -> None:
-    """Before planning: a ``model.task`` the checkpoint lacks weights for is one line naming the task, and ``texts``
-    belong to the tasks that read texts (a generating run reads ``prompt``)."""
+    """Before planning: a ``model.task`` the checkpoint lacks weights for is one line naming the task, ``texts``
+    belong to the tasks that read texts (a generating run reads ``prompt``) and ``prompts`` to the generating ones."""
     if run_model.task_given:
         check_task_fits(run_model.model, checkpoint, run_model.task)
     if run_model.task in GENERATIVE and cfg.get("texts"):
         raise ConfigError(f"texts is read by masked_lm, sequence_classification and embeddings runs; this {run_model.task} "
                           "run generates from prompt: set prompt=... instead")
+    if run_model.task not in GENERATIVE and cfg.get("prompts"):
+        raise ConfigError(f"prompts is read by causal_lm and seq2seq_lm runs, which generate; this {run_model.task} run reads "
+                          "texts: set texts=[...] instead")
 
 
 @contextmanager
@@ -98,6 +107,19 @@ def generate_offloaded(settings: Settings, strategies: Strategies, run_model: Ru
             tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device)
         figures = generation_figures(state, tokens, timer, load_s, strategies.names["hook"])
         return tokens, {**figures, **reads.figures()}
+
+
+def predicted_time(settings: Settings, strategies: Strategies, run_model: RunModel, plan: Plan, batches: Any,
+                   prompt_tokens: int) -> dict[str, float]:
+    """The plan's predicted times (printed) for the run's batch, or the single prompt of ``prompt_tokens`` tokens."""
+    from offload_core.runner.predict import calibrate_and_predict, print_prediction
+
+    if run_model.task not in GENERATIVE:  # one forward over the texts: no decoding step to predict
+        return {}
+    rows, tokens = (batches.rows, batches.width) if batches is not None else (1, prompt_tokens)
+    predicted = calibrate_and_predict(settings, strategies, run_model, plan, rows, tokens)
+    print_prediction(predicted, rows)
+    return predicted
 
 
 def decode(run_model: RunModel, tokens: list[int]) -> str:

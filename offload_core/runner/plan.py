@@ -32,12 +32,15 @@ class Plan:
     predicted_bytes_per_token: int
     conversion: list[str] = field(default_factory=list)
     page_cache: dict[str, Any] = field(default_factory=dict)
+    #: predicted_load_s, predicted_ttft_s, predicted_step_s (see :func:`offload_core.runner.predict.predict_time`)
+    predicted_time: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
         return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
                 "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
-                "conversion": list(self.conversion), "page_cache": self.page_cache}
+                "conversion": list(self.conversion), "page_cache": self.page_cache,
+                **self.predicted_time}
 
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:

@@ -47,6 +47,10 @@ class RunConfig:
     prompt: str = "What is the capital of France?"
     #: the texts a masked_lm, sequence_classification or embeddings run reads at once (default: [prompt])
     texts: Optional[List[str]] = None
+    #: a file of prompts (one per line, or JSON lines with a "prompt" field) generated in batches instead of ``prompt``
+    prompts: Optional[str] = None
+    #: prompts generated at once when ``prompts`` is given (left-padded; the KV cache is planned for it)
+    batch_size: int = 1
     max_new_tokens: int = 16
     do_sample: bool = False
     temperature: float = 1.0
@@ -74,6 +78,8 @@ class RunConfig:
     #: or lru (keep no set: the kernel's page cache decides, as before)
     page_cache: str = "auto"
     progress: bool = True
+    #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction
+    calibrate: bool = False
 
 
 MODEL_PRESETS = {
@@ -147,7 +153,8 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     device = execution_device(cfg.execution_device)
     budgets = max_memory(_section(cfg, "max_memory"), device)
     headroom = parse_size(cfg.headroom, what="headroom")
-    check_headroom(budgets, headroom, device)
+    if not cfg.get("prompts"):  # a prompts run replaces the headroom with its batch's planned memory, checked then
+        check_headroom(budgets, headroom, device)
     return Settings(
         cfg=cfg,
         execution_device=device,

@@ -21,9 +21,14 @@ log = logging.getLogger(__name__)
 
 COLUMNS = [
     "job", "placement", "storage", "hook", "model", "overrides", "status", "matches_in_memory",
-    "load_s", "time_to_first_token_s", "decode_tokens_per_s", "peak_anon_rss_mib", "peak_file_rss_mib",
-    "peak_gpu_mib", "bytes_moved_per_token", "error",
+    "batch_size", "load_s", "predicted_load_s", "time_to_first_token_s", "predicted_ttft_s", "decode_tokens_per_s",
+    "time_per_decode_step_s", "predicted_step_s", "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s",
+    "peak_anon_rss_mib", "peak_file_rss_mib", "peak_gpu_mib", "bytes_moved_per_token", "error",
 ]
+
+#: figures copied from metrics.json as they are (rounded); empty where a run has none (an older run, no batch)
+PLAIN = ("batch_size", "predicted_load_s", "predicted_ttft_s", "time_per_decode_step_s", "predicted_step_s",
+         "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s")
 
 
 def _one_line(text: Any) -> str:
@@ -67,6 +72,7 @@ def _row(job_dir: Path) -> dict[str, Any]:
         "peak_gpu_mib": " ".join(f"{k}:{v / mib:.0f}" for k, v in peak_gpu.items()),
         "bytes_moved_per_token": int(data["bytes_moved_per_token"]) if "bytes_moved_per_token" in data else "",
         "error": _one_line(data.get("error") or ""),
+        **{key: fmt(data.get(key, ""), 4) for key in PLAIN},
     }
 
 

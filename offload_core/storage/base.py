@@ -122,6 +122,9 @@ class Storage(StrategyBase):
     converts_on_read: bool = False
     #: the store's memory is page-locked: a GPU run copies from it with no staging
     pinned: bool = False
+    #: where offloaded tensors are read from while generating: ``offload_folder`` (written there at load),
+    #: ``checkpoint`` (read in place) or ``memory`` (held in host memory); the time prediction reads it
+    reads_from: str = "offload_folder"
 
     @abstractmethod
     def open(self, context: StoreContext) -> Store:

@@ -1,6 +1,7 @@
 """``run.py model=local model.path=<folder>`` for every kind of model: a T5 generates, a BERT fills in tokens, a Mixtral
 (per-expert tensors as transformers saves them) generates, MiniLM embeds several texts; each offloads to disk and
-matches the in-memory model; a task that does not fit and an unknown architecture end in one line."""
+matches the in-memory model, a T5 also over a prompts file in batches; a task that does not fit, an unknown
+architecture and prompts given to a task that reads texts end in one line."""
 
 from __future__ import annotations
 
@@ -84,3 +85,23 @@ def test_texts_on_a_generating_run_is_one_line(saved, tmp_path, capsys):
     code, err = cli(["model=local", f"model.path={saved('t5').path}", "texts=[a,b]"], tmp_path, capsys)
     assert code == 2
     assert_one_line(err, "texts is read by", "set prompt=")
+
+
+def test_prompts_on_a_run_that_reads_texts_is_one_line(saved, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    code, err = cli(["model=local", f"model.path={saved('bert').path}", f"prompts={prompts}"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "prompts is read by", "set texts=")
+
+
+def test_a_seq2seq_model_generates_a_prompts_file_in_batches_as_in_memory(saved, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a short one\nthe longest prompt of the three\nmid length\n")
+    code, err = cli(["model=local", f"model.path={saved('t5').path}", f"prompts={prompts}", "batch_size=2",
+                     "max_memory.cpu=300KiB", "compare_in_memory=true", "max_new_tokens=4"], tmp_path, capsys)
+    assert code == 0, err
+    metrics = _metrics(tmp_path)
+    assert metrics["matches_in_memory"] is True and metrics["devices"]["disk"]["bytes"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "hydra" / "generations.jsonl").read_text().splitlines()]
+    assert [len(r["token_ids"]) for r in rows] == [4, 4, 4]

@@ -65,6 +65,7 @@ class Prefetch(Policy):
 
     granularity = "block"
     keeps_page_cache = True
+    overlaps_io = True
 
     def __init__(self, config: PrefetchConfig) -> None:
         from offload_core.errors import ConfigError

@@ -371,7 +371,8 @@ class PrefetchHook(ModuleHook):
         self.execution_device = execution_device
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.prefetcher.load(self.index)
+        with torch.inference_mode(False):  # no inference tensors brought in, as in Unit.fetch
+            self.prefetcher.load(self.index)
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:

@@ -1,0 +1,155 @@
+"""A run over a prompts file: the batch's memory held back from the budget, then every prompt generated in batches
+through one dispatched model, with ``generations.jsonl`` and ``metrics.json`` written to the run folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from offload_core.errors import ConfigError
+from offload_core.planning.batch_memory import BatchMemory, batch_memory, largest_batch
+from offload_core.runner.batch import (batch_figures, encode_all, generate_batches, print_generations, read_prompts,
+                                       write_generations)
+from offload_core.runner.settings import Settings
+from offload_core.values import format_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """The prompts of a run, as text and as token ids, the batch size they are generated in and, once planned, the
+    memory the batch needs."""
+
+    prompts: list[str]
+    encoded: list[list[int]]
+    batch_size: int
+    memory: BatchMemory | None = None
+
+    @property
+    def longest(self) -> int:
+        return max(len(row) for row in self.encoded)
+
+    @property
+    def width(self) -> int:
+        """The padded prompt length of a typical batch: the median over the batches of each one's longest prompt."""
+        size = self.batch_size
+        return int(statistics.median_low(max(len(row) for row in self.encoded[i:i + size])
+                                         for i in range(0, len(self.encoded), size)))
+
+    @property
+    def rows(self) -> int:
+        """Sequences generated at once: the batch size, or fewer when there are fewer prompts."""
+        return min(self.batch_size, len(self.prompts))
+
+
+def read_batches(settings: Settings, run_model: Any) -> tuple[Settings, Batches | None]:
+    """The run's ``prompts`` file tokenised, its ``batch_size`` checked and the batch's memory held back from the
+    budget (:func:`plan_batch_memory`); ``settings`` as they are and None without ``prompts``."""
+    cfg = settings.cfg
+    if not cfg.get("prompts"):
+        return settings, None
+    batch_size = int(cfg.batch_size)
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be at least 1")
+    prompts = read_prompts(cfg.prompts)
+    batches = Batches(prompts, encode_all(run_model, prompts, bool(cfg.model.get("chat_template", True))), batch_size)
+    settings, need = plan_batch_memory(settings, run_model, batches)
+    return settings, dataclasses.replace(batches, memory=need)
+
+
+def plan_batch_memory(settings: Settings, run_model: Any, batches: Batches) -> tuple[Settings, BatchMemory]:
+    """``settings`` with the batch's KV cache and activations held back from the execution device's budget
+    (on a CPU run in place of the fixed ``headroom``); a batch that cannot fit is a :class:`ConfigError`
+    naming the largest batch that does."""
+    from offload_core.planning import largest_block_size
+
+    config, dtype, new = run_model.model.config, run_model.dtype, int(settings.cfg.max_new_tokens)
+    need = batch_memory(config, batches.rows, batches.longest, new, dtype)
+    device = settings.execution_device
+    key = "cpu" if device.type == "cpu" else device.index
+    budget = settings.max_memory.get(key)
+    if budget is None:
+        return (dataclasses.replace(settings, headroom=need.total) if key == "cpu" else settings), need
+    room = budget - largest_block_size(run_model.model, run_model.no_split, dtype=dtype)
+    if need.total > room:
+        fits = largest_batch(config, room, batches.longest, new, dtype, batches.rows)
+        name = "cpu" if key == "cpu" else str(key)
+        advice = f"use batch_size={fits} or less" if fits else "no batch fits: shorten the prompts or max_new_tokens"
+        raise ConfigError(f"batch_size={batches.rows} needs {format_size(need.total)} for its KV cache and activations, more than "
+                          f"max_memory.{name}={format_size(budget)} leaves beside one block; {advice}, or raise max_memory.{name}")
+    if key == "cpu":
+        return dataclasses.replace(settings, headroom=need.total), need
+    budgets = dict(settings.max_memory)
+    budgets[key] = budget - need.total
+    return dataclasses.replace(settings, max_memory=budgets), need
+
+
+def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint: Any, plan: Any, batches: Batches,
+                labels: dict) -> Any:
+    """Dispatch once, generate every prompt in batches, measure, compare with memory when asked, write and print."""
+    from offload_core.runner.job import dispatched
+    from offload_core.runner.keep import DiskReads
+    from offload_core.runner.metrics import MemoryMonitor
+    from offload_core.runner.results import RunResult, per_token_counters, write_outputs
+
+    cfg, device = settings.cfg, settings.execution_device
+    with MemoryMonitor() as memory:
+        started = time.perf_counter()
+        with dispatched(settings, strategies, run_model, checkpoint, plan) as state:
+            load_s = time.perf_counter() - started
+            state.stats.reset()
+            with DiskReads(run_model.model) as reads:
+                run = generate_batches(run_model.model, batches.encoded, batches.batch_size, cfg, device, bool(cfg.progress))
+            figures = {**batch_figures(run, state.stats.snapshot(), batches.batch_size), **reads.figures()}
+            figures.update(offloaded_bytes=state.offloaded_bytes(), load_s=load_s)
+            counters = state.handle.counters()
+            if counters:
+                figures[strategies.names["hook"]] = per_token_counters(counters, run.generated)
+    figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta,
+                   planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
+                   **plan.predicted_time)
+    same = None
+    if cfg.compare_in_memory:
+        reference = in_memory_batches(run_model, batches, cfg)
+        same = [a == b for a, b in zip(run.tokens, reference)]
+    texts = [decode_row(run_model, row) for row in run.tokens]
+    result = RunResult(texts[0], run.tokens[0], plan.device_map, figures, plan.summary,
+                       None if same is None else all(same), settings.output_dir, plan.as_dict())
+    write_generations(settings.output_dir, batches.prompts, texts, run.tokens, same)
+    write_outputs(result, str(cfg.prompts), labels, strategies.names["hook"])
+    print_generations(batches.prompts, texts)
+    print_batch_result(result)
+    return result
+
+
+def in_memory_batches(run_model: Any, batches: Batches, cfg: Any) -> list[list[int]]:
+    """Each prompt's tokens from the same checkpoint loaded fully in memory by transformers, in the same batches."""
+    import torch
+
+    from offload_core.loading.tasks import auto_class
+
+    model = auto_class(run_model.task).from_pretrained(run_model.checkpoint_dir, dtype=run_model.dtype)
+    model.eval()
+    run = generate_batches(model, batches.encoded, batches.batch_size, cfg, torch.device("cpu"))
+    del model
+    return run.tokens
+
+
+def decode_row(run_model: Any, tokens: list[int]) -> str:
+    tokenizer = run_model.tokenizer
+    return tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, tokens))
+
+
+def print_batch_result(result: Any) -> None:
+    """Print the batch's figures (throughput, latency, bytes moved, memory) and where the outputs went."""
+    f = result.figures
+    print(
+        f"\n{f['prompts']} prompts in batches of {f['batch_size']}: {f['aggregate_tokens_per_s']:.1f} tok/s aggregate | "
+        f"latency median {f['latency_median_s']:.2f} s, p90 {f['latency_p90_s']:.2f} s | load {f['load_s']:.2f} s | "
+        f"moved {format_size(int(f['bytes_moved_per_token']))}/token | peak anon RSS +{format_size(f['peak_anon_rss_bytes'])} "
+        f"(planned KV cache {format_size(f['planned_kv_cache_bytes'])})"
+    )
+    if result.matches_in_memory is not None:
+        print(f"same tokens as in memory, every prompt: {result.matches_in_memory}")
+    print(f"wrote {result.output_dir / 'generations.jsonl'}, metrics.json and device_map.json")

@@ -1,0 +1,215 @@
+"""Machine calibration for time predictions: disk read bandwidth (cold and page-cached) per filesystem, pinned
+host-to-device bandwidth, and compute time of one block and the output embedding of the model at hand per input shape;
+cached in ``calibration.json``."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_core.atomic import fsync_path
+
+PROBE_BYTES = 64 * 2**20
+CHUNK = 4 * 2**20
+
+
+def calibration_file() -> Path:
+    """``calibration.json`` beside the model cache (``$OFFLOAD_CORE_CACHE`` or ``~/.cache/offload_core``)."""
+    from offload_core.loading.sources import cache_root
+
+    return cache_root() / "calibration.json"
+
+
+def _read_cached() -> dict[str, Any]:
+    try:
+        data = json.loads(calibration_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cached(data: dict[str, Any]) -> None:
+    file = calibration_file()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, file)
+
+
+def _read_all(path: Path) -> float:
+    """Seconds to read ``path`` sequentially in large chunks."""
+    started = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(CHUNK)
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - started
+
+
+def disk_bandwidth(folder: Path) -> dict[str, float]:
+    """Bytes/s writing (with fsync), reading cold (pages dropped with ``posix_fadvise``) and reading from the page
+    cache, for a probe file of 64 MiB written and removed in ``folder``."""
+    fd, name = tempfile.mkstemp(prefix=".calibrate-", dir=folder)
+    path = Path(name)
+    try:
+        block = os.urandom(CHUNK)
+        started = time.perf_counter()
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(PROBE_BYTES // CHUNK):
+                f.write(block)
+        fsync_path(path)
+        write = time.perf_counter() - started
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        cold = _read_all(path)
+        warm = min(_read_all(path) for _ in range(2))
+    finally:
+        path.unlink(missing_ok=True)
+    return {"write_bps": PROBE_BYTES / write, "cold_read_bps": PROBE_BYTES / cold, "warm_read_bps": PROBE_BYTES / warm}
+
+
+def h2d_bandwidth(device: torch.device) -> float:
+    """Bytes/s copying pinned host memory to ``device`` (64 MiB, best of three)."""
+    host = torch.empty(PROBE_BYTES, dtype=torch.uint8).pin_memory()
+    target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return PROBE_BYTES / best
+
+
+def first_block(model: nn.Module, no_split: list[str]) -> nn.Module | None:
+    """The first module of a no-split class (a decoder layer): the unit the compute calibration times."""
+    for module in model.modules():
+        if type(module).__name__ in no_split:
+            return module
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_of(fn: Any, device: torch.device, reps: int = 3) -> float:
+    """Seconds of ``fn()``'s fastest of ``reps`` calls, after one untimed call (which builds kernels for the shape)."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A copy of a meta ``module`` on ``device`` in ``dtype`` with small random weights."""
+    copy_ = copy.deepcopy(module).to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.normal_(0, 0.02)
+    return copy_
+
+
+#: rows the output embedding is timed with at most (the time of more rows is scaled): a strided last-position
+#: slice makes torch's CPU matmul copy the weight once per row
+HEAD_ROWS = 8
+
+
+def compute_times(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device, rows: int,
+                  tokens: int) -> dict[str, float]:
+    """Seconds one block of ``model`` (a copy with random weights) takes on ``device`` over ``rows`` sequences of
+    ``tokens`` tokens (``block_s``), and the output embedding over the last position of each row, laid out as
+    generation slices it (``head_s``); the model's rotary embedding gives the positions when it has one."""
+    meta_block = first_block(model, no_split)
+    if meta_block is None:
+        return {}
+    block = _materialized(meta_block, dtype, device)
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is not None:
+        with torch.device(device):
+            rotary = type(rotary)(model.config)
+    hidden = model.config.get_text_config().hidden_size
+    times: dict[str, float] = {}
+    with torch.inference_mode():
+        x = torch.randn(rows, tokens, hidden, dtype=dtype, device=device)
+        kwargs: dict[str, Any] = {}
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(x, torch.arange(tokens, device=device)[None])
+        times["block_s"] = _best_of(lambda: block(x, **kwargs), device)
+        del block
+        meta_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if isinstance(meta_head, nn.Linear):
+            head = _materialized(meta_head, dtype, device)
+            timed = min(rows, HEAD_ROWS)
+            last = torch.randn(timed, tokens, hidden, dtype=dtype, device=device)[:, -1:, :]
+            times["head_s"] = _best_of(lambda: head(last), device) * rows / timed
+    return times
+
+
+def _model_key(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
+    text = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(f"compute-v3|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+
+
+def existing_folder(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists as a folder (probes never create the folders they measure)."""
+    path = path.expanduser().absolute()
+    while not path.is_dir():
+        path = path.parent
+    return path
+
+
+def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device,
+              folders: dict[str, Path], shapes: dict[str, tuple[int, int]], refresh: bool = False) -> dict[str, Any]:
+    """The calibration for this machine and model: per ``folders`` entry (``offload_folder``, ``checkpoint``) its
+    filesystem's bandwidths, ``h2d_bps`` on a GPU run, and per named ``(rows, tokens)`` shape in ``shapes`` the
+    :func:`compute_times` under ``compute``; each measured once and cached (``refresh`` measures again)."""
+    data = _read_cached()
+    changed = False
+    disks = data.setdefault("disks", {})
+    found: dict[str, Any] = {}
+    for role, folder in folders.items():
+        target = existing_folder(folder)
+        if not os.access(target, os.W_OK) or os.statvfs(target).f_flag & os.ST_RDONLY:
+            target = existing_folder(Path(tempfile.gettempdir()))  # the run reports the folder itself; probe beside it
+        key = str(os.stat(target).st_dev)
+        if refresh or key not in disks:
+            disks[key] = disk_bandwidth(target)
+            changed = True
+        found[role] = disks[key]
+    if device.type == "cuda":
+        gpus = data.setdefault("h2d_bps", {})
+        if refresh or str(device) not in gpus:
+            gpus[str(device)] = h2d_bandwidth(device)
+            changed = True
+        found["h2d_bps"] = gpus[str(device)]
+    timed = data.setdefault("compute", {}).setdefault(_model_key(model, dtype, device), {})
+    found["compute"] = {}
+    for name, (rows, tokens) in shapes.items():
+        key = f"{rows}x{tokens}"
+        if refresh or key not in timed:
+            try:
+                timed[key] = compute_times(model, no_split, dtype, device, rows, tokens)
+            except (TypeError, ValueError, RuntimeError):  # a block whose forward wants more than hidden states and positions
+                timed[key] = {}
+            changed = True
+        found["compute"][name] = timed[key]
+    if changed:
+        _write_cached(data)
+    return found

@@ -1,0 +1,123 @@
+"""Time predicted from the plan and the machine's calibration: load time, time to first token and time per decoding
+step for the chosen placement, store, policy and batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from offload_core.values import is_offloaded
+
+
+def count_blocks(model: nn.Module, no_split: list[str]) -> int:
+    """How many blocks of the calibrated kind (the first no-split module's class) a forward runs."""
+    from offload_core.runner.calibrate import first_block
+
+    block = first_block(model, no_split)
+    return 0 if block is None else sum(type(m) is type(block) for m in model.modules())
+
+
+def fits_page_cache(nbytes: int) -> bool:
+    """Whether ``nbytes`` of files stay in the page cache: they fit in half the available memory."""
+    return nbytes < psutil.virtual_memory().available / 2
+
+
+def disk_bytes_per_forward(page_cache: dict[str, Any], offloaded: int, bytes_per_token: int, reads_from: str,
+                           cold: bool = False) -> int:
+    """Bytes one forward reads from the disk itself: every byte moved when ``cold`` (the page cache dropped before
+    each token); else the page-cache plan's streamed bytes where it keeps a set; otherwise none while the offloaded
+    files fit in the page cache, every byte moved when they do not."""
+    if reads_from == "memory":
+        return 0
+    if cold:
+        return bytes_per_token
+    if "predicted_disk_bytes_per_token" in page_cache:
+        return int(page_cache["predicted_disk_bytes_per_token"])
+    return 0 if fits_page_cache(offloaded) else bytes_per_token
+
+
+def io_s(calibration: dict[str, Any], bytes_per_token: int, disk_bytes: int, reads_from: str, pinned: bool,
+         execution_device: torch.device) -> float:
+    """Seconds one forward spends bringing offloaded tensors to the execution device: ``disk_bytes`` at the store's
+    cold read rate, and on a GPU every moved byte across the host-to-device copy (from page-cached pages first unless
+    the store is pinned). On a CPU run a page-cached tensor is computed on where it lies: no copy."""
+    seconds = 0.0
+    if disk_bytes and reads_from != "memory":
+        disk = calibration["checkpoint" if reads_from == "checkpoint" else "offload_folder"]
+        seconds += disk_bytes / disk["cold_read_bps"]
+    if execution_device.type == "cuda" and bytes_per_token:
+        seconds += bytes_per_token / calibration["h2d_bps"]
+        if reads_from != "memory" and not pinned:
+            disk = calibration["checkpoint" if reads_from == "checkpoint" else "offload_folder"]
+            seconds += bytes_per_token / disk["warm_read_bps"]
+    return seconds
+
+
+def load_s(calibration: dict[str, Any], total: int, offloaded: int, reads_from: str) -> float:
+    """Seconds to load: every byte read from the checkpoint (page-cached when it fits), the resident part copied
+    again into memory, and a store that writes an offload folder writing the offloaded part."""
+    ckpt = calibration["checkpoint"]
+    seconds = total / ckpt["warm_read_bps" if fits_page_cache(total) else "cold_read_bps"]
+    seconds += (total - offloaded) / ckpt["warm_read_bps"]
+    if reads_from == "offload_folder":
+        seconds += offloaded / calibration["offload_folder"]["write_bps"]
+    return seconds
+
+
+def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_device: torch.device,
+                 calibration: dict[str, Any], cold: bool = False) -> dict[str, float]:
+    """``predicted_load_s``, ``predicted_ttft_s`` and ``predicted_step_s`` of a run whose forwards were calibrated
+    as ``prefill`` (the batch's rows over its prompt) and ``decode`` (one token per row).
+
+    A forward costs ``blocks`` times the calibrated block plus the output embedding, and the plan's offloaded
+    reads (:func:`io_s`), overlapped (the larger of the two) for a policy that ``overlaps_io``. Not counted: the
+    embedding and norms, attention over a long cache, module-hook overheads. Empty when no block could be timed."""
+    compute = calibration.get("compute") or {}
+    if any("block_s" not in compute.get(name, {}) for name in ("prefill", "decode")):
+        return {}
+    devices = plan.summary["devices"]
+    total = sum(info["bytes"] for info in devices.values())
+    offloaded = sum(info["bytes"] for dev, info in devices.items() if is_offloaded(dev, execution_device))
+    moved = plan.predicted_bytes_per_token
+    disk = disk_bytes_per_forward(plan.page_cache, offloaded, moved, storage.reads_from, cold)
+    io = io_s(calibration, moved, disk, storage.reads_from, storage.pinned, execution_device)
+
+    def forward(times: dict[str, float]) -> float:
+        work = blocks * times["block_s"] + times.get("head_s", 0.0)
+        return max(work, io) if policy.overlaps_io else work + io
+
+    return {"predicted_load_s": load_s(calibration, total, offloaded, storage.reads_from),
+            "predicted_ttft_s": forward(compute["prefill"]), "predicted_step_s": forward(compute["decode"])}
+
+
+def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: Any, rows: int, prompt_tokens: int,
+                          cold: bool = False) -> dict[str, float]:
+    """Calibrate (cached; ``calibrate=true`` measures again) and predict the run's times from its plan, for ``rows``
+    sequences of ``prompt_tokens`` tokens generated at once (``cold``: see :func:`disk_bytes_per_forward`)."""
+    import tempfile
+    from pathlib import Path
+
+    from offload_core.runner.calibrate import calibrate
+
+    cfg = settings.cfg
+    folders = {"offload_folder": Path(cfg.offload_folder or tempfile.gettempdir()), "checkpoint": run_model.checkpoint_dir.parent}
+    shapes = {"prefill": (rows, prompt_tokens), "decode": (rows, 1)}
+    try:
+        calibration = calibrate(run_model.model, run_model.no_split, run_model.dtype, settings.execution_device, folders,
+                                shapes, refresh=bool(cfg.get("calibrate", False)))
+    except OSError as exc:  # a probe that cannot be written (a full disk): the run goes on without a prediction
+        print(f"  no time prediction: calibration failed ({exc.strerror or exc})")
+        return {}
+    return predict_time(count_blocks(run_model.model, run_model.no_split), plan, strategies.storage, strategies.policy,
+                        settings.execution_device, calibration, cold)
+
+
+def print_prediction(predicted: dict[str, float], rows: int) -> None:
+    """One line: the predicted load time, time to first token and decoding rate."""
+    if predicted:
+        step = predicted["predicted_step_s"]
+        print(f"predicted: load {predicted['predicted_load_s']:.2f} s | first token {predicted['predicted_ttft_s']:.3f} s | "
+              f"{step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows})")
