@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["drop", "libc", "populate", "resident"]
+__all__ = ["drop", "libc", "populate", "resident", "will_need"]
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
@@ -84,6 +84,18 @@ def populate(tensor: torch.Tensor) -> bool:
     if lib.madvise(start, length, _MADV_POPULATE_READ) == 0:
         return True
     return lib.madvise(start, length, _MADV_WILLNEED) == 0
+
+
+def will_need(tensor: torch.Tensor) -> None:
+    """Start reading a mapped CPU tensor's pages in without waiting (``MADV_WILLNEED``): the disk gets every
+    range hinted at once, where reading one range after another keeps only one request in flight. Does
+    nothing where its pages are already in memory or madvise is unavailable."""
+    lib = libc()
+    if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":
+        return
+    start, length = _page_span(tensor)
+    if not _all_resident(lib, start, length):
+        lib.madvise(start, length, _MADV_WILLNEED)
 
 
 def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> bool:

@@ -13,6 +13,7 @@ from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, ExpertLayer, ExpertsHook, expert_sizes,
                                                       expert_slots, is_fused_experts)
+from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.prefetch.policy import Prefetch, PrefetchConfig, PrefetchHandle
 from offload_core.module_hooks.units import Unit
@@ -135,8 +136,11 @@ class Experts(Prefetch):
         counters = ExpertCounters(stats=plan.stats)
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-experts")
         buffers = Buffers(plan.execution_device)
-        layers = [ExpertLayer(unit, plan.store, buffers, ExpertCache(config.cache_slots), counters, config.whole_fraction,
-                              reader) for unit in expert_units]
+        # On a CPU run each layer reads into rows of its own (a cached expert stays in place); on an
+        # accelerator the layers share one buffer per shape, filled from host-memory rows.
+        kind = RowsLayer if plan.execution_device.type == "cpu" else ExpertLayer
+        layers = [kind(unit, plan.store, buffers, ExpertCache(config.cache_slots), counters, config.whole_fraction, reader)
+                  for unit in expert_units]
         for layer, following in zip(layers, layers[1:]):
             if config.guess != "none":
                 layer.next = following
