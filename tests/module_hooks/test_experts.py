@@ -230,3 +230,19 @@ def test_the_store_is_told_which_experts_are_about_to_be_read(saved, tmp_path):
     for index, event in enumerate(events):
         if event[0] == "read":
             assert ("advise", *event[1:]) in events[:index], event
+
+
+def test_the_cpu_budget_holds_back_the_expert_cache_and_the_rows_being_read(saved):
+    from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
+    from offload_core.planning.reservation import InFlight
+
+    moe = saved("mixtral")
+    with init_empty_weights():
+        model = moe.auto.from_config(moe.config).eval()
+    experts = [m for m in model.modules() if is_fused_experts(m)]
+    row = sum(p[0].numel() * p.element_size() for p in experts[0].parameters(recurse=False) if p.dim() == 3)
+    need = InFlight(execution_device=torch.device("cpu"), block_bytes=1 << 20, module_bytes=1 << 20, model=model)
+    policy = Experts(ExpertsConfig(cache_slots=3))
+    held = policy.reserve(need)["cpu"] - Prefetch(PrefetchConfig()).reserve(need).get("cpu", 0)
+    assert held == (3 * len(experts) + 2 * moe.config.num_experts_per_tok) * row
+    assert policy.plan_lines()[0].startswith(f"expert cache: 3 slots per layer x {len(experts)} MoE layers")

@@ -107,16 +107,19 @@ class Experts(Prefetch):
 
     def reserve(self, need: InFlight) -> dict:
         """Prefetch's reservation for the blocks, and from the cpu budget the expert cache (``cache_slots``
-        experts per MoE layer) and the next layer's experts guessed ahead (``top_k`` at most, counted as
-        the cache's size again); on a GPU run, one full-shape buffer per expert tensor on the device."""
+        experts per MoE layer) and the rows in flight: the routed experts of the layer that runs and
+        those guessed for the next (``num_experts_per_tok`` each, where the model's config says)."""
         reserve = dict(super().reserve(need))
         if need.model is None:
             return reserve
         row, layers = expert_sizes(need.model, need.dtype)
         cache = self.config.cache_slots * row * layers
-        reserve["cpu"] = reserve.get("cpu", 0) + cache + self.config.cache_slots * row
+        top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
+        in_flight = (2 * top_k if isinstance(top_k, int) else self.config.cache_slots) * row
+        reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
         self.cache_note = (f"expert cache: {self.config.cache_slots} slots per layer x {layers} MoE layers of "
-                           f"{format_size(row)} experts = {format_size(cache)} of the cpu budget") if layers else ""
+                           f"{format_size(row)} experts = {format_size(cache)} of the cpu budget "
+                           f"(and {format_size(in_flight)} for experts being read)") if layers else ""
         return reserve
 
     def plan_lines(self) -> list[str]:
