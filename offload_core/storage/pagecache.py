@@ -34,6 +34,8 @@ def libc() -> ctypes.CDLL | None:
     return lib
 
 
+_HINT_CHUNK = 1 << 20  # bytes per MADV_WILLNEED call (page aligned)
+
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte says "resident"
 
 
@@ -94,8 +96,13 @@ def will_need(tensor: torch.Tensor) -> None:
     if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":
         return
     start, length = _page_span(tensor)
-    if not _all_resident(lib, start, length):
-        lib.madvise(start, length, _MADV_WILLNEED)
+    if _all_resident(lib, start, length):
+        return
+    # The kernel reads at most one read-ahead window (read_ahead_kb, or the disk's largest request) per
+    # hint and ignores the rest; a page left out would later be faulted in with a read-around window
+    # that spills into the neighbouring tensors. Hints of 1 MiB each cover the whole span.
+    for offset in range(0, length, _HINT_CHUNK):
+        lib.madvise(start + offset, min(_HINT_CHUNK, length - offset), _MADV_WILLNEED)
 
 
 def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> bool:
