@@ -107,15 +107,18 @@ class Experts(Prefetch):
 
     def reserve(self, need: InFlight) -> dict:
         """Prefetch's reservation for the blocks, and from the cpu budget the expert cache (``cache_slots``
-        experts per MoE layer) and the rows in flight: the routed experts of the layer that runs and
-        those guessed for the next (``num_experts_per_tok`` each, where the model's config says)."""
+        experts per MoE layer) and the rows being read: on a CPU run all of a layer's experts (a prompt
+        may route to every one; on an accelerator they go to the device, ``num_experts_per_tok`` at a
+        time through host memory) and the next layer's guesses (``num_experts_per_tok`` where the
+        model's config says; else as many as the layer has)."""
         reserve = dict(super().reserve(need))
         if need.model is None:
             return reserve
-        row, layers = expert_sizes(need.model, need.dtype)
+        row, layers, experts = expert_sizes(need.model, need.dtype)
         cache = self.config.cache_slots * row * layers
         top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
-        in_flight = (2 * top_k if isinstance(top_k, int) else self.config.cache_slots) * row
+        top_k = top_k if isinstance(top_k, int) else experts
+        in_flight = ((experts if need.execution_device.type == "cpu" else top_k) + top_k) * row
         reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
         self.cache_note = (f"expert cache: {self.config.cache_slots} slots per layer x {layers} MoE layers of "
                            f"{format_size(row)} experts = {format_size(cache)} of the cpu budget "
