@@ -27,6 +27,8 @@ class ReservedRows:
         self.row_bytes = self.shape[1:].numel() * dtype.itemsize
         size = max(self.row_bytes * self.shape[0], 1)
         self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.map.madvise(mmap.MADV_HUGEPAGE)  # a row written after a release faults in 2 MiB at a time
         with torch.inference_mode(False):  # the experts' weights: normal tensors, as the in-memory model's
             flat = torch.frombuffer(self.map, dtype=torch.uint8, count=self.row_bytes * self.shape[0])
             self.tensor = flat.view(dtype).view(self.shape)
@@ -88,11 +90,17 @@ class RowsLayer(ExpertLayer):
             self.start_next(hidden)
         else:
             self.advise(missing)
-            self.start_next(hidden)  # the next layer's guesses are read while this layer reads and computes
+            # The reader thread reads all misses but the first while this thread reads that one; the
+            # next layer's guesses are queued behind them and read while this layer computes.
+            helped = {expert: self.reader.submit(self.read_row, expert) for expert in missing[1:]}
+            self.start_next(hidden)
             for expert in experts:
                 if expert in self.guess:
                     self.guess.pop(expert).result()
                     self.counters.predicted_hits += 1
+                elif expert in helped:
+                    helped.pop(expert).result()
+                    self.counters.misses += 1
                 elif expert in self.present:
                     self.counters.hits += 1
                 else:
