@@ -250,18 +250,21 @@ def read_whole(store: Mapping[str, torch.Tensor], key: str, buffer: torch.Tensor
         buffer.copy_(store[key])
 
 
-def expert_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[int, int, int]:
-    """The bytes of one expert in the largest fused experts module, how many such modules the model has,
-    and the most experts one of them holds."""
-    largest, layers, experts = 0, 0, 0
+def expert_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """The bytes of one expert in the largest fused experts module, and how many such modules the model has."""
+    largest, layers = 0, 0
     for module in model.modules():
         if is_fused_experts(module):
             layers += 1
-            experts = max(experts, module.num_experts)
             row = sum(p[0].numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
                       for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == module.num_experts)
             largest = max(largest, row)
-    return largest, layers, experts
+    return largest, layers
+
+
+def most_experts(model: nn.Module) -> int:
+    """The most experts one fused experts module of ``model`` holds (0 where it has none)."""
+    return max((module.num_experts for module in model.modules() if is_fused_experts(module)), default=0)
 
 
 def expert_slots(module_name: str, module: nn.Module, offloaded: Mapping[str, str]) -> list[Slot]:

@@ -12,7 +12,7 @@ from torch import nn
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, ExpertLayer, ExpertsHook, expert_sizes,
-                                                      expert_slots, is_fused_experts)
+                                                      expert_slots, is_fused_experts, most_experts)
 from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.prefetch.policy import Prefetch, PrefetchConfig, PrefetchHandle
@@ -114,7 +114,8 @@ class Experts(Prefetch):
         reserve = dict(super().reserve(need))
         if need.model is None:
             return reserve
-        row, layers, experts = expert_sizes(need.model, need.dtype)
+        row, layers = expert_sizes(need.model, need.dtype)
+        experts = most_experts(need.model)
         cache = self.config.cache_slots * row * layers
         top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
         top_k = top_k if isinstance(top_k, int) else experts
