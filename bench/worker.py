@@ -2,7 +2,8 @@
 
 Run by ``bench/compare.py`` as ``python bench/worker.py '<spec json>' <out.json>``; never imported by
 ``offload_core``. Systems: ``inmem`` (transformers, all in RAM), ``accelerate`` (empty init +
-``infer_auto_device_map`` + ``load_checkpoint_and_dispatch`` with an offload folder) and ``ours``
+``infer_auto_device_map`` + ``load_checkpoint_and_dispatch`` with an offload folder; transformers'
+``from_pretrained`` with that device map where the checkpoint's names need converting) and ``ours``
 (the runner's planning, then ``offload_core.load_checkpoint_and_dispatch`` with a store and a
 module-hook policy, exactly what ``python run.py`` does).
 """
@@ -127,7 +128,8 @@ def max_memory_of(spec: dict) -> dict:
     """CPU runs: ``--budget`` is the cpu budget. GPU runs: it is GPU 0's, and the rest fits in cpu memory."""
     if on_gpu(spec):
         return {0: spec["budget"], "cpu": int(spec["cpu_budget"])}  # bytes as an int: accelerate takes no digit strings
-    return {"cpu": spec["budget"]}
+    budget = spec["budget"]
+    return {"cpu": int(budget) if str(budget).isdigit() else budget}  # bytes as an int: accelerate takes no digit strings
 
 
 def prepare_ours(spec: dict):
@@ -229,19 +231,32 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
                                        dtype=dtype)
     folder = Path(spec["scratch"]) / "offload"
     started = time.perf_counter()
-    model = load_checkpoint_and_dispatch(model, spec["checkpoint"], device_map=device_map, offload_folder=str(folder),
-                                         dtype=dtype, no_split_module_classes=no_split)
+    shards = sorted(str(p) for p in Path(spec["checkpoint"]).glob("*.safetensors"))
+    if _names_match(model, shards):
+        model = load_checkpoint_and_dispatch(model, spec["checkpoint"], device_map=device_map, offload_folder=str(folder),
+                                             dtype=dtype, no_split_module_classes=no_split)
+        files = []
+    else:
+        # The checkpoint's names are not the model's (a transformers-5 MoE: per-expert tensors, fused
+        # parameters): accelerate's own loader cannot read it, so transformers loads it with the same
+        # device map and accelerate's disk offload (converted tensors written to the folder, the others
+        # read from the shards in place).
+        del model
+        model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=dtype, device_map=device_map,
+                                                     offload_folder=str(folder))
+        files = shards
     dispatch_s = time.perf_counter() - started
     model.eval()
-    files = sorted(str(p) for p in folder.glob("*.dat")) if folder.exists() else []
-    written = sum(os.path.getsize(p) for p in files)
+    written_files = sorted(str(p) for p in folder.iterdir()) if folder.exists() else []
+    written = sum(os.path.getsize(p) for p in written_files)
+    files = written_files + files
     per_device: dict[str, int] = {}
     for name, dev in device_map.items():
         size = sum(t.numel() * t.element_size() for t in
                    (model.get_submodule(name).state_dict().values() if name else model.state_dict().values()))
         per_device[str(dev)] = per_device.get(str(dev), 0) + size
     # On a GPU run accelerate streams both its cpu and its disk weights to the GPU on every forward.
-    offloaded = written + (per_device.get("cpu", 0) if on_gpu(spec) else 0)
+    offloaded = per_device.get("disk", 0) + (per_device.get("cpu", 0) if on_gpu(spec) else 0)
     info = {
         "dispatch_s": dispatch_s,
         "offload_files": files,
@@ -251,6 +266,17 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
         "device_bytes": per_device,
     }
     return model, info
+
+
+def _names_match(model: torch.nn.Module, shards: list[str]) -> bool:
+    """Whether every name of ``model``'s state dict is a tensor of the safetensors ``shards`` (no conversion needed)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in shards:
+        with safe_open(shard, "pt") as handle:
+            names.update(handle.keys())
+    return not shards or set(model.state_dict()) <= names
 
 
 def load_inmem(spec: dict) -> tuple[torch.nn.Module, dict]:

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from offload_core.storage.pagecache import populate
+from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
 
 
@@ -85,6 +85,12 @@ class Store(Mapping):
         row = self[name][expert]
         populate(row)
         out.copy_(row)
+
+    def advise_expert(self, name: str, expert: int) -> None:
+        """Hint that row ``expert`` of ``name`` will be read soon (:meth:`read_expert`): where its bytes are
+        on disk, start reading them now without waiting. The default hints the row of the view
+        ``store[name]`` hands out (mapped files); for memory it does nothing."""
+        will_need(self[name][expert])
 
     def drop(self, name: str) -> bool:
         """Drop ``name``'s bytes from memory after use (the page cache included), so that streaming it

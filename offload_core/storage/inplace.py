@@ -11,7 +11,7 @@ import torch
 
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
-from offload_core.storage.pagecache import drop, populate
+from offload_core.storage.pagecache import drop, populate, will_need
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,15 @@ class InPlaceStore(Store):
         row = self._view(name)[expert]
         populate(row)
         out.copy_(row)
+
+    def advise_expert(self, name: str, expert: int) -> None:
+        """Start reading expert ``expert`` of ``name`` from the shard: its per-expert checkpoint tensors, or its row."""
+        if name in self.assembled:
+            for index, source in self.checkpoint.parts(self._refs[name]) or ():
+                if _row_of(index) == expert:
+                    will_need(source)
+            return
+        will_need(self._view(name)[expert])
 
     def warm(self, name: str) -> bool:
         if name in self.converting or name in self.assembled:

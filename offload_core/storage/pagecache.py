@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["drop", "libc", "populate", "resident"]
+__all__ = ["drop", "libc", "populate", "resident", "will_need"]
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
@@ -33,6 +33,8 @@ def libc() -> ctypes.CDLL | None:
     lib.fallocate.restype = ctypes.c_int
     return lib
 
+
+_HINT_CHUNK = 1 << 20  # bytes per MADV_WILLNEED call (page aligned)
 
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte says "resident"
 
@@ -104,6 +106,23 @@ def _advise(path: str | os.PathLike[str], offset: int, length: int, advice: str)
     finally:
         os.close(fd)
     return True
+
+
+def will_need(tensor: torch.Tensor) -> None:
+    """Start reading a mapped CPU tensor's pages in without waiting (``MADV_WILLNEED``): the disk gets every
+    range hinted at once, where reading one range after another keeps only one request in flight. Does
+    nothing where its pages are already in memory or madvise is unavailable."""
+    lib = libc()
+    if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":
+        return
+    start, length = _page_span(tensor)
+    if _all_resident(lib, start, length):
+        return
+    # The kernel reads at most one read-ahead window (read_ahead_kb, or the disk's largest request) per
+    # hint and ignores the rest; a page left out would later be faulted in with a read-around window
+    # that spills into the neighbouring tensors. Hints of 1 MiB each cover the whole span.
+    for offset in range(0, length, _HINT_CHUNK):
+        lib.madvise(start + offset, min(_HINT_CHUNK, length - offset), _MADV_WILLNEED)
 
 
 def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> bool:

@@ -159,11 +159,7 @@ class ExpertLayer:
         """Most experts must come from the store (a long prompt): one read of each whole tensor beats
         many row reads (the cache and the guesses are left as they are)."""
         for key, buffer in tensors.items():
-            read_into = getattr(self.store, "read_into", None)
-            if read_into is not None and buffer.device.type == "cpu":
-                read_into(key, buffer)
-            else:
-                buffer.copy_(self.store[key])
+            read_whole(self.store, key, buffer)
         self.counters.add_bytes(len(tensors), self.row_bytes * self.num_experts)
         self.counters.whole_reads += 1
 
@@ -245,6 +241,15 @@ def read_expert(store: Mapping[str, torch.Tensor], key: str, expert: int, out: t
         out.copy_(store[key][expert])
 
 
+def read_whole(store: Mapping[str, torch.Tensor], key: str, buffer: torch.Tensor) -> None:
+    """Copy all of ``store[key]`` into ``buffer``: in one pass where the store reads into host memory itself."""
+    read_into = getattr(store, "read_into", None)
+    if read_into is not None and buffer.device.type == "cpu":
+        read_into(key, buffer)
+    else:
+        buffer.copy_(store[key])
+
+
 def expert_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[int, int]:
     """The bytes of one expert in the largest fused experts module, and how many such modules the model has."""
     largest, layers = 0, 0
@@ -255,6 +260,11 @@ def expert_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[in
                       for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == module.num_experts)
             largest = max(largest, row)
     return largest, layers
+
+
+def most_experts(model: nn.Module) -> int:
+    """The most experts one fused experts module of ``model`` holds (0 where it has none)."""
+    return max((module.num_experts for module in model.modules() if is_fused_experts(module)), default=0)
 
 
 def expert_slots(module_name: str, module: nn.Module, offloaded: Mapping[str, str]) -> list[Slot]:

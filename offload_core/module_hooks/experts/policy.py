@@ -14,7 +14,8 @@ from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.lists import ListedExpertHook, listed_expert_sizes, listed_expert_units
 from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, ExpertLayer, ExpertsHook, expert_sizes,
-                                                      expert_slots, is_fused_experts)
+                                                      expert_slots, is_fused_experts, most_experts)
+from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.prefetch.policy import Prefetch, PrefetchConfig, PrefetchHandle
 from offload_core.module_hooks.units import Unit
@@ -108,22 +109,29 @@ class Experts(Prefetch):
 
     def reserve(self, need: InFlight) -> dict:
         """Prefetch's reservation for the blocks, and from the cpu budget the expert cache (``cache_slots``
-        experts per MoE layer) and the next layer's experts guessed ahead (``top_k`` at most, counted as
-        the cache's size again); on a GPU run, one full-shape buffer per expert tensor on the device, and
-        the cache of a list of expert modules, which stays on the device."""
+        experts per MoE layer) and the rows being read: on a CPU run all of a fused layer's experts (a prompt
+        may route to every one; on an accelerator they go to the device, ``num_experts_per_tok`` at a
+        time through host memory) and the next layer's guesses (``num_experts_per_tok`` where the
+        model's config says; else as many as the layer has). A list of expert modules is cached where it
+        runs: on a GPU run, on the device."""
         reserve = dict(super().reserve(need))
         if need.model is None:
             return reserve
         (fused_row, fused_layers), (listed_row, listed_layers) = (expert_sizes(need.model, need.dtype),
                                                                     listed_expert_sizes(need.model, need.dtype))
         row, layers = max(fused_row, listed_row), fused_layers + listed_layers
+        experts = most_experts(need.model)
         cache = self.config.cache_slots * row * layers
-        reserve["cpu"] = reserve.get("cpu", 0) + cache + self.config.cache_slots * row
-        if listed_layers and need.execution_device.type != "cpu":  # listed experts are cached where they run
+        top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
+        top_k = top_k if isinstance(top_k, int) else experts
+        in_flight = ((experts if need.execution_device.type == "cpu" else top_k) + top_k) * fused_row
+        reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
+        if listed_layers and need.execution_device.type != "cpu":
             gpu = need.execution_device.index or 0
             reserve[gpu] = reserve.get(gpu, 0) + self.config.cache_slots * listed_row * listed_layers
         self.cache_note = (f"expert cache: {self.config.cache_slots} slots per layer x {layers} MoE layers of "
-                           f"{format_size(row)} experts = {format_size(cache)} of the cpu budget") if layers else ""
+                           f"{format_size(row)} experts = {format_size(cache)} of the cpu budget "
+                           f"(and {format_size(in_flight)} for experts being read)") if layers else ""
         return reserve
 
     def plan_lines(self) -> list[str]:
@@ -145,8 +153,11 @@ class Experts(Prefetch):
         counters = ExpertCounters(stats=plan.stats)
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-experts")
         buffers = Buffers(plan.execution_device)
-        layers = [ExpertLayer(unit, plan.store, buffers, ExpertCache(config.cache_slots), counters, config.whole_fraction,
-                              reader) for unit in expert_units]
+        # On a CPU run each layer reads into rows of its own (a cached expert stays in place); on an
+        # accelerator the layers share one buffer per shape, filled from host-memory rows.
+        kind = RowsLayer if plan.execution_device.type == "cpu" else ExpertLayer
+        layers = [kind(unit, plan.store, buffers, ExpertCache(config.cache_slots), counters, config.whole_fraction, reader)
+                  for unit in expert_units]
         for layer, following in zip(layers, layers[1:]):
             if config.guess != "none":
                 layer.next = following
