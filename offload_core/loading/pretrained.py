@@ -53,8 +53,9 @@ def from_pretrained(
         if given:
             check_task_fits(model, checkpoint, task, what="task")
         if device_map is None:
-            reserve = reserve_for(model, checkpoint, policy, storage, device, no_split, dtype)
-            request = PlacementRequest(model=model, max_memory=get_max_memory(max_memory), no_split_module_classes=no_split,
+            budgets = get_max_memory(max_memory)
+            reserve = reserve_for(model, checkpoint, policy, storage, device, no_split, dtype, budgets.get("cpu"))
+            request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split,
                                        dtype=dtype, reserve=reserve)
             device_map = _resolve("placement", "balanced" if placement == "auto" else placement).make_device_map(request)
         return load_checkpoint_and_dispatch(model, checkpoint, device_map, no_split_module_classes=no_split,

@@ -14,17 +14,18 @@ from offload_core.storage.base import Storage
 
 
 def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,
-                converts: bool, model: nn.Module | None = None, dtype: torch.dtype | None = None) -> dict[Any, int]:
+                converts: bool, model: nn.Module | None = None, dtype: torch.dtype | None = None,
+                cpu_budget: int | None = None) -> dict[Any, int]:
     """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
     (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
     need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
-                    store_pinned=storage.pinned, model=model, dtype=dtype)
+                    store_pinned=storage.pinned, model=model, dtype=dtype, cpu_budget=cpu_budget)
     return dict(policy.reserve(need))
 
 
 def reserve_for(model: nn.Module, checkpoint: Any, policy: Policy, storage: Storage, execution_device: torch.device,
-                no_split: list[str], dtype: torch.dtype) -> dict[Any, int]:
+                no_split: list[str], dtype: torch.dtype, cpu_budget: int | None = None) -> dict[Any, int]:
     """:func:`reservation` for ``model`` loaded from ``checkpoint`` in ``dtype``: its largest no-split block, its
     largest module, and whether any stored dtype differs from the run's. Held back on the devices the policy
     names only, so a large embedding never keeps a whole model off the cpu tier."""
@@ -34,4 +35,4 @@ def reserve_for(model: nn.Module, checkpoint: Any, policy: Policy, storage: Stor
     stored_differs = any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
-    return reservation(policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype)
+    return reservation(policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget)

@@ -22,6 +22,7 @@ class InFlight:
     store_pinned: bool = False  # the store's memory is page-locked: copies to a GPU need no staging
     model: Any = None  # the model being planned (on the meta device), for policies that size by its modules
     dtype: Any = None  # the run's dtype (None: each tensor's own)
+    cpu_budget: int | None = None  # the cpu budget the placement fills (None: not known)
 
 
 def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu: bool = False) -> dict[Any, int]:

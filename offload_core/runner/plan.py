@@ -53,7 +53,8 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
 
     model, dtype, no_split, device = run_model.model, run_model.dtype, run_model.no_split, settings.execution_device
     block = largest_block_size(model, no_split, dtype=dtype)
-    reserve = reserve_for(model, checkpoint, strategies.policy, strategies.storage, device, no_split, dtype)
+    reserve = reserve_for(model, checkpoint, strategies.policy, strategies.storage, device, no_split, dtype,
+                          settings.budgets.get("cpu"))
     path = settings.cfg.device_map
     check_module_classes(model, settings.model.get("no_split_module_classes"))
     device_map = read_device_map(path) if path else strategies.policy.own_device_map(model, device)

@@ -246,3 +246,26 @@ def test_the_cpu_budget_holds_back_the_expert_cache_and_the_rows_being_read(save
     held = policy.reserve(need)["cpu"] - Prefetch(PrefetchConfig()).reserve(need).get("cpu", 0)
     assert held == (3 * len(experts) + experts[0].num_experts + moe.config.num_experts_per_tok) * row
     assert policy.plan_lines()[0].startswith(f"expert cache: 3 slots per layer x {len(experts)} MoE layers")
+
+
+@pytest.mark.parametrize("spare_slots", [0, 1, 5])
+def test_the_cache_takes_as_many_slots_as_the_cpu_budget_holds(saved, spare_slots):
+    from offload_core.module_hooks.experts.policy import AUTO_SLOTS
+    from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
+    from offload_core.planning.reservation import InFlight
+
+    moe = saved("mixtral")
+    with init_empty_weights():
+        model = moe.auto.from_config(moe.config).eval()
+    experts = [m for m in model.modules() if is_fused_experts(m)]
+    row = sum(p[0].numel() * p.element_size() for p in experts[0].parameters(recurse=False) if p.dim() == 3)
+    reading = (experts[0].num_experts + moe.config.num_experts_per_tok) * row
+    budget = reading + spare_slots * len(experts) * row + row // 2  # room for spare_slots slots, not one more
+    need = InFlight(execution_device=torch.device("cpu"), block_bytes=1 << 20, module_bytes=1 << 20, model=model,
+                    cpu_budget=budget)
+    policy = Experts(ExpertsConfig())
+    held = policy.reserve(need)["cpu"] - Prefetch(PrefetchConfig()).reserve(need).get("cpu", 0)
+    slots = min(spare_slots, AUTO_SLOTS)
+    assert held == reading + slots * len(experts) * row <= budget
+    assert f"expert cache: {slots} slots per layer (as many as the cpu budget holds)" in policy.plan_lines()[0]
+    assert Experts(ExpertsConfig(cache_slots=4)).reserve(need)["cpu"] >= 4 * len(experts) * row  # a number given is kept

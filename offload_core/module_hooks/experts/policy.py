@@ -23,13 +23,15 @@ from offload_core.planning.reservation import InFlight
 from offload_core.values import format_size
 
 GUESSES = ("router", "previous", "none")
+AUTO_SLOTS = 2  # the most cache slots per layer chosen from the budget
 
 
 @dataclass
 class ExpertsConfig(PrefetchConfig):
     name: str = "experts"
-    #: experts of each MoE layer kept in host memory (LFRU); 0 turns the cache off
-    cache_slots: int = 2
+    #: experts of each MoE layer kept in host memory (LFRU); 0 turns the cache off; None (the default):
+    #: as many as the cpu budget holds beside the experts being read, at most AUTO_SLOTS
+    cache_slots: Optional[int] = None
     #: how the next MoE layer's experts are guessed and read ahead: "router" (its router on this
     #: layer's hidden state), "previous" (what it selected for the previous token) or "none"
     guess: str = "router"
@@ -99,13 +101,14 @@ class Experts(Prefetch):
         from offload_core.errors import ConfigError
 
         super().__init__(config)
-        if config.cache_slots < 0:
+        if config.cache_slots is not None and config.cache_slots < 0:
             raise ConfigError(f"hook.cache_slots={config.cache_slots} is negative: give the experts to keep per layer (0: no cache)")
         if config.guess not in GUESSES:
             raise ConfigError(f"hook.guess={config.guess!r} is unknown: use one of {', '.join(GUESSES)}")
         if not 0 < config.whole_fraction <= 1:
             raise ConfigError(f"hook.whole_fraction={config.whole_fraction} is not in (0, 1]: give a fraction such as 0.75")
         self.cache_note = ""
+        self.slots = AUTO_SLOTS if config.cache_slots is None else config.cache_slots
 
     def reserve(self, need: InFlight) -> dict:
         """Prefetch's reservation for the blocks, and from the cpu budget the expert cache (``cache_slots``
@@ -121,15 +124,19 @@ class Experts(Prefetch):
                                                                     listed_expert_sizes(need.model, need.dtype))
         row, layers = max(fused_row, listed_row), fused_layers + listed_layers
         experts = most_experts(need.model)
-        cache = self.config.cache_slots * row * layers
         top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
         top_k = top_k if isinstance(top_k, int) else experts
         in_flight = ((experts if need.execution_device.type == "cpu" else top_k) + top_k) * fused_row
+        if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
+            left = need.cpu_budget - reserve.get("cpu", 0) - in_flight  # after the blocks and the rows in flight
+            self.slots = max(0, min(AUTO_SLOTS, left // (row * layers)))
+        cache = self.slots * row * layers
         reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
         if listed_layers and need.execution_device.type != "cpu":
             gpu = need.execution_device.index or 0
-            reserve[gpu] = reserve.get(gpu, 0) + self.config.cache_slots * listed_row * listed_layers
-        self.cache_note = (f"expert cache: {self.config.cache_slots} slots per layer x {layers} MoE layers of "
+            reserve[gpu] = reserve.get(gpu, 0) + self.slots * listed_row * listed_layers
+        chosen = " (as many as the cpu budget holds)" if self.config.cache_slots is None else ""
+        self.cache_note = (f"expert cache: {self.slots} slots per layer{chosen} x {layers} MoE layers of "
                            f"{format_size(row)} experts = {format_size(cache)} of the cpu budget "
                            f"(and {format_size(in_flight)} for experts being read)") if layers else ""
         return reserve
@@ -156,7 +163,7 @@ class Experts(Prefetch):
         # On a CPU run each layer reads into rows of its own (a cached expert stays in place); on an
         # accelerator the layers share one buffer per shape, filled from host-memory rows.
         kind = RowsLayer if plan.execution_device.type == "cpu" else ExpertLayer
-        layers = [kind(unit, plan.store, buffers, ExpertCache(config.cache_slots), counters, config.whole_fraction, reader)
+        layers = [kind(unit, plan.store, buffers, ExpertCache(self.slots), counters, config.whole_fraction, reader)
                   for unit in expert_units]
         for layer, following in zip(layers, layers[1:]):
             if config.guess != "none":
@@ -167,12 +174,12 @@ class Experts(Prefetch):
         handles.append(add_hook_to_module(model, TokenCounter(counters)))
         handles.extend(add_hook_to_module(layer.unit.module, ExpertsHook(layer)) for layer in layers)
         for units, positions in listed:  # a list of expert modules: each read when called, cached per layer
-            cache = ExpertCache(config.cache_slots)
+            cache = ExpertCache(self.slots)
             handles.extend(add_hook_to_module(unit.module, ListedExpertHook(unit, position, cache, plan.store,
                                                                             plan.execution_device, counters))
                            for unit, position in zip(units, positions))
         return ExpertsHandle(model, plan, blocks.units + expert_units + listed_units, handles, prefetcher=blocks.prefetcher,
-                             layers=layers, counters=counters, reader=reader, cache_slots=config.cache_slots)
+                             layers=layers, counters=counters, reader=reader, cache_slots=self.slots)
 
 
 def router_guess(model: nn.Module, experts_name: str, plan: PolicyContext) -> Optional[Callable[[torch.Tensor], Any]]:
