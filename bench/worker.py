@@ -25,6 +25,7 @@ from offload_core.runner.metrics import MemoryMonitor, rss_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagecache  # noqa: E402
+from gpu import pinned_h2d_bandwidth  # noqa: E402
 
 #: the code being measured (a snapshot of HEAD made by compare.py, or this checkout)
 REPO = Path(os.environ.get("BENCH_CODE_ROOT", Path(__file__).resolve().parent.parent))
@@ -95,25 +96,6 @@ def generate(model, input_ids: torch.Tensor, tokens: int, cold_files: list[str])
 
 
 # -- the three systems -----------------------------------------------------------------------------
-
-def pinned_h2d_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7) -> float:
-    """Median bytes/s of copies from pinned host memory to the GPU (the bound offloaded weights can reach)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        device.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        samples.append(nbytes / (start.elapsed_time(end) / 1e3))
-    del host, device
-    torch.cuda.empty_cache()
-    return sorted(samples)[len(samples) // 2]
-
 
 def on_gpu(spec: dict) -> bool:
     """``--device cuda``: every system runs on GPU 0."""
