@@ -27,12 +27,18 @@ def reservation(policy: Policy, storage: Storage, execution_device: torch.device
 def reserve_for(model: nn.Module, checkpoint: Any, policy: Policy, storage: Storage, execution_device: torch.device,
                 no_split: list[str], dtype: torch.dtype, cpu_budget: int | None = None) -> dict[Any, int]:
     """:func:`reservation` for ``model`` loaded from ``checkpoint`` in ``dtype``: its largest no-split block, its
-    largest module, and whether any stored dtype differs from the run's. Held back on the devices the policy
-    names only, so a large embedding never keeps a whole model off the cpu tier."""
+    largest module, and whether any tensor is stored otherwise than the model holds it (another dtype, or
+    several checkpoint tensors). Held back on the devices the policy names only, so a large embedding never
+    keeps a whole model off the cpu tier."""
     from offload_core.planning import largest_block_size
     from offload_core.storage.base import converts
 
-    stored_differs = any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
+    from offload_core.loading.conversion import key_conversion
+
+    # A tensor stored in another dtype, or built from several checkpoint tensors (per-expert MoE weights),
+    # is a copy when a store that reads in place hands it out.
+    stored_differs = (any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
+                      or bool(key_conversion(model, checkpoint).converted))
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
     return reservation(policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget)
