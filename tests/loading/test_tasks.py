@@ -34,11 +34,13 @@ def test_task_without_architectures_follows_model_type():
     assert infer_task(transformers.T5Config()) == "seq2seq_lm"
 
 
-@pytest.mark.parametrize("name,cls", [("t5", "T5ForConditionalGeneration"), ("bert", "BertForMaskedLM"),
-                                      ("mixtral", "MixtralForCausalLM")])
-def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, name, cls, tmp_path):
+# Mixtral's per-expert tensors are assembled on each read in place: the budget holds three blocks' copies too.
+@pytest.mark.parametrize("name,cls,budget", [("t5", "T5ForConditionalGeneration", "60KiB"),
+                                             ("bert", "BertForMaskedLM", "60KiB"),
+                                             ("mixtral", "MixtralForCausalLM", "400KiB")])
+def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, name, cls, budget, tmp_path):
     model_saved = saved(name)
-    model = from_pretrained(model_saved.path, max_memory={"cpu": "60KiB"}, offload_folder=tmp_path / "off",
+    model = from_pretrained(model_saved.path, max_memory={"cpu": budget}, offload_folder=tmp_path / "off",
                             execution_device="cpu", storage="safetensors", policy="prefetch")
     assert type(model).__name__ == cls
     assert {"cpu", "disk"} <= set(model.hf_device_map.values()), model.hf_device_map
