@@ -196,7 +196,7 @@ def signal_after_load(tiny: Path, tmp_path: Path, sig: int) -> tuple[int, str, P
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "run.py"), *_args(tiny), "max_new_tokens=1500", "progress=false",
+        [sys.executable, str(ROOT / "run.py"), *_args(tiny), "max_new_tokens=2000", "progress=false",
          f"hydra.run.dir={tmp_path / 'run'}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "TMPDIR": str(scratch)},
     )
@@ -209,7 +209,7 @@ def signal_after_load(tiny: Path, tmp_path: Path, sig: int) -> tuple[int, str, P
     else:
         proc.kill()
         pytest.fail("the run never finished loading")
-    time.sleep(0.5)
+    time.sleep(0.1)  # into generation (about 10 s of it on this machine), well before its end even under load
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     return proc.returncode, err, scratch
