@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
+from offload_core.module_hooks.keeper import keep_page_cache
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
@@ -145,6 +146,8 @@ class AlignPerCallConfig:
 class AlignPerCall(Policy):
     """Policy: every call of a unit fetches its offloaded tensors and drops them afterwards."""
 
+    keeps_page_cache = True
+
     def __init__(self, config: AlignPerCallConfig) -> None:
         check_granularity(config.granularity)
         self.config = config
@@ -169,4 +172,5 @@ class AlignPerCall(Policy):
                                     stats=context.stats, non_blocking=context.non_blocking,
                                     skip_keys=self.config.skip_keys, name="align_offload")
             handles.append(add_hook_to_module(unit.module, hook))
+        handles += keep_page_cache(model, context.store, context.residency, units)
         return PolicyHandle(model, context, units, handles)

@@ -10,6 +10,7 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, ModuleHookHandle, add_hook_to_module, send_to_device
+from offload_core.module_hooks.keeper import keep_page_cache
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import Slot, TransferStats, Unit, find_units
 from offload_core.module_hooks.policy import Policy
@@ -132,6 +133,7 @@ class Chained(Policy):
     """Policy: the model's blocks are chained in execution order; each stays loaded until the next is called."""
 
     granularity = "block"
+    keeps_page_cache = True
 
     def __init__(self, config: ChainedConfig) -> None:
         self.config = config
@@ -156,4 +158,5 @@ class Chained(Policy):
             else:
                 hook = ChainedHook(unit, context.store, context.execution_device, context.stats, context.non_blocking, chain)
             handles.append(add_hook_to_module(unit.module, hook))
+        handles += keep_page_cache(model, context.store, context.residency, units)
         return PolicyHandle(model, context, units, handles)

@@ -10,6 +10,7 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
+from offload_core.module_hooks.keeper import keep_page_cache
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
@@ -42,7 +43,10 @@ class FunctionalCallHook(ModuleHook):
         tensors = {_CALL_PREFIX + name: params.get(key, fetched[key]) for name, key in self._names}
         # functional_call calls the module it is given: give it a bare one around the inner forward, so
         # the block's own forward hooks and pre-hooks run once, around this call, as in memory.
-        return torch.func.functional_call(_InnerCall(module, forward), tensors, args, kwargs, tie_weights=False, strict=False)
+        try:
+            return torch.func.functional_call(_InnerCall(module, forward), tensors, args, kwargs, tie_weights=False, strict=False)
+        finally:
+            self.unit.used()
 
 
 _CALL_PREFIX = "block."
@@ -94,6 +98,8 @@ class FunctionalCallConfig:
 class FunctionalCall(Policy):
     """Policy: offloaded tensors go in as ``functional_call`` arguments for the duration of one call."""
 
+    keeps_page_cache = True
+
     def __init__(self, config: FunctionalCallConfig) -> None:
         check_granularity(config.granularity)
         self.config = config
@@ -123,4 +129,5 @@ class FunctionalCall(Policy):
         for unit in units:
             hook = FunctionalCallHook(unit, context.store, context.execution_device, context.stats, context.non_blocking)
             handles.append(add_hook_to_module(unit.module, hook))
+        handles += keep_page_cache(model, context.store, context.residency, units)
         return PolicyHandle(model, context, units, handles)

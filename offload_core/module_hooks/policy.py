@@ -53,8 +53,10 @@ class PolicyHandle:
 
     def counters(self) -> dict[str, int | float]:
         """The policy's own counters since attach, by name (the runner prints them and writes them to
-        ``metrics.json``); a name ending in ``_s`` is seconds. None by default."""
-        return {}
+        ``metrics.json``); a name ending in ``_s`` is seconds. By default, the kept set's figures
+        (:meth:`Residency.counters`) where the run keeps one, else none."""
+        residency = self.context.residency
+        return dict(residency.counters()) if residency is not None else {}
 
     def offload_all(self) -> None:
         """Release every loaded unit (the chained policy keeps the last one loaded until this)."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -61,6 +62,29 @@ def as_param(value: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
     return nn.Parameter(value, requires_grad=requires_grad and value.is_floating_point())
 
 
+def tensor_spec(store: Mapping[str, torch.Tensor], key: str) -> tuple[torch.Size, torch.dtype]:
+    """Shape and dtype ``store[key]`` hands out, without converting it where the store can tell."""
+    spec = getattr(store, "spec", None)
+    if spec is not None:
+        return spec(key)
+    tensor = store[key]
+    return tensor.shape, tensor.dtype
+
+
+def tensor_nbytes(store: Mapping[str, torch.Tensor], key: str) -> int:
+    """The bytes of ``store[key]`` (:func:`tensor_spec`)."""
+    shape, dtype = tensor_spec(store, key)
+    return math.prod(shape) * dtype.itemsize
+
+
+class UnitObserver(Protocol):
+    """Told when a unit's tensors are about to be used and when it is done with them (the page-cache keeper)."""
+
+    def fetching(self, unit: "Unit") -> None: ...
+
+    def used(self, unit: "Unit") -> None: ...
+
+
 @dataclass
 class Unit:
     """A module whose offloaded tensors (its own, or its whole subtree's for a block) move together."""
@@ -69,13 +93,14 @@ class Unit:
     module: nn.Module
     slots: list[Slot]
     loaded: bool = False
+    observer: UnitObserver | None = None
 
     @property
     def keys(self) -> list[str]:
         return list(dict.fromkeys(s.key for s in self.slots))
 
     def nbytes(self, store: Mapping[str, torch.Tensor]) -> int:
-        return sum(store[k].numel() * store[k].element_size() for k in self.keys)
+        return sum(tensor_nbytes(store, key) for key in self.keys)
 
     def fetch(self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False) -> dict[str, torch.Tensor]:
         """The unit's tensors on ``device``, one per store key (tied names share one tensor).
@@ -83,6 +108,8 @@ class Unit:
         Read with inference mode off, even inside a forward run under it: a tensor made under it (a store's lazy
         view, a copy to the device) is an inference tensor, which torch's CPU matmul treats like a weight that
         does not require grad (see :func:`as_param`)."""
+        if self.observer is not None:
+            self.observer.fetching(self)
         fetched = {}
         with torch.inference_mode(False):
             for key in self.keys:
@@ -105,7 +132,10 @@ class Unit:
         """Put the unit's tensors in place on ``device`` (no-op when already loaded)."""
         if self.loaded:
             return
-        fetched = fetched if fetched is not None else self.fetch(store, device, non_blocking)
+        if fetched is None:
+            fetched = self.fetch(store, device, non_blocking)
+        elif self.observer is not None:
+            self.observer.fetching(self)
         params = self.as_params(fetched)
         for slot in self.slots:
             slot.set(params[slot.key] if slot.is_param else fetched[slot.key])
@@ -120,6 +150,13 @@ class Unit:
         for slot in self.slots:
             slot.set(slot.original)
         self.loaded = False
+        self.used()
+
+    def used(self) -> None:
+        """The tensors fetched for a call are no longer needed (:meth:`release` says it; a policy that
+        fetches without loading says it after the call)."""
+        if self.observer is not None:
+            self.observer.used(self)
 
 
 GRANULARITIES = ("module", "block")

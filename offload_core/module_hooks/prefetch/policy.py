@@ -31,11 +31,8 @@ class PrefetchHandle(PolicyHandle):
         recorded execution orders dropped because a unit ran out of order (``invalidations``); with a
         kept set (``PolicyContext.residency``), its figures (:meth:`Residency.counters`)."""
         p = self.prefetcher
-        counters = {"hits": p.hits, "misses": p.misses, "late": p.late, "wait_s": p.waited_s, "borrowed": p.borrowed,
-                    "read_again": p.reread, "invalidations": p.trace.invalidations}
-        if p.residency is not None:
-            counters.update(p.residency.counters())
-        return counters
+        return {"hits": p.hits, "misses": p.misses, "late": p.late, "wait_s": p.waited_s, "borrowed": p.borrowed,
+                "read_again": p.reread, "invalidations": p.trace.invalidations, **super().counters()}
 
     def offload_all(self) -> None:
         for index in list(self.prefetcher.held):

@@ -16,21 +16,13 @@ from offload_core.module_hooks.base import ModuleHook, send_to_device
 from offload_core.module_hooks.prefetch.pool import BlockPool
 from offload_core.module_hooks.prefetch.trace import Trace
 from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRing, Streams, flat_bytes
-from offload_core.module_hooks.units import TransferStats, Unit
+from offload_core.module_hooks.keeper import PageCacheKeeper
+from offload_core.module_hooks.units import TransferStats, Unit, tensor_spec
 from offload_core.storage.pagecache import resident
 from offload_core.storage.residency import Residency
 
 #: byte alignment of each tensor inside a block buffer (CUDA kernels want 256-byte aligned operands)
 ALIGN = 256
-
-
-def tensor_spec(store: Mapping[str, torch.Tensor], key: str) -> tuple[torch.Size, torch.dtype]:
-    """Shape and dtype ``store[key]`` hands out, without converting it where the store can tell."""
-    spec = getattr(store, "spec", None)
-    if spec is not None:
-        return spec(key)
-    tensor = store[key]
-    return tensor.shape, tensor.dtype
 
 
 def _aligned(n: int) -> int:
@@ -88,8 +80,8 @@ class Prefetcher:
         self._nesting = _max_nesting(units)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-prefetch") if self.depth else None
         self.residency = residency
-        if residency is not None:
-            residency.assign([(unit.name, self.unit_bytes(unit)) for unit in units])
+        # The reader brings pages in: the keeper counts, drops and fits the kept set.
+        self.keeper = PageCacheKeeper(residency, store, units, self.unit_bytes, warm=False) if residency is not None else None
 
     # -- the block pool ---------------------------------------------------------------------------
     @property
@@ -228,30 +220,13 @@ class Prefetcher:
         (memory pressure; a benchmark dropping the cache). Read in again now, they arrive while the
         resident layers run, instead of by page faults on the compute thread when their unit runs.
         """
-        if self.residency is not None:
-            self._shrink_kept_set()
+        if self.keeper is not None:
+            busy = set(self.pending) | set(self.held)
+            self.keeper.start_pass(self.units[index].name for index in busy)
         for index, (future, dropped, fetched) in list(self.pending.items()):
             if future.done() and not future.cancelled() and future.exception() is None and self._evicted(fetched):
                 self.pending[index] = (self._pool.submit(self._read_again, fetched), dropped, fetched)
                 self.reread += 1
-
-    # -- the kept set and the streamed set --------------------------------------------------------
-    def _shrink_kept_set(self) -> None:
-        """Under memory pressure, blocks leave the kept set: their pages go now unless they are in use."""
-        moved = set(self.residency.check())
-        busy = set(self.pending) | set(self.held)
-        for index, unit in enumerate(self.units):
-            if unit.name in moved and index not in busy:
-                self._drop_pages(unit)
-
-    def _drop_pages(self, unit: Unit) -> None:
-        drop = getattr(self.store, "drop", None)
-        if drop is None:
-            return
-        for key in unit.keys:
-            if drop(key):
-                shape, dtype = tensor_spec(self.store, key)
-                self.residency.dropped += _nbytes(shape, dtype)
 
     def _drop(self, fetched: Fetched, event: Any = None) -> None:
         for index in fetched.buffers:
@@ -314,8 +289,6 @@ class Prefetcher:
                 self._drop_pending(stale)
             fetched = self._fetch(index)
         self.accel.compute_waits(fetched.event)
-        if self.residency is not None and self.residency.is_kept(unit.name):
-            self.residency.kept_served += self.unit_bytes(unit)
         self.held[index] = fetched
         unit.load(self.store, self.device, None, fetched=fetched.tensors)
         self.stats.add_moved(len(unit.keys), fetched.moved)
@@ -340,8 +313,6 @@ class Prefetcher:
         fetched = self.held.pop(index, None)
         if fetched is not None and fetched.buffers:
             self._drop(fetched, self.accel.record_on_compute())
-        if fetched is not None and self.residency is not None and not self.residency.is_kept(unit.name):
-            self._drop_pages(unit)
 
     def close(self) -> None:
         for index in list(self.pending):

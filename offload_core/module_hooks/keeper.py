@@ -1,0 +1,87 @@
+"""The kept set applied to the units a policy streams from a mapped store, whichever the policy: kept units' pages
+stay in the page cache across tokens, a streamed unit's pages are dropped once it has run (so streaming never evicts
+the kept set), and the kept set is fitted to the memory available as each forward pass starts."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
+from offload_core.module_hooks.units import Unit, tensor_nbytes
+from offload_core.storage.base import Store
+from offload_core.storage.residency import Residency
+
+
+class PageCacheKeeper:
+    """Watches ``units`` (it becomes their :attr:`Unit.observer`) and applies ``residency`` to them.
+
+    ``unit_bytes``: the bytes a unit counts for in the kept set. ``warm``: read a unit's pages in
+    with one read as it is fetched (:meth:`Store.warm`), rather than by a page fault per page while it
+    computes; off where a reader thread has brought them in already.
+    """
+
+    def __init__(self, residency: Residency, store: Mapping[str, torch.Tensor], units: list[Unit],
+                 unit_bytes: Callable[[Unit], int], warm: bool) -> None:
+        self.residency = residency
+        self.store = store
+        self.units = units
+        self.warm = warm and isinstance(store, Store)
+        self._bytes = {unit.name: unit_bytes(unit) for unit in units}
+        residency.assign([(unit.name, self._bytes[unit.name]) for unit in units])
+        for unit in units:
+            unit.observer = self
+
+    def start_pass(self, busy: Iterable[str] = ()) -> None:
+        """Fit the kept set to the memory available now (as a forward pass starts): units that left it
+        have their pages dropped now, unless loaded or named in ``busy`` (being read ahead)."""
+        moved = set(self.residency.check())
+        busy = set(busy)
+        for unit in self.units:
+            if unit.name in moved and not unit.loaded and unit.name not in busy:
+                self.drop(unit)
+
+    def fetching(self, unit: Unit) -> None:
+        """``unit`` is about to be used: count a kept unit as served from the page cache, and read its pages in."""
+        if self.residency.is_kept(unit.name):
+            self.residency.kept_served += self._bytes.get(unit.name, 0)
+        if self.warm:
+            for key in unit.keys:
+                self.store.warm(key)
+
+    def used(self, unit: Unit) -> None:
+        """``unit`` has run: a streamed unit's pages leave the page cache."""
+        if not self.residency.is_kept(unit.name):
+            self.drop(unit)
+
+    def drop(self, unit: Unit) -> None:
+        if not isinstance(self.store, Store):
+            return
+        for key in unit.keys:
+            if self.store.drop(key):
+                self.residency.dropped += tensor_nbytes(self.store, key)
+
+
+class KeptSetHook(ModuleHook):
+    """On the model's root: each forward pass starts by fitting the kept set to the memory available."""
+
+    name = "page_cache_keeper"
+
+    def __init__(self, keeper: PageCacheKeeper) -> None:
+        self.keeper = keeper
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.keeper.start_pass()
+        return args, kwargs
+
+
+def keep_page_cache(model: nn.Module, store: Mapping[str, torch.Tensor] | None, residency: Residency | None,
+                    units: list[Unit]) -> list[Any]:
+    """For a policy that fetches units on call: apply ``residency`` (the plan's kept set, None for none) to
+    ``units``, reading each unit's pages in as it is fetched; returns the module-hook handles to remove."""
+    if residency is None or store is None or not units:
+        return []
+    keeper = PageCacheKeeper(residency, store, units, lambda unit: unit.nbytes(store), warm=True)
+    return [add_hook_to_module(model, KeptSetHook(keeper))]
