@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from offload_core.alignment import empty_at, maps_checkpoint, reference_offset
 from offload_core.errors import CheckpointError
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
@@ -63,6 +64,7 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRo
     expected = {name: tuple(t.shape) for name, t in state.items()}
     kinds = {name: _dtype_kind(t.dtype) for name, t in state.items()}
     store_keys = set(routes.offloaded.values())
+    in_place = maps_checkpoint(model)
     total = sum(len(keys) for _, keys in checkpoint.shards())
     bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
     for shard, keys in checkpoint.shards():
@@ -90,7 +92,10 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRo
                 continue
             value = convert_dtype(checkpoint.get(key), dtype)
             device = routes.resident[canonical]
-            held = torch.empty(value.shape, dtype=value.dtype, device=device)
+            if device.type == "cpu":  # where the in-memory load has it: this machine's kernels may depend on it
+                held = empty_at(value.shape, value.dtype, reference_offset(value, in_place))
+            else:
+                held = torch.empty(value.shape, dtype=value.dtype, device=device)
             held.copy_(value)
             set_tensor(model, canonical, held, routes.is_param[canonical])
     bar.close()
@@ -284,7 +289,7 @@ def load_checkpoint_and_dispatch(
         fingerprint = json.loads(json.dumps(fingerprint, default=str))
         context = StoreContext(names=routes.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
                                offload_folder=Path(offload_folder) if offload_folder else None,
-                               pin_memory=execution_device.type == "cuda")
+                               pin_memory=execution_device.type == "cuda", maps_checkpoint=maps_checkpoint(model))
         store = _resolve("storage", storage).open(context)
     try:
         load_checkpoint_in_model(model, ckpt, routes, store, dtype, progress, strict)

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
+from offload_core.alignment import address_offset
 from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
 
@@ -22,6 +23,9 @@ class StoreContext:
     ``fingerprint`` identifies what the offloaded tensors depend on (checkpoint files, dtype, device map):
     a persistent store whose fingerprint matches may be reused as is. ``checkpoint`` is the
     :class:`offload_core.loading.checkpoint.Checkpoint` being loaded (stores that read in place use it).
+    ``maps_checkpoint``: the model's in-memory load uses the checkpoint's tensors in place, at their offsets
+    in the mapped shards (:func:`offload_core.alignment.maps_checkpoint`); otherwise every checkpoint
+    tensor's reference offset is 0.
     """
 
     names: list[str]
@@ -30,6 +34,7 @@ class StoreContext:
     checkpoint: Any = None
     fingerprint: dict = field(default_factory=dict)
     pin_memory: bool = False
+    maps_checkpoint: bool = True
 
 
 def converts(stored: torch.dtype, dtype: torch.dtype | None) -> bool:
@@ -69,6 +74,13 @@ class Store(Mapping):
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         """Keep checkpoint tensor ``key`` under ``name``; stores that read in place override this."""
         self.put(name, convert_dtype(checkpoint.get(key), dtype))
+
+    def offset(self, name: str) -> int:
+        """``name``'s reference address offset (:mod:`offload_core.alignment`): where the model's in-memory load
+        puts it, modulo :data:`~offload_core.alignment.ALIGNMENT`. A copy of it for the model (a buffer
+        it is read into) starts there. The default: where ``store[name]`` starts."""
+        tensor = self[name]
+        return address_offset(tensor) if tensor.device.type == "cpu" else 0
 
     def warm(self, name: str) -> bool:
         """Bring ``name``'s bytes in ahead of use (for mapped stores: read and map the pages).

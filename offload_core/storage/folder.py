@@ -1,7 +1,8 @@
 """An offload folder: one raw data file per tensor plus accelerate's ``index.json``, written atomically and reused when still valid.
 
 Layout (readable by accelerate's ``load_offloaded_weights``): ``index.json`` maps each tensor name to
-``{"dtype": ..., "shape": [...]}``; ``<name>.dat`` holds its bytes. Beside them, files of our own:
+``{"dtype": ..., "shape": [...]}`` (plus, ours, ``"offset"`` where the tensor's reference address offset is not 0:
+see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes. Beside them, files of our own:
 ``.offload_core`` (our tag: the names of every file we wrote, so only those are ever removed),
 ``.offload_complete`` (written last: the fingerprint of what the folder holds and each file's xxh3-128
 checksum, verified before the folder is reused), and ``.lock``. No file in the folder is opened through a
@@ -27,11 +28,13 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from offload_core.alignment import ALIGNMENT, address_offset, misplaced, placed, reference_offset
 from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
-from offload_core.storage.base import Store, StoreContext, converts
+from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
-from offload_core.storage.folder_guard import LOCK, FolderLock, checksum, entries, open_nofollow
+from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, open_nofollow,
+                                               safe_file_name)
 from offload_core.storage.pagecache import drop, populate
 
 log = logging.getLogger(__name__)
@@ -40,27 +43,6 @@ INDEX = "index.json"
 TAG = ".offload_core"
 COMPLETE = ".offload_complete"
 _OURS = {INDEX, TAG, COMPLETE, LOCK}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise StorageError(f"offload index names an unknown dtype {name!r}: delete the offload folder and run again")
-    return dtype
-
-
-def _safe_file_name(folder: Path, name: str) -> Path:
-    """``<name>.dat`` inside ``folder``; a name that would escape the folder is refused."""
-    if "/" in name or "\\" in name or name.startswith(".") or "\x00" in name:
-        raise StorageError(
-            f"offload index in {folder} names tensor {name!r}, which would escape the folder; "
-            "delete that offload folder (it was not written by offload_core) and run again"
-        )
-    return folder / f"{name}.dat"
 
 
 class FolderStore(Store):
@@ -72,7 +54,9 @@ class FolderStore(Store):
 
     def __init__(self, context: StoreContext, verify: bool = True) -> None:
         self.verify = verify
-        self.fingerprint = {"store": "memmap/1", **context.fingerprint}
+        self.maps_checkpoint = context.maps_checkpoint
+        # memmap/2: the index records each tensor's reference offset
+        self.fingerprint = {"store": "memmap/2", **context.fingerprint}
         self.temporary = context.offload_folder is None
         if self.temporary:
             self.folder = Path(tempfile.mkdtemp(prefix="offload_core-"))
@@ -93,7 +77,7 @@ class FolderStore(Store):
     # -- opening ---------------------------------------------------------------------------------
     def _prepare(self, names: list[str]) -> None:
         folder = self.folder
-        planned = [_safe_file_name(folder, name).name for name in names]
+        planned = [safe_file_name(folder, name).name for name in names]
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -173,12 +157,12 @@ class FolderStore(Store):
         except (OSError, StorageError):
             return "verification (index.json is unreadable)"
         for name in index:
-            _safe_file_name(self.folder, name)  # an intact index naming paths outside the folder: refuse, never read
-        for file in [_safe_file_name(self.folder, name).name for name in index]:
+            safe_file_name(self.folder, name)  # an intact index naming paths outside the folder: refuse, never read
+        for file in [safe_file_name(self.folder, name).name for name in index]:
             path = self.folder / file
             try:
                 info = index[file.removesuffix(".dat")]
-                expected = int(np.prod(info["shape"], dtype=np.int64)) * _dtype_from_name(info["dtype"]).itemsize
+                expected = int(np.prod(info["shape"], dtype=np.int64)) * dtype_from_name(info["dtype"]).itemsize
                 if os.lstat(path).st_size != expected:
                     return f"verification ({file} has the wrong size)"
                 if self.verify and checksum(path) != sums.get(file):
@@ -193,7 +177,7 @@ class FolderStore(Store):
         except (OSError, ValueError) as exc:
             raise StorageError(f"offload index {self.folder / INDEX} is unreadable ({exc}); delete the folder and run again") from None
         for name in index:
-            _safe_file_name(self.folder, name)
+            safe_file_name(self.folder, name)
         return index
 
     def _tagged_files(self) -> list[str]:
@@ -220,23 +204,30 @@ class FolderStore(Store):
 
     # -- writing ---------------------------------------------------------------------------------
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._write(name, memoryview(data), tensor.dtype, tensor.shape)
+        """The tensor's reference offset is where it lies now (an in-memory model's tensor)."""
+        self._put(name, tensor.detach(), address_offset(tensor) if tensor.is_contiguous() else 0)
+
+    def _put(self, name: str, tensor: torch.Tensor, offset: int) -> None:
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._write(name, memoryview(data), tensor.dtype, tensor.shape, offset)
 
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`);
         one that is converted, or comes from a ``.bin`` file, is written through :meth:`put`."""
         if (not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False)) or converts(checkpoint.dtype(key), dtype)
                 or key in getattr(checkpoint, "conversion_targets", ())):
-            super().add_from_checkpoint(name, checkpoint, key, dtype)
+            value = convert_dtype(checkpoint.get(key), dtype)
+            self._put(name, value, reference_offset(value, self.maps_checkpoint))
             return
         shard = checkpoint.file_of(key)
-        span = FileSpan(shard, *checkpoint.safetensors_file(shard).byte_range(key))
-        self._write(name, span, checkpoint.dtype(key), checkpoint.shape(key))
+        start, end = checkpoint.safetensors_file(shard).byte_range(key)
+        # mapped whole, the shard puts the tensor at its file offset: where an in-memory load in place has it
+        offset = start % ALIGNMENT if self.maps_checkpoint and end > start else 0
+        self._write(name, FileSpan(shard, start, end), checkpoint.dtype(key), checkpoint.shape(key), offset)
 
-    def _write(self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def _write(self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> None:
         """Write one tensor's file atomically: a temp file, then a rename; named in the tag before it is written."""
-        path = _safe_file_name(self.folder, name)
+        path = safe_file_name(self.folder, name)
         try:
             self._tag(path.name)
             with atomic_write(path, sync=False) as tmp:
@@ -244,7 +235,9 @@ class FolderStore(Store):
         except OSError as exc:
             raise self._failed(exc, f"writing {name!r}") from None
         self._written.append(path.name)
-        self._index[name] = {"dtype": _dtype_name(dtype), "shape": list(shape)}
+        self._index[name] = {"dtype": dtype_name(dtype), "shape": list(shape)}
+        if offset:  # accelerate's entry as it is where the tensor is aligned
+            self._index[name]["offset"] = offset
         self.bytes_written += len(data)
 
     def _tag(self, file_name: str) -> None:
@@ -325,10 +318,18 @@ class FolderStore(Store):
 
     # -- reading ---------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
+        """The mapped tensor; a copy at its reference offset where this machine's kernels care and the mapping
+        (page aligned) does not start there."""
+        return placed(self._mapped(name), self.offset(name))
+
+    def offset(self, name: str) -> int:
+        return int(self._index[name].get("offset", 0))
+
+    def _mapped(self, name: str) -> torch.Tensor:
         tensor = self._maps.get(name)
         if tensor is None:
             info = self._index[name]
-            dtype = _dtype_from_name(info["dtype"])
+            dtype = dtype_from_name(info["dtype"])
             shape = tuple(info["shape"])
             numel = int(np.prod(shape, dtype=np.int64))
             if numel == 0:
@@ -336,7 +337,7 @@ class FolderStore(Store):
             else:
                 # mode "c": private copy-on-write mapping, so the tensor is writable for torch and the
                 # file can never be changed through it; pages stay file-backed until written.
-                fd = open_nofollow(_safe_file_name(self.folder, name))
+                fd = open_nofollow(safe_file_name(self.folder, name))
                 with os.fdopen(fd, "rb") as handle:
                     array = np.memmap(handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,))
                 with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode this call runs in
@@ -351,13 +352,18 @@ class FolderStore(Store):
         return len(self._index)
 
     def file_of(self, name: str) -> Path:
-        return _safe_file_name(self.folder, name)
+        return safe_file_name(self.folder, name)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy ``name`` from its mapped file into ``out`` (a buffer at its reference offset): one copy."""
+        out.copy_(self._mapped(name))
 
     def warm(self, name: str) -> bool:
-        return populate(self[name], self.file_of(name), 0)
+        mapped = self._mapped(name)  # a tensor handed out as a copy (misplaced) is fetched ahead by the caller
+        return populate(mapped, self.file_of(name), 0) and not misplaced(mapped, self.offset(name))
 
     def drop(self, name: str) -> bool:
-        return drop(self[name], self.file_of(name), 0)
+        return drop(self._mapped(name), self.file_of(name), 0)
 
     def close(self) -> None:
         self.wait_until_sealed()

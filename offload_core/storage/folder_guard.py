@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
 import xxhash
 
 from offload_core.errors import StorageError
@@ -156,3 +157,26 @@ def _take(folder: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as an offload index names it (``float32``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype an offload index names; an unknown one is refused."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise StorageError(f"offload index names an unknown dtype {name!r}: delete the offload folder and run again")
+    return dtype
+
+
+def safe_file_name(folder: Path, name: str) -> Path:
+    """``<name>.dat`` inside ``folder``; a name that would escape the folder is refused."""
+    if "/" in name or "\\" in name or name.startswith(".") or "\x00" in name:
+        raise StorageError(
+            f"offload index in {folder} names tensor {name!r}, which would escape the folder; "
+            "delete that offload folder (it was not written by offload_core) and run again"
+        )
+    return folder / f"{name}.dat"

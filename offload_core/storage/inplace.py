@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from offload_core.alignment import misplaced, placed, reference_offset
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
 from offload_core.storage.pagecache import drop, populate, will_need
@@ -36,6 +37,7 @@ class InPlaceStore(Store):
             )
         self.checkpoint = checkpoint
         self.dtype = context.dtype
+        self.maps_checkpoint = context.maps_checkpoint
         self._refs: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self.converting: set[str] = set()
@@ -81,7 +83,7 @@ class InPlaceStore(Store):
         view = self._view(name)
         if name in self.converting:
             return convert_dtype(view, self.dtype)
-        return view
+        return placed(view, self.offset(name))
 
     def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
         """Shape and dtype of ``store[name]`` from the shard's header (no read, no conversion)."""
@@ -128,8 +130,16 @@ class InPlaceStore(Store):
             return
         will_need(self._view(name)[expert])
 
-    def warm(self, name: str) -> bool:
+    def offset(self, name: str) -> int:
+        """A tensor read in place sits at its offset in the mapped shard, as an in-memory load in place has it
+        (otherwise it is handed out as a copy at offset 0); a converted or assembled one is a new tensor
+        (aligned), as in memory."""
         if name in self.converting or name in self.assembled:
+            return 0
+        return reference_offset(self._view(name), self.maps_checkpoint)
+
+    def warm(self, name: str) -> bool:
+        if name in self.converting or name in self.assembled or misplaced(self._view(name), self.offset(name)):
             return False  # a copy is made on read: the caller fetches it ahead instead
         return populate(self._view(name), *self._where(name))
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
-from offload_core.storage.base import Store, StoreContext
+from offload_core.alignment import address_offset, empty_at, reference_offset
+from offload_core.storage.base import Store, StoreContext, convert_dtype
 
 log = logging.getLogger(__name__)
 
@@ -20,16 +21,25 @@ class HostMemoryStore(Store):
         if pin and not self.pinned:
             log.info("pinned_cpu: no accelerator present, offloaded tensors are kept in plain (pageable) memory")
         self._tensors: dict[str, torch.Tensor] = {}
+        self.maps_checkpoint = context.maps_checkpoint
         self.bytes_written = 0
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        """The tensor's reference offset is where it lies now (an in-memory model's tensor)."""
         # An owned CPU tensor is kept as is unless it must be pinned.
         if owned and not self.pinned and tensor.device.type == "cpu":
             self._tensors[name] = tensor
             return
-        # One allocation in the final (pinned) memory and one copy from the source: never a pinned copy
-        # beside an unpinned one.
-        held = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pinned)
+        self._keep(name, tensor, address_offset(tensor) if tensor.is_contiguous() else 0)
+
+    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+        value = convert_dtype(checkpoint.get(key), dtype)
+        self._keep(name, value, reference_offset(value, self.maps_checkpoint))
+
+    def _keep(self, name: str, tensor: torch.Tensor, offset: int) -> None:
+        # One allocation in the final (pinned) memory, at the reference offset (this machine's kernels may
+        # depend on it), and one copy from the source: never a pinned copy beside an unpinned one.
+        held = empty_at(tensor.shape, tensor.dtype, offset, pin_memory=self.pinned)
         held.copy_(tensor)
         self._tensors[name] = held
         self.bytes_written += held.numel() * held.element_size()

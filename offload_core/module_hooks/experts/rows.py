@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from offload_core.alignment import ALIGNMENT
 from offload_core.module_hooks.experts.loader import ExpertLayer, read_expert, read_whole
+from offload_core.storage.base import Store
 
 
 class ReservedRows:
@@ -21,22 +23,24 @@ class ReservedRows:
     the experts module, which only touches the rows it is routed to.
     """
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, offset: int = 0) -> None:
+        """``offset``: where the tensor starts modulo :data:`ALIGNMENT` (its reference offset, :mod:`offload_core.alignment`)."""
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.row_bytes = self.shape[1:].numel() * dtype.itemsize
-        size = max(self.row_bytes * self.shape[0], 1)
+        self.start = offset % ALIGNMENT  # the mapping starts on a page
+        size = self.start + max(self.row_bytes * self.shape[0], 1)
         self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.map.madvise(mmap.MADV_HUGEPAGE)  # a row written after a release faults in 2 MiB at a time
         with torch.inference_mode(False):  # the experts' weights: normal tensors, as the in-memory model's
-            flat = torch.frombuffer(self.map, dtype=torch.uint8, count=self.row_bytes * self.shape[0])
+            flat = torch.frombuffer(self.map, dtype=torch.uint8, count=self.row_bytes * self.shape[0], offset=self.start)
             self.tensor = flat.view(dtype).view(self.shape)
 
     def release(self, expert: int) -> None:
         """Give back the memory of row ``expert`` (the whole pages inside it; a page shared with a
         neighbouring row stays)."""
-        start = expert * self.row_bytes
+        start = self.start + expert * self.row_bytes
         first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (start + self.row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > first:
@@ -49,7 +53,8 @@ class RowsLayer(ExpertLayer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.rows = {key: ReservedRows(shape, dtype) for key, (shape, dtype) in self.specs.items()}
+        self.rows = {key: ReservedRows(shape, dtype, self.store.offset(key) if isinstance(self.store, Store) else 0)
+                     for key, (shape, dtype) in self.specs.items()}
         self.present: set[int] = set()  # experts whose rows hold their weights
         self.routed: list[int] = []
 

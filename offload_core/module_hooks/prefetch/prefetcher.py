@@ -18,6 +18,7 @@ from offload_core.module_hooks.prefetch.trace import Trace
 from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRing, Streams, flat_bytes
 from offload_core.module_hooks.keeper import PageCacheKeeper
 from offload_core.module_hooks.units import TransferStats, Unit, tensor_spec
+from offload_core.storage.base import Store
 from offload_core.storage.pagecache import resident
 from offload_core.storage.residency import Residency
 
@@ -108,15 +109,18 @@ class Prefetcher:
             return self._blocks
 
     def _layout(self, unit: Unit) -> tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]:
-        """Where each of the unit's tensors sits in a block buffer (aligned offsets), and the bytes it needs."""
+        """Where each of the unit's tensors sits in a block buffer, and the bytes it needs: each tensor starts on
+        an :data:`ALIGN` boundary, plus on a CPU its reference offset (:meth:`Store.offset`), so that
+        kernels that depend on alignment compute as with the in-memory model."""
         layout = self._layouts.get(unit.name)
         if layout is None:
             offsets, end = {}, 0
             for key in unit.keys:
                 shape, dtype = tensor_spec(self.store, key)
-                offsets[key] = (end, shape, dtype)
-                end += _aligned(_nbytes(shape, dtype))
-            layout = self._layouts[unit.name] = (offsets, end)
+                start = _aligned(end) + (self.store.offset(key) if self.device.type == "cpu" and isinstance(self.store, Store) else 0)
+                offsets[key] = (start, shape, dtype)
+                end = start + _nbytes(shape, dtype)
+            layout = self._layouts[unit.name] = (offsets, _aligned(end))
         return layout
 
     # -- fetching (the reader thread; the compute thread for a miss) ------------------------------

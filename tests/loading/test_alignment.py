@@ -1,0 +1,124 @@
+"""Weights are handed to the model at the address offset its in-memory load gives them: single-token (matrix-vector)
+float32 logits equal transformers' ``from_pretrained`` bit for bit, whatever the store and policy, on a checkpoint
+whose tensors lie at offsets that are not 16-byte aligned (AVX-512 kernels sum those in another order)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import offload_core
+from offload_core import init_empty_weights, load_checkpoint_and_dispatch
+from offload_core.alignment import ALIGNMENT, address_offset, empty_at, kernels_depend_on_alignment, placed
+from offload_core.storage.base import StoreContext
+from offload_core.storage.folder import FolderStore
+from offload_core.storage.memory import HostMemoryStore
+
+STORES = ["memmap", "safetensors", "pinned_cpu"]
+POLICIES = ["align_per_call", "prefetch", "chained", "functional_call", "experts"]
+
+
+def _file_offsets(path) -> list[int]:
+    """Each tensor's byte offset in a safetensors file."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return [8 + length + info["data_offsets"][0] for name, info in header.items() if name != "__metadata__"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A float32 llama saved by transformers in shards, some tensors 8 bytes off a 16-byte boundary; its logits
+    for one token as ``from_pretrained`` computes them."""
+    folder = tmp_path_factory.mktemp("aligned") / "ckpt"
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="40KB")
+    offsets = [o for shard in folder.glob("*.safetensors") for o in _file_offsets(shard)]
+    assert any(o % 16 for o in offsets), "the checkpoint must hold tensors off a 16-byte boundary"
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([[5]])
+    with torch.no_grad():
+        return folder, ids, reference(ids).logits
+
+
+@pytest.mark.parametrize("store,policy", list(itertools.product(STORES, POLICIES)))
+def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_path):
+    folder, ids, want = llama
+    model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
+                                         offload_folder=tmp_path / "off", execution_device="cpu")
+    try:
+        assert {"cpu", "disk"} <= set(model.hf_device_map.values())
+        with torch.no_grad():
+            got = model(ids).logits
+    finally:
+        model.offload_state.remove()
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_a_plain_module_loaded_from_a_file_matches_its_load_state_dict(tmp_path):
+    """A module that is not a transformers model is loaded in memory with ``load_state_dict``, which copies
+    every tensor into aligned memory: offloaded or resident, it computes as that copy does."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(24, 40), torch.nn.Linear(40, 24), torch.nn.Linear(24, 40)]
+    reference = torch.nn.Sequential(*layers).eval()
+    path = tmp_path / "model.safetensors"
+    for pad in range(16):  # a header length that puts the tensors 8 bytes off a 16-byte boundary
+        save_file(dict(reference.state_dict()), str(path), metadata={"pad": "x" * pad})
+        if all(o % 16 for o in _file_offsets(path)):
+            break
+    assert all(o % 16 for o in _file_offsets(path))
+    x = torch.randn(1, 24)
+    with torch.no_grad():
+        want = reference(x)
+    for store in STORES:
+        with init_empty_weights():
+            model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24), torch.nn.Linear(24, 40)).eval()
+        load_checkpoint_and_dispatch(model, tmp_path, device_map={"0": "cpu", "1": "disk", "2": "disk"}, storage=store,
+                                     offload_folder=tmp_path / f"off-{store}", execution_device="cpu", progress=False)
+        with torch.no_grad():
+            got = model(x)
+        model.offload_state.remove()
+        assert torch.equal(got, want), store
+
+
+def test_empty_at_starts_where_asked():
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        for offset in range(0, ALIGNMENT, dtype.itemsize * 4):
+            tensor = empty_at((3, 5), dtype, offset)
+            assert address_offset(tensor) == offset and tensor.shape == (3, 5) and tensor.dtype == dtype
+
+
+def test_placed_copies_only_where_the_kernels_care():
+    raw = torch.randn(200)
+    view = raw[2:2 + 64].view(8, 8)  # 8 bytes past an aligned start
+    moved = placed(view, 0)
+    assert torch.equal(moved, view)
+    if kernels_depend_on_alignment(torch.float32):
+        assert address_offset(moved) == 0
+    else:
+        assert moved is view
+    assert placed(view, address_offset(view)) is view
+    assert not kernels_depend_on_alignment(torch.int64)
+
+
+@pytest.mark.parametrize("kind", ["memmap", "pinned_cpu"])
+def test_stores_hand_out_a_put_tensor_at_its_own_offset(kind, tmp_path):
+    """An in-memory model's tensor keeps its address offset (its in-memory reference) through a store."""
+    raw = torch.randn(600)
+    weight = raw[2:2 + 48 * 10].view(48, 10)  # 8 bytes off
+    context = StoreContext(names=["w"], offload_folder=tmp_path / "off", fingerprint={"t": 1})
+    store = FolderStore(context) if kind == "memmap" else HostMemoryStore(context)
+    store.put("w", weight)
+    store.finalize()
+    x = torch.randn(1, 10)
+    assert store.offset("w") == address_offset(weight)
+    assert torch.equal(torch.nn.functional.linear(x, store["w"]), torch.nn.functional.linear(x, weight))
+    store.close()
