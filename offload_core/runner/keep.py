@@ -1,5 +1,5 @@
-"""The run's page-cache plan (kept and streamed offloaded bytes, predicted disk reads per token) and its honest
-accounting: bytes this process read from disk while generating, and the bandwidth achieved."""
+"""The run's honest accounting of its page-cache plan (:func:`offload_core.storage.residency.page_cache_plan`): bytes
+this process read from disk while generating, and the bandwidth achieved."""
 
 from __future__ import annotations
 
@@ -7,70 +7,6 @@ import time
 from typing import Any
 
 import psutil
-
-from offload_core.errors import ConfigError
-from offload_core.storage.residency import SAFETY_MARGIN, Residency, available_memory, page_cache_budget
-from offload_core.values import format_size, is_offloaded, parse_size
-
-#: streamed blocks whose pages are in memory at once: the one running, two read ahead, one being dropped
-STREAMED_AT_ONCE = 4
-
-
-def page_cache_setting(value: Any) -> int | None | str:
-    """``page_cache`` as the run uses it: None (auto), a size in bytes, or ``"lru"`` (no kept set)."""
-    text = str(value).strip().lower() if value is not None else "auto"
-    if text in ("auto", "", "none"):
-        return None
-    if text == "lru":
-        return "lru"
-    try:
-        return parse_size(value, what="page_cache")
-    except ConfigError:
-        raise ConfigError(f"page_cache={value!r} is not auto, lru or a size: give e.g. page_cache=8GiB "
-                          "(0 streams every offloaded block)") from None
-
-
-def offloaded_bytes(summary: dict, execution_device: Any) -> int:
-    """Bytes of the model the plan offloads (read from the store while generating)."""
-    return sum(info["bytes"] for dev, info in summary["devices"].items() if is_offloaded(dev, execution_device))
-
-
-def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps: bool, anon_budget: int = 0,
-                    largest_block: int = 0, available=available_memory) -> dict[str, Any]:
-    """The plan's kept and streamed bytes and the bytes predicted to be read from disk per token.
-
-    ``keeps``: the policy honours a kept set. Without one (``page_cache=lru`` or a policy that does not
-    keep one) nothing is predicted: the kernel's page cache decides what stays. ``anon_budget``: memory
-    the run will still take once loaded (its cpu budget), left out of an ``auto`` page cache. The margin
-    kept free (at load and as each token starts) is :data:`SAFETY_MARGIN` plus the streamed blocks in
-    memory at once (:data:`STREAMED_AT_ONCE` of ``largest_block``).
-    """
-    setting = page_cache_setting(page_cache)
-    offloaded = offloaded_bytes(summary, execution_device)
-    if setting == "lru" or not keeps or offloaded == 0:
-        return {"page_cache": "lru", "offloaded_bytes": offloaded}
-    margin = SAFETY_MARGIN + STREAMED_AT_ONCE * largest_block
-    budget = page_cache_budget(setting, lambda: available() - anon_budget, margin)
-    kept = min(budget, offloaded)
-    return {"page_cache": "auto" if setting is None else setting, "page_cache_budget": budget, "page_cache_margin": margin,
-            "offloaded_bytes": offloaded,
-            "kept_bytes": kept, "streamed_bytes": offloaded - kept, "predicted_disk_bytes_per_token": offloaded - kept}
-
-
-def page_cache_text(plan: dict[str, Any]) -> str:
-    """The page-cache plan as printed with the rest of the plan."""
-    if plan.get("page_cache") == "lru":
-        return "page cache: no kept set (the kernel's cache decides what stays between tokens)"
-    return (f"page cache: kept set {format_size(plan['kept_bytes'])} of {format_size(plan['offloaded_bytes'])} offloaded "
-            f"(budget {format_size(plan['page_cache_budget'])}), streamed {format_size(plan['streamed_bytes'])}; "
-            f"predicted disk reads per generated token: {format_size(plan['predicted_disk_bytes_per_token'])}")
-
-
-def make_residency(plan: dict[str, Any], available=available_memory) -> Residency | None:
-    """The kept/streamed split the policy applies (None where the plan keeps no set)."""
-    if "page_cache_budget" not in plan:
-        return None
-    return Residency(plan["page_cache_budget"], available=available, margin=plan["page_cache_margin"])
 
 
 def read_bytes() -> int | None:

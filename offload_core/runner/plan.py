@@ -22,7 +22,7 @@ class Plan:
     bytes held back per device for units in flight (``reserve``) and from the cpu budget (``headroom``),
     the largest no-split block, the bytes predicted to move per generated token, what converting the
     checkpoint's names to the model's costs (``conversion``: the report's lines) and the page-cache plan
-    (:func:`offload_core.runner.keep.page_cache_plan`: kept and streamed bytes)."""
+    (:func:`offload_core.storage.residency.page_cache_plan`: kept and streamed bytes)."""
 
     device_map: dict[str, int | str]
     summary: dict[str, Any]
@@ -48,7 +48,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     from offload_core.runner.validate import check_device_map_devices, check_module_classes
     from offload_core.planning import PlacementRequest, check_device_map, largest_block_size, normalize_device_map, summarize_device_map
     from offload_core.loading.conversion import key_conversion
-    from offload_core.runner.keep import page_cache_plan
+    from offload_core.storage.residency import page_cache_plan
     from offload_core.runner.report import predicted_bytes_per_token
 
     model, dtype, no_split, device = run_model.model, run_model.dtype, run_model.no_split, settings.execution_device
@@ -116,7 +116,7 @@ def check_disk_budget(summary: dict, max_memory: dict, largest_block: int, headr
 
 def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
     """Print the chosen strategies and the plan (with the device map's keys in a plan-only run)."""
-    from offload_core.runner.keep import page_cache_text
+    from offload_core.storage.residency import page_cache_text
     from offload_core.runner.report import plan_text
 
     print(strategies)

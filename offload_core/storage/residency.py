@@ -1,12 +1,16 @@
 """The kept set and the streamed set: which offloaded blocks stay in the page cache across tokens, which are
-streamed and dropped right after use, and how the kept set shrinks when available memory falls."""
+streamed and dropped right after use, how the kept set shrinks when available memory falls, and the plan of
+it a run prints (``page_cache``: kept and streamed bytes, predicted disk reads per token)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
+
+from offload_core.errors import ConfigError
+from offload_core.values import format_size, is_offloaded, parse_size
 
 #: held back from the memory available at load (and at every token) before anything is kept
 SAFETY_MARGIN = 1 << 30
@@ -146,3 +150,64 @@ class Residency:
                 "streamed_bytes": self.streamed_bytes, "kept_served_bytes": self.kept_served,
                 "dropped_bytes": self.dropped, "kept_shrinks": self.shrinks, "kept_shrunk_bytes": self.shrunk_bytes,
                 "kept_grows": self.grows, "kept_grown_bytes": self.grown_bytes}
+
+
+#: streamed blocks whose pages are in memory at once: the one running, two read ahead, one being dropped
+STREAMED_AT_ONCE = 4
+
+
+def page_cache_setting(value: Any) -> int | None | str:
+    """``page_cache`` as the run uses it: None (auto), a size in bytes, or ``"lru"`` (no kept set)."""
+    text = str(value).strip().lower() if value is not None else "auto"
+    if text in ("auto", "", "none"):
+        return None
+    if text == "lru":
+        return "lru"
+    try:
+        return parse_size(value, what="page_cache")
+    except ConfigError:
+        raise ConfigError(f"page_cache={value!r} is not auto, lru or a size: give e.g. page_cache=8GiB "
+                          "(0 streams every offloaded block)") from None
+
+
+def offloaded_bytes(summary: dict, execution_device: Any) -> int:
+    """Bytes of the model the plan offloads (read from the store while generating)."""
+    return sum(info["bytes"] for dev, info in summary["devices"].items() if is_offloaded(dev, execution_device))
+
+
+def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps: bool, anon_budget: int = 0,
+                    largest_block: int = 0, available=available_memory) -> dict[str, Any]:
+    """The plan's kept and streamed bytes and the bytes predicted to be read from disk per token.
+
+    ``keeps``: the policy honours a kept set. Without one (``page_cache=lru`` or a policy that does not
+    keep one) nothing is predicted: the kernel's page cache decides what stays. ``anon_budget``: memory
+    the run will still take once loaded (its cpu budget), left out of an ``auto`` page cache. The margin
+    kept free (at load and as each token starts) is :data:`SAFETY_MARGIN` plus the streamed blocks in
+    memory at once (:data:`STREAMED_AT_ONCE` of ``largest_block``).
+    """
+    setting = page_cache_setting(page_cache)
+    offloaded = offloaded_bytes(summary, execution_device)
+    if setting == "lru" or not keeps or offloaded == 0:
+        return {"page_cache": "lru", "offloaded_bytes": offloaded}
+    margin = SAFETY_MARGIN + STREAMED_AT_ONCE * largest_block
+    budget = page_cache_budget(setting, lambda: available() - anon_budget, margin)
+    kept = min(budget, offloaded)
+    return {"page_cache": "auto" if setting is None else setting, "page_cache_budget": budget, "page_cache_margin": margin,
+            "offloaded_bytes": offloaded,
+            "kept_bytes": kept, "streamed_bytes": offloaded - kept, "predicted_disk_bytes_per_token": offloaded - kept}
+
+
+def page_cache_text(plan: dict[str, Any]) -> str:
+    """The page-cache plan as printed with the rest of the plan."""
+    if plan.get("page_cache") == "lru":
+        return "page cache: no kept set (the kernel's cache decides what stays between tokens)"
+    return (f"page cache: kept set {format_size(plan['kept_bytes'])} of {format_size(plan['offloaded_bytes'])} offloaded "
+            f"(budget {format_size(plan['page_cache_budget'])}), streamed {format_size(plan['streamed_bytes'])}; "
+            f"predicted disk reads per generated token: {format_size(plan['predicted_disk_bytes_per_token'])}")
+
+
+def make_residency(plan: dict[str, Any], available=available_memory) -> Residency | None:
+    """The kept/streamed split the policy applies (None where the plan keeps no set)."""
+    if "page_cache_budget" not in plan:
+        return None
+    return Residency(plan["page_cache_budget"], available=available, margin=plan["page_cache_margin"])

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import offload_core
 from offload_core import dispatch_model, init_empty_weights, load_checkpoint_and_dispatch
+from offload_core.errors import ConfigError
 from offload_core.module_hooks.align import AlignPerCall, AlignPerCallConfig
 from offload_core.module_hooks.chained import Chained, ChainedConfig
 from offload_core.module_hooks.functional import FunctionalCall, FunctionalCallConfig
@@ -159,3 +161,25 @@ def test_the_reader_reads_the_next_streamed_block_while_a_kept_one_is_next(tmp_p
         model.offload_state.remove()
     assert seen and all(seen), "layer 2 was not read while layer 0 ran: the kept layer 1 held the read-ahead back"
     assert counters["kept_served_bytes"] > 0 and counters["dropped_bytes"] > 0
+
+
+@pytest.mark.parametrize("page_cache,kept", [(0, False), ("1GiB", True)])
+def test_from_pretrained_takes_a_page_cache(tmp_path, page_cache, kept):
+    """The Python API plans the kept set as run.py does: ``page_cache=0`` streams every block, a size keeps them."""
+    folder = _checkpoint(tmp_path)
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
+    expected = _generate(_model(), ids)
+    model = offload_core.from_pretrained(folder, device_map=DISK, storage="safetensors", policy="align_per_call",
+                                         execution_device="cpu", page_cache=page_cache)
+    try:
+        assert torch.equal(_generate(model, ids), expected)
+        counters = model.offload_state.handle.counters()
+    finally:
+        model.offload_state.remove()
+    assert (counters["kept_blocks"] > 0) is kept and counters["streamed_blocks"] + counters["kept_blocks"] >= 3
+    assert (counters["dropped_bytes"] > 0) is not kept
+
+
+def test_from_pretrained_refuses_a_page_cache_it_cannot_read(tmp_path):
+    with pytest.raises(ConfigError, match="page_cache"):
+        offload_core.from_pretrained(_checkpoint(tmp_path), device_map=DISK, storage="safetensors", page_cache="lots")
