@@ -28,7 +28,7 @@ def reference():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(ids).logits
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     del model
     return path, ids, logits, tokens
 
@@ -51,7 +51,7 @@ def test_smollm2_matrix(reference, folders, placement, store, policy):
         assert state.offloaded_bytes() > 200 * 2**20
         with torch.no_grad():
             logits = model(ids).logits
-            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
         assert torch.equal(logits, ref_logits)
         assert torch.equal(tokens, ref_tokens)
     finally:
