@@ -3,14 +3,20 @@ end_to_end/ is marked slow; tests marked gpu skip cleanly without a CUDA device.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# The test workers share the machine's cores: one compute thread each, and in the processes they start,
+# rather than every worker's torch spreading over all cores and contending (the suite runs twice as fast).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from offload_core.testing import round_trip_tensors
 
 END_TO_END = Path(__file__).resolve().parent / "end_to_end"
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_ignore_collect(collection_path, config):

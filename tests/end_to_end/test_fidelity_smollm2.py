@@ -18,6 +18,13 @@ POLICIES = ["align_per_call", "chained", "functional_call", "prefetch"]
 BUDGET = {"cpu": 160 * 2**20}  # the model is 513 MiB in float32
 
 
+def _generate(model, ids):
+    """Three greedy tokens and the logits of every step (the prompt's last position, then each decoding step)."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+
+
 @pytest.fixture(scope="module")
 def reference():
     path = smollm2_checkpoint()
@@ -26,11 +33,9 @@ def reference():
                                   add_generation_prompt=True, return_tensors="pt")
     ids = ids if torch.is_tensor(ids) else ids["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(ids).logits
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    out = _generate(model, ids)
     del model
-    return path, ids, logits, tokens
+    return path, ids, out.logits, out.sequences
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +54,8 @@ def test_smollm2_matrix(reference, folders, placement, store, policy):
     state = model.offload_state
     try:
         assert state.offloaded_bytes() > 200 * 2**20
-        with torch.no_grad():
-            logits = model(ids).logits
-            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
-        assert torch.equal(logits, ref_logits)
-        assert torch.equal(tokens, ref_tokens)
+        out = _generate(model, ids)
+        assert torch.equal(out.sequences, ref_tokens)
+        assert len(out.logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(out.logits, ref_logits))
     finally:
         state.remove()
