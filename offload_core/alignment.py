@@ -10,6 +10,7 @@ for bit, an offloaded weight is handed to the model at the address offset its in
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -59,10 +60,7 @@ def kernels_depend_on_alignment(dtype: torch.dtype) -> bool:
 
 def empty_at(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, offset: int, pin_memory: bool = False) -> torch.Tensor:
     """A new CPU tensor whose address is ``offset`` modulo :data:`ALIGNMENT` (a multiple of the item size)."""
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
     start = (offset - address_offset(raw)) % ALIGNMENT
     return raw[start:start + nbytes].view(dtype).view(shape)

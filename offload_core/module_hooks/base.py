@@ -45,6 +45,18 @@ class ModuleHook:
         """Called once when the hook is removed."""
 
 
+class ForwardStartHook(ModuleHook):
+    """On a model's root: ``action()`` runs as each forward pass starts (``name``: the hook's unique name)."""
+
+    def __init__(self, name: str, action: Callable[[], None]) -> None:
+        self.name = name
+        self.action = action
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.action()
+        return args, kwargs
+
+
 class ModuleHookHandle:
     """Returned by :func:`add_hook_to_module`; ``remove()`` detaches exactly that hook."""
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
+from offload_core.module_hooks.base import ForwardStartHook, add_hook_to_module
 from offload_core.module_hooks.units import Unit, tensor_nbytes
 from offload_core.storage.base import Store
 from offload_core.storage.residency import Residency
@@ -64,19 +64,6 @@ class PageCacheKeeper:
                 self.residency.dropped += tensor_nbytes(self.store, key)
 
 
-class KeptSetHook(ModuleHook):
-    """On the model's root: each forward pass starts by fitting the kept set to the memory available."""
-
-    name = "page_cache_keeper"
-
-    def __init__(self, keeper: PageCacheKeeper) -> None:
-        self.keeper = keeper
-
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.keeper.start_pass()
-        return args, kwargs
-
-
 def keep_page_cache(model: nn.Module, store: Mapping[str, torch.Tensor] | None, residency: Residency | None,
                     units: list[Unit]) -> list[Any]:
     """For a policy that fetches units on call: apply ``residency`` (the plan's kept set, None for none) to
@@ -84,4 +71,5 @@ def keep_page_cache(model: nn.Module, store: Mapping[str, torch.Tensor] | None, 
     if residency is None or store is None or not units:
         return []
     keeper = PageCacheKeeper(residency, store, units, lambda unit: unit.nbytes(store), warm=True)
-    return [add_hook_to_module(model, KeptSetHook(keeper))]
+    # each forward pass starts by fitting the kept set to the memory available
+    return [add_hook_to_module(model, ForwardStartHook("page_cache_keeper", keeper.start_pass))]

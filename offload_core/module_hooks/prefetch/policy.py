@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
-from offload_core.module_hooks.base import add_hook_to_module
-from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook, RevalidateHook
+from offload_core.module_hooks.base import ForwardStartHook, add_hook_to_module
+from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook
 from offload_core.module_hooks.prefetch.transfer import STAGING_BUFFERS
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import Unit, find_units
@@ -89,7 +89,8 @@ class Prefetch(Policy):
         handles = attach_io_hooks(model, plan, True, ())
         prefetcher = self.make_prefetcher(units, plan)
         if units and ((prefetcher.depth and not prefetcher.copy) or prefetcher.residency is not None):
-            handles.append(add_hook_to_module(model, RevalidateHook(prefetcher)))
+            # each forward pass starts by re-queueing read-ahead the page cache evicted
+            handles.append(add_hook_to_module(model, ForwardStartHook("prefetch_revalidate", prefetcher.revalidate)))
         for index, unit in enumerate(units):
             handles.append(add_hook_to_module(unit.module, PrefetchHook(index, prefetcher, plan.execution_device)))
         return PrefetchHandle(model, plan, units, handles, prefetcher=prefetcher)

@@ -359,16 +359,3 @@ class PrefetchHook(ModuleHook):
 
     def detach_hook(self, module: nn.Module) -> None:
         self.prefetcher.release(self.index)
-
-
-class RevalidateHook(ModuleHook):
-    """On the model's root: each forward pass starts by re-queueing read-ahead the page cache evicted."""
-
-    name = "prefetch_revalidate"
-
-    def __init__(self, prefetcher: Prefetcher) -> None:
-        self.prefetcher = prefetcher
-
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.prefetcher.revalidate()
-        return args, kwargs
