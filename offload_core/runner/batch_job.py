@@ -10,8 +10,8 @@ from typing import Any
 
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import BatchMemory, batch_memory, largest_batch
-from offload_core.runner.batch import (batch_figures, encode_all, generate_batches, print_generations, read_prompts,
-                                       write_generations)
+from offload_core.runner.batch import batch_figures, encode_all, generate_batches, print_generations, read_prompts
+from offload_core.runner.journal import Journal, fingerprint
 from offload_core.runner.settings import Settings
 from offload_core.values import format_size
 
@@ -48,7 +48,12 @@ def read_batches(settings: Settings, run_model: Any) -> tuple[Settings, Batches 
     budget (:func:`plan_batch_memory`); ``settings`` as they are and None without ``prompts``."""
     cfg = settings.cfg
     if not cfg.get("prompts"):
+        if cfg.get("resume"):
+            raise ConfigError("resume goes on with a prompts run: give the same prompts=<file> (and settings) as the run "
+                              "you resume")
         return settings, None
+    if cfg.get("resume"):  # the earlier run's folder: its generations go on there
+        settings = dataclasses.replace(settings, output_dir=resume_folder(cfg.resume))
     batch_size = int(cfg.batch_size)
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be at least 1")
@@ -56,6 +61,17 @@ def read_batches(settings: Settings, run_model: Any) -> tuple[Settings, Batches 
     batches = Batches(prompts, encode_all(run_model, prompts, bool(cfg.model.get("chat_template", True))), batch_size)
     settings, need = plan_batch_memory(settings, run_model, batches)
     return settings, dataclasses.replace(batches, memory=need)
+
+
+def resume_folder(value: Any) -> "Path":
+    """``resume``'s run folder, which must exist."""
+    from pathlib import Path
+
+    folder = Path(str(value)).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"resume={value} is not a folder: give the folder of the run to go on with "
+                          "(e.g. resume=outputs/2026-01-31/12-00-00)")
+    return folder
 
 
 def plan_batch_memory(settings: Settings, run_model: Any, batches: Batches) -> tuple[Settings, BatchMemory]:
@@ -94,13 +110,34 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
     from offload_core.runner.results import RunResult, per_token_counters, write_outputs
 
     cfg, device = settings.cfg, settings.execution_device
+    journal = Journal.open(settings.output_dir, batches.prompts, batches.batch_size, fingerprint(cfg, batches.prompts),
+                           resume=bool(cfg.get("resume")))
+    done = len(journal.done)
+    if cfg.get("resume"):
+        print(f"resuming {settings.output_dir}: {done} of {len(batches.prompts)} prompts were generated")
+
+    def finished(start: int, rows: list[list[int]]) -> None:
+        journal.append([{"prompt": batches.prompts[start + i], "text": decode_row(run_model, row), "token_ids": row}
+                        for i, row in enumerate(rows)])
+
     with MemoryMonitor() as memory:
         started = time.perf_counter()
         with dispatched(settings, strategies, run_model, checkpoint, plan) as state:
             load_s = time.perf_counter() - started
             state.stats.reset()
-            with DiskReads(run_model.model) as reads:
-                run = generate_batches(run_model.model, batches.encoded, batches.batch_size, cfg, device, bool(cfg.progress))
+            try:
+                with DiskReads(run_model.model) as reads:
+                    run = generate_batches(run_model.model, batches.encoded, batches.batch_size, cfg, device,
+                                           bool(cfg.progress), done, finished)
+            except KeyboardInterrupt:
+                journal.close()
+                from offload_core.runner.cli import print_line
+
+                kept = sum(1 for _ in open(journal.path, "rb"))
+                print_line(f"{kept} finished prompts are in {journal.path}; go on with resume={settings.output_dir}")
+                raise
+            finally:
+                journal.close()
             figures = {**batch_figures(run, state.stats.snapshot(), batches.batch_size), **reads.figures()}
             figures.update(offloaded_bytes=state.offloaded_bytes(), load_s=load_s)
             counters = state.handle.counters()
@@ -109,14 +146,16 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
     figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta,
                    planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
                    **plan.predicted_time)
+    tokens = [r["token_ids"] for r in journal.done] + run.tokens
+    texts = [r["text"] for r in journal.done] + [decode_row(run_model, row) for row in run.tokens]
     same = None
     if cfg.compare_in_memory:
         reference = in_memory_batches(run_model, batches, cfg)
-        same = [a == b for a, b in zip(run.tokens, reference)]
-    texts = [decode_row(run_model, row) for row in run.tokens]
-    result = RunResult(texts[0], run.tokens[0], plan.device_map, figures, plan.summary,
+        same = [a == b for a, b in zip(tokens, reference)]
+        journal.rewrite([{"prompt": p, "text": t, "token_ids": ids, "matches_in_memory": m}
+                         for p, t, ids, m in zip(batches.prompts, texts, tokens, same)])
+    result = RunResult(texts[0], tokens[0], plan.device_map, figures, plan.summary,
                        None if same is None else all(same), settings.output_dir, plan.as_dict())
-    write_generations(settings.output_dir, batches.prompts, texts, run.tokens, same)
     write_outputs(result, str(cfg.prompts), labels, strategies.names["hook"])
     print_generations(batches.prompts, texts)
     print_batch_result(result)

@@ -51,6 +51,8 @@ class RunConfig:
     prompts: Optional[str] = None
     #: prompts generated at once when ``prompts`` is given (left-padded; the KV cache is planned for it)
     batch_size: int = 1
+    #: the folder of an interrupted prompts run to go on with: its finished prompts are kept, the rest generated there
+    resume: Optional[str] = None
     max_new_tokens: int = 16
     do_sample: bool = False
     temperature: float = 1.0

@@ -1,0 +1,62 @@
+"""Files a run reads and later trusts are validated on read (a cache of another shape is measured again with one line,
+a user's binary file is one line), and error lines never share a line with a progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from offload_core.errors import ConfigError, StorageError
+
+
+def test_calibration_of_another_shape_is_measured_again_with_one_line(tmp_path, monkeypatch, capsys):
+    from offload_core.runner.calibrate import _read_cached, calibration_file
+
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
+    good = {"disks": {"1": {"write_bps": 1.0, "cold_read_bps": 2.0, "warm_read_bps": 3.0}}, "h2d_bps": {},
+            "compute": {"k": {"1x2": {"block_s": 0.1}, "2x2": {}}}}
+    calibration_file().write_text(json.dumps(good))
+    assert _read_cached() == good and capsys.readouterr().err == ""
+    for bad in ({"disks": [1, 2], "compute": "x"}, {"disks": {"1": {"write_bps": "fast"}}}, [1],
+                {"compute": {"k": {"1x2": {"block_s": None}}}}, {"h2d_bps": {"cuda:0": -1}}):
+        calibration_file().write_text(json.dumps(bad))
+        assert _read_cached() == {}
+        err = capsys.readouterr().err
+        assert "calibration.json is damaged" in err and "measuring the machine again" in err and err.count("\n") == 1
+    calibration_file().write_bytes(os.urandom(256))
+    assert _read_cached() == {} and "damaged" in capsys.readouterr().err
+
+
+def test_a_binary_prompts_file_is_one_line(tmp_path):
+    from offload_core.runner.batch import read_prompts
+
+    path = tmp_path / "prompts.bin"
+    path.write_bytes(b"ok\n\xff\xfe\x00\x81" + bytes(range(256)))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        read_prompts(path)
+
+
+def test_an_offload_index_of_another_shape_is_one_line(tmp_path):
+    from offload_core.loading.offload_index import read_offload_index
+
+    for content in (b"\xff\xfe", b"[1, 2]", b'{"w": {"dtype": "float32"}}', b"{"):
+        (tmp_path / "index.json").write_bytes(content)
+        with pytest.raises(StorageError, match="index"):
+            read_offload_index(tmp_path)
+    (tmp_path / "index.json").write_text(json.dumps({"w": {"dtype": "float32", "shape": [2]}}))
+    assert read_offload_index(tmp_path) == {"w": {"dtype": "float32", "shape": [2]}}
+
+
+def test_an_error_line_starts_its_own_line_after_a_progress_bar(capsys):
+    from tqdm.auto import tqdm
+
+    from offload_core.runner.cli import print_line
+
+    bar = tqdm(total=21, desc="loading", unit="tensor", leave=False, mininterval=0)
+    bar.update(1)
+    print_line("error: checkpoint tensor 'x' has shape [2]")
+    err = capsys.readouterr().err
+    last = err.replace("\r", "\n").splitlines()[-1]
+    assert last == "offload_core: error: checkpoint tensor 'x' has shape [2]"
