@@ -198,22 +198,20 @@ def execution_device(value: str | None) -> torch.device:
 
 
 def max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
-    """The ``max_memory`` section as budgets in bytes keyed like a device map (GPU index, ``cpu``, ``disk``)."""
+    """The ``max_memory`` section as budgets in bytes keyed like a device map (GPU index, ``cpu``, ``disk``); a key
+    of null is left out (:func:`offload_core.planning.check_budgets` checks the rest)."""
+    from offload_core.planning.budgets import check_budgets
+
     budgets: dict[Any, int] = {}
     for key, value in raw.items():
         key_s = str(key)
         dev = device_key(key_s)
         if dev is None or dev == "mps":
             raise ConfigError(f"max_memory has an unknown device {key_s!r}: use cpu, disk or a GPU index like 0")
-        if isinstance(dev, int):
-            if execution_device.type == "cuda" and dev >= torch.cuda.device_count():
-                raise ConfigError(f"max_memory.{key_s}: GPU {dev} does not exist (this machine has {torch.cuda.device_count()}); remove it")
-            if execution_device.type == "cpu":
-                raise ConfigError(f"max_memory.{key_s}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
+        if isinstance(dev, int) and execution_device.type == "cpu":
+            check_budgets({dev: 1}, execution_device)
         if value is None:
             continue
-        size = parse_size(value, what=f"max_memory.{key_s}")
-        if size == 0 and dev != "disk":
-            raise ConfigError(f"max_memory.{key_s}=0 leaves nothing to run with: give a size above 0 or remove the key")
-        budgets[dev] = size
+        budgets[dev] = parse_size(value, what=f"max_memory.{key_s}")
+    check_budgets(budgets, execution_device)
     return budgets

@@ -60,3 +60,22 @@ def test_an_error_line_starts_its_own_line_after_a_progress_bar(capsys):
     err = capsys.readouterr().err
     last = err.replace("\r", "\n").splitlines()[-1]
     assert last == "offload_core: error: checkpoint tensor 'x' has shape [2]"
+
+
+def test_from_pretrained_checks_budgets_as_the_command_line_does(tmp_path, caplog):
+    import torch
+
+    import offload_core
+    from offload_core.runner.settings import max_memory
+    from offload_core.testing import tiny_tied_llama
+
+    path = tmp_path / "ckpt"
+    tiny_tied_llama(path)
+    cpu = torch.device("cpu")
+    for given in ({0: "10GiB", "cpu": "20GiB"}, {"cpu": 0}, {"mps": "1GiB"}):
+        with pytest.raises(ConfigError) as cli:
+            max_memory({str(k): v for k, v in given.items()}, cpu)
+        with pytest.raises(ConfigError) as api:
+            offload_core.from_pretrained(path, max_memory=given, execution_device="cpu")
+        assert str(api.value) == str(cli.value)
+    assert "not available" not in caplog.text
