@@ -53,10 +53,15 @@ def hydra_main() -> None:
     from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
 
+    from offload_core.runner.overrides import check_parses, prepare
+
     try:
         register_configs()
+        args = prepare(sys.argv[1:])
+        check_parses(args)
     except OffloadError as error:
         _fail(error)
+    sys.argv = [sys.argv[0], *args]
 
     @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
     def main(cfg) -> None:

@@ -43,7 +43,10 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         plan.predicted_time = predicted_time(settings, strategies, run_model, plan, batches, input_ids.shape[1])
         if cfg.plan_only:
             write_plan(settings, run_model, plan, picture=plot)
-            return RunResult("", [], plan.device_map, {}, plan.summary, None, settings.output_dir, plan.as_dict())
+            result = RunResult("", [], plan.device_map, plan_figures(plan, settings), plan.summary, None,
+                               settings.output_dir, plan.as_dict())
+            write_outputs(result, str(cfg.prompts or cfg.prompt), labels or {}, strategies.names["hook"])
+            return result
         if run_model.task not in GENERATIVE:
             return run_encoder(settings, strategies, run_model, checkpoint, plan, labels or {})
         if batches is not None:
@@ -60,6 +63,17 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     write_outputs(result, cfg.prompt, labels or {}, strategies.names["hook"])
     print_result(result, strategies.names["hook"])
     return result
+
+
+def plan_figures(plan: Plan, settings: Settings) -> dict[str, Any]:
+    """What a plan-only run records as its metrics (a sweep's summary compares them): the prediction and the bytes
+    offloaded, held back and predicted to move per generated token."""
+    from offload_core.values import is_offloaded
+
+    offloaded = sum(info["bytes"] for dev, info in plan.summary["devices"].items()
+                    if is_offloaded(dev, settings.execution_device))
+    return {"plan_only": True, "offloaded_bytes": offloaded, "headroom_bytes": plan.headroom,
+            "predicted_bytes_per_token": plan.predicted_bytes_per_token, **plan.predicted_time}
 
 
 def check_run_task(cfg: Any, run_model: RunModel, checkpoint: Any) -> None:

@@ -149,8 +149,10 @@ def _section(cfg: Any, key: str) -> dict:
 
 def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     """Parse ``cfg`` (a composed config) once; a value that cannot be used is a :class:`ConfigError`."""
+    from offload_core.runner.overrides import check_keys
     from offload_core.runner.validate import check_generation, check_headroom
 
+    check_keys(cfg)
     check_generation(cfg)
     device = execution_device(cfg.execution_device)
     budgets = max_memory(_section(cfg, "max_memory"), device)
