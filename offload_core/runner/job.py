@@ -37,7 +37,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         check_run_task(cfg, run_model, checkpoint)
         settings, batches = read_batches(settings, run_model)
         plan = make_plan(settings, strategies, run_model, checkpoint)
-        print_plan(settings, strategies, plan)
+        print_plan(settings, strategies, plan, "generated token" if run_model.task in GENERATIVE else "forward")
         input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
                                run_model.model.config.vocab_size)
         plan.predicted_time = predicted_time(settings, strategies, run_model, plan, batches, input_ids.shape[1])

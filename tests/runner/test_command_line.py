@@ -99,3 +99,22 @@ def test_a_plan_only_sweep_compares_plans(tmp_path):
     assert [r["status"] for r in rows] == ["planned", "planned"]
     assert rows[0]["offloaded_mib"] > 0 == rows[1]["offloaded_mib"]
     assert all(isinstance(r["predicted_step_s"], float) for r in rows)
+
+
+def test_a_device_map_file_replaces_the_placement_in_the_header(tmp_path, capsys):
+    from offload_core.runner.job import run
+
+    base = ["model=synthetic", "plan_only=true", "max_memory.cpu=1MiB", "headroom=0"]
+    run(_cfg(base), output_dir=tmp_path / "a", plot=False)
+    capsys.readouterr()
+    path = tmp_path / "a" / "device_map.json"
+    run(_cfg([*base, f"device_map={path}"]), output_dir=tmp_path / "b", plot=False)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == f"device_map={path} storage=memmap hook=align_per_call"
+
+
+def test_counters_print_sizes_in_binary_units():
+    from offload_core.runner.results import counter_text
+
+    assert counter_text("kept_bytes", 3 * 2**20) == "3.00 MiB" and counter_text("expert_bytes_per_token", 1536.0) == "1.50 KiB"
+    assert counter_text("hits", 5) == "5" and counter_text("wait_s_per_token", 0.25) == "0.250"
