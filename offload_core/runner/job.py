@@ -49,11 +49,13 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
             return result
         if run_model.task not in GENERATIVE:
             return run_encoder(settings, strategies, run_model, checkpoint, plan, labels or {})
-        if batches is not None:
+        if cfg.get("prompts"):
             return run_batched(settings, strategies, run_model, checkpoint, plan, batches, labels or {})
         with MemoryMonitor() as memory:
             tokens, figures = generate_offloaded(settings, strategies, run_model, checkpoint, plan, input_ids)
-        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta, **plan.predicted_time)
+        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta,
+                       planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
+                       **plan.predicted_time)
         figures["time_per_decode_step_s"] = 1 / figures["decode_tokens_per_s"] if figures["decode_tokens_per_s"] else float("nan")
     result = RunResult(decode(run_model, tokens), tokens, plan.device_map, figures, plan.summary, None, settings.output_dir,
                        plan.as_dict())

@@ -105,7 +105,7 @@ def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: in
     reserve = ", ".join(f"{k}: {format_size(v)}" for k, v in (plan.get("reserve") or {}).items())
     lines.append(f"reserved for offloaded weights in flight: {reserve or 'none'}")
     if plan.get("headroom"):
-        lines.append(f"held back from the cpu budget for activations: {format_size(plan['headroom'])}")
+        lines.append(f"held back from the cpu budget for the KV cache and activations: {format_size(plan['headroom'])}")
     if predicted is not None:
         lines.append(f"predicted bytes moved per {per}: {format_size(predicted)}")
     return "\n".join(lines)

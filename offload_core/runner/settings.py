@@ -60,8 +60,9 @@ class RunConfig:
     top_p: float = 1.0
     #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
     max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
-    #: held back from the cpu budget for activations, KV cache and logits on a CPU run
-    headroom: str = "48MiB"
+    #: held back from the cpu budget for activations, KV cache and logits on a CPU run: auto plans them for the
+    #: prompt (or the batch) and max_new_tokens (48MiB for a run that does not generate); a size holds that back instead
+    headroom: str = "auto"
     #: auto (the checkpoint's), float32, bfloat16, float16
     dtype: str = "auto"
     #: where the memmap store writes (a temporary folder, removed at exit, when null)
@@ -111,7 +112,7 @@ class Settings:
     cfg: Any
     execution_device: torch.device
     max_memory: dict[Any, int]
-    headroom: int
+    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.batch_job.read_batches)
     dtype: torch.dtype | None
     output_dir: Path
     sections: dict[str, dict]  # "placement", "storage", "hook", "model" -> that section of the config
@@ -125,6 +126,7 @@ class Settings:
         """``max_memory`` as the placement fills it: on a CPU run the cpu budget less the headroom."""
         budgets = dict(self.max_memory)
         if self.execution_device.type == "cpu" and "cpu" in budgets:
+            assert self.headroom is not None, "the headroom is planned before the budgets are used"
             budgets["cpu"] = max(budgets["cpu"] - self.headroom, 0)
         return budgets
 
@@ -156,8 +158,8 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     check_generation(cfg)
     device = execution_device(cfg.execution_device)
     budgets = max_memory(_section(cfg, "max_memory"), device)
-    headroom = parse_size(cfg.headroom, what="headroom")
-    if not cfg.get("prompts"):  # a prompts run replaces the headroom with its batch's planned memory, checked then
+    headroom = None if str(cfg.headroom) == "auto" else parse_size(cfg.headroom, what="headroom")
+    if headroom is not None:
         check_headroom(budgets, headroom, device)
     return Settings(
         cfg=cfg,

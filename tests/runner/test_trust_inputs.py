@@ -79,3 +79,40 @@ def test_from_pretrained_checks_budgets_as_the_command_line_does(tmp_path, caplo
             offload_core.from_pretrained(path, max_memory=given, execution_device="cpu")
         assert str(api.value) == str(cli.value)
     assert "not available" not in caplog.text
+
+
+def _cfg(overrides):
+    from hydra import compose, initialize_config_dir
+
+    from offload_core.runner.settings import register_configs
+    from tests import ROOT
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_a_single_prompt_plans_its_kv_cache_as_a_batch_of_one(tmp_path):
+    import re
+
+    from offload_core.runner.job import run
+
+    base = ["model=synthetic", "plan_only=true", "max_memory.cpu=12MiB"]
+    short = run(_cfg([*base, "max_new_tokens=16"]), output_dir=tmp_path / "a", plot=False)
+    long = run(_cfg([*base, "max_new_tokens=1000"]), output_dir=tmp_path / "b", plot=False)
+    assert 3 * 2**20 < short.plan["headroom"] < long.plan["headroom"] < 12 * 2**20  # grows with the tokens, not fixed
+    with pytest.raises(ConfigError, match=r"exceed the model's context of 2048 tokens") as caught:
+        run(_cfg([*base, "max_new_tokens=100000000"]), output_dir=tmp_path / "c", plot=False)
+    fits = int(re.search(r"use max_new_tokens=(\d+) or less", str(caught.value)).group(1))
+    run(_cfg([*base, f"max_new_tokens={fits}", "max_memory.cpu=64MiB"]), output_dir=tmp_path / "d", plot=False)
+    with pytest.raises(ConfigError, match="exceed the model's context"):
+        run(_cfg([*base, f"max_new_tokens={fits + 1}", "max_memory.cpu=64MiB"]), output_dir=tmp_path / "e", plot=False)
+    small = [*base, "max_memory.cpu=3MiB"]
+    with pytest.raises(ConfigError, match=r"more than max_memory.cpu=3.00 MiB leaves beside 768.00 KiB for the runtime; use max_new_tokens=(\d+) or less") as caught:
+        run(_cfg([*small, "max_new_tokens=2000"]), output_dir=tmp_path / "f", plot=False)
+    fits = int(re.search(r"use max_new_tokens=(\d+) or less", str(caught.value)).group(1))
+    run(_cfg([*small, f"max_new_tokens={fits}"]), output_dir=tmp_path / "g", plot=False)
+    with pytest.raises(ConfigError, match="for the runtime"):
+        run(_cfg([*small, f"max_new_tokens={fits + 1}"]), output_dir=tmp_path / "h", plot=False)
+    given = run(_cfg([*base, "headroom=1MiB"]), output_dir=tmp_path / "i", plot=False)
+    assert given.plan["headroom"] == 2**20  # a headroom the user gives is held back as given
