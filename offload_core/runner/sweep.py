@@ -32,6 +32,11 @@ PLAIN = ("batch_size", "predicted_load_s", "predicted_ttft_s", "time_per_decode_
          "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s")
 
 
+#: the numbers a summary row computes with
+FIGURES = {*PLAIN, "load_s", "time_to_first_token_s", "decode_tokens_per_s", "peak_anon_rss_bytes", "peak_file_rss_bytes",
+           "bytes_moved_per_token", "predicted_bytes_per_token", "offloaded_bytes", "peak_gpu_bytes"}
+
+
 def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
 
@@ -40,22 +45,29 @@ def _read(job_dir: Path) -> dict[str, Any]:
     """A job's ``metrics.json``, or a failed record when it is missing or unreadable."""
     metrics_file = job_dir / "metrics.json"
     try:
-        return json.loads(metrics_file.read_text())
+        data = json.loads(metrics_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {"error": "the job wrote no metrics.json (it was killed or crashed); see its log in this folder"}
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         return {"error": f"metrics.json is not valid JSON ({exc})"}
+    if not isinstance(data, dict):
+        return {"error": "metrics.json is not a JSON object; the job's figures are lost"}
+    # a figure of another type is left empty, never trusted
+    return {k: v for k, v in data.items() if k not in FIGURES or (isinstance(v, (int, float)) and not isinstance(v, bool))
+            or (k == "peak_gpu_bytes" and isinstance(v, dict))}
 
 
 def _row(job_dir: Path) -> dict[str, Any]:
     data = _read(job_dir)
-    choices = data.get("choices") or _choices(job_dir)
+    choices = data.get("choices") if isinstance(data.get("choices"), dict) else _choices(job_dir)
+    if not isinstance(data.get("overrides"), (list, type(None))):
+        data["overrides"] = None
     mib = 2**20
 
     def fmt(value: Any, digits: int = 3) -> Any:
         return round(value, digits) if isinstance(value, float) and math.isfinite(value) else value
 
-    peak_gpu = data.get("peak_gpu_bytes") or {}
+    peak_gpu = {k: v for k, v in (data.get("peak_gpu_bytes") or {}).items() if isinstance(v, (int, float))}
     return {
         "job": job_dir.name,
         "placement": choices.get("placement", ""),

@@ -118,3 +118,17 @@ def test_counters_print_sizes_in_binary_units():
 
     assert counter_text("kept_bytes", 3 * 2**20) == "3.00 MiB" and counter_text("expert_bytes_per_token", 1536.0) == "1.50 KiB"
     assert counter_text("hits", 5) == "5" and counter_text("wait_s_per_token", 0.25) == "0.250"
+
+
+def test_a_sweep_summary_names_metrics_of_another_shape_instead_of_failing(tmp_path):
+    from offload_core.runner.sweep import summarize
+
+    for job, content in (("0", "[1, 2]"), ("1", json.dumps({"choices": "x", "overrides": 3, "load_s": "slow",
+                                                              "peak_anon_rss_bytes": "lots", "peak_gpu_bytes": [1]})),
+                         ("2", "\udcff")):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "metrics.json").write_text(content, errors="surrogateescape")
+    rows = summarize(tmp_path)
+    assert rows[0]["status"] == "failed" and "not a JSON object" in rows[0]["error"]
+    assert rows[1]["status"] == "ok" and rows[1]["load_s"] == "" and rows[1]["peak_anon_rss_mib"] == ""
+    assert rows[2]["status"] == "failed" and "not valid JSON" in rows[2]["error"]
