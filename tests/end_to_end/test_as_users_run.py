@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -106,3 +107,39 @@ def test_a_two_job_sweep_exits_with_its_summary(tmp_path):
     assert code == 0, err[-2000:]
     rows = (tmp_path / "summary.csv").read_text().splitlines()[1:]
     assert len(rows) == 2 and all(",ok,True," in row for row in rows), rows
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(sig, code, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}: tell me about number {i}\n" for i in range(24)))
+    args = [sys.executable, str(ROOT / "run.py"), "model=synthetic", "storage=safetensors", f"prompts={prompts}",
+            "batch_size=2", "max_new_tokens=120"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    first, journal = tmp_path / "first", tmp_path / "first" / "generations.jsonl"
+    proc = subprocess.Popen([*args, f"hydra.run.dir={first}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        started = time.monotonic()
+        while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
+            assert proc.poll() is None and time.monotonic() - started < RUN_S, "no batch finished"
+            try:
+                proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    kept = journal.read_text().splitlines()
+    assert proc.returncode == code and 2 <= len(kept) < 24 and len(kept) % 2 == 0, err
+    assert f"{len(kept)} finished prompts are in {journal}; go on with resume={first}" in err
+    resumed = subprocess.run([*args, f"resume={first}", f"hydra.run.dir={tmp_path / 'second'}"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=RUN_S)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming {first}: {len(kept)} of 24 prompts were generated" in resumed.stdout
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == prompts.read_text().splitlines()
+    assert [json.dumps(r) for r in records[:len(kept)]] == kept  # the finished prompts kept as they were
