@@ -59,6 +59,25 @@ def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_d
     return {d: budgets[d] for d in [*gpus, "mps", "cpu", "disk"] if d in budgets}
 
 
+def check_execution_device(value: str | torch.device) -> torch.device:
+    """The device a run computes on, as given (``cpu``, ``cuda``, ``cuda:N``), checked to exist on this machine (the one
+    rule for ``run.py``'s ``execution_device`` and ``from_pretrained``'s); else ConfigError."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"execution_device={str(value)!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ConfigError(f"execution_device={str(value)!r} does not exist: this machine has {count} CUDA device(s); "
+                              "use cpu")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ConfigError(f"execution_device={str(value)!r} is not supported: use cpu or cuda:N")
+    return device
+
+
 def check_budgets(budgets: Mapping[Any, int], execution_device: torch.device) -> None:
     """The budgets a run can use on this machine (the one rule for ``run.py`` and ``from_pretrained``): no ``mps``, a
     GPU budget only on a GPU run and for a GPU this machine has, and no budget of 0 but ``disk``'s; else ConfigError."""

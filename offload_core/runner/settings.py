@@ -181,24 +181,15 @@ def build_strategies(settings: Settings, registry: Registry | None = None) -> St
 
 
 def execution_device(value: str | None) -> torch.device:
-    """``execution_device`` as a torch device: ``auto``/empty picks ``cuda:0`` when present, else ``cpu``."""
+    """``execution_device`` as a torch device: ``auto``/empty picks ``cuda:0`` when present, else ``cpu``; another value
+    is checked by :func:`offload_core.planning.budgets.check_execution_device`."""
     if value in (None, "", "auto"):
         from offload_core.loading.dispatch import default_execution_device
 
         return default_execution_device()
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise ConfigError(f"execution_device={value!r} is not a device: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        index = 0 if device.index is None else device.index
-        if index >= count:
-            raise ConfigError(f"execution_device={value!r} does not exist: this machine has {count} CUDA device(s); use cpu")
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise ConfigError(f"execution_device={value!r} is not supported: use cpu or cuda:N")
-    return device
+    from offload_core.planning.budgets import check_execution_device
+
+    return check_execution_device(value)
 
 
 def max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:

@@ -116,3 +116,20 @@ def test_a_single_prompt_plans_its_kv_cache_as_a_batch_of_one(tmp_path):
         run(_cfg([*small, f"max_new_tokens={fits + 1}"]), output_dir=tmp_path / "h", plot=False)
     given = run(_cfg([*base, "headroom=1MiB"]), output_dir=tmp_path / "i", plot=False)
     assert given.plan["headroom"] == 2**20  # a headroom the user gives is held back as given
+
+
+def test_from_pretrained_checks_the_execution_device_as_the_command_line_does(tmp_path):
+    import torch
+
+    import offload_core
+    from offload_core.runner.settings import execution_device
+    from offload_core.testing import tiny_tied_llama
+
+    path = tmp_path / "ckpt"
+    tiny_tied_llama(path)
+    for given in (f"cuda:{torch.cuda.device_count()}", "toaster", "mps"):
+        with pytest.raises(ConfigError) as cli:
+            execution_device(given)
+        with pytest.raises(ConfigError) as api:
+            offload_core.from_pretrained(path, max_memory={"cpu": "1MiB"}, execution_device=given)
+        assert str(api.value) == str(cli.value)
