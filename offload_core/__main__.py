@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def list_plugins() -> str:
@@ -35,7 +34,7 @@ def run(overrides: list[str]) -> int:
     from offload_core.runner.cli import hydra_main
 
     saved = sys.argv
-    sys.argv = [f"{Path(saved[0]).name if saved else 'offload-core'} run", *overrides]
+    sys.argv = ["offload-core", *overrides]
     try:
         hydra_main()
     finally:

@@ -114,7 +114,7 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
                 journal.close()
                 from offload_core.runner.cli import print_line
 
-                kept = sum(1 for _ in open(journal.path, "rb"))
+                kept = journal.path.read_bytes().count(b"\n")
                 print_line(f"{kept} finished prompts are in {journal.path}; go on with resume={settings.output_dir}")
                 raise
             finally:

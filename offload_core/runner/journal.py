@@ -60,14 +60,14 @@ class Journal:
         journal = cls(folder, prompts)
         if resume:
             journal.done = journal._read(run, batch_size)
-        elif journal.path.exists():
+        elif journal.path.exists() and journal.path.stat().st_size:
             raise ConfigError(f"{journal.path} already holds generations; go on with resume={folder}, or give another "
                               "run folder (hydra.run.dir=...)")
         else:
             meta = folder / RUN_FILE
             meta.write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
             fsync_path(meta)
-        journal.handle = open(journal.path, "ab")
+        journal.handle = open(journal.path, "ab" if resume else "wb")
         return journal
 
     def _read(self, run: dict[str, Any], batch_size: int) -> list[dict[str, Any]]:

@@ -71,7 +71,7 @@ def prepare(args: list[str]) -> list[str]:
         prefix = re.match(r"\+\+|\+|~", arg)
         prefix_s = prefix.group(0) if prefix else ""
         key, _, value = arg[len(prefix_s):].partition("=")
-        top = key.split(".")[0].split("@")[0]
+        top = re.split(r"[./@]", key)[0]  # hydra.run.dir, hydra/launcher=..., model@pkg
         if top == "hydra":
             out.append(arg)
             continue

@@ -20,7 +20,7 @@ HOOKS = ["align_per_call", "chained", "functional_call", "prefetch", "experts"]
 STORES = ["memmap", "safetensors", "pinned_cpu"]
 #: a run's whole life (a process starting torch on a busy two-core machine) and the time it has to exit once it wrote
 #: its metrics
-RUN_S, EXIT_S = 180, 12
+RUN_S, EXIT_S = 180, 8
 #: the prefetch reader waits for a pool buffer at exit (issue 23, item 1): fixed apart; remove once merged
 HANGS_AT_EXIT = pytest.mark.xfail(reason="prefetch + memmap: the reader thread waits for a pool buffer at exit "
                                          "(being fixed in module_hooks/prefetch)", strict=False)
@@ -109,12 +109,13 @@ def test_a_two_job_sweep_exits_with_its_summary(tmp_path):
     assert len(rows) == 2 and all(",ok,True," in row for row in rows), rows
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
-def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(sig, code, tmp_path):
+def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(tmp_path):
+    """Ctrl-C (SIGTERM unwinds the same way: cli.Terminated is a KeyboardInterrupt) after the first batch."""
+    sig, code = signal.SIGINT, 130
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(f"prompt {i}: tell me about number {i}\n" for i in range(24)))
+    prompts.write_text("".join(f"prompt {i}: tell me about number {i}\n" for i in range(16)))
     args = [sys.executable, str(ROOT / "run.py"), "model=synthetic", "storage=safetensors", f"prompts={prompts}",
-            "batch_size=2", "max_new_tokens=120"]
+            "batch_size=2", "max_new_tokens=80"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     first, journal = tmp_path / "first", tmp_path / "first" / "generations.jsonl"
     proc = subprocess.Popen([*args, f"hydra.run.dir={first}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -134,12 +135,12 @@ def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(sig, code, tmp_p
             proc.kill()
             proc.communicate(timeout=60)
     kept = journal.read_text().splitlines()
-    assert proc.returncode == code and 2 <= len(kept) < 24 and len(kept) % 2 == 0, err
+    assert proc.returncode == code and 2 <= len(kept) < 16 and len(kept) % 2 == 0, err
     assert f"{len(kept)} finished prompts are in {journal}; go on with resume={first}" in err
     resumed = subprocess.run([*args, f"resume={first}", f"hydra.run.dir={tmp_path / 'second'}"], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=RUN_S)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming {first}: {len(kept)} of 24 prompts were generated" in resumed.stdout
+    assert f"resuming {first}: {len(kept)} of 16 prompts were generated" in resumed.stdout
     records = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [r["prompt"] for r in records] == prompts.read_text().splitlines()
     assert [json.dumps(r) for r in records[:len(kept)]] == kept  # the finished prompts kept as they were

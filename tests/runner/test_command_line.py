@@ -132,3 +132,8 @@ def test_a_sweep_summary_names_metrics_of_another_shape_instead_of_failing(tmp_p
     assert rows[0]["status"] == "failed" and "not a JSON object" in rows[0]["error"]
     assert rows[1]["status"] == "ok" and rows[1]["load_s"] == "" and rows[1]["peak_anon_rss_mib"] == ""
     assert rows[2]["status"] == "failed" and "not valid JSON" in rows[2]["error"]
+
+
+def test_hydras_own_options_pass_through():
+    args = ["-m", "hydra/launcher=joblib", "hydra.run.dir=x", "--config-name", "config", "+hydra.job.env_set.A=1"]
+    assert prepare(args) == args
