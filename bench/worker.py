@@ -149,7 +149,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.runner.job import dispatched
     from offload_core.runner.model import open_model
-    from offload_core.runner.batch_job import Batches, plan_batch_memory
+    from offload_core.runner.run_memory import plan_run_memory
     from offload_core.runner.plan import make_plan
     from offload_core.runner.predict import calibrate_and_predict
     from offload_core.runner.settings import build_strategies, read_settings
@@ -161,7 +161,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     release = ExitStack()
     ckpt = release.enter_context(Checkpoint.open(run_model.checkpoint_dir))
     batch, ids = spec.get("batch", 1), prompt_ids(spec["prompt"], run_model.model.config.vocab_size)[0].tolist()
-    settings, need = plan_batch_memory(settings, run_model, Batches([spec["prompt"]] * batch, [ids] * batch, batch))
+    settings, need = plan_run_memory(settings, run_model, batch, len(ids))
     plan = make_plan(settings, strategies, run_model, ckpt)  # counted in the load time, as before
     model = run_model.model
     started = time.perf_counter()

@@ -1,4 +1,6 @@
-"""``python -m offload_core plugins``: list loaded plugins, their versions and the strategies each provides."""
+"""``python -m offload_core`` (or ``offload-core``): ``run [key=value ...]`` runs the main job as ``python run.py`` does;
+``plugins`` lists loaded plugins, their versions and the strategies each provides (by the names the command line
+takes)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,14 @@ import sys
 
 def list_plugins() -> str:
     from offload_core.registry.manager import DISABLE_ENV, KINDS, get_registry
+    from offload_core.runner.settings import GROUPS  # the command line's name for each kind (policy: hook=)
 
     registry = get_registry()
     provided: dict[str, list[str]] = {name: [] for name in registry.plugins}
     for kind in KINDS:
         for name in registry.names(kind):
             strategy = registry.get(kind, name)
-            provided.setdefault(strategy.plugin, []).append(f"{kind}={name}")
+            provided.setdefault(strategy.plugin, []).append(f"{GROUPS.get(kind, kind)}={name}")
     lines = []
     width = max((len(p) for p in provided), default=10)
     for plugin, strategies in provided.items():
@@ -26,11 +29,28 @@ def list_plugins() -> str:
     return "\n".join(lines)
 
 
+def run(overrides: list[str]) -> int:
+    """The main job with ``overrides`` (Hydra's command line: ``key=value``, ``-m`` for a sweep)."""
+    from offload_core.runner.cli import hydra_main
+
+    saved = sys.argv
+    sys.argv = ["offload-core", *overrides]
+    try:
+        hydra_main()
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from offload_core.errors import OffloadError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m offload_core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run the main job: run [key=value ...] (as python run.py; --help lists the keys)")
     sub.add_parser("plugins", help="list loaded plugins and the strategies they provide")
     args = parser.parse_args(argv)
     try:

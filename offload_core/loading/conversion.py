@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError
+from offload_core.values import format_size
 
 __all__ = ["ConversionMismatchError", "ConvertedTensor", "ConversionSummary", "KeyConversion", "ConvertedCheckpoint", "key_conversion",
            "convert_checkpoint"]
@@ -69,7 +70,7 @@ class ConversionSummary:
         if self.converted:
             ops = ", ".join(f"{name} x{count}" for name, count in sorted(self.operations.items()))
             lines.append(
-                f"{self.converted} tensor(s) built from several checkpoint tensors ({ops}): {self.converted_bytes} bytes; "
+                f"{self.converted} tensor(s) built from several checkpoint tensors ({ops}): {format_size(self.converted_bytes)}; "
                 f"{self.part_by_part} read part by part in place, the rest materialised once per read or write"
             )
         return lines

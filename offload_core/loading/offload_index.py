@@ -19,7 +19,15 @@ def read_offload_index(folder: str | Path, index: Mapping[str, Any] | None = Non
     path = Path(folder) / "index.json"
     if not path.is_file():
         raise StorageError(f"offload folder {folder} has no index.json: give offload_index or the folder it was written to")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise StorageError(f"{path} cannot be read as JSON ({exc}); give the index.json the offload folder was written with") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) and "dtype" in v and isinstance(v.get("shape"), list)
+                                             for v in data.values()):
+        raise StorageError(f"{path} is not an offload index (an object of tensor name -> {{\"dtype\", \"shape\"}}); "
+                           "give the index.json the offload folder was written with")
+    return data
 
 
 def load_offloaded_tensor(folder: str | Path, name: str, info: Mapping[str, Any]) -> torch.Tensor:

@@ -44,6 +44,7 @@ def from_pretrained(
     from offload_core.loading.reserve import reserve_for
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
     from offload_core.planning import PlacementRequest, get_max_memory
+    from offload_core.planning.budgets import check_budgets, check_execution_device
     from offload_core.values import parse_dtype
 
     config = read_config(path, what="path")
@@ -51,7 +52,9 @@ def from_pretrained(
     task = task or infer_task(config)
     dtype = parse_dtype(dtype) or config_dtype(config)
     model = build_empty(config, task, dtype, what="task")
-    device = torch.device(execution_device) if execution_device is not None else default_execution_device()
+    device = check_execution_device(execution_device) if execution_device is not None else default_execution_device()
+    if max_memory is not None:  # checked as run.py checks its max_memory, before anything is built
+        check_budgets(get_max_memory(max_memory, check_devices=False), device)
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     storage, policy = _resolve("storage", storage), _resolve("policy", policy)
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,15 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
     ``build(tmp)`` fills a temp dir beside ``target``; the marker is written and the dir renamed into
     place only when it succeeds (:func:`offload_core.atomic.atomic_write`). A stale or interrupted directory is removed only if it carries our tag.
     """
+    from offload_core.loading.cache_checksums import damage, write_checksums
+
     fingerprint = {"format": CACHE_FORMAT, **fingerprint}
     if target.exists():
         if _read_marker(target) == fingerprint:
-            return target
+            problem = damage(target, {COMPLETE_MARKER})
+            if problem is None:
+                return target
+            print(f"offload_core: the model cache {target} is damaged ({problem}); building it again", file=sys.stderr)
         if not (target / CACHE_TAG).is_file():
             raise ModelSourceError(
                 f"cache directory {target} exists but was not made by offload_core; "
@@ -82,6 +88,7 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
         with atomic_write(target, folder=True) as tmp:
             (tmp / CACHE_TAG).write_text("made by offload_core; safe to delete\n", encoding="utf-8")
             build(tmp)
+            write_checksums(tmp, {COMPLETE_MARKER})  # after the files, before the marker that says the folder is whole
             marker = tmp / COMPLETE_MARKER
             marker.write_text(json.dumps(fingerprint, sort_keys=True) + "\n", encoding="utf-8")
             fsync_path(marker)

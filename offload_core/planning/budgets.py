@@ -59,6 +59,42 @@ def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_d
     return {d: budgets[d] for d in [*gpus, "mps", "cpu", "disk"] if d in budgets}
 
 
+def check_execution_device(value: str | torch.device) -> torch.device:
+    """The device a run computes on, as given (``cpu``, ``cuda``, ``cuda:N``), checked to exist on this machine (the one
+    rule for ``run.py``'s ``execution_device`` and ``from_pretrained``'s); else ConfigError."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"execution_device={str(value)!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ConfigError(f"execution_device={str(value)!r} does not exist: this machine has {count} CUDA device(s); "
+                              "use cpu")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ConfigError(f"execution_device={str(value)!r} is not supported: use cpu or cuda:N")
+    return device
+
+
+def check_budgets(budgets: Mapping[Any, int], execution_device: torch.device) -> None:
+    """The budgets a run can use on this machine (the one rule for ``run.py`` and ``from_pretrained``): no ``mps``, a
+    GPU budget only on a GPU run and for a GPU this machine has, and no budget of 0 but ``disk``'s; else ConfigError."""
+    for key, size in budgets.items():
+        dev = budget_device(key)
+        if dev == "mps":
+            raise ConfigError(f"max_memory has an unknown device {str(key)!r}: use cpu, disk or a GPU index like 0")
+        if isinstance(dev, int):
+            if execution_device.type == "cpu":
+                raise ConfigError(f"max_memory.{key}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if dev >= count:
+                raise ConfigError(f"max_memory.{key}: GPU {dev} does not exist (this machine has {count}); remove it")
+        if size == 0 and dev != "disk":
+            raise ConfigError(f"max_memory.{key}=0 leaves nothing to run with: give a size above 0 or remove the key")
+
+
 def _no_split_block(model: torch.nn.Module, sizes: Mapping[str, int], no_split: set[str]) -> int:
     if not no_split:
         return 0

@@ -9,9 +9,10 @@ import time
 from typing import Any
 
 from offload_core.errors import ConfigError
-from offload_core.planning.batch_memory import BatchMemory, batch_memory, largest_batch
-from offload_core.runner.batch import (batch_figures, encode_all, generate_batches, print_generations, read_prompts,
-                                       write_generations)
+from offload_core.planning.batch_memory import BatchMemory
+from offload_core.runner.batch import batch_figures, encode_all, generate_batches, print_generations, read_prompts
+from offload_core.runner.journal import Journal, fingerprint
+from offload_core.runner.run_memory import forward_headroom, plan_run_memory
 from offload_core.runner.settings import Settings
 from offload_core.values import format_size
 
@@ -44,45 +45,41 @@ class Batches:
 
 
 def read_batches(settings: Settings, run_model: Any) -> tuple[Settings, Batches | None]:
-    """The run's ``prompts`` file tokenised, its ``batch_size`` checked and the batch's memory held back from the
-    budget (:func:`plan_batch_memory`); ``settings`` as they are and None without ``prompts``."""
+    """The prompts a generating run generates after, tokenised, in batches: the ``prompts`` file in batches of
+    ``batch_size``, or ``prompt`` as a batch of one; their memory planned (:func:`plan_run_memory`, which resolves
+    ``headroom=auto``). A run that does not generate gets None and, under ``headroom=auto``, a fixed headroom."""
+    from offload_core.loading.tasks import GENERATIVE
+
     cfg = settings.cfg
+    if cfg.get("resume") and not cfg.get("prompts"):
+        raise ConfigError("resume goes on with a prompts run: give the same prompts=<file> (and settings) as the run "
+                          "you resume")
+    if run_model.task not in GENERATIVE:
+        return forward_headroom(settings), None
+    chat = bool(cfg.model.get("chat_template", True))
     if not cfg.get("prompts"):
-        return settings, None
-    batch_size = int(cfg.batch_size)
-    if batch_size < 1:
-        raise ConfigError(f"batch_size={batch_size} must be at least 1")
-    prompts = read_prompts(cfg.prompts)
-    batches = Batches(prompts, encode_all(run_model, prompts, bool(cfg.model.get("chat_template", True))), batch_size)
-    settings, need = plan_batch_memory(settings, run_model, batches)
+        batches = Batches([str(cfg.prompt)], encode_all(run_model, [str(cfg.prompt)], chat), 1)
+    else:
+        if cfg.get("resume"):  # the earlier run's folder: its generations go on there
+            settings = dataclasses.replace(settings, output_dir=resume_folder(cfg.resume))
+        batch_size = int(cfg.batch_size)
+        if batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size} must be at least 1")
+        prompts = read_prompts(cfg.prompts)
+        batches = Batches(prompts, encode_all(run_model, prompts, chat), batch_size)
+    settings, need = plan_run_memory(settings, run_model, batches.rows, batches.longest)
     return settings, dataclasses.replace(batches, memory=need)
 
 
-def plan_batch_memory(settings: Settings, run_model: Any, batches: Batches) -> tuple[Settings, BatchMemory]:
-    """``settings`` with the batch's KV cache and activations held back from the execution device's budget
-    (on a CPU run in place of the fixed ``headroom``); a batch that cannot fit is a :class:`ConfigError`
-    naming the largest batch that does."""
-    from offload_core.planning import largest_block_size
+def resume_folder(value: Any) -> "Path":
+    """``resume``'s run folder, which must exist."""
+    from pathlib import Path
 
-    config, dtype, new = run_model.model.config, run_model.dtype, int(settings.cfg.max_new_tokens)
-    need = batch_memory(config, batches.rows, batches.longest, new, dtype)
-    device = settings.execution_device
-    key = "cpu" if device.type == "cpu" else device.index
-    budget = settings.max_memory.get(key)
-    if budget is None:
-        return (dataclasses.replace(settings, headroom=need.total) if key == "cpu" else settings), need
-    room = budget - largest_block_size(run_model.model, run_model.no_split, dtype=dtype)
-    if need.total > room:
-        fits = largest_batch(config, room, batches.longest, new, dtype, batches.rows)
-        name = "cpu" if key == "cpu" else str(key)
-        advice = f"use batch_size={fits} or less" if fits else "no batch fits: shorten the prompts or max_new_tokens"
-        raise ConfigError(f"batch_size={batches.rows} needs {format_size(need.total)} for its KV cache and activations, more than "
-                          f"max_memory.{name}={format_size(budget)} leaves beside one block; {advice}, or raise max_memory.{name}")
-    if key == "cpu":
-        return dataclasses.replace(settings, headroom=need.total), need
-    budgets = dict(settings.max_memory)
-    budgets[key] = budget - need.total
-    return dataclasses.replace(settings, max_memory=budgets), need
+    folder = Path(str(value)).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"resume={value} is not a folder: give the folder of the run to go on with "
+                          "(e.g. resume=outputs/2026-01-31/12-00-00)")
+    return folder
 
 
 def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint: Any, plan: Any, batches: Batches,
@@ -94,13 +91,34 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
     from offload_core.runner.results import RunResult, per_token_counters, write_outputs
 
     cfg, device = settings.cfg, settings.execution_device
+    journal = Journal.open(settings.output_dir, batches.prompts, batches.batch_size, fingerprint(cfg, batches.prompts),
+                           resume=bool(cfg.get("resume")))
+    done = len(journal.done)
+    if cfg.get("resume"):
+        print(f"resuming {settings.output_dir}: {done} of {len(batches.prompts)} prompts were generated")
+
+    def finished(start: int, rows: list[list[int]]) -> None:
+        journal.append([{"prompt": batches.prompts[start + i], "text": decode_row(run_model, row), "token_ids": row}
+                        for i, row in enumerate(rows)])
+
     with MemoryMonitor() as memory:
         started = time.perf_counter()
         with dispatched(settings, strategies, run_model, checkpoint, plan) as state:
             load_s = time.perf_counter() - started
             state.stats.reset()
-            with DiskReads(run_model.model) as reads:
-                run = generate_batches(run_model.model, batches.encoded, batches.batch_size, cfg, device, bool(cfg.progress))
+            try:
+                with DiskReads(run_model.model) as reads:
+                    run = generate_batches(run_model.model, batches.encoded, batches.batch_size, cfg, device,
+                                           bool(cfg.progress), done, finished)
+            except KeyboardInterrupt:
+                journal.close()
+                from offload_core.runner.cli import print_line
+
+                kept = journal.path.read_bytes().count(b"\n")
+                print_line(f"{kept} finished prompts are in {journal.path}; go on with resume={settings.output_dir}")
+                raise
+            finally:
+                journal.close()
             figures = {**batch_figures(run, state.stats.snapshot(), batches.batch_size), **reads.figures()}
             figures.update(offloaded_bytes=state.offloaded_bytes(), load_s=load_s)
             counters = state.handle.counters()
@@ -109,14 +127,16 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
     figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta,
                    planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
                    **plan.predicted_time)
+    tokens = [r["token_ids"] for r in journal.done] + run.tokens
+    texts = [r["text"] for r in journal.done] + [decode_row(run_model, row) for row in run.tokens]
     same = None
     if cfg.compare_in_memory:
         reference = in_memory_batches(run_model, batches, cfg)
-        same = [a == b for a, b in zip(run.tokens, reference)]
-    texts = [decode_row(run_model, row) for row in run.tokens]
-    result = RunResult(texts[0], run.tokens[0], plan.device_map, figures, plan.summary,
+        same = [a == b for a, b in zip(tokens, reference)]
+        journal.rewrite([{"prompt": p, "text": t, "token_ids": ids, "matches_in_memory": m}
+                         for p, t, ids, m in zip(batches.prompts, texts, tokens, same)])
+    result = RunResult(texts[0], tokens[0], plan.device_map, figures, plan.summary,
                        None if same is None else all(same), settings.output_dir, plan.as_dict())
-    write_generations(settings.output_dir, batches.prompts, texts, run.tokens, same)
     write_outputs(result, str(cfg.prompts), labels, strategies.names["hook"])
     print_generations(batches.prompts, texts)
     print_batch_result(result)

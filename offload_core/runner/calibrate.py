@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from torch import nn
 from offload_core.atomic import fsync_path
 
 PROBE_BYTES = 64 * 2**20
+#: what :func:`disk_bandwidth` measures per filesystem
+DISK_KEYS = frozenset({"write_bps", "cold_read_bps", "warm_read_bps"})
 CHUNK = 4 * 2**20
 
 
@@ -29,12 +32,44 @@ def calibration_file() -> Path:
     return cache_root() / "calibration.json"
 
 
+def _numbers(value: Any) -> bool:
+    """A JSON object of names to finite, positive numbers (one disk's bandwidths, one shape's compute times)."""
+    return isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                                           for v in value.values())
+
+
+def calibration_problem(data: Any) -> str | None:
+    """What is wrong with the shape of a read ``calibration.json`` (None when it has the shape :func:`calibrate` writes):
+    ``disks``: device id -> bandwidths, ``h2d_bps``: device -> bytes/s, ``compute``: model key -> shape -> times."""
+    if not isinstance(data, dict):
+        return "it is not a JSON object"
+    disks, h2d, compute = data.get("disks", {}), data.get("h2d_bps", {}), data.get("compute", {})
+    if not isinstance(disks, dict) or not all(_numbers(v) and DISK_KEYS <= v.keys() for v in disks.values()):
+        return "'disks' is not an object of bandwidths per filesystem"
+    if not _numbers(h2d):
+        return "'h2d_bps' is not an object of bandwidths per device"
+    if not isinstance(compute, dict) or not all(isinstance(v, dict) and all(_numbers(t) for t in v.values())
+                                                for v in compute.values()):
+        return "'compute' is not an object of times per model and shape"
+    return None
+
+
 def _read_cached() -> dict[str, Any]:
+    """The cached calibration; an unreadable file or one of another shape is measured again (and overwritten), with one
+    line saying why."""
+    file = calibration_file()
     try:
-        data = json.loads(calibration_file().read_text())
-    except (OSError, ValueError):
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, ValueError) as exc:
+        problem: str | None = f"it cannot be read as JSON ({exc})"
+    else:
+        problem = calibration_problem(data)
+    if problem is None:
+        return data
+    print(f"offload_core: {file} is damaged ({problem}); measuring the machine again", file=sys.stderr)
+    return {}
 
 
 def _write_cached(data: dict[str, Any]) -> None:

@@ -20,8 +20,18 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def print_line(text: str) -> None:
+    """Print one line to stderr, starting a line of its own: every progress bar still open is closed first."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    sys.stdout.flush()
+    print(f"offload_core: {text}", file=sys.stderr, flush=True)
+
+
 def _fail(error: BaseException) -> None:
-    print(f"offload_core: error: {error}", file=sys.stderr)
+    print_line(f"error: {error}")
     sys.exit(2)
 
 
@@ -43,10 +53,15 @@ def hydra_main() -> None:
     from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
 
+    from offload_core.runner.overrides import check_parses, prepare
+
     try:
         register_configs()
+        args = prepare(sys.argv[1:])
+        check_parses(args)
     except OffloadError as error:
         _fail(error)
+    sys.argv = [sys.argv[0], *args]
 
     @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
     def main(cfg) -> None:
@@ -65,7 +80,7 @@ def hydra_main() -> None:
                 output_dir.mkdir(parents=True, exist_ok=True)
                 message = str(error) if isinstance(error, OffloadError) else _one_line(error)
                 (output_dir / "metrics.json").write_text(json.dumps({**labels, "error": message}, indent=1))
-                print(f"offload_core: job failed: {message}", file=sys.stderr)
+                print_line(f"job failed: {message}")
                 return
             if isinstance(error, OffloadError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
                 _fail(error)
@@ -76,11 +91,11 @@ def hydra_main() -> None:
         main()
     except Terminated:
         # SIGTERM (timeout, a batch system's preemption) unwinds like Ctrl-C: stores close, temporary folders go.
-        print("offload_core: terminated (SIGTERM); temporary files were removed", file=sys.stderr)
+        print_line("terminated (SIGTERM); temporary files were removed")
         sys.exit(143)
     except KeyboardInterrupt:
         # Stores were closed on the way out (temporary offload folders removed); no traceback for Ctrl-C.
-        print("offload_core: interrupted (Ctrl-C); temporary files were removed", file=sys.stderr)
+        print_line("interrupted (Ctrl-C); temporary files were removed")
         sys.exit(130)
     finally:
         if previous is not None:

@@ -37,20 +37,25 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         check_run_task(cfg, run_model, checkpoint)
         settings, batches = read_batches(settings, run_model)
         plan = make_plan(settings, strategies, run_model, checkpoint)
-        print_plan(settings, strategies, plan)
+        print_plan(settings, strategies, plan, "generated token" if run_model.task in GENERATIVE else "forward")
         input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
                                run_model.model.config.vocab_size)
         plan.predicted_time = predicted_time(settings, strategies, run_model, plan, batches, input_ids.shape[1])
         if cfg.plan_only:
             write_plan(settings, run_model, plan, picture=plot)
-            return RunResult("", [], plan.device_map, {}, plan.summary, None, settings.output_dir, plan.as_dict())
+            result = RunResult("", [], plan.device_map, plan_figures(plan, settings), plan.summary, None,
+                               settings.output_dir, plan.as_dict())
+            write_outputs(result, str(cfg.prompts or cfg.prompt), labels or {}, strategies.names["hook"])
+            return result
         if run_model.task not in GENERATIVE:
             return run_encoder(settings, strategies, run_model, checkpoint, plan, labels or {})
-        if batches is not None:
+        if cfg.get("prompts"):
             return run_batched(settings, strategies, run_model, checkpoint, plan, batches, labels or {})
         with MemoryMonitor() as memory:
             tokens, figures = generate_offloaded(settings, strategies, run_model, checkpoint, plan, input_ids)
-        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta, **plan.predicted_time)
+        figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta,
+                       planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
+                       **plan.predicted_time)
         figures["time_per_decode_step_s"] = 1 / figures["decode_tokens_per_s"] if figures["decode_tokens_per_s"] else float("nan")
     result = RunResult(decode(run_model, tokens), tokens, plan.device_map, figures, plan.summary, None, settings.output_dir,
                        plan.as_dict())
@@ -60,6 +65,17 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     write_outputs(result, cfg.prompt, labels or {}, strategies.names["hook"])
     print_result(result, strategies.names["hook"])
     return result
+
+
+def plan_figures(plan: Plan, settings: Settings) -> dict[str, Any]:
+    """What a plan-only run records as its metrics (a sweep's summary compares them): the prediction and the bytes
+    offloaded, held back and predicted to move per generated token."""
+    from offload_core.values import is_offloaded
+
+    offloaded = sum(info["bytes"] for dev, info in plan.summary["devices"].items()
+                    if is_offloaded(dev, settings.execution_device))
+    return {"plan_only": True, "offloaded_bytes": offloaded, "headroom_bytes": plan.headroom,
+            "predicted_bytes_per_token": plan.predicted_bytes_per_token, **plan.predicted_time}
 
 
 def check_run_task(cfg: Any, run_model: RunModel, checkpoint: Any) -> None:

@@ -114,20 +114,23 @@ def check_disk_budget(summary: dict, max_memory: dict, largest_block: int, headr
     )
 
 
-def print_plan(settings: Settings, strategies: Strategies, plan: Plan) -> None:
-    """Print the chosen strategies and the plan (with the device map's keys in a plan-only run)."""
+def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str = "generated token") -> None:
+    """Print the chosen strategies (a user's ``device_map`` file in place of the placement, which it replaces) and the
+    plan (with the device map's keys in a plan-only run); ``per``: what one forward makes (an encoder's is a forward)."""
     from offload_core.storage.residency import page_cache_text
     from offload_core.runner.report import plan_text
 
-    print(strategies)
+    path = settings.cfg.device_map
+    print(" ".join([f"device_map={path}" if group == "placement" and path else f"{group}={name}"
+                    for group, name in strategies.names.items()]))
     print(plan_text(plan.summary, plan.as_dict(), plan.predicted_bytes_per_token,
-                    plan.device_map if settings.cfg.plan_only else None))
+                    plan.device_map if settings.cfg.plan_only else None, per=per))
     for line in plan.conversion:
         print(f"  conversion: {line}")
     for line in strategies.policy.plan_lines():
         print(line)
     if plan.page_cache.get("offloaded_bytes"):
-        print(page_cache_text(plan.page_cache))
+        print(page_cache_text(plan.page_cache, per))
     warn_if_fits(plan.summary, settings.execution_device)
 
 

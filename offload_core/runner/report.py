@@ -82,7 +82,7 @@ def _grouped_keys(device_map: Mapping[str, int | str]) -> dict[Any, list[str]]:
 
 
 def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: int | None,
-              device_map: Mapping[str, int | str] | None = None) -> str:
+              device_map: Mapping[str, int | str] | None = None, per: str = "generated token") -> str:
     """The plan as printed before loading: per device its bytes, budget use and (with ``device_map``) its keys,
     the reservation held back, and the predicted bytes moved per generated token.
 
@@ -105,9 +105,9 @@ def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: in
     reserve = ", ".join(f"{k}: {format_size(v)}" for k, v in (plan.get("reserve") or {}).items())
     lines.append(f"reserved for offloaded weights in flight: {reserve or 'none'}")
     if plan.get("headroom"):
-        lines.append(f"held back from the cpu budget for activations: {format_size(plan['headroom'])}")
+        lines.append(f"held back from the cpu budget for the KV cache and activations: {format_size(plan['headroom'])}")
     if predicted is not None:
-        lines.append(f"predicted bytes moved per generated token: {format_size(predicted)}")
+        lines.append(f"predicted bytes moved per {per}: {format_size(predicted)}")
     return "\n".join(lines)
 
 

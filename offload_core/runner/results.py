@@ -72,6 +72,13 @@ def write_outputs(result: RunResult, prompt: str, labels: dict, policy_name: str
     (out / "metrics.json").write_text(json.dumps(payload, indent=1, default=str))
 
 
+def counter_text(name: str, value: Any) -> str:
+    """A policy counter as printed: sizes (a name holding ``bytes``) as MiB, GiB…, other fractions to three places."""
+    if "bytes" in name and isinstance(value, (int, float)) and value == value:
+        return format_size(int(value))
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def print_result(result: RunResult, policy_name: str) -> None:
     """Print the generated text, the figures, the policy's counters and where the outputs went."""
     f = result.figures
@@ -83,7 +90,7 @@ def print_result(result: RunResult, policy_name: str) -> None:
     )
     counters = f.get(policy_name)
     if counters:
-        shown = ", ".join(f"{name} {value:.3f}" if isinstance(value, float) else f"{name} {value}" for name, value in counters.items())
+        shown = ", ".join(f"{name} {counter_text(name, value)}" for name, value in counters.items())
         print(f"{policy_name}: {shown}")
     if result.matches_in_memory is not None:
         print(f"same tokens as in memory: {result.matches_in_memory}")

@@ -51,6 +51,8 @@ class RunConfig:
     prompts: Optional[str] = None
     #: prompts generated at once when ``prompts`` is given (left-padded; the KV cache is planned for it)
     batch_size: int = 1
+    #: the folder of an interrupted prompts run to go on with: its finished prompts are kept, the rest generated there
+    resume: Optional[str] = None
     max_new_tokens: int = 16
     do_sample: bool = False
     temperature: float = 1.0
@@ -58,8 +60,9 @@ class RunConfig:
     top_p: float = 1.0
     #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
     max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
-    #: held back from the cpu budget for activations, KV cache and logits on a CPU run
-    headroom: str = "48MiB"
+    #: held back from the cpu budget for activations, KV cache and logits on a CPU run: auto plans them for the
+    #: prompt (or the batch) and max_new_tokens (48MiB for a run that does not generate); a size holds that back instead
+    headroom: str = "auto"
     #: auto (the checkpoint's), float32, bfloat16, float16
     dtype: str = "auto"
     #: where the memmap store writes (a temporary folder, removed at exit, when null)
@@ -109,7 +112,7 @@ class Settings:
     cfg: Any
     execution_device: torch.device
     max_memory: dict[Any, int]
-    headroom: int
+    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.batch_job.read_batches)
     dtype: torch.dtype | None
     output_dir: Path
     sections: dict[str, dict]  # "placement", "storage", "hook", "model" -> that section of the config
@@ -123,6 +126,7 @@ class Settings:
         """``max_memory`` as the placement fills it: on a CPU run the cpu budget less the headroom."""
         budgets = dict(self.max_memory)
         if self.execution_device.type == "cpu" and "cpu" in budgets:
+            assert self.headroom is not None, "the headroom is planned before the budgets are used"
             budgets["cpu"] = max(budgets["cpu"] - self.headroom, 0)
         return budgets
 
@@ -147,13 +151,15 @@ def _section(cfg: Any, key: str) -> dict:
 
 def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     """Parse ``cfg`` (a composed config) once; a value that cannot be used is a :class:`ConfigError`."""
+    from offload_core.runner.overrides import check_keys
     from offload_core.runner.validate import check_generation, check_headroom
 
+    check_keys(cfg)
     check_generation(cfg)
     device = execution_device(cfg.execution_device)
     budgets = max_memory(_section(cfg, "max_memory"), device)
-    headroom = parse_size(cfg.headroom, what="headroom")
-    if not cfg.get("prompts"):  # a prompts run replaces the headroom with its batch's planned memory, checked then
+    headroom = None if str(cfg.headroom) == "auto" else parse_size(cfg.headroom, what="headroom")
+    if headroom is not None:
         check_headroom(budgets, headroom, device)
     return Settings(
         cfg=cfg,
@@ -175,43 +181,32 @@ def build_strategies(settings: Settings, registry: Registry | None = None) -> St
 
 
 def execution_device(value: str | None) -> torch.device:
-    """``execution_device`` as a torch device: ``auto``/empty picks ``cuda:0`` when present, else ``cpu``."""
+    """``execution_device`` as a torch device: ``auto``/empty picks ``cuda:0`` when present, else ``cpu``; another value
+    is checked by :func:`offload_core.planning.budgets.check_execution_device`."""
     if value in (None, "", "auto"):
         from offload_core.loading.dispatch import default_execution_device
 
         return default_execution_device()
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise ConfigError(f"execution_device={value!r} is not a device: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        index = 0 if device.index is None else device.index
-        if index >= count:
-            raise ConfigError(f"execution_device={value!r} does not exist: this machine has {count} CUDA device(s); use cpu")
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise ConfigError(f"execution_device={value!r} is not supported: use cpu or cuda:N")
-    return device
+    from offload_core.planning.budgets import check_execution_device
+
+    return check_execution_device(value)
 
 
 def max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
-    """The ``max_memory`` section as budgets in bytes keyed like a device map (GPU index, ``cpu``, ``disk``)."""
+    """The ``max_memory`` section as budgets in bytes keyed like a device map (GPU index, ``cpu``, ``disk``); a key
+    of null is left out (:func:`offload_core.planning.check_budgets` checks the rest)."""
+    from offload_core.planning.budgets import check_budgets
+
     budgets: dict[Any, int] = {}
     for key, value in raw.items():
         key_s = str(key)
         dev = device_key(key_s)
         if dev is None or dev == "mps":
             raise ConfigError(f"max_memory has an unknown device {key_s!r}: use cpu, disk or a GPU index like 0")
-        if isinstance(dev, int):
-            if execution_device.type == "cuda" and dev >= torch.cuda.device_count():
-                raise ConfigError(f"max_memory.{key_s}: GPU {dev} does not exist (this machine has {torch.cuda.device_count()}); remove it")
-            if execution_device.type == "cpu":
-                raise ConfigError(f"max_memory.{key_s}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
+        if isinstance(dev, int) and execution_device.type == "cpu":
+            check_budgets({dev: 1}, execution_device)
         if value is None:
             continue
-        size = parse_size(value, what=f"max_memory.{key_s}")
-        if size == 0 and dev != "disk":
-            raise ConfigError(f"max_memory.{key_s}=0 leaves nothing to run with: give a size above 0 or remove the key")
-        budgets[dev] = size
+        budgets[dev] = parse_size(value, what=f"max_memory.{key_s}")
+    check_budgets(budgets, execution_device)
     return budgets

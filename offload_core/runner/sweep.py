@@ -23,12 +23,18 @@ COLUMNS = [
     "job", "placement", "storage", "hook", "model", "overrides", "status", "matches_in_memory",
     "batch_size", "load_s", "predicted_load_s", "time_to_first_token_s", "predicted_ttft_s", "decode_tokens_per_s",
     "time_per_decode_step_s", "predicted_step_s", "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s",
-    "peak_anon_rss_mib", "peak_file_rss_mib", "peak_gpu_mib", "bytes_moved_per_token", "error",
+    "peak_anon_rss_mib", "peak_file_rss_mib", "peak_gpu_mib", "bytes_moved_per_token", "predicted_bytes_per_token",
+    "offloaded_mib", "error",
 ]
 
 #: figures copied from metrics.json as they are (rounded); empty where a run has none (an older run, no batch)
 PLAIN = ("batch_size", "predicted_load_s", "predicted_ttft_s", "time_per_decode_step_s", "predicted_step_s",
          "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s")
+
+
+#: the numbers a summary row computes with
+FIGURES = {*PLAIN, "load_s", "time_to_first_token_s", "decode_tokens_per_s", "peak_anon_rss_bytes", "peak_file_rss_bytes",
+           "bytes_moved_per_token", "predicted_bytes_per_token", "offloaded_bytes", "peak_gpu_bytes"}
 
 
 def _one_line(text: Any) -> str:
@@ -39,22 +45,29 @@ def _read(job_dir: Path) -> dict[str, Any]:
     """A job's ``metrics.json``, or a failed record when it is missing or unreadable."""
     metrics_file = job_dir / "metrics.json"
     try:
-        return json.loads(metrics_file.read_text())
+        data = json.loads(metrics_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {"error": "the job wrote no metrics.json (it was killed or crashed); see its log in this folder"}
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         return {"error": f"metrics.json is not valid JSON ({exc})"}
+    if not isinstance(data, dict):
+        return {"error": "metrics.json is not a JSON object; the job's figures are lost"}
+    # a figure of another type is left empty, never trusted
+    return {k: v for k, v in data.items() if k not in FIGURES or (isinstance(v, (int, float)) and not isinstance(v, bool))
+            or (k == "peak_gpu_bytes" and isinstance(v, dict))}
 
 
 def _row(job_dir: Path) -> dict[str, Any]:
     data = _read(job_dir)
-    choices = data.get("choices") or _choices(job_dir)
+    choices = data.get("choices") if isinstance(data.get("choices"), dict) else _choices(job_dir)
+    if not isinstance(data.get("overrides"), (list, type(None))):
+        data["overrides"] = None
     mib = 2**20
 
     def fmt(value: Any, digits: int = 3) -> Any:
         return round(value, digits) if isinstance(value, float) and math.isfinite(value) else value
 
-    peak_gpu = data.get("peak_gpu_bytes") or {}
+    peak_gpu = {k: v for k, v in (data.get("peak_gpu_bytes") or {}).items() if isinstance(v, (int, float))}
     return {
         "job": job_dir.name,
         "placement": choices.get("placement", ""),
@@ -62,7 +75,7 @@ def _row(job_dir: Path) -> dict[str, Any]:
         "hook": choices.get("hook", ""),
         "model": choices.get("model", ""),
         "overrides": " ".join(data.get("overrides") or _overrides(job_dir)),
-        "status": "failed" if data.get("error") else "ok",
+        "status": "failed" if data.get("error") else "planned" if data.get("plan_only") else "ok",
         "matches_in_memory": "" if data.get("matches_in_memory") is None else data["matches_in_memory"],
         "load_s": fmt(data.get("load_s", "")),
         "time_to_first_token_s": fmt(data.get("time_to_first_token_s", "")),
@@ -71,6 +84,8 @@ def _row(job_dir: Path) -> dict[str, Any]:
         "peak_file_rss_mib": fmt(data["peak_file_rss_bytes"] / mib, 1) if "peak_file_rss_bytes" in data else "",
         "peak_gpu_mib": " ".join(f"{k}:{v / mib:.0f}" for k, v in peak_gpu.items()),
         "bytes_moved_per_token": int(data["bytes_moved_per_token"]) if "bytes_moved_per_token" in data else "",
+        "predicted_bytes_per_token": data.get("predicted_bytes_per_token", ""),
+        "offloaded_mib": fmt(data["offloaded_bytes"] / mib, 1) if "offloaded_bytes" in data else "",
         "error": _one_line(data.get("error") or ""),
         **{key: fmt(data.get(key, ""), 4) for key in PLAIN},
     }
@@ -123,18 +138,23 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
+    panels = (("decode_tokens_per_s", "decode tokens/s"), ("load_s", "load time (s)"),
+              ("peak_anon_rss_mib", "peak anonymous RSS (MiB)"))
+    if not ok:  # a plan-only sweep: compare the plans
+        ok = [r for r in rows if r["status"] == "planned"]
+        panels = (("predicted_step_s", "predicted s per decoding step"), ("predicted_load_s", "predicted load time (s)"),
+                  ("offloaded_mib", "offloaded (MiB)"))
     labels = _labels(rows, ok)
     fig, axes = plt.subplots(1, 3, figsize=(15, max(3, 0.35 * len(ok) + 1.5)), squeeze=False)
     axes = list(axes[0])
-    for ax, key, title in zip(axes, ("decode_tokens_per_s", "load_s", "peak_anon_rss_mib"),
-                              ("decode tokens/s", "load time (s)", "peak anonymous RSS (MiB)")):
+    for ax, (key, title) in zip(axes, panels):
         values = [r[key] if isinstance(r[key], (int, float)) else 0 for r in ok]
         colors = ["tab:green" if r["matches_in_memory"] in (True, "") else "tab:red" for r in ok]
         ax.barh(range(len(ok)), values, color=colors)
         ax.set_yticks(range(len(ok)), labels if ax is axes[0] else [""] * len(ok), fontsize=8)
         ax.set_title(title)
         ax.invert_yaxis()
-    failed = len(rows) - len(ok)
+    failed = sum(r["status"] == "failed" for r in rows)
     fig.suptitle(f"{len(ok)} runs" + (f", {failed} failed (see summary.md)" if failed else "")
                  + "; red: tokens differ from the in-memory model")
     fig.tight_layout()
@@ -160,10 +180,25 @@ class SweepSummary(Callback):
             print(f"sweep summary: {len(rows)} runs -> {sweep_dir / 'summary.md'} (and .csv, .png)")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """``python -m offload_core.runner.sweep <sweep dir>``: summarise a sweep's folder again (after more jobs ran)."""
+    import argparse
     import sys
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m offload_core.runner.sweep <sweep dir>")
-    summary_rows = summarize(sys.argv[1])
-    print(f"{len(summary_rows)} runs -> {Path(sys.argv[1]) / 'summary.md'} (and .csv, .png)")
+    parser = argparse.ArgumentParser(prog="python -m offload_core.runner.sweep",
+                                     description="Write summary.csv, summary.md and summary.png for the jobs of a sweep "
+                                                 "folder (python run.py -m ... writes them itself when the sweep ends).")
+    parser.add_argument("sweep_dir", help="the sweep's folder (hydra.sweep.dir, e.g. multirun/2026-01-31/12-00-00)")
+    args = parser.parse_args(argv)
+    folder = Path(args.sweep_dir)
+    if not folder.is_dir() or not _job_dirs(folder):
+        print(f"offload_core: error: {folder} is not a sweep's folder (no job folder with metrics.json or .hydra in it); "
+              "give the folder python run.py -m wrote", file=sys.stderr)
+        return 2
+    rows = summarize(folder)
+    print(f"{len(rows)} runs -> {folder / 'summary.md'} (and .csv, .png)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from offload_core.errors import ConfigError, DeviceMapError
-from offload_core.values import device_key
+from offload_core.values import device_key, format_size
 
 #: the largest seed ``torch.manual_seed`` takes (a 64-bit unsigned integer)
 MAX_SEED = 2**64 - 1
@@ -35,7 +35,7 @@ def check_headroom(max_memory: dict, headroom: int, execution_device: torch.devi
     """On a CPU run the headroom comes out of the cpu budget: one that leaves nothing is refused."""
     cpu = max_memory.get("cpu")
     if execution_device.type == "cpu" and cpu is not None and headroom >= cpu:
-        raise ConfigError(f"headroom ({headroom} bytes) leaves nothing of max_memory.cpu ({cpu} bytes): "
+        raise ConfigError(f"headroom ({format_size(headroom)}) leaves nothing of max_memory.cpu ({format_size(cpu)}): "
                           "lower headroom or raise max_memory.cpu")
 
 

@@ -33,6 +33,7 @@ from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
+from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
 from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, open_nofollow,
                                                safe_file_name)
 from offload_core.storage.pagecache import drop, populate
@@ -59,7 +60,8 @@ class FolderStore(Store):
         self.fingerprint = {"store": "memmap/2", **context.fingerprint}
         self.temporary = context.offload_folder is None
         if self.temporary:
-            self.folder = Path(tempfile.mkdtemp(prefix="offload_core-"))
+            remove_leftovers()  # the temporary folders of killed runs
+            self.folder = Path(tempfile.mkdtemp(prefix=LEFTOVER_PREFIX))
             atexit.register(self.close)
         else:
             self.folder = Path(context.offload_folder).expanduser().resolve()

@@ -197,13 +197,13 @@ def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps
             "kept_bytes": kept, "streamed_bytes": offloaded - kept, "predicted_disk_bytes_per_token": offloaded - kept}
 
 
-def page_cache_text(plan: dict[str, Any]) -> str:
-    """The page-cache plan as printed with the rest of the plan."""
+def page_cache_text(plan: dict[str, Any], per: str = "generated token") -> str:
+    """The page-cache plan as printed with the rest of the plan (``per``: what one forward makes)."""
     if plan.get("page_cache") == "lru":
         return "page cache: no kept set (the kernel's cache decides what stays between tokens)"
     return (f"page cache: kept set {format_size(plan['kept_bytes'])} of {format_size(plan['offloaded_bytes'])} offloaded "
             f"(budget {format_size(plan['page_cache_budget'])}), streamed {format_size(plan['streamed_bytes'])}; "
-            f"predicted disk reads per generated token: {format_size(plan['predicted_disk_bytes_per_token'])}")
+            f"predicted disk reads per {per}: {format_size(plan['predicted_disk_bytes_per_token'])}")
 
 
 def make_residency(plan: dict[str, Any], available=available_memory) -> Residency | None:

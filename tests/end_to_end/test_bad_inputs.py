@@ -117,6 +117,9 @@ CASES: dict[str, tuple[list[str] | callable, str]] = {
     "max_memory.0": ([S, "+max_memory.0=1GiB"], "a GPU budget on a CPU run"),
     "max_memory.tpu": ([S, "+max_memory.tpu=1GiB"], "unknown device 'tpu'"),
     "max_memory.mps": ([S, "+max_memory.mps=1GiB"], "unknown device 'mps'"),
+    "promt=hi": ([S, "promt=hi"], "unknown key 'promt'"),
+    "+foo=bar": ([S, "+foo=bar"], "unknown key 'foo'"),
+    "max_new_tokens past the context": ([S, "max_new_tokens=100000000"], "exceed the model's context of 2048 tokens"),
     "no room without disk": ([S, "max_memory.cpu=100KiB", "max_memory.disk=0", "headroom=0"], "does not fit"),
     # devices and dtypes
     "execution_device=cuda:7": ([S, "execution_device=cuda:7"], "does not exist"),
@@ -202,7 +205,6 @@ HYDRA_CASES: dict[str, tuple[list[str], str]] = {
     "storage=ssd": ([S, "storage=ssd"], "Could not find 'storage/ssd'"),
     "hook=magic": ([S, "hook=magic"], "Could not find 'hook/magic'"),
     "model=nope": (["model=nope"], "Could not find 'model/nope'"),
-    "promt=hi": ([S, "promt=hi"], "Key 'promt' not in 'RunConfig'"),
     "hook.granularty": ([S, "hook.granularty=block"], "granularty"),
     "storage.verify=maybe": ([S, "storage=memmap", "storage.verify=maybe"], "verify"),
     "model.chat_template=maybe": ([S, "model.chat_template=maybe"], "chat_template"),

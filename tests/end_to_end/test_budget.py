@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from tests import ROOT
-BUDGET_MIB = 80  # the "small" synthetic model is 42 MiB in bf16; this keeps ~half of it on disk
+BUDGET_MIB = 32  # the "small" synthetic model is 42 MiB in bf16; less the planned KV cache, activations and runtime slack
+# (9 MiB) this keeps ~half of it on disk
 
 
 @pytest.mark.parametrize("storage", ["memmap", "safetensors"])

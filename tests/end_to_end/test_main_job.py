@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from offload_core.runner.job import run
+from offload_core.runner.run_memory import RUNTIME_SLACK
 from tests import ROOT
 from tests.runner.test_runner import _cfg
 
@@ -44,9 +45,12 @@ def test_main_job_writes_its_files(main_job):
 def test_budget_is_used_and_reported(main_job):
     result, _ = main_job
     cpu = result.summary["devices"]["cpu"]
-    # 200 MiB budget, 48 MiB headroom, no reservation needed for a zero-copy mapped read on CPU.
-    assert cpu["bytes"] <= 200 * 2**20 - 48 * 2**20
-    assert cpu["bytes"] > 0.6 * (200 - 48) * 2**20
+    # 200 MiB budget less the planned KV cache and activations and the runtime's slack, no reservation needed for a
+    # zero-copy mapped read on CPU.
+    planned = result.figures["planned_kv_cache_bytes"] + result.figures["planned_activation_bytes"] + RUNTIME_SLACK
+    assert result.plan["headroom"] == planned < 16 * 2**20
+    assert cpu["bytes"] <= 200 * 2**20 - planned
+    assert cpu["bytes"] > 0.6 * 200 * 2**20
     assert result.plan["reserve"] == {"cpu": 0}
 
 

@@ -23,7 +23,7 @@ def test_plan_reports_converted_tensors_and_their_cost(saved, tmp_path, capsys):
     result = run(cfg, output_dir=tmp_path, plot=False)
     out = capsys.readouterr().out
     built = [line for line in result.plan["conversion"] if "built from several checkpoint tensors" in line]
-    assert len(built) == 1 and "6 tensor(s)" in built[0] and "bytes" in built[0]
+    assert len(built) == 1 and "6 tensor(s)" in built[0] and "KiB;" in built[0]
     assert "conversion: converted: model.layers.0.mlp.experts.down_proj" in out
 
 
@@ -32,3 +32,10 @@ def test_plan_of_a_checkpoint_whose_names_match_says_so(saved, tmp_path, capsys)
     result = run(cfg, output_dir=tmp_path, plot=False)
     assert result.plan["conversion"] == ["checkpoint names match the model: nothing converted"]
     assert "conversion: checkpoint names match the model" in capsys.readouterr().out
+
+
+def test_an_encoder_plan_counts_bytes_per_forward_not_per_generated_token(saved, tmp_path, capsys):
+    cfg = _cfg(["plan_only=true", "model=local", f"model.path={saved('bert').path}", "max_memory.cpu=60KiB", "headroom=1KiB"])
+    run(cfg, output_dir=tmp_path, plot=False)
+    out = capsys.readouterr().out
+    assert "predicted bytes moved per forward:" in out and "per generated token" not in out

@@ -1,0 +1,105 @@
+"""The command line as a user types it, made into overrides Hydra reads as meant: a key the run does not know is one
+line (naming the key to use instead), a prompt with a comma or an apostrophe is quoted for Hydra, and a budget for
+any device (``max_memory.0=10GiB``) is added or changed alike."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Any
+
+from offload_core.errors import ConfigError
+
+#: what users type by mistake -> the key that does it
+INSTEAD = {"policy": "hook", "module_hook": "hook", "hooks": "hook", "store": "storage", "placements": "placement",
+           "max_new": "max_new_tokens", "budget": "max_memory", "device": "execution_device"}
+#: the devices conf/config.yaml declares under max_memory (another device's budget is added with Hydra's ``++``)
+DECLARED_BUDGETS = ("cpu", "disk")
+#: Hydra's own options that take the next argument as their value
+HYDRA_OPTIONS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c",
+                            "--package", "-p", "--info", "--experimental-rerun"}
+
+
+def run_keys() -> list[str]:
+    """The top-level keys of a run's config (:class:`offload_core.runner.settings.RunConfig`'s fields)."""
+    from offload_core.runner.settings import RunConfig
+
+    return [f.name for f in fields(RunConfig)]
+
+
+def unknown_key(key: str, given: str, value: str = "...") -> ConfigError:
+    """The one line for a key the run does not know."""
+    top = key.split(".")[0]
+    if top in INSTEAD:
+        hint = f"use {INSTEAD[top]}{key[len(top):]}={value} instead" + (" (python -m offload_core plugins lists the names)"
+                                                     if INSTEAD[top] in ("hook", "storage", "placement") else "")
+    else:
+        hint = f"the run's keys are {', '.join(run_keys())}"
+    return ConfigError(f"unknown key {top!r} in {given!r}: {hint}")
+
+
+def check_keys(cfg: Any) -> None:
+    """Every top-level key of a composed config is one the run reads (``+foo=bar`` is refused, never ignored)."""
+    known = set(run_keys())
+    for key in cfg.keys():
+        if key not in known:
+            raise unknown_key(str(key), f"+{key}=...")
+
+
+def quote(value: str) -> str:
+    """``value`` as one of Hydra's single-quoted strings, read back exactly (commas, quotes, ``${`` and all)."""
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)  # backslashes before a quote are doubled
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)  # and before the closing quote
+    return "'" + escaped.replace("${", "\\${") + "'"
+
+
+def prepare(args: list[str]) -> list[str]:
+    """``args`` (``sys.argv[1:]``) as Hydra should read them, or a :class:`ConfigError` for a key the run lacks.
+
+    In a single run ``prompt=...`` is taken as typed (quoted for Hydra unless the user quoted it); in a multirun
+    a comma sweeps, so a prompt holding one must be quoted by the user, as the error says. ``max_memory.<device>=``
+    adds the device's budget or changes it (Hydra's ``++``).
+    """
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    out: list[str] = []
+    takes_value = False
+    for arg in args:
+        if takes_value or arg.startswith("-") or "=" not in arg:
+            takes_value = arg in HYDRA_OPTIONS_WITH_VALUE
+            out.append(arg)
+            continue
+        prefix = re.match(r"\+\+|\+|~", arg)
+        prefix_s = prefix.group(0) if prefix else ""
+        key, _, value = arg[len(prefix_s):].partition("=")
+        top = re.split(r"[./@]", key)[0]  # hydra.run.dir, hydra/launcher=..., model@pkg
+        if top == "hydra":
+            out.append(arg)
+            continue
+        if top not in run_keys():
+            raise unknown_key(key, arg, value)
+        if key == "prompt" and not multirun and value[:1] not in ("'", '"'):
+            arg = f"{prefix_s}prompt={quote(value)}"
+        elif top == "max_memory" and key.count(".") == 1 and key.split(".")[1] not in DECLARED_BUDGETS and prefix_s == "":
+            arg = "++" + arg
+        out.append(arg)
+    return out
+
+
+def check_parses(args: list[str]) -> None:
+    """A prompt Hydra's grammar cannot read (in a multirun, where it is not quoted for the user) is one line saying
+    how to quote it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except HydraException:
+            key, _, value = arg.partition("=")
+            hydra = f"{key}={quote(value)}" if "'" not in value else f'{key}="{value}"'.replace("${", "\\${")
+            typed = '"' + re.sub(r'([\\"$`])', r"\\\1", hydra) + '"'  # as bash reads it inside double quotes
+            raise ConfigError(f"{arg!r} is not a value Hydra can read: quote the value for Hydra, and the whole for the "
+                              f"shell, e.g. {typed} (in a multirun a comma outside quotes sweeps)") from None

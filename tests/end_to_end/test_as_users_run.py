@@ -1,0 +1,146 @@
+"""Runs as users run them: ``python run.py`` in a process of its own for every policy x store, on SmolLM2 (the answer
+printed) and on a transformers-saved Mixtral (the tokens of the in-memory model), must exit by itself, within a
+bound of writing its metrics; the same for ``python -m offload_core run`` and a two-job sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import ROOT
+
+HOOKS = ["align_per_call", "chained", "functional_call", "prefetch", "experts"]
+STORES = ["memmap", "safetensors", "pinned_cpu"]
+#: a run's whole life (a process starting torch on a busy two-core machine) and the time it has to exit once it wrote
+#: its metrics
+RUN_S, EXIT_S = 180, 8
+#: the prefetch reader waits for a pool buffer at exit (issue 23, item 1): fixed apart; remove once merged
+HANGS_AT_EXIT = pytest.mark.xfail(reason="prefetch + memmap: the reader thread waits for a pool buffer at exit "
+                                         "(being fixed in module_hooks/prefetch)", strict=False)
+
+
+def _matrix(model: str) -> list:
+    return [pytest.param(model, hook, store, id=f"{model}-{hook}-{store}",
+                         marks=[HANGS_AT_EXIT] if store == "memmap" and hook in ("prefetch", "experts") else [])
+            for hook in HOOKS for store in STORES]
+
+
+def run_as_user(args: list[str], cwd: Path, done: Path) -> tuple[int, str, str]:
+    """Start ``args``; it must finish within :data:`RUN_S` and exit within :data:`EXIT_S` of writing ``done``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started, written = time.monotonic(), None
+    try:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.5)
+                return proc.returncode, out, err
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if written is None and done.exists():
+                written = now
+            if now - started > RUN_S or (written is not None and now - written > EXIT_S):
+                proc.kill()
+                out, err = proc.communicate(timeout=60)
+                what = f"did not exit within {EXIT_S} s of writing {done.name}" if written else f"ran past {RUN_S} s"
+                pytest.fail(f"{' '.join(args[1:])} {what}\n{out[-1500:]}\n{err[-1500:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Path:
+    """A tiny MixtralForCausalLM saved with ``save_pretrained`` (per-expert tensors, as the Hub's checkpoints)."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mixtral") / "ckpt"
+    MixtralForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model, hook, store", _matrix("smollm2"))
+def test_smollm2_run_exits_with_the_answer(model, hook, store, tmp_path):
+    args = [sys.executable, str(ROOT / "run.py"), f"hook={hook}", f"storage={store}", "max_new_tokens=8",
+            "max_memory.cpu=150MiB", f"hydra.run.dir={tmp_path}"]
+    code, out, err = run_as_user(args, tmp_path, tmp_path / "metrics.json")
+    assert code == 0, err[-2000:]
+    assert "Paris" in out and json.loads((tmp_path / "metrics.json").read_text())["devices"]["disk"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("model, hook, store", _matrix("mixtral"))
+def test_moe_run_exits_with_the_in_memory_tokens(model, hook, store, mixtral, tmp_path):
+    args = [sys.executable, str(ROOT / "run.py"), "model=local", f"model.path={mixtral}", f"hook={hook}",
+            f"storage={store}", "max_new_tokens=4", "max_memory.cpu=500KiB", "compare_in_memory=true",
+            f"hydra.run.dir={tmp_path}"]
+    code, out, err = run_as_user(args, tmp_path, tmp_path / "metrics.json")
+    assert code == 0, err[-2000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert "same tokens as in memory: True" in out and len(metrics["token_ids"]) == 4
+    assert metrics["devices"]["disk"]["bytes"] > 0
+
+
+def test_python_m_offload_core_run_exits_with_the_answer(tmp_path):
+    args = [sys.executable, "-m", "offload_core", "run", "max_new_tokens=8", "storage=safetensors",
+            f"hydra.run.dir={tmp_path}"]
+    code, out, err = run_as_user(args, ROOT, tmp_path / "metrics.json")
+    assert code == 0 and "Paris" in out, err[-2000:]
+
+
+def test_a_two_job_sweep_exits_with_its_summary(tmp_path):
+    args = [sys.executable, str(ROOT / "run.py"), "-m", "model=synthetic", "hook=align_per_call,chained",
+            "storage=safetensors", "max_new_tokens=2", "compare_in_memory=true", f"hydra.sweep.dir={tmp_path}"]
+    code, out, err = run_as_user(args, tmp_path, tmp_path / "summary.csv")
+    assert code == 0, err[-2000:]
+    rows = (tmp_path / "summary.csv").read_text().splitlines()[1:]
+    assert len(rows) == 2 and all(",ok,True," in row for row in rows), rows
+
+
+def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(tmp_path):
+    """Ctrl-C (SIGTERM unwinds the same way: cli.Terminated is a KeyboardInterrupt) after the first batch."""
+    sig, code = signal.SIGINT, 130
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}: tell me about number {i}\n" for i in range(16)))
+    args = [sys.executable, str(ROOT / "run.py"), "model=synthetic", "storage=safetensors", f"prompts={prompts}",
+            "batch_size=2", "max_new_tokens=80"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    first, journal = tmp_path / "first", tmp_path / "first" / "generations.jsonl"
+    proc = subprocess.Popen([*args, f"hydra.run.dir={first}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        started = time.monotonic()
+        while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
+            assert proc.poll() is None and time.monotonic() - started < RUN_S, "no batch finished"
+            try:
+                proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    kept = journal.read_text().splitlines()
+    assert proc.returncode == code and 2 <= len(kept) < 16 and len(kept) % 2 == 0, err
+    assert f"{len(kept)} finished prompts are in {journal}; go on with resume={first}" in err
+    resumed = subprocess.run([*args, f"resume={first}", f"hydra.run.dir={tmp_path / 'second'}"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=RUN_S)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming {first}: {len(kept)} of 16 prompts were generated" in resumed.stdout
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == prompts.read_text().splitlines()
+    assert [json.dumps(r) for r in records[:len(kept)]] == kept  # the finished prompts kept as they were
