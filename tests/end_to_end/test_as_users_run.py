@@ -21,15 +21,10 @@ STORES = ["memmap", "safetensors", "pinned_cpu"]
 #: a run's whole life (a process starting torch on a busy two-core machine) and the time it has to exit once it wrote
 #: its metrics
 RUN_S, EXIT_S = 180, 8
-#: the prefetch reader waits for a pool buffer at exit (issue 23, item 1): fixed apart; remove once merged
-HANGS_AT_EXIT = pytest.mark.xfail(reason="prefetch + memmap: the reader thread waits for a pool buffer at exit "
-                                         "(being fixed in module_hooks/prefetch)", strict=False)
 
 
 def _matrix(model: str) -> list:
-    return [pytest.param(model, hook, store, id=f"{model}-{hook}-{store}",
-                         marks=[HANGS_AT_EXIT] if store == "memmap" and hook in ("prefetch", "experts") else [])
-            for hook in HOOKS for store in STORES]
+    return [pytest.param(model, hook, store, id=f"{model}-{hook}-{store}") for hook in HOOKS for store in STORES]
 
 
 def run_as_user(args: list[str], cwd: Path, done: Path) -> tuple[int, str, str]:

@@ -189,11 +189,11 @@ class ExpertLayer:
         for key, buffer in tensors.items():
             buffer[expert].copy_(rows[key], non_blocking=self.pinned)
 
-    def drop_guesses(self) -> None:
-        """Guesses the routing did not select: cancelled if not started (their bytes, once read, are lost)."""
-        for future in self.guess.values():
-            future.cancel()
-        self.guess.clear()
+    def drop_guesses(self, experts: list[int] | None = None) -> None:
+        """Guesses the routing did not select (all but ``experts``): cancelled if not started (their bytes, once
+        read, are lost)."""
+        for expert in [e for e in self.guess if not experts or e not in experts]:
+            self.guess.pop(expert).cancel()
 
     def guess_next(self, hidden: torch.Tensor) -> list[int]:
         """The experts the next MoE layer will probably select: its router on this layer's hidden state

@@ -3,7 +3,6 @@ alone are read, cached and guessed ahead (a list of expert modules: each expert 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -17,6 +16,7 @@ from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, E
                                                       expert_slots, is_fused_experts, most_experts)
 from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.reader import Reader
 from offload_core.module_hooks.prefetch.policy import Prefetch, PrefetchConfig, PrefetchHandle
 from offload_core.module_hooks.units import Unit
 from offload_core.planning.reservation import InFlight
@@ -42,7 +42,7 @@ class ExpertsConfig(PrefetchConfig):
 class ExpertsHandle(PrefetchHandle):
     """The handle of the ``experts`` policy: prefetch's counters for the blocks, the experts' own beside them."""
 
-    def __init__(self, *args: Any, layers: list[ExpertLayer], counters: ExpertCounters, reader: ThreadPoolExecutor,
+    def __init__(self, *args: Any, layers: list[ExpertLayer], counters: ExpertCounters, reader: Reader,
                  cache_slots: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.layers = layers
@@ -66,8 +66,18 @@ class ExpertsHandle(PrefetchHandle):
         })
         return counters
 
+    def _stop_reading(self) -> None:
+        """End the reader (what it is reading finishes, the rest is cancelled), then let go of every guess."""
+        self.reader.stop()
+        for layer in self.layers:
+            layer.drop_guesses([])
+
+    def offload_all(self) -> None:
+        self._stop_reading()
+        super().offload_all()
+
     def remove(self, restore_device: torch.device | str = "cpu") -> nn.Module:
-        self.reader.shutdown(wait=True, cancel_futures=True)
+        self._stop_reading()
         return super().remove(restore_device)
 
 
@@ -158,7 +168,7 @@ class Experts(Prefetch):
         rest = {name: key for name, key in plan.offloaded.items() if name not in taken}
         blocks = super().attach(model, replace(plan, offloaded=rest))
         counters = ExpertCounters(stats=plan.stats)
-        reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-experts")
+        reader = Reader("experts")
         buffers = Buffers(plan.execution_device)
         # On a CPU run each layer reads into rows of its own (a cached expert stays in place); on an
         # accelerator the layers share one buffer per shape, filled from host-memory rows.

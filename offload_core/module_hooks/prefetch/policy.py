@@ -35,8 +35,7 @@ class PrefetchHandle(PolicyHandle):
                 "read_again": p.reread, "invalidations": p.trace.invalidations, **super().counters()}
 
     def offload_all(self) -> None:
-        for index in list(self.prefetcher.held):
-            self.prefetcher.release(index)
+        self.prefetcher.close()  # read-aheads let go and the reader ended before the store can close
         super().offload_all()
 
     def remove(self, restore_device: torch.device | str = "cpu") -> nn.Module:

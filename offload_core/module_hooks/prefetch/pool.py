@@ -37,19 +37,21 @@ class BlockPool:
     def allocated_bytes(self) -> int:
         return sum(b.numel() for b in self.buffers if b is not None)
 
-    def acquire(self, dropped: threading.Event | None = None) -> tuple[int, torch.Tensor, Any] | None:
-        """A free buffer (waiting for one), with one reference; returns (index, buffer, event to wait for).
+    def acquire(self, wait: bool = True) -> tuple[int, torch.Tensor, Any] | None:
+        """A free buffer with one reference; returns (index, buffer, event to wait for).
 
-        Returns None when ``dropped`` is set meanwhile: a fetch nobody wants any more never waits on,
-        nor takes, a buffer that a wanted one needs.
+        Only the compute thread waits (``wait=True``): the buffers it waits for are held by units it has
+        loaded (at most the deepest nesting) and by read-aheads, which never wait themselves, so they end
+        and give theirs back. A read-ahead (``wait=False``) gets None when every buffer is held: it is
+        handed back unread and its unit read when it runs. So no read ever waits on a buffer that only
+        a waiting read could give back; a pool sized below the nesting fails loudly instead of hanging.
         """
         with self.cond:
-            if not self.cond.wait_for(lambda: self.free or (dropped is not None and dropped.is_set()),
-                                      timeout=ACQUIRE_TIMEOUT_S):
+            if not wait and not self.free:
+                return None
+            if not self.cond.wait_for(lambda: self.free, timeout=ACQUIRE_TIMEOUT_S):
                 raise RuntimeError(f"prefetch: no free block buffer after {ACQUIRE_TIMEOUT_S:.0f} s "
                                    f"({self.count} buffers, all held)")
-            if not self.free:
-                return None
             index = self.free.popleft()
             self.refs[index] = 1
             self.peak_in_use = max(self.peak_in_use, self.count - len(self.free))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -17,6 +17,7 @@ from offload_core.module_hooks.prefetch.pool import BlockPool
 from offload_core.module_hooks.prefetch.trace import Trace
 from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRing, Streams, flat_bytes
 from offload_core.module_hooks.keeper import PageCacheKeeper
+from offload_core.module_hooks.reader import Reader
 from offload_core.module_hooks.units import TransferStats, Unit, tensor_spec
 from offload_core.storage.base import Store
 from offload_core.storage.pagecache import resident
@@ -43,6 +44,7 @@ class Fetched:
     event: Any = None  # the compute stream waits on it before using ``tensors``
     moved: int = 0  # bytes brought in: copied, or read into the page cache (borrowed tensors move nothing)
     mapped: list[str] = field(default_factory=list)  # keys served as mapped pages (the page cache may evict them)
+    complete: bool = True  # False: a read-ahead that found no free block buffer; its unit is read when it runs
 
 
 class Prefetcher:
@@ -79,7 +81,7 @@ class Prefetcher:
         self._blocks_lock = threading.Lock()
         self._layouts: dict[str, tuple[dict[str, tuple[int, torch.Size, torch.dtype]], int]] = {}
         self._nesting = _max_nesting(units)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-prefetch") if self.depth else None
+        self._reader = Reader("prefetch")
         self.residency = residency
         # The reader brings pages in: the keeper counts, drops and fits the kept set.
         self.keeper = PageCacheKeeper(residency, store, units, self.unit_bytes, warm=False) if residency is not None else None
@@ -88,7 +90,7 @@ class Prefetcher:
     @property
     def reads_ahead(self) -> bool:
         """Whether a reader thread brings units in ahead of use (``depth`` > 0)."""
-        return self._pool is not None
+        return self.depth > 0
 
     @property
     def block_pool(self) -> BlockPool | None:
@@ -132,8 +134,9 @@ class Prefetcher:
         fetched = self._borrow(unit, fetched)
         try:
             need = self._map(unit, fetched)
-            if need and not self._copy_in(unit, need, fetched, dropped):
-                self._drop(fetched)  # dropped while waiting for a buffer: nobody will use it
+            if need and not self._copy_in(unit, need, fetched, wait=dropped is None):
+                self._drop(fetched)  # a read-ahead with no free buffer: handed back unread
+                fetched.complete = False
                 return fetched
             fetched.event = self.accel.record_on_side()
         except BaseException:
@@ -173,11 +176,12 @@ class Prefetcher:
                 need.append(key)
         return need
 
-    def _copy_in(self, unit: Unit, keys: list[str], fetched: Fetched, dropped: threading.Event | None) -> bool:
-        """Copy ``keys`` into a free block buffer, each at its place in the unit's layout (False: dropped first)."""
+    def _copy_in(self, unit: Unit, keys: list[str], fetched: Fetched, wait: bool) -> bool:
+        """Copy ``keys`` into a free block buffer, each at its place in the unit's layout (False: no buffer was
+        free and ``wait`` is off, as on the reader: see :meth:`BlockPool.acquire`)."""
         pool = self.blocks
         offsets, _ = self._layout(unit)
-        acquired = pool.acquire(dropped)
+        acquired = pool.acquire(wait)
         if acquired is None:
             return False
         index, buffer, free_event = acquired
@@ -229,7 +233,7 @@ class Prefetcher:
             self.keeper.start_pass(self.units[index].name for index in busy)
         for index, (future, dropped, fetched) in list(self.pending.items()):
             if future.done() and not future.cancelled() and future.exception() is None and self._evicted(fetched):
-                self.pending[index] = (self._pool.submit(self._read_again, fetched), dropped, fetched)
+                self.pending[index] = (self._reader.submit(self._read_again, fetched), dropped, fetched)
                 self.reread += 1
 
     def _drop(self, fetched: Fetched, event: Any = None) -> None:
@@ -260,7 +264,7 @@ class Prefetcher:
             if index not in self.pending and not self.units[index].loaded:
                 dropped = threading.Event()
                 fetched = self._borrow(self.units[index])
-                self.pending[index] = (self._pool.submit(self._fetch, index, fetched, dropped), dropped, fetched)
+                self.pending[index] = (self._reader.submit(self._fetch, index, fetched, dropped), dropped, fetched)
 
     # -- the compute thread -----------------------------------------------------------------------
     def load(self, index: int) -> None:
@@ -278,7 +282,13 @@ class Prefetcher:
             except BaseException:  # Ctrl-C while waiting, or the read failed: its buffers go back when it ends
                 self._let_go(future, dropped, scheduled)
                 raise
-            if self._evicted(fetched):
+            if not fetched.complete:
+                # No buffer was free for it: read it now, with the other read-aheads let go (their buffers too).
+                for stale in list(self.pending):
+                    self._drop_pending(stale)
+                fetched = self._fetch(index, self._borrow(unit))
+                late = True
+            elif self._evicted(fetched):
                 # Evicted since it was read ahead: one read now beats page faults while it computes.
                 self._read_again(fetched)
                 self.reread += 1
@@ -296,7 +306,7 @@ class Prefetcher:
         self.held[index] = fetched
         unit.load(self.store, self.device, None, fetched=fetched.tensors)
         self.stats.add_moved(len(unit.keys), fetched.moved)
-        if self._pool is not None:
+        if self.reads_ahead:
             # Fetches for units no longer expected are dropped (bounded memory).
             upcoming = self._window(index, predicted)
             for stale in [i for i in self.pending if i not in upcoming]:
@@ -319,10 +329,11 @@ class Prefetcher:
             self._drop(fetched, self.accel.record_on_compute())
 
     def close(self) -> None:
+        """Let go of every read-ahead, end the reader thread (after the read it is doing) and release every
+        loaded unit. The prefetcher stays usable: a later pass starts the reader again."""
         for index in list(self.pending):
             self._drop_pending(index)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._reader.stop()
         for index in list(self.held):
             self.release(index)
 
