@@ -40,11 +40,13 @@ def hydra_main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from offload_core.runner.options import register_help_resolver
     from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
 
     try:
         register_configs()
+        register_help_resolver()
     except OffloadError as error:
         _fail(error)
 
