@@ -134,7 +134,8 @@ def errors_page() -> str:
         if path != module:
             lines += ["", f"## `{path}`", "", "| error | message |", "|---|---|"]
             module = path
-        lines.append(f"| `{kind}` | {_cell(text).replace('<', '&lt;')} |")
+        message = _cell(text).replace("<", "&lt;").replace("*", "\\*")
+        lines.append(f"| `{kind}` | {message} |")
     return "\n".join(lines) + "\n"
 
 
