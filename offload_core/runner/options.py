@@ -12,7 +12,10 @@ import re
 import sys
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig
 
 from offload_core.registry.manager import Registry, get_registry
 from offload_core.runner.settings import GROUPS, MODEL_PRESETS, ModelConfig, RunConfig
@@ -138,6 +141,40 @@ def choices(registry: Registry | None = None) -> list[Choice]:
     model_keys = tuple(dataclass_options(ModelConfig, "model."))
     for name in MODEL_PRESETS:
         found.append(Choice("model", name, MODEL_OPTIONS.get(name, ""), "offload_core", model_keys))
+    return found + other_choices({c.group for c in found})
+
+
+def other_choices(known: set[str]) -> list[Choice]:
+    """Options of any other config group, stored in Hydra's ConfigStore (a dataclass) or as ``conf/<group>/*.yaml``
+    (its first comment line says what it is), so a group added later is listed without touching this file."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from offload_core.runner.cli import CONF_DIR
+
+    found: list[Choice] = []
+    for group, entries in sorted(ConfigStore.instance().repo.items()):
+        if not isinstance(entries, dict) or group in known or group == "hydra":
+            continue
+        for file_name, node in sorted(entries.items()):
+            cls = OmegaConf.get_type(node.node) if hasattr(node, "node") else None
+            if cls is None or not dataclasses.is_dataclass(cls):
+                continue
+            name = file_name.removesuffix(".yaml")
+            summary = " ".join((cls.__doc__ or name).split()).split(". ")[0].rstrip(".")
+            found.append(Choice(group, name, summary, cls.__module__, tuple(dataclass_options(cls, f"{group}."))))
+    known = known | {c.group for c in found}
+    for folder in sorted(p for p in Path(CONF_DIR).iterdir() if p.is_dir() and p.name not in known and p.name != "hydra"):
+        for path in sorted(folder.glob("*.yaml")):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            summary = next((line.lstrip("# ").strip() for line in lines if line.startswith("#")), path.stem)
+            values = OmegaConf.load(path)
+            options = tuple(
+                Option(f"{folder.name}.{key}", type(value).__name__, str(value).lower() if isinstance(value, bool) else str(value), "")
+                for key, value in OmegaConf.to_container(values).items()
+                if key not in ("name", "defaults")
+            ) if isinstance(values, DictConfig) else ()
+            found.append(Choice(folder.name, path.stem, summary, str(path.relative_to(Path(CONF_DIR).parent)), options))
     return found
 
 
