@@ -50,6 +50,7 @@ def hydra_main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from offload_core.runner.options import register_help_resolver
     from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
 
@@ -57,6 +58,7 @@ def hydra_main() -> None:
 
     try:
         register_configs()
+        register_help_resolver()
         args = prepare(sys.argv[1:])
         check_parses(args)
     except OffloadError as error:

@@ -44,6 +44,7 @@ class RunConfig:
     storage: Any = MISSING
     hook: Any = MISSING
     model: ModelConfig = MISSING
+    #: the prompt a single run generates from (a causal_lm or seq2seq_lm model), or its one text
     prompt: str = "What is the capital of France?"
     #: the texts a masked_lm, sequence_classification or embeddings run reads at once (default: [prompt])
     texts: Optional[List[str]] = None
@@ -53,10 +54,15 @@ class RunConfig:
     batch_size: int = 1
     #: the folder of an interrupted prompts run to go on with: its finished prompts are kept, the rest generated there
     resume: Optional[str] = None
+    #: tokens generated after the prompt (greedy unless do_sample)
     max_new_tokens: int = 16
+    #: sample with temperature, top_k and top_p instead of greedy decoding
     do_sample: bool = False
+    #: sampling temperature (above 0; do_sample only)
     temperature: float = 1.0
+    #: sample from the k likeliest tokens (do_sample only)
     top_k: int = 50
+    #: nucleus sampling: the smallest set of tokens whose probability reaches top_p, in (0, 1] (do_sample only)
     top_p: float = 1.0
     #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
     max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
@@ -71,6 +77,7 @@ class RunConfig:
     device_map: Optional[str] = None
     #: cpu, cuda, cuda:N (default: cuda:0 when present, else cpu)
     execution_device: Optional[str] = None
+    #: the random seed set before generating (matters with do_sample)
     seed: int = 0
     #: also run the model fully in memory and record whether the tokens match
     compare_in_memory: bool = False
@@ -80,6 +87,7 @@ class RunConfig:
     #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
     #: or lru (keep no set: the kernel's page cache decides, as before)
     page_cache: str = "auto"
+    #: show progress bars (loading, prompts); TQDM_DISABLE=1 hides them too
     progress: bool = True
     #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction
     calibrate: bool = False

@@ -1,0 +1,102 @@
+"""Every ```bash and ```python block of docs/ and README.md runs as a test (Sybil; `testpaths` in pyproject.toml).
+
+Each block is a test of its own and stands alone, so the test workers may run them in any order:
+a ``bash`` block runs through ``bash -e -o pipefail`` in a fresh folder holding links to ``run.py``,
+``bench/``, ``examples/`` and ``conf/`` (as in a clone of the repository), with a time limit; a ``python``
+block runs in a fresh namespace of this process, with ``tempfile`` pointed into such a folder. A block that
+cannot run here is preceded by a line ``<!-- not-run: the reason -->`` and is reported as skipped with that
+reason; tests/docs/test_examples.py checks that no block escapes (another language tag, a marker without a
+reason). Every example is marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from sybil import Sybil
+from sybil.parsers.markdown import CodeBlockParser
+
+ROOT = Path(__file__).resolve().parent
+#: what a block's folder holds, as a clone of the repository does
+LINKED = ("run.py", "bench", "examples", "conf")
+#: seconds one bash block may take before it fails
+BASH_TIMEOUT_S = 300
+#: the marker of a block that does not run, on the last non-blank line before it
+NOT_RUN = re.compile(r"^[ \t]*<!--[ \t]*not-run:[ \t]*(?P<reason>.*?)[ \t]*-->[ \t]*$")
+
+
+def not_run_reason(example) -> str | None:
+    """The reason given right before ``example``'s block, or None when it has no marker."""
+    before = example.document.text[: example.region.start].rstrip().rsplit("\n", 1)[-1]
+    match = NOT_RUN.match(before)
+    return match.group("reason") if match else None
+
+
+@contextmanager
+def block_folder():
+    """A fresh folder laid out like the repository, removed afterwards; ``tempfile`` writes into it."""
+    folder = Path(tempfile.mkdtemp(prefix="docs-example-"))
+    for name in LINKED:
+        (folder / name).symlink_to(ROOT / name)
+    previous, tempfile.tempdir = tempfile.tempdir, str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_bash(example) -> None:
+    """Run a bash block in a fresh folder; a failure shows the block's exit status and the end of its output."""
+    reason = not_run_reason(example)
+    if reason is not None:
+        pytest.skip(f"not run: {reason}")
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with block_folder() as folder:
+        try:
+            done = subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", example.parsed],
+                cwd=folder, env=env, capture_output=True, text=True, timeout=BASH_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as expired:
+            raise AssertionError(f"the block ran past {BASH_TIMEOUT_S} s:\n{example.parsed}\n{expired.stdout or ''}") from None
+    if done.returncode != 0:
+        output = (done.stdout + done.stderr)[-3000:]
+        raise AssertionError(f"the block exited with {done.returncode}:\n{example.parsed}\n--- output (end) ---\n{output}")
+
+
+def run_python(example) -> None:
+    """Run a python block in a fresh namespace of this process."""
+    reason = not_run_reason(example)
+    if reason is not None:
+        pytest.skip(f"not run: {reason}")
+    code = compile(example.parsed, f"{example.path}:{example.line}", "exec")
+    module = types.ModuleType("docs_example")  # a module of its own, as a script has (dataclasses look it up)
+    sys.modules[module.__name__] = module
+    try:
+        with block_folder():
+            exec(code, module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+
+
+PARSERS = [CodeBlockParser("python", run_python), CodeBlockParser("bash", run_bash)]
+#: the pages whose blocks run: the site's and the README (bench/ and examples/ have their own tests)
+DOCS = Sybil(PARSERS, path="docs", patterns=["*.md"], name="docs")
+README = Sybil(PARSERS, path=".", patterns=["README.md"], excludes=["*/*"], name="readme")
+
+pytest_collect_file = (DOCS + README).pytest()
+
+
+def pytest_itemcollected(item):
+    if item.path.suffix == ".md":
+        item.add_marker(pytest.mark.slow)

@@ -1,0 +1,75 @@
+"""`python run.py --help` lists every config group with a line on each option and every key, read from the
+schema and the registered plugins (offload_core/runner/options.py), and says where to read more."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from offload_core.registry.manager import get_registry
+from offload_core.runner.options import choices, field_comments, help_text, run_options
+from offload_core.runner.settings import GROUPS, RunConfig
+from tests import ROOT
+
+
+def test_field_comments_are_read_from_the_lines_above_each_field():
+    comments = field_comments(RunConfig)
+    assert comments["page_cache"].startswith("offloaded blocks kept in the page cache across tokens")
+    assert "placement" not in comments  # no comment, no entry
+
+
+def test_every_registered_option_and_key_is_listed_with_a_description():
+    registry = get_registry()
+    text = help_text(registry)
+    listed = {(c.group, c.name) for c in choices(registry)}
+    for kind, group in GROUPS.items():
+        for name in registry.names(kind):
+            assert (group, name) in listed
+            line = next(line for line in text.splitlines() if line.strip().startswith(name + " "))
+            assert len(line.split(name, 1)[1].strip()) > 10, line
+            for field in dataclasses.fields(registry.get(kind, name).config):
+                if field.name != "name":
+                    assert field.name in line, (name, field.name)
+    keys = {o.key for o in run_options()}
+    assert {"prompt", "max_memory", "page_cache", "batch_size"} <= keys
+    undocumented = [o.key for o in run_options() if not o.doc]
+    assert not undocumented, f"write a `#:` comment above RunConfig's {undocumented} in offload_core/runner/settings.py"
+
+
+@pytest.mark.slow
+def test_run_py_help_prints_the_groups_and_where_to_read_more():
+    done = subprocess.run([sys.executable, "run.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for heading in ("placement=", "storage=", "hook=", "model=", "other keys"):
+        assert heading in done.stdout
+    assert "block-granular offload with look-ahead" in done.stdout  # prefetch's line, from its plugin's docstring
+    assert "+max_memory.0=10GiB" in done.stdout and "Read more" in done.stdout
+
+
+def test_a_config_group_added_later_is_listed_too(tmp_path, monkeypatch):
+    """A group stored as a dataclass in Hydra's ConfigStore, or as conf/<group>/*.yaml, needs no change here."""
+    from hydra.core.config_store import ConfigStore
+
+    import offload_core.runner.cli as cli
+
+    @dataclasses.dataclass
+    class DraftConfig:
+        """Draft tokens with a small model. More text."""
+
+        #: tokens drafted per step
+        lookahead: int = 4
+
+    (tmp_path / "colour").mkdir()
+    (tmp_path / "colour" / "blue.yaml").write_text("# the blue one\nname: blue\nshade: 3\n")
+    monkeypatch.setattr(cli, "CONF_DIR", str(tmp_path))
+    store = ConfigStore.instance()
+    store.store(group="zz_draft", name="small", node=DraftConfig)
+    try:
+        text = help_text()
+    finally:
+        store.repo.pop("zz_draft")
+    assert "zz_draft=" in text and "small  Draft tokens with a small model [zz_draft.{lookahead}]" in text
+    assert "colour=" in text and "blue  the blue one [colour.{shade}]" in text
