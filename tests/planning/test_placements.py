@@ -157,6 +157,9 @@ def test_gpu_map_planned_on_cpu_with_strings_and_cuda_names(llama):
 
 
 def test_registry_builds_placements_from_config_mappings(llama):
-    placement = get_registry().create("placement", "balanced", {"name": "balanced"})
     request = PlacementRequest(llama, {0: 2_000_000, 1: 2_000_000}, NO_SPLIT)
-    assert placement.make_device_map(request) == place(llama, request.max_memory, NO_SPLIT, "balanced")
+    balanced = get_registry().create("placement", "balanced", {"name": "balanced"}).make_device_map(request)
+    sequential = get_registry().create("placement", "sequential", {"name": "sequential"}).make_device_map(request)
+    check_device_map(llama, balanced)
+    assert layers_on(balanced, 0) and layers_on(balanced, 1)  # spread over both devices
+    assert not layers_on(sequential, 1)  # the first device holds it all: the two names are two strategies
