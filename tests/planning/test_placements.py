@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from offload_core.loading.empty import init_empty_weights
@@ -163,3 +164,24 @@ def test_registry_builds_placements_from_config_mappings(llama):
     check_device_map(llama, balanced)
     assert layers_on(balanced, 0) and layers_on(balanced, 1)  # spread over both devices
     assert not layers_on(sequential, 1)  # the first device holds it all: the two names are two strategies
+
+
+class Block(nn.Sequential):
+    """A no-split block of two 16 x 16 linears (2 x 272 floats: 2,176 bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, 16), nn.Linear(16, 16))
+
+
+def test_balanced_caps_worked_by_hand():
+    """Four 16 x 16 linears (1,088 bytes each, 4,352 in all); each cap is total / GPUs + 1.25 x the larger of the
+    largest no-split block and the mean leaf module; the last GPU keeps its budget."""
+    model = nn.Sequential(Block(), nn.Linear(16, 16), nn.Linear(16, 16))
+    big = 10**6
+    assert get_balanced_memory(model, {0: big, 1: big}) == {0: 2176 + 1360, 1: big}
+    assert get_balanced_memory(model, {0: big, 1: big}, ["Block"]) == {0: 2176 + 2720, 1: big}
+    assert get_balanced_memory(model, {0: big, 1: big, 2: big}) == {0: 1450 + 1360, 1: 1450 + 1360, 2: big}
+    assert get_balanced_memory(model, {0: big, 1: big, 2: big}, low_zero=True) == {0: 0, 1: 3536, 2: big}
+    assert get_balanced_memory(model, {0: 1000, 1: big, "cpu": 5}) == {0: 1000, 1: big, "cpu": 5}  # never raised
+    assert get_balanced_memory(model, {0: 0, 1: big, 2: big}) == {0: 0, 1: 3536, 2: big}  # a GPU given 0 is skipped
+    assert get_balanced_memory(model, {0: big, 1: big}, dtype=torch.float16) == {0: 1088 + 680, 1: big}
