@@ -231,3 +231,14 @@ def test_summary_counts_bytes_keys_and_budget():
     assert devices["cpu"]["bytes"] == 400 and devices["cpu"]["fraction"] == 0.4
     assert devices["disk"] == {"bytes": 40, "modules": 1, "tensors": 1, "budget": None, "fraction": None}
     assert summary["total_bytes"] == 880
+
+
+def test_uncovered_tensors_are_named_five_at_most():
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(4)])
+    with pytest.raises(DeviceMapError) as six:
+        check_device_map(model, {"0": "cpu"})
+    assert str(six.value) == ("device map covers no device for 6 tensor(s) ('1.weight', '1.bias', '2.weight', '2.bias', "
+                              "'3.weight' and 1 more): add keys for them or their modules, or use '' for the whole model")
+    with pytest.raises(DeviceMapError) as two:
+        check_device_map(model, {"0": "cpu", "1": "cpu", "2": "cpu"})
+    assert "for 2 tensor(s) ('3.weight', '3.bias'): add keys" in str(two.value)
