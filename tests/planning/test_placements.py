@@ -185,3 +185,13 @@ def test_balanced_caps_worked_by_hand():
     assert get_balanced_memory(model, {0: 1000, 1: big, "cpu": 5}) == {0: 1000, 1: big, "cpu": 5}  # never raised
     assert get_balanced_memory(model, {0: 0, 1: big, 2: big}) == {0: 0, 1: 3536, 2: big}  # a GPU given 0 is skipped
     assert get_balanced_memory(model, {0: big, 1: big}, dtype=torch.float16) == {0: 1088 + 680, 1: big}
+
+
+def test_fallback_allocation_puts_the_first_unit_that_fits_on_an_otherwise_empty_gpu():
+    """The block (2,176 bytes) cannot go on GPU 0 beside the 2,176 bytes held back for streaming the largest
+    layer; the small linear (80 bytes) can, once fallback_allocation looks past the block (breadth first)."""
+    model = nn.Sequential(Block(), nn.Linear(4, 4), nn.Linear(16, 16))
+    assert infer_auto_device_map(model, {0: 3000, "cpu": 10**6}, ["Block"]) == {"": "cpu"}
+    assert infer_auto_device_map(model, {0: 3000, "cpu": 10**6}, ["Block"], fallback_allocation=True) == {
+        "0": "cpu", "1": 0, "2": "cpu"}
+    assert infer_auto_device_map(model, {0: 2000, "cpu": 10**6}, ["Block"], fallback_allocation=True) == {"": "cpu"}
