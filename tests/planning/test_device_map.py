@@ -242,3 +242,19 @@ def test_uncovered_tensors_are_named_five_at_most():
     with pytest.raises(DeviceMapError) as two:
         check_device_map(model, {"0": "cpu", "1": "cpu", "2": "cpu"})
     assert "for 2 tensor(s) ('3.weight', '3.bias'): add keys" in str(two.value)
+
+
+def test_summary_worked_by_hand():
+    from offload_core.planning.device_map import summarize_device_map
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))  # 20, 10 and 6 floats
+    summary = summarize_device_map(model, {"0": "disk", "1": "cpu", "2": 0}, {0: 100, "cpu": 80})
+    assert list(summary["devices"]) == [0, "cpu", "disk"]  # GPUs by id, then cpu, then disk
+    assert summary["devices"] == {
+        0: {"bytes": 24, "modules": 1, "tensors": 2, "budget": 100, "fraction": 0.24},
+        "cpu": {"bytes": 40, "modules": 1, "tensors": 2, "budget": 80, "fraction": 0.5},
+        "disk": {"bytes": 80, "modules": 1, "tensors": 2, "budget": None, "fraction": None}}
+    assert summary["total_bytes"] == 144
+    whole = summarize_device_map(model, {"": "cpu"})
+    assert whole == {"devices": {"cpu": {"bytes": 144, "modules": 1, "tensors": 6, "budget": None, "fraction": None}},
+                     "total_bytes": 144}
