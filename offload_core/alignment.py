@@ -11,6 +11,8 @@ for bit, an offloaded weight is handed to the model at the address offset its in
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -39,13 +41,36 @@ def reference_offset(value: torch.Tensor, in_place: bool) -> int:
     return address_offset(value) if in_place else 0
 
 
-@lru_cache(maxsize=None)
+#: the answer :func:`kernels_depend_on_alignment` gives for every dtype instead of probing (None: probe)
+_assumed: bool | None = None
+
+
+@contextmanager
+def assume_kernels_depend_on_alignment(answer: bool) -> Iterator[None]:
+    """Inside the block, :func:`kernels_depend_on_alignment` answers ``answer`` for every floating dtype instead of
+    this machine's probe, in every thread: both paths (copy to the reference offset, or hand out in place) run on
+    any machine. Not reentrant across threads: a test's seam, not a setting."""
+    global _assumed
+    previous, _assumed = _assumed, answer
+    try:
+        yield
+    finally:
+        _assumed = previous
+
+
 def kernels_depend_on_alignment(dtype: torch.dtype) -> bool:
     """Whether this machine's CPU kernels give ``dtype`` products whose results depend on where the weight
     starts: a few matrix-vector and small matrix products, each with the weight at every element offset
-    below :data:`ALIGNMENT`, compared bit for bit with the weight at an aligned address."""
+    below :data:`ALIGNMENT`, compared bit for bit with the weight at an aligned address (probed once per dtype;
+    :func:`assume_kernels_depend_on_alignment` answers instead)."""
     if not dtype.is_floating_point or dtype.itemsize >= ALIGNMENT:
         return False
+    return _assumed if _assumed is not None else _probe(dtype)
+
+
+@lru_cache(maxsize=None)
+def _probe(dtype: torch.dtype) -> bool:
+    """:func:`kernels_depend_on_alignment` measured on this machine."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for rows, cols, tokens in ((48, 64, 1), (160, 64, 1), (96, 40, 3)):

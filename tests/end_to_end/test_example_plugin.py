@@ -26,7 +26,7 @@ def env(tmp_path_factory):
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = tmp / "site"
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--target", str(target), str(source)], capture_output=True, text=True)
+                           "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "0"}
@@ -35,7 +35,7 @@ def env(tmp_path_factory):
 
 
 def _run(args, env, cwd):
-    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd)
+    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
 def test_placement_interleaved_runs(env, tmp_path):

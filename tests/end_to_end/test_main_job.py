@@ -64,3 +64,18 @@ def test_run_py_main_job_subprocess(tmp_path):
     assert "Paris" in proc.stdout
     assert "disk:" in proc.stdout
     assert (tmp_path / "metrics.json").exists() and (tmp_path / "device_map.json").exists()
+
+
+@pytest.mark.parametrize("hook", ["prefetch", "experts"])
+def test_run_py_with_reader_threads_exits(hook, tmp_path):
+    """A run whose module hooks start reader threads exits once it is done (Python joins non-daemon threads at
+    exit: a reader left waiting hangs the process, which the timeout turns into a failure)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "model=synthetic", f"hook={hook}", "max_memory.cpu=1KiB", "headroom=0",
+         "page_cache=0", "max_new_tokens=3", "progress=false", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    counters = metrics[hook]  # the policy's counters, under its name
+    assert counters["streamed_blocks"] > 0 and counters["hits"] > 0

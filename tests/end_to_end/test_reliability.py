@@ -6,6 +6,7 @@ import errno
 import gc
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
 from tests.end_to_end.test_cli_errors import assert_one_line, cli, snapshot
 
 from tests import ROOT
+from tests.waits import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +48,34 @@ def _env() -> dict[str, str]:
 
 
 def _wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float = 90) -> str:
+    """The first line of ``proc``'s stdout that holds ``wanted``; fails (killing ``proc``) once ``timeout`` seconds
+    pass without it, even while the process prints nothing (a reader thread reads, this waits on a queue)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = getattr(proc, "_line_reader", None)
+    if reader is None:
+        def read() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        reader = proc._line_reader = (threading.Thread(target=read, daemon=True), lines)
+        reader[0].start()
+    lines = reader[1]
     deadline = time.monotonic() + timeout
     seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
             break
         seen.append(line)
         if wanted in line:
             return line
     proc.kill()
-    raise AssertionError(f"never saw {wanted!r}; stdout: {''.join(seen)[-2000:]}; stderr: {proc.stderr.read()[-2000:]}")
+    _, err = proc.communicate(timeout=30)
+    raise AssertionError(f"never saw {wanted!r} in {timeout} s; stdout: {''.join(seen)[-2000:]}; stderr: {err[-2000:]}")
 
 
 # -- kill -9 while the offload folder is being written ------------------------------------------
@@ -123,7 +142,7 @@ def _mount_small_tmpfs(where: Path, size: str) -> bool:
     if os.geteuid() != 0:
         return False
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True).returncode == 0
+                          capture_output=True, timeout=60).returncode == 0
 
 
 def _assert_disk_full_handled(code: int, err: str, disk: Path, ckpt_before: dict, tiny: Path) -> None:
@@ -145,7 +164,7 @@ def test_disk_full_on_a_small_filesystem(tiny, tmp_path, capsys):
         code, err = cli(_args(tiny, disk / "off"), tmp_path, capsys)  # 1.6 MiB to write, 512 KiB of room
         _assert_disk_full_handled(code, err, disk, before, tiny)
     finally:
-        subprocess.run(["umount", str(disk)], check=True)
+        subprocess.run(["umount", str(disk)], check=True, timeout=60)
 
 
 def test_disk_full_injected_enospc(tiny, tmp_path, capsys, monkeypatch):
@@ -190,32 +209,46 @@ def test_disk_full_in_an_existing_folder_keeps_the_users_files(tmp_path, monkeyp
 
 # -- Ctrl-C -------------------------------------------------------------------------------------
 
+_GENERATING = textwrap.dedent("""
+    import sys
+    from transformers.generation.utils import GenerationMixin
+    real = GenerationMixin.generate
+
+    def announced(self, *args, **kwargs):
+        print("GENERATING", flush=True)
+        return real(self, *args, **kwargs)
+
+    GenerationMixin.generate = announced
+    from offload_core.runner.cli import hydra_main
+    sys.argv = ["run.py", *sys.argv[1:]]
+    hydra_main()
+""")
+
+
 def signal_after_load(tiny: Path, tmp_path: Path, sig: int) -> tuple[int, str, Path]:
-    """Start a long run of ``tiny`` with its temporary files under ``tmp_path/tmp``, send ``sig`` once it has
-    loaded (its temporary offload folder has an index), and return its exit code, stderr and that scratch folder."""
+    """Start a long run of ``tiny`` with its temporary files under ``tmp_path/tmp``, send ``sig`` once generation
+    has started (the run prints GENERATING as it enters ``generate``), and return its exit code, stderr and that
+    scratch folder."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "run.py"), *_args(tiny), "max_new_tokens=1500", "progress=false",
+        [sys.executable, "-c", _GENERATING, *_args(tiny), "max_new_tokens=1500", "progress=false",
          f"hydra.run.dir={tmp_path / 'run'}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "TMPDIR": str(scratch)},
+        cwd=ROOT,
         # As a terminal's foreground job: a suite started in the background (`cmd &`) has SIGINT ignored, which
         # its children would inherit, and Python then never raises KeyboardInterrupt.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:  # loaded = the temporary folder has its index: generation runs
-        if any((p / INDEX).exists() for p in scratch.glob("offload_core-*")):
-            break
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("the run never finished loading")
-    time.sleep(0.5)
+    _wait_for_line(proc, "GENERATING")
+    assert any((p / INDEX).exists() for p in scratch.glob("offload_core-*")), "generation started before the store"
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    return proc.returncode, err, scratch
+    proc._line_reader[0].join(timeout=60)  # stdout closes as the process exits
+    try:
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, proc.stderr.read(), scratch
 
 
 def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny, tmp_path):
@@ -273,7 +306,9 @@ def test_a_second_run_on_the_same_folder_waits_and_says_why(tmp_path, capsys):
         second = threading.Thread(target=lambda: opened.append(
             FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))))
         second.start()
-        second.join(timeout=1.0)
+        said = []  # what this process printed to stderr meanwhile (the second run says why it waits)
+        wait_until(lambda: said.append(capsys.readouterr().err) or "waiting for it to finish" in "".join(said),
+                   "the second run saying it waits")
         assert second.is_alive() and not opened  # waiting for the first run, not writing under it
         holder.stdin.write("go\n")
         holder.stdin.flush()
@@ -284,8 +319,8 @@ def test_a_second_run_on_the_same_folder_waits_and_says_why(tmp_path, capsys):
         store.close()
     finally:
         holder.kill()
-        holder.wait()
-    err = capsys.readouterr().err
+        holder.wait(timeout=30)
+    err = "".join(said) + capsys.readouterr().err
     assert f"offload_folder {folder} is in use by another run (pid {holder.pid}); waiting for it to finish" in err
 
 

@@ -26,7 +26,7 @@ def _sweep(tmp_path: Path, *overrides: str, launcher: str | None = None) -> tupl
     args = [sys.executable, str(ROOT / "run.py"), "-m", *BASE, *overrides, f"hydra.sweep.dir={sweep_dir}"]
     if launcher:
         args.append(f"hydra/launcher={launcher}")
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     return proc, sweep_dir
 
 

@@ -10,12 +10,14 @@ import struct
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import offload_core
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-from offload_core.alignment import ALIGNMENT, address_offset, empty_at, kernels_depend_on_alignment, placed
+from offload_core.alignment import (ALIGNMENT, address_offset, assume_kernels_depend_on_alignment, empty_at,
+                                    kernels_depend_on_alignment, misplaced, placed)
 from offload_core.storage.base import StoreContext
 from offload_core.storage.folder import FolderStore
 from offload_core.storage.memory import HostMemoryStore
@@ -32,6 +34,20 @@ def _file_offsets(path) -> list[int]:
     return [8 + length + info["data_offsets"][0] for name, info in header.items() if name != "__metadata__"]
 
 
+class LinearWeightOffsets(TorchFunctionMode):
+    """Records the address offset of the weight of every ``linear`` call, in call order: where the kernels find it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offsets: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            self.offsets.append(address_offset(weight))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A float32 llama saved by transformers in shards, some tensors 8 bytes off a 16-byte boundary; its logits
@@ -45,13 +61,15 @@ def llama(tmp_path_factory):
     assert any(o % 16 for o in offsets), "the checkpoint must hold tensors off a 16-byte boundary"
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.tensor([[5]])
-    with torch.no_grad():
-        return folder, ids, reference(ids).logits
+    with torch.no_grad(), LinearWeightOffsets() as seen:
+        logits = reference(ids).logits
+    assert any(o % 16 for o in seen.offsets), "some weights are used in place off a 16-byte boundary"
+    return folder, ids, logits, seen.offsets
 
 
 @pytest.mark.parametrize("store,policy", list(itertools.product(STORES, POLICIES)))
 def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_path):
-    folder, ids, want = llama
+    folder, ids, want, _ = llama
     model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
                                          offload_folder=tmp_path / "off", execution_device="cpu")
     try:
@@ -61,6 +79,54 @@ def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_pat
     finally:
         model.offload_state.remove()
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("store,policy", list(itertools.product(STORES, POLICIES)))
+def test_weights_reach_the_kernels_at_their_reference_offsets(llama, store, policy, tmp_path):
+    """Where the kernels depend on alignment (the probe's answer forced, so on every machine), every offloaded or
+    resident weight is handed to ``linear`` at the address offset ``from_pretrained`` gives it."""
+    folder, ids, want, reference = llama
+    with assume_kernels_depend_on_alignment(True):
+        model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
+                                             offload_folder=tmp_path / "off", execution_device="cpu")
+        try:
+            with torch.no_grad(), LinearWeightOffsets() as seen:
+                got = model(ids).logits
+        finally:
+            model.offload_state.remove()
+    assert seen.offsets == reference
+    assert torch.equal(got, want)
+
+
+def test_where_the_kernels_do_not_care_weights_are_used_where_they_lie(llama, tmp_path):
+    """Without the need (the probe's answer forced to no), the memmap store hands out its mapped files (page
+    aligned) with no copy: the offsets differ from the reference, which shows the test above is not vacuous."""
+    folder, ids, _, reference = llama
+    with assume_kernels_depend_on_alignment(False):
+        model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage="memmap",
+                                             policy="align_per_call", offload_folder=tmp_path / "off",
+                                             execution_device="cpu")
+        try:
+            with torch.no_grad(), LinearWeightOffsets() as seen:
+                model(ids)
+        finally:
+            model.offload_state.remove()
+    assert len(seen.offsets) == len(reference) and seen.offsets != reference
+    disk = [got for got, want in zip(seen.offsets, reference) if got != want]
+    assert disk and set(disk) == {0}  # the mapped files start on a page
+
+
+def test_the_probes_answer_can_be_assumed_for_a_block_in_every_thread():
+    measured = kernels_depend_on_alignment(torch.float32)
+    for answer in (True, False):
+        with assume_kernels_depend_on_alignment(answer):
+            seen = []
+            worker = __import__("threading").Thread(target=lambda: seen.append(kernels_depend_on_alignment(torch.float32)))
+            worker.start()
+            worker.join(timeout=30)
+            assert seen == [answer] and kernels_depend_on_alignment(torch.bfloat16) is answer
+            assert kernels_depend_on_alignment(torch.int64) is False  # integer kernels never round
+        assert kernels_depend_on_alignment(torch.float32) is measured
 
 
 def test_a_plain_module_loaded_from_a_file_matches_its_load_state_dict(tmp_path):
@@ -96,17 +162,24 @@ def test_empty_at_starts_where_asked():
             assert address_offset(tensor) == offset and tensor.shape == (3, 5) and tensor.dtype == dtype
 
 
-def test_placed_copies_only_where_the_kernels_care():
+@pytest.mark.parametrize("kernels_care", [True, False])
+def test_placed_copies_only_where_the_kernels_care(kernels_care):
     raw = torch.randn(200)
     view = raw[2:2 + 64].view(8, 8)  # 8 bytes past an aligned start
-    moved = placed(view, 0)
-    assert torch.equal(moved, view)
-    if kernels_depend_on_alignment(torch.float32):
-        assert address_offset(moved) == 0
-    else:
-        assert moved is view
-    assert placed(view, address_offset(view)) is view
-    assert not kernels_depend_on_alignment(torch.int64)
+    assert address_offset(view) == (address_offset(raw) + 8) % ALIGNMENT
+    with assume_kernels_depend_on_alignment(kernels_care):
+        for target in (0, 24, address_offset(view) + ALIGNMENT):
+            moved = placed(view, target)
+            assert torch.equal(moved, view)
+            if kernels_care and target % ALIGNMENT != address_offset(view):
+                assert misplaced(view, target)
+                assert address_offset(moved) == target % ALIGNMENT and moved.data_ptr() != view.data_ptr()
+            else:
+                assert not misplaced(view, target) and moved is view
+        assert placed(view, address_offset(view)) is view
+        assert not misplaced(torch.empty(0), 8)  # no bytes to place
+        ints = torch.arange(16)[1:9]
+        assert placed(ints, 0) is ints  # integer kernels never round
 
 
 @pytest.mark.parametrize("kind", ["memmap", "pinned_cpu"])
@@ -119,6 +192,11 @@ def test_stores_hand_out_a_put_tensor_at_its_own_offset(kind, tmp_path):
     store.put("w", weight)
     store.finalize()
     x = torch.randn(1, 10)
-    assert store.offset("w") == address_offset(weight)
+    assert store.offset("w") == address_offset(weight) != 0
+    with assume_kernels_depend_on_alignment(True):
+        assert address_offset(store["w"]) == address_offset(weight)
+    if kind == "memmap":  # its file is mapped page aligned: used there where the kernels do not care
+        with assume_kernels_depend_on_alignment(False):
+            assert address_offset(store["w"]) == 0
     assert torch.equal(torch.nn.functional.linear(x, store["w"]), torch.nn.functional.linear(x, weight))
     store.close()

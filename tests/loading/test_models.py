@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.errors import ConfigError, OffloadError
@@ -110,7 +111,11 @@ def test_synthetic_never_removes_a_directory_it_did_not_make(tmp_path):
 
 def test_presets():
     assert set(SYNTHETIC_PRESETS) == {"tiny", "small", "0.3b", "1.1b", "30b"}
-    assert synthetic_preset("1.1b") == {**synthetic_preset("1.1b")}
+    for name, billions in (("0.3b", 0.3), ("1.1b", 1.1)):  # the name is the parameter count it builds
+        config = {k: v for k, v in synthetic_preset(name).items() if k != "max_shard_size"}
+        with torch.device("meta"):
+            count = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**config)).parameters())
+        assert abs(count / 1e9 - billions) / billions < 0.2, (name, count)
     preset = synthetic_preset("tiny")
     preset["seed"] = 9
     assert "seed" not in synthetic_preset("tiny")

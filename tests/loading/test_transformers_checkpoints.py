@@ -161,7 +161,10 @@ def test_gpt_neox_renamed_keys(saved):
     with init_empty_weights():
         model = neox.auto.from_config(neox.config)
     conversion = key_conversion(model, neox.path)
-    assert conversion.renamed.get("lm_head.weight") == "embed_out.weight" or "embed_out.weight" not in Checkpoint.open(neox.path)
+    # transformers saves GPT-NeoX's head under its legacy name; were that to change, this fails rather than
+    # passing without checking the rename.
+    assert "embed_out.weight" in Checkpoint.open(neox.path) and "lm_head.weight" not in Checkpoint.open(neox.path)
+    assert conversion.renamed.get("lm_head.weight") == "embed_out.weight"
 
 
 def test_safetensors_store_writes_nothing_for_fused_experts(saved, tmp_path):

@@ -153,7 +153,12 @@ def test_the_reader_reads_the_next_streamed_block_while_a_kept_one_is_next(tmp_p
     handle = model.offload_state.handle
     assert list(residency.kept) == ["model.layers.1", "model.layers.3"]
     seen = []
-    model.model.layers[0].register_forward_hook(lambda *_: seen.append(layer2_read.wait(timeout=10)))
+
+    def layer0_ran(*_):  # each forward: was layer 2 read while layer 0 ran? then wait for the next pass's read
+        seen.append(layer2_read.wait(timeout=10))
+        layer2_read.clear()
+
+    model.model.layers[0].register_forward_hook(layer0_ran)
     try:
         assert torch.equal(_generate(model, ids), expected)
         counters = handle.counters()

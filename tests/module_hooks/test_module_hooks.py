@@ -130,10 +130,25 @@ def test_chained_seed_example_moves_module_a_once():
         assert torch.equal(z, ref_b(y))
     assert hook_a.stats.loads == 2 and hook_a.hook.offloads == 1
     assert hook_b.stats.loads == 2 and hook_b.hook.offloads == 0
-    assert b.weight.device.type == "cpu"  # the last one stays until offloaded explicitly
     hook_b.offload()
     assert b.weight.device.type == "cpu" and hook_b.hook.offloads == 1
     hook_a.remove()
     hook_b.remove()
     assert torch.equal(a.weight, ref_a.weight) and torch.equal(b(x), ref_b(x))
     assert "forward" not in a.__dict__
+
+
+def test_chained_hooks_move_weights_to_the_execution_device_and_back():
+    """The meta device stands in for an accelerator: calling b moves a out (to the cpu) and b in; b stays on
+    the execution device until offloaded explicitly."""
+    a, hook_a = cpu_offload_with_hook(nn.Linear(4, 4), "meta")
+    b, hook_b = cpu_offload_with_hook(nn.Linear(4, 4), "meta", prev_module_hook=hook_a)
+    assert a.weight.device.type == "cpu" and b.weight.device.type == "cpu"  # resting until called
+    y = a(torch.randn(2, 4))
+    assert a.weight.device.type == "meta" and b.weight.device.type == "cpu"
+    b(y)
+    assert a.weight.device.type == "cpu" and b.weight.device.type == "meta"  # a moved out as b came in
+    hook_b.offload()
+    assert b.weight.device.type == "cpu"
+    hook_a.remove()
+    hook_b.remove()

@@ -75,7 +75,7 @@ def test_functional_call_cpu_offload_budget_through_the_runner(tmp_path):
     assert 0 < result.figures["offloaded_bytes"] <= 300 * 1024
     # Half-offloaded modules: some of a layer's parameters offloaded, others resident.
     layer0 = {k: v for k, v in result.device_map.items() if k.startswith("model.layers.0.")}
-    assert len(set(layer0.values())) == 2 or offloaded
+    assert len(set(layer0.values())) == 2, layer0
 
 
 def test_align_hook_places_submodules_and_moves_inputs():

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import dispatch_model
 from offload_core.module_hooks.prefetch import BlockPool, Prefetch, PrefetchConfig, Prefetcher, StagingRing, Streams, Trace
+from tests.waits import blocked_in
 
 
 class _StagedPrefetch(Prefetch):
@@ -142,8 +143,8 @@ def test_block_pool_counts_references_and_frees_the_last_one():
     waiter = threading.Thread(target=lambda: got.append(pool.acquire()))
     pool.acquire()  # takes the free one: the waiter below has to wait for b
     waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()
+    blocked_in(waiter, "acquire")  # it waits for a free buffer (a state, not a guess at how long that takes)
+    assert not got
     pool.release(b)
     waiter.join(5)
     assert got and got[0][0] == b

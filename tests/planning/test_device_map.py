@@ -231,3 +231,30 @@ def test_summary_counts_bytes_keys_and_budget():
     assert devices["cpu"]["bytes"] == 400 and devices["cpu"]["fraction"] == 0.4
     assert devices["disk"] == {"bytes": 40, "modules": 1, "tensors": 1, "budget": None, "fraction": None}
     assert summary["total_bytes"] == 880
+
+
+def test_uncovered_tensors_are_named_five_at_most():
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(4)])
+    with pytest.raises(DeviceMapError) as six:
+        check_device_map(model, {"0": "cpu"})
+    assert str(six.value) == ("device map covers no device for 6 tensor(s) ('1.weight', '1.bias', '2.weight', '2.bias', "
+                              "'3.weight' and 1 more): add keys for them or their modules, or use '' for the whole model")
+    with pytest.raises(DeviceMapError) as two:
+        check_device_map(model, {"0": "cpu", "1": "cpu", "2": "cpu"})
+    assert "for 2 tensor(s) ('3.weight', '3.bias'): add keys" in str(two.value)
+
+
+def test_summary_worked_by_hand():
+    from offload_core.planning.device_map import summarize_device_map
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))  # 20, 10 and 6 floats
+    summary = summarize_device_map(model, {"0": "disk", "1": "cpu", "2": 0}, {0: 100, "cpu": 80})
+    assert list(summary["devices"]) == [0, "cpu", "disk"]  # GPUs by id, then cpu, then disk
+    assert summary["devices"] == {
+        0: {"bytes": 24, "modules": 1, "tensors": 2, "budget": 100, "fraction": 0.24},
+        "cpu": {"bytes": 40, "modules": 1, "tensors": 2, "budget": 80, "fraction": 0.5},
+        "disk": {"bytes": 80, "modules": 1, "tensors": 2, "budget": None, "fraction": None}}
+    assert summary["total_bytes"] == 144
+    whole = summarize_device_map(model, {"": "cpu"})
+    assert whole == {"devices": {"cpu": {"bytes": 144, "modules": 1, "tensors": 6, "budget": None, "fraction": None}},
+                     "total_bytes": 144}

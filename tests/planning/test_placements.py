@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from offload_core.loading.empty import init_empty_weights
@@ -157,6 +158,40 @@ def test_gpu_map_planned_on_cpu_with_strings_and_cuda_names(llama):
 
 
 def test_registry_builds_placements_from_config_mappings(llama):
-    placement = get_registry().create("placement", "balanced", {"name": "balanced"})
     request = PlacementRequest(llama, {0: 2_000_000, 1: 2_000_000}, NO_SPLIT)
-    assert placement.make_device_map(request) == place(llama, request.max_memory, NO_SPLIT, "balanced")
+    balanced = get_registry().create("placement", "balanced", {"name": "balanced"}).make_device_map(request)
+    sequential = get_registry().create("placement", "sequential", {"name": "sequential"}).make_device_map(request)
+    check_device_map(llama, balanced)
+    assert layers_on(balanced, 0) and layers_on(balanced, 1)  # spread over both devices
+    assert not layers_on(sequential, 1)  # the first device holds it all: the two names are two strategies
+
+
+class Block(nn.Sequential):
+    """A no-split block of two 16 x 16 linears (2 x 272 floats: 2,176 bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, 16), nn.Linear(16, 16))
+
+
+def test_balanced_caps_worked_by_hand():
+    """Four 16 x 16 linears (1,088 bytes each, 4,352 in all); each cap is total / GPUs + 1.25 x the larger of the
+    largest no-split block and the mean leaf module; the last GPU keeps its budget."""
+    model = nn.Sequential(Block(), nn.Linear(16, 16), nn.Linear(16, 16))
+    big = 10**6
+    assert get_balanced_memory(model, {0: big, 1: big}) == {0: 2176 + 1360, 1: big}
+    assert get_balanced_memory(model, {0: big, 1: big}, ["Block"]) == {0: 2176 + 2720, 1: big}
+    assert get_balanced_memory(model, {0: big, 1: big, 2: big}) == {0: 1450 + 1360, 1: 1450 + 1360, 2: big}
+    assert get_balanced_memory(model, {0: big, 1: big, 2: big}, low_zero=True) == {0: 0, 1: 3536, 2: big}
+    assert get_balanced_memory(model, {0: 1000, 1: big, "cpu": 5}) == {0: 1000, 1: big, "cpu": 5}  # never raised
+    assert get_balanced_memory(model, {0: 0, 1: big, 2: big}) == {0: 0, 1: 3536, 2: big}  # a GPU given 0 is skipped
+    assert get_balanced_memory(model, {0: big, 1: big}, dtype=torch.float16) == {0: 1088 + 680, 1: big}
+
+
+def test_fallback_allocation_puts_the_first_unit_that_fits_on_an_otherwise_empty_gpu():
+    """The block (2,176 bytes) cannot go on GPU 0 beside the 2,176 bytes held back for streaming the largest
+    layer; the small linear (80 bytes) can, once fallback_allocation looks past the block (breadth first)."""
+    model = nn.Sequential(Block(), nn.Linear(4, 4), nn.Linear(16, 16))
+    assert infer_auto_device_map(model, {0: 3000, "cpu": 10**6}, ["Block"]) == {"": "cpu"}
+    assert infer_auto_device_map(model, {0: 3000, "cpu": 10**6}, ["Block"], fallback_allocation=True) == {
+        "0": "cpu", "1": 0, "2": "cpu"}
+    assert infer_auto_device_map(model, {0: 2000, "cpu": 10**6}, ["Block"], fallback_allocation=True) == {"": "cpu"}

@@ -221,3 +221,54 @@ def test_get_max_memory_reads_the_machine():
     budgets = get_max_memory()
     assert budgets["cpu"] > 0
     assert all(isinstance(k, int) for k in budgets if k != "cpu")
+
+
+# -- values, each checked against a number worked out by hand ----------------------------------------------
+
+def test_format_size_in_powers_of_two():
+    from offload_core.values import format_size
+
+    assert [format_size(n) for n in (0, 1, 1023)] == ["0 B", "1 B", "1023 B"]
+    assert format_size(1024) == "1.00 KiB" and format_size(1536) == "1.50 KiB" and format_size(1024**2 - 1) == "1024.00 KiB"
+    assert format_size(5 * 1024**2) == "5.00 MiB" and format_size(3 * 1024**3 // 2) == "1.50 GiB"
+    assert format_size(2 * 1024**4) == "2048.00 GiB"  # GiB is the largest unit
+    assert format_size(-2048) == "-2.00 KiB"
+
+
+class _Tied(nn.Module):
+    """a.weight and b.weight are one Parameter; one int64 buffer registered twice (here and in a)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2, bias=False)
+        self.b.weight = self.a.weight
+        shared = torch.zeros(3, dtype=torch.int64)
+        self.register_buffer("steps", shared)
+        self.a.register_buffer("steps", shared)
+
+
+def test_tie_groups_and_sizes_count_a_shared_tensor_once():
+    from offload_core.planning.sizing import compute_module_sizes, tie_groups
+
+    model = _Tied()
+    assert tie_groups(model) == {"a.weight": ["a.weight", "b.weight"], "steps": ["steps", "a.steps"]}
+    assert tie_groups(model, parameters_only=True) == {"a.weight": ["a.weight", "b.weight"]}
+    assert find_tied_parameters(model) == [["a.weight", "b.weight"]]
+    sizes = compute_module_sizes(model)
+    # a.weight 8 x 4 B, a.bias 2 x 4 B; b.weight is a's; steps 3 x 8 B counted once, at its first name
+    assert dict(sizes) == {"": 64, "a": 40, "a.weight": 32, "a.bias": 8, "steps": 24}
+    half = compute_module_sizes(model, dtype=torch.float16)  # floats shrink, the int64 buffer keeps its width
+    assert half[""] == 44 and half["a"] == 20 and half["steps"] == 24
+    assert compute_module_sizes(model, dtype=torch.float64)[""] == 64  # never widened
+    assert compute_module_sizes(model, special_dtypes={"a.bias": "float64"})[""] == 72  # a named tensor's own dtype
+    assert dict(compute_module_sizes(model, buffers_only=True)) == {"": 24, "steps": 24}
+
+
+def test_largest_block_size_is_the_largest_unit_a_placement_keeps_whole():
+    from offload_core.planning.sizing import largest_block_size
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 2)))
+    # leaves: 0 = 40 floats, 1.0 = 18, 1.1 = 6; as a whole, block 1 = 24 floats
+    assert largest_block_size(model, []) == 160
+    assert largest_block_size(model, [], dtype=torch.float16) == 80
+    assert largest_block_size(nn.Sequential(nn.Linear(2, 2), model[1]), ["Sequential"]) == 96  # kept whole

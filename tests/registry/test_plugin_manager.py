@@ -181,7 +181,7 @@ def test_disabling_a_plugin_by_name(installed_plugin, monkeypatch):
 @pytest.mark.slow  # a fresh interpreter
 def test_plugins_command_lists_versions_and_strategies(installed_plugin):
     out = subprocess.run([sys.executable, "-m", "offload_core", "plugins"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(installed_plugin)})
+                         env={**__import__("os").environ, "PYTHONPATH": str(installed_plugin)}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "demo" in out.stdout and "1.2.3" in out.stdout and "placement=every_other" in out.stdout
     assert "offload_core_plugins.storage_memmap" in out.stdout and "storage=memmap" in out.stdout

@@ -59,7 +59,8 @@ def test_kv_cache_counts_layers_kv_heads_head_dim_and_tokens():
     one = batch_memory(config, batch=1, prompt_tokens=10, new_tokens=6, dtype=torch.bfloat16)
     assert one.kv_cache == 2 * 3 * 2 * 8 * 16 * 2
     eight = batch_memory(config, batch=8, prompt_tokens=10, new_tokens=6, dtype=torch.bfloat16)
-    assert eight.kv_cache == 8 * one.kv_cache and eight.activations == 8 * one.activations
+    assert eight.kv_cache == 8 * one.kv_cache == 24_576
+    assert eight.activations == 8 * one.activations > 0
     fits = largest_batch(config, eight.total, 10, 6, torch.bfloat16, upto=64)
     assert fits == 8
     assert largest_batch(config, one.total - 1, 10, 6, torch.bfloat16, upto=64) == 0
@@ -112,8 +113,8 @@ def test_prediction_counts_blocks_head_and_the_disk_reads_the_page_cache_plan_le
     cpu = torch.device("cpu")
     streamed = _Plan({"predicted_disk_bytes_per_token": 10**7})  # every offloaded byte streamed: 0.1 s a forward
     serial = predict_time(4, streamed, _Storage("offload_folder"), _Policy(False), cpu, _calibration())
-    assert serial["predicted_step_s"] == pytest.approx(4 * 0.01 + 0.005 + 0.1)
-    assert serial["predicted_ttft_s"] == pytest.approx(4 * 0.05 + 0.02 + 0.1)
+    assert serial["predicted_step_s"] == pytest.approx(0.145)  # 4 blocks of 10 ms, a 5 ms head, a 0.1 s read
+    assert serial["predicted_ttft_s"] == pytest.approx(0.32)
     overlapped = predict_time(4, streamed, _Storage("offload_folder"), _Policy(True), cpu, _calibration(prefill=(0.1, 0.0)))
     assert overlapped["predicted_step_s"] == pytest.approx(0.1)  # the read hides the 0.045 s of compute
     assert overlapped["predicted_ttft_s"] == pytest.approx(0.4)  # the compute hides the read
@@ -200,3 +201,19 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
     assert calibrate(*args) == first and calibration_file().stat().st_mtime_ns == written  # cached
     again = calibrate(*args, refresh=True)
     assert calibration_file().stat().st_mtime_ns != written and again["compute"].keys() == first["compute"].keys()
+
+
+def test_batch_memory_worked_by_hand():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3,
+                         intermediate_size=128, vocab_size=100)
+    one = batch_memory(config, batch=1, prompt_tokens=10, new_tokens=6, dtype=torch.bfloat16)
+    # per prompt token: hidden in and out 128, q/k/v (8 + 2 x 2 heads) x 8 = 96, attention out 64, MLP 3 x 128 = 384:
+    # 672 values x 10 tokens x 2 bytes; scores 8 heads x 10 x 16 x 2 bytes; float32 logits and softmax 2 x 100 x 4
+    assert one.activations == 13_440 + 2_560 + 800 and one.total == 3_072 + 16_800
+    from transformers import GPT2Config
+
+    gpt2 = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50)  # no kv heads, head_dim nor intermediate_size
+    two = batch_memory(gpt2, batch=2, prompt_tokens=3, new_tokens=1, dtype=torch.float32)
+    assert two.kv_cache == 2 * 2 * 4 * 8 * 2 * 4 * 4 == 4_096  # kv heads = heads, head_dim = 32 / 4
+    assert two.activations == 13_824 + 384 + 800  # 576 values a prompt token (MLP 4 x 32 wide)
+    assert largest_batch(config, one.total * 3, 10, 6, torch.bfloat16, upto=2) == 2  # capped by upto

@@ -50,7 +50,9 @@ def test_a_run_with_page_cache_zero_streams_every_block_and_reports_disk_reads(t
     assert "page cache: kept set 0 B" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["prefetch"]["kept_blocks"] == 0 and metrics["prefetch"]["streamed_blocks"] > 0
-    assert metrics["prefetch"]["dropped_bytes"] > 0
+    # Nothing kept: every forward reads every offloaded byte and drops it after use, no more and no less.
+    assert metrics["bytes_moved_per_token"] == metrics["offloaded_bytes"] > 0
+    assert metrics["prefetch"]["dropped_bytes"] == metrics["generated_tokens"] * metrics["offloaded_bytes"]
     assert "disk_read_bytes_per_token" in metrics and metrics["read_bandwidth_bytes_per_s"] >= 0
     assert result.plan["page_cache"]["predicted_disk_bytes_per_token"] == result.plan["page_cache"]["offloaded_bytes"]
 
