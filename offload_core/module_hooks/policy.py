@@ -118,3 +118,7 @@ class Policy(StrategyBase):
         None to leave it to the placement."""
         return None
 
+    def own_map_remedy(self, model: nn.Module, execution_device: torch.device, device: Any, short: int) -> str:
+        """What the user can change in the policy's options so that its own map puts ``short`` fewer bytes on
+        ``device`` (the runner refuses a map over a budget in one line, naming this); empty when none."""
+        return ""
