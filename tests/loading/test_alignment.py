@@ -122,3 +122,40 @@ def test_stores_hand_out_a_put_tensor_at_its_own_offset(kind, tmp_path):
     assert store.offset("w") == address_offset(weight)
     assert torch.equal(torch.nn.functional.linear(x, store["w"]), torch.nn.functional.linear(x, weight))
     store.close()
+
+
+@pytest.mark.parametrize("store,policy", [("memmap", "align_per_call"), ("safetensors", "prefetch"),
+                                          ("pinned_cpu", "functional_call"), ("memmap", "chained")])
+def test_remove_restores_the_address_offsets_from_pretrained_gives(llama, store, policy, tmp_path):
+    """After ``offload_state.remove()`` every weight sits at the address offset ``from_pretrained`` gives it and
+    the model computes as that one does, bit for bit."""
+    folder, ids, want = llama
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
+    assert len(set(offsets.values())) > 1, "the checkpoint must put weights at several offsets"
+    model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
+                                         offload_folder=tmp_path / "off", execution_device="cpu")
+    assert "disk" in model.hf_device_map.values()
+    model.offload_state.remove()
+    assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+
+def test_remove_restores_a_bert_encoder_as_from_pretrained_loads_it(tmp_path):
+    """The same for an encoder (no tied head, layer norms with biases), saved in shards by transformers."""
+    from transformers import AutoModel, BertConfig
+
+    config = BertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=200)
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(tmp_path / "bert", max_shard_size="40KB")
+    reference = AutoModel.from_pretrained(tmp_path / "bert").eval()
+    offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
+    model = offload_core.from_pretrained(tmp_path / "bert", max_memory={"cpu": 60_000}, storage="memmap",
+                                         policy="align_per_call", offload_folder=tmp_path / "off", execution_device="cpu")
+    assert "disk" in model.hf_device_map.values()
+    model.offload_state.remove()
+    assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
+    ids = torch.tensor([[3, 7, 11]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).last_hidden_state, reference(ids).last_hidden_state)
