@@ -5,7 +5,8 @@ Layout (readable by accelerate's ``load_offloaded_weights``): ``index.json`` map
 see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes. Beside them, files of our own:
 ``.offload_core`` (our tag: the names of every file we wrote, so only those are ever removed),
 ``.offload_complete`` (written last: the fingerprint of what the folder holds and each file's xxh3-128
-checksum, verified before the folder is reused), and ``.lock``. No file in the folder is opened through a
+checksum and stamp, verified before the folder is reused: a file whose stamp (size, mtime, ctime, inode) is
+unchanged is trusted, any other is hashed again), and ``.lock``. No file in the folder is opened through a
 symlink.
 """
 
@@ -34,8 +35,8 @@ from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
 from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
-from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, open_nofollow,
-                                               safe_file_name)
+from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, matches,
+                                               open_nofollow, safe_file_name, stamp)
 from offload_core.storage.pagecache import drop, populate
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class FolderStore(Store):
             return "verification (index.json is unreadable)"
         for name in index:
             safe_file_name(self.folder, name)  # an intact index naming paths outside the folder: refuse, never read
+        recorded = marker.get("stamps") if isinstance(marker.get("stamps"), dict) else {}
+        stamps = {}
         for file in [safe_file_name(self.folder, name).name for name in index]:
             path = self.folder / file
             try:
@@ -167,11 +170,23 @@ class FolderStore(Store):
                 expected = int(np.prod(info["shape"], dtype=np.int64)) * dtype_from_name(info["dtype"]).itemsize
                 if os.lstat(path).st_size != expected:
                     return f"verification ({file} has the wrong size)"
-                if self.verify and checksum(path) != sums.get(file):
-                    return f"verification ({file} does not match its checksum)"
+                if self.verify:  # a file unchanged since it was hashed is not read again (folder_guard.matches)
+                    same, stamps[file] = matches(path, sums.get(file), recorded.get(file))
+                    if not same:
+                        return f"verification ({file} does not match its checksum)"
             except (OSError, KeyError, TypeError, ValueError, StorageError):
                 return f"verification ({file} is missing or damaged)"
+        if any(now != recorded.get(file) for file, now in stamps.items()):
+            self._write_marker(sums, {**recorded, **stamps})  # copied or touched, the same bytes: not hashed again next time
         return None
+
+    def _write_marker(self, sums: dict[str, str], stamps: dict[str, list[int]]) -> None:
+        """Best effort: each file's checksum and stamp in the marker (else all are hashed again next time)."""
+        try:
+            with atomic_write(self.folder / COMPLETE) as tmp:
+                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode())
+        except OSError as exc:
+            log.info("memmap: could not record the verified stamps in %s (%s)", self.folder, exc)
 
     def _read_index(self) -> dict[str, dict]:
         try:
@@ -301,12 +316,13 @@ class FolderStore(Store):
     def _seal(self) -> None:
         self._lock.reading()
         try:
-            sums = {}
-            for name in self._written:  # each file's checksum, read back as written, then the file flushed
+            sums, stamps = {}, {}
+            for name in self._written:  # each file's stamp and checksum, read back as written, then the file flushed
+                stamps[name] = stamp(self.folder / name)
                 sums[name] = checksum(self.folder / name)
                 fsync_path(self.folder / name, follow=False)
             with atomic_write(self.folder / COMPLETE) as tmp:  # flushed, renamed, the folder flushed
-                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums}).encode())
+                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode())
         except (OSError, StorageError) as exc:  # the folder stays unmarked: the next run rebuilds it
             log.warning("memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc)
         finally:
