@@ -159,3 +159,22 @@ def test_remove_restores_a_bert_encoder_as_from_pretrained_loads_it(tmp_path):
     ids = torch.tensor([[3, 7, 11]])
     with torch.no_grad():
         assert torch.equal(model(ids).last_hidden_state, reference(ids).last_hidden_state)
+
+
+def test_a_memmap_folder_maps_each_tensor_at_its_reference_offset_without_a_copy(llama, tmp_path):
+    """Each file holds its tensor's bytes at its reference offset, so the mapping itself is handed out (no copy per
+    forward) at the offset ``from_pretrained`` gives the tensor, in a new folder and a reused one."""
+    folder, _, _ = llama
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    want = {name: address_offset(p) for name, p in reference.state_dict().items()}
+    for build in ("new", "reused"):
+        model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage="memmap",
+                                             offload_folder=tmp_path / "off", execution_device="cpu")
+        store = model.offload_state.store
+        assert store.reused == (build == "reused") and len(store) > 4
+        assert {store.offset(n) for n in store} - {0}, "the checkpoint must put offloaded weights off 64 bytes"
+        for name in store:
+            handed = store[name]
+            assert handed.data_ptr() == store._mapped(name).data_ptr(), name  # the mapping itself, not a copy
+            assert address_offset(handed) == store.offset(name) == want[name], name
+        model.offload_state.remove()
