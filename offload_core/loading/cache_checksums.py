@@ -6,18 +6,13 @@ its bytes changes its times); any other is hashed and compared, so damaged bytes
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from offload_core.atomic import atomic_write
-from offload_core.storage.folder_guard import checksum
+from offload_core.storage.folder_guard import checksum, matches, stamp
 
 CHECKSUMS = ".checksums"
-
-
-def _stamp(stat: os.stat_result) -> list[int]:
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
 def _files(folder: Path, skip: set[str]) -> list[str]:
@@ -30,7 +25,8 @@ def write_checksums(folder: Path, skip: set[str]) -> None:
     files = {}
     for name in _files(folder, skip | {CHECKSUMS}):
         path = folder / name
-        files[name] = {"xxh3_128": checksum(path), "stamp": _stamp(path.stat())}
+        recorded = stamp(path)
+        files[name] = {"xxh3_128": checksum(path), "stamp": recorded}
     with atomic_write(folder / CHECKSUMS) as tmp:
         tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -63,13 +59,11 @@ def damage(folder: Path, skip: set[str]) -> str | None:
         return f"{missing[0]} is missing"
     restamped = False
     for name, entry in files.items():
-        path = folder / name
-        stamp = _stamp(path.stat())
-        if stamp == entry["stamp"]:
-            continue
-        if checksum(path) != entry["xxh3_128"]:
+        same, now = matches(folder / name, entry["xxh3_128"], entry["stamp"])
+        if not same:
             return f"{name} does not match its checksum"
-        entry["stamp"], restamped = stamp, True
+        if now != entry["stamp"]:
+            entry["stamp"], restamped = now, True
     if restamped:  # copied or touched, content the same: remember, so the next run need not read it again
         try:
             with atomic_write(folder / CHECKSUMS) as tmp:

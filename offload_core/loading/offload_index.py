@@ -37,7 +37,9 @@ def load_offloaded_tensor(folder: str | Path, name: str, info: Mapping[str, Any]
         raise StorageError(f"offload folder {folder} lacks {path.name}: the folder does not match offload_index")
     shape = tuple(info["shape"]) or (1,)
     dtype = str(info["dtype"]).removeprefix("torch.")
-    array = np.memmap(path, dtype="int16" if dtype == "bfloat16" else dtype, mode="r", shape=shape)
+    # an offload_core folder puts a tensor with an "offset" that many bytes into its file (storage/folder.py)
+    array = np.memmap(path, dtype="int16" if dtype == "bfloat16" else dtype, mode="r", shape=shape,
+                      offset=int(info.get("offset", 0)))
     tensor = torch.from_numpy(np.array(array))
     if dtype == "bfloat16":
         tensor = tensor.view(torch.bfloat16)

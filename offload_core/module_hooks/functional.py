@@ -15,7 +15,7 @@ from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
 from offload_core.module_hooks.policy import Policy
-from offload_core.values import parse_size
+from offload_core.values import format_size, parse_size
 
 
 class FunctionalCallHook(ModuleHook):
@@ -85,6 +85,16 @@ def offload_by_budget(model: nn.Module, budget: int, tier: str = "cpu") -> dict[
     return offloaded
 
 
+def _spent(model: nn.Module, budget: int | None) -> int:
+    """Bytes :func:`offload_by_budget` offloads with ``budget`` (None: every parameter)."""
+    params = {id(p): p for p in model.parameters()}
+    if budget is None:
+        return sum(p.numel() * p.element_size() for p in params.values())
+    offloaded = offload_by_budget(model, budget)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return sum(named[n].numel() * named[n].element_size() for n in {id(named[n]): n for n in offloaded}.values())
+
+
 @dataclass
 class FunctionalCallConfig:
     name: str = "functional_call"
@@ -114,6 +124,24 @@ class FunctionalCall(Policy):
         main = "cpu" if cpu_run else (execution_device.index or 0)
         offloaded = offload_by_budget(model, self.cpu_offload, "disk" if cpu_run else "cpu")
         return {name: offloaded.get(name, main) for name in model.state_dict(keep_vars=True)}
+
+    def own_map_remedy(self, model: nn.Module, execution_device: torch.device, device: Any, short: int) -> str:
+        """The ``hook.cpu_offload`` that moves ``short`` bytes off ``device``: more offloaded when the run's own
+        device is over its budget, less when the offload tier is."""
+        assert self.cpu_offload is not None, "only a cpu_offload map is the policy's own"
+        main = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+        if device != main:
+            fits = max(self.cpu_offload - short, 0)
+            return f"set hook.cpu_offload to at most {fits} ({format_size(fits)})"
+        wanted = _spent(model, self.cpu_offload) + short
+        total = _spent(model, None)
+        if wanted > total:
+            return "no hook.cpu_offload fits (the buffers and the run's own memory alone exceed it)"
+        low, value = wanted, total  # the walk skips a tensor that does not fit: the least budget that offloads enough
+        while low < value:
+            middle = (low + value) // 2
+            low, value = (low, middle) if _spent(model, middle) >= wanted else (middle + 1, value)
+        return f"set hook.cpu_offload to at least {value} ({format_size(value)})"
 
     @property
     def granularity(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core.alignment import empty_at
 from offload_core.module_hooks.units import TransferStats, Unit, as_param
 from offload_core.planning.reservation import InFlight, reserve_units
 from offload_core.storage.residency import Residency
@@ -76,12 +77,21 @@ class PolicyHandle:
         for unit in self.units:
             for slot in unit.slots:
                 if slot.key not in restored:
-                    value = store[slot.key].to(device, copy=True)
+                    value = _restored(store, slot.key, device)
                     requires_grad = bool(slot.original is not None and slot.original.requires_grad)
                     restored[slot.key] = as_param(value, requires_grad) if slot.is_param else value
                 slot.set(restored[slot.key])
         self.removed = True
         return self.model
+
+
+def _restored(store: Mapping[str, torch.Tensor], key: str, device: torch.device) -> torch.Tensor:
+    """A real copy of ``store[key]`` on ``device``; on the cpu at the tensor's reference address offset (where the
+    model's in-memory load puts it, :mod:`offload_core.alignment`), so the restored model computes as that one does."""
+    value = store[key]
+    if device.type != "cpu" or not hasattr(store, "offset"):
+        return value.to(device, copy=True)
+    return empty_at(value.shape, value.dtype, store.offset(key)).copy_(value)
 
 
 class Policy(StrategyBase):
@@ -118,3 +128,7 @@ class Policy(StrategyBase):
         None to leave it to the placement."""
         return None
 
+    def own_map_remedy(self, model: nn.Module, execution_device: torch.device, device: Any, short: int) -> str:
+        """What the user can change in the policy's options so that its own map puts ``short`` fewer bytes on
+        ``device`` (the runner refuses a map over a budget in one line, naming this); empty when none."""
+        return ""

@@ -60,6 +60,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     device_map = read_device_map(path) if path else strategies.policy.own_device_map(model, device)
     if path:
         check_device_map_devices(device_map, device)
+    own = not path and device_map is not None
     if device_map is None:
         request = PlacementRequest(model=model, max_memory=settings.budgets, no_split_module_classes=no_split, dtype=dtype,
                                    special_dtypes=None, reserve=reserve)
@@ -68,6 +69,8 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     check_device_map(model, device_map, strict=True)
     summary = summarize_device_map(model, device_map, settings.max_memory, dtype=dtype)
     headroom = settings.headroom if device.type == "cpu" else 0
+    if own:
+        check_own_map_budgets(summary, settings, reserve, strategies, model)
     check_disk_budget(summary, settings.max_memory, block, headroom)
     predicted = predicted_bytes_per_token(model, device_map, strategies.policy, device, dtype, no_split)
     conversion = key_conversion(model, checkpoint)
@@ -112,6 +115,29 @@ def check_disk_budget(summary: dict, max_memory: dict, largest_block: int, headr
         f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
         f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
     )
+
+
+def check_own_map_budgets(summary: dict, settings: Settings, reserve: dict, strategies: Strategies, model: Any) -> None:
+    """A map the policy made itself keeps every budget as the placement's does (with the units in flight and, on
+    a CPU run, the headroom held back), or the run is refused in one line naming the option to change."""
+    budgets, max_memory = settings.budgets, settings.max_memory
+    for dev, info in summary["devices"].items():
+        if dev not in budgets:
+            continue
+        used = info["bytes"] + reserve.get(dev, 0)
+        if used <= budgets[dev]:
+            continue
+        short = used - budgets[dev]
+        held = budgets[dev] != max_memory[dev]
+        key = f"max_memory.{dev}"
+        room = f"{format_size(budgets[dev])} budget" + (
+            f" ({key}={format_size(max_memory[dev])} less headroom {format_size(max_memory[dev] - budgets[dev])})" if held else "")
+        in_flight = f" ({format_size(reserve[dev])} of it held back for units in flight)" if reserve.get(dev) else ""
+        remedy = strategies.policy.own_map_remedy(model, settings.execution_device, dev, short)
+        raise ConfigError(
+            f"hook={strategies.names.get('hook', '?')}'s own device map puts {format_size(used)} on {dev}{in_flight}, over "
+            f"its {room}: {remedy + ', or ' if remedy else ''}raise {key} to at least {max_memory[dev] + short} "
+            f"({format_size(max_memory[dev] + short)})")
 
 
 def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str = "generated token") -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from offload_core.storage.pagecache import libc
 
-__all__ = ["KERNEL_COPY", "FileSpan", "write_file"]
+__all__ = ["KERNEL_COPY", "FileSpan", "Padded", "write_file"]
 
 #: Linux: ``copy_file_range`` and a ``sendfile`` that writes to files copy file to file in the kernel
 KERNEL_COPY = hasattr(os, "copy_file_range")
@@ -75,11 +75,27 @@ def _reserve(fd: int, size: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
-def write_file(path: Path, data: bytes | memoryview | FileSpan) -> None:
+@dataclass(frozen=True)
+class Padded:
+    """``data`` written after ``lead`` zero bytes (so that, mapped from the file's start, it lies at ``lead`` modulo
+    any alignment up to a page)."""
+
+    lead: int
+    data: bytes | memoryview | FileSpan
+
+    def __len__(self) -> int:
+        return self.lead + len(self.data)
+
+
+def write_file(path: Path, data: bytes | memoryview | FileSpan | Padded) -> None:
     """Write ``data`` to a new file at ``path``, its blocks reserved first (flushing to the disk is the caller's)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with open(fd, "wb") as f:  # never through a symlink
         _reserve(f.fileno(), len(data))
+        if isinstance(data, Padded):
+            f.write(bytes(data.lead))
+            f.flush()
+            data = data.data
         if isinstance(data, FileSpan):
             data.copy_to(f.fileno())
         else:

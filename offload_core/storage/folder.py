@@ -1,11 +1,13 @@
 """An offload folder: one raw data file per tensor plus accelerate's ``index.json``, written atomically and reused when still valid.
 
-Layout (readable by accelerate's ``load_offloaded_weights``): ``index.json`` maps each tensor name to
-``{"dtype": ..., "shape": [...]}`` (plus, ours, ``"offset"`` where the tensor's reference address offset is not 0:
-see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes. Beside them, files of our own:
+Layout (accelerate's, as ``load_offloaded_weights`` reads it, for tensors whose entry has no ``offset``):
+``index.json`` maps each tensor name to ``{"dtype": ..., "shape": [...]}`` (plus, ours, ``"offset"`` where the
+tensor's reference address offset is not 0: see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes,
+after ``offset`` zero bytes, so that its mapping lies at the reference offset and is used as it is, never copied. Beside them, files of our own:
 ``.offload_core`` (our tag: the names of every file we wrote, so only those are ever removed),
 ``.offload_complete`` (written last: the fingerprint of what the folder holds and each file's xxh3-128
-checksum, verified before the folder is reused), and ``.lock``. No file in the folder is opened through a
+checksum and stamp, verified before the folder is reused: a file whose stamp (size, mtime, ctime, inode) is
+unchanged is trusted, any other is hashed again), and ``.lock``. No file in the folder is opened through a
 symlink.
 """
 
@@ -32,10 +34,10 @@ from offload_core.alignment import ALIGNMENT, address_offset, misplaced, placed,
 from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
-from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, write_file
+from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, Padded, write_file
 from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
-from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, open_nofollow,
-                                               safe_file_name)
+from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, matches,
+                                               open_nofollow, safe_file_name, stamp)
 from offload_core.storage.pagecache import drop, populate
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,8 @@ class FolderStore(Store):
     def __init__(self, context: StoreContext, verify: bool = True) -> None:
         self.verify = verify
         self.maps_checkpoint = context.maps_checkpoint
-        # memmap/2: the index records each tensor's reference offset
-        self.fingerprint = {"store": "memmap/2", **context.fingerprint}
+        # memmap/3: each tensor's bytes start at its reference offset in its file
+        self.fingerprint = {"store": "memmap/3", **context.fingerprint}
         self.temporary = context.offload_folder is None
         if self.temporary:
             remove_leftovers()  # the temporary folders of killed runs
@@ -160,18 +162,32 @@ class FolderStore(Store):
             return "verification (index.json is unreadable)"
         for name in index:
             safe_file_name(self.folder, name)  # an intact index naming paths outside the folder: refuse, never read
+        recorded = marker.get("stamps") if isinstance(marker.get("stamps"), dict) else {}
+        stamps = {}
         for file in [safe_file_name(self.folder, name).name for name in index]:
             path = self.folder / file
             try:
                 info = index[file.removesuffix(".dat")]
-                expected = int(np.prod(info["shape"], dtype=np.int64)) * dtype_from_name(info["dtype"]).itemsize
+                expected = int(np.prod(info["shape"], dtype=np.int64)) * dtype_from_name(info["dtype"]).itemsize + int(info.get("offset", 0))
                 if os.lstat(path).st_size != expected:
                     return f"verification ({file} has the wrong size)"
-                if self.verify and checksum(path) != sums.get(file):
-                    return f"verification ({file} does not match its checksum)"
+                if self.verify:  # a file unchanged since it was hashed is not read again (folder_guard.matches)
+                    same, stamps[file] = matches(path, sums.get(file), recorded.get(file))
+                    if not same:
+                        return f"verification ({file} does not match its checksum)"
             except (OSError, KeyError, TypeError, ValueError, StorageError):
                 return f"verification ({file} is missing or damaged)"
+        if any(now != recorded.get(file) for file, now in stamps.items()):
+            self._write_marker(sums, {**recorded, **stamps})  # copied or touched, the same bytes: not hashed again next time
         return None
+
+    def _write_marker(self, sums: dict[str, str], stamps: dict[str, list[int]]) -> None:
+        """Best effort: each file's checksum and stamp in the marker (else all are hashed again next time)."""
+        try:
+            with atomic_write(self.folder / COMPLETE) as tmp:
+                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode())
+        except OSError as exc:
+            log.info("memmap: could not record the verified stamps in %s (%s)", self.folder, exc)
 
     def _read_index(self) -> dict[str, dict]:
         try:
@@ -228,18 +244,17 @@ class FolderStore(Store):
         self._write(name, FileSpan(shard, start, end), checkpoint.dtype(key), checkpoint.shape(key), offset)
 
     def _write(self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> None:
-        """Write one tensor's file atomically: a temp file, then a rename; named in the tag before it is written."""
+        """Write one tensor's file atomically (a temp file, then a rename; named in the tag before it is written), its
+        bytes after ``offset`` zero bytes: mapped from the file's page-aligned start, they lie at their reference offset."""
         path = safe_file_name(self.folder, name)
         try:
             self._tag(path.name)
             with atomic_write(path, sync=False) as tmp:
-                self.write_file(tmp, data)
+                self.write_file(tmp, Padded(offset, data) if offset else data)
         except OSError as exc:
             raise self._failed(exc, f"writing {name!r}") from None
         self._written.append(path.name)
-        self._index[name] = {"dtype": dtype_name(dtype), "shape": list(shape)}
-        if offset:  # accelerate's entry as it is where the tensor is aligned
-            self._index[name]["offset"] = offset
+        self._index[name] = {"dtype": dtype_name(dtype), "shape": list(shape), **({"offset": offset} if offset else {})}
         self.bytes_written += len(data)
 
     def _tag(self, file_name: str) -> None:
@@ -301,12 +316,13 @@ class FolderStore(Store):
     def _seal(self) -> None:
         self._lock.reading()
         try:
-            sums = {}
-            for name in self._written:  # each file's checksum, read back as written, then the file flushed
+            sums, stamps = {}, {}
+            for name in self._written:  # each file's stamp and checksum, read back as written, then the file flushed
+                stamps[name] = stamp(self.folder / name)
                 sums[name] = checksum(self.folder / name)
                 fsync_path(self.folder / name, follow=False)
             with atomic_write(self.folder / COMPLETE) as tmp:  # flushed, renamed, the folder flushed
-                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums}).encode())
+                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode())
         except (OSError, StorageError) as exc:  # the folder stays unmarked: the next run rebuilds it
             log.warning("memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc)
         finally:
@@ -320,8 +336,7 @@ class FolderStore(Store):
 
     # -- reading ---------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
-        """The mapped tensor; a copy at its reference offset where this machine's kernels care and the mapping
-        (page aligned) does not start there."""
+        """The mapped tensor, at its reference offset (:meth:`_write`): never a copy."""
         return placed(self._mapped(name), self.offset(name))
 
     def offset(self, name: str) -> int:
@@ -341,7 +356,7 @@ class FolderStore(Store):
                 # file can never be changed through it; pages stay file-backed until written.
                 fd = open_nofollow(safe_file_name(self.folder, name))
                 with os.fdopen(fd, "rb") as handle:
-                    array = np.memmap(handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,))
+                    array = np.memmap(handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,), offset=self.offset(name))
                 with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode this call runs in
                     tensor = torch.from_numpy(array).view(dtype).reshape(shape)
             self._maps[name] = tensor
@@ -362,10 +377,10 @@ class FolderStore(Store):
 
     def warm(self, name: str) -> bool:
         mapped = self._mapped(name)  # a tensor handed out as a copy (misplaced) is fetched ahead by the caller
-        return populate(mapped, self.file_of(name), 0) and not misplaced(mapped, self.offset(name))
+        return populate(mapped, self.file_of(name), self.offset(name)) and not misplaced(mapped, self.offset(name))
 
     def drop(self, name: str) -> bool:
-        return drop(self._mapped(name), self.file_of(name), 0)
+        return drop(self._mapped(name), self.file_of(name), self.offset(name))
 
     def close(self) -> None:
         self.wait_until_sealed()

@@ -67,6 +67,22 @@ def checksum(path: Path) -> str:
     return digest.hexdigest()
 
 
+def stamp(path: Path) -> list[int]:
+    """What changes whenever a file's bytes may have (never through a symlink): its size, mtime and ctime (a write,
+    a truncation, a touch) and inode (a replacement)."""
+    info = os.lstat(path)
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino]
+
+
+def matches(path: Path, digest: object, recorded: object) -> tuple[bool, list[int]]:
+    """Whether the file at ``path`` holds the bytes whose :func:`checksum` is ``digest``, and its stamp now. The one
+    rule for the files offload_core trusts (offload folders, model caches): a file whose :func:`stamp` equals the
+    one ``recorded`` when it was last hashed is trusted without reading it; any other is hashed and compared. The
+    stamp is taken before hashing, so a change while it is hashed is seen next time."""
+    now = stamp(path)
+    return (now == recorded or checksum(path) == digest), now
+
+
 class _Held:
     def __init__(self, fd: int) -> None:
         self.fd = fd

@@ -200,3 +200,59 @@ def test_stores_hand_out_a_put_tensor_at_its_own_offset(kind, tmp_path):
             assert address_offset(store["w"]) == 0
     assert torch.equal(torch.nn.functional.linear(x, store["w"]), torch.nn.functional.linear(x, weight))
     store.close()
+
+
+@pytest.mark.parametrize("store,policy", [("memmap", "align_per_call"), ("safetensors", "prefetch"),
+                                          ("pinned_cpu", "functional_call"), ("memmap", "chained")])
+def test_remove_restores_the_address_offsets_from_pretrained_gives(llama, store, policy, tmp_path):
+    """After ``offload_state.remove()`` every weight sits at the address offset ``from_pretrained`` gives it and
+    the model computes as that one does, bit for bit."""
+    folder, ids, want = llama
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
+    assert len(set(offsets.values())) > 1, "the checkpoint must put weights at several offsets"
+    model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
+                                         offload_folder=tmp_path / "off", execution_device="cpu")
+    assert "disk" in model.hf_device_map.values()
+    model.offload_state.remove()
+    assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+
+def test_remove_restores_a_bert_encoder_as_from_pretrained_loads_it(tmp_path):
+    """The same for an encoder (no tied head, layer norms with biases), saved in shards by transformers."""
+    from transformers import AutoModel, BertConfig
+
+    config = BertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=200)
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(tmp_path / "bert", max_shard_size="40KB")
+    reference = AutoModel.from_pretrained(tmp_path / "bert").eval()
+    offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
+    model = offload_core.from_pretrained(tmp_path / "bert", max_memory={"cpu": 60_000}, storage="memmap",
+                                         policy="align_per_call", offload_folder=tmp_path / "off", execution_device="cpu")
+    assert "disk" in model.hf_device_map.values()
+    model.offload_state.remove()
+    assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
+    ids = torch.tensor([[3, 7, 11]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).last_hidden_state, reference(ids).last_hidden_state)
+
+
+def test_a_memmap_folder_maps_each_tensor_at_its_reference_offset_without_a_copy(llama, tmp_path):
+    """Each file holds its tensor's bytes at its reference offset, so the mapping itself is handed out (no copy per
+    forward) at the offset ``from_pretrained`` gives the tensor, in a new folder and a reused one."""
+    folder, _, _ = llama
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    want = {name: address_offset(p) for name, p in reference.state_dict().items()}
+    for build in ("new", "reused"):
+        model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage="memmap",
+                                             offload_folder=tmp_path / "off", execution_device="cpu")
+        store = model.offload_state.store
+        assert store.reused == (build == "reused") and len(store) > 4
+        assert {store.offset(n) for n in store} - {0}, "the checkpoint must put offloaded weights off 64 bytes"
+        for name in store:
+            handed = store[name]
+            assert handed.data_ptr() == store._mapped(name).data_ptr(), name  # the mapping itself, not a copy
+            assert address_offset(handed) == store.offset(name) == want[name], name
+        model.offload_state.remove()

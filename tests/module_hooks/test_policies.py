@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -60,6 +62,31 @@ def test_offload_by_budget_follows_vllm_rule():
     assert spent <= budget
     # Later small parameters that still fit are taken: a module can end up half offloaded.
     assert any(n.endswith("input_layernorm.weight") for n in offloaded)
+
+
+def _plan_only(tmp_path, *overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "model=synthetic", "hook=functional_call", "max_memory.cpu=1MiB", "plan_only=true", "progress=false", *overrides])
+    return run(cfg, output_dir=tmp_path)
+
+
+def test_functional_call_cpu_offload_never_exceeds_the_cpu_budget(tmp_path):
+    """Too little offloaded by ``hook.cpu_offload`` leaves more on cpu than its budget: refused in one line naming
+    the option and the least value that fits; that value plans within the budget, one byte less does not."""
+    from offload_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"hook.cpu_offload to at least (\d+)") as refused:
+        _plan_only(tmp_path, "hook.cpu_offload=100KiB")
+    message = str(refused.value)
+    assert "\n" not in message and "over its" in message and "max_memory.cpu" in message
+    least = int(re.search(r"hook.cpu_offload to at least (\d+)", message).group(1))
+    result = _plan_only(tmp_path / "fits", f"hook.cpu_offload={least}")
+    cpu = result.summary["devices"]["cpu"]
+    assert cpu["bytes"] <= cpu["budget"] - result.plan["headroom"]
+    with pytest.raises(ConfigError, match="hook.cpu_offload"):
+        _plan_only(tmp_path / "short", f"hook.cpu_offload={least - 1}")
 
 
 @pytest.mark.slow  # a whole run

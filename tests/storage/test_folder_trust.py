@@ -44,6 +44,13 @@ def flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _flip_keeping_times(path: Path) -> None:
+    """Damage as a careless tool would: the bytes changed, the size and mtime put back (the ctime still moves)."""
+    before = os.stat(path)
+    flip(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
 def swap(folder: Path) -> None:
     a, b = (folder / "a.dat").read_bytes(), (folder / "b.dat").read_bytes()
     (folder / "a.dat").write_bytes(b)
@@ -61,6 +68,7 @@ def edit_index(change) -> callable:
 DAMAGE = {
     "flipped bytes": lambda folder: flip(folder / "a.dat"),
     "swapped files": swap,
+    "flipped bytes, times put back": lambda folder: _flip_keeping_times(folder / "a.dat"),
     "truncated file": lambda folder: os.truncate(folder / "b.dat", 10),
     "removed file": lambda folder: (folder / "c.dat").unlink(),
     "index shape edited": edit_index(lambda index: index["a"].update(shape=[8, 8])),
@@ -94,6 +102,40 @@ def test_a_mismatch_is_said_in_one_line(tmp_path, capfd):
     lines = [line for line in capfd.readouterr().err.splitlines() if "failed verification" in line]
     assert lines == [f"offload_core: offload folder {folder} failed verification (a.dat does not match its checksum); "
                      "rebuilding it"]
+
+
+def _hashed(monkeypatch) -> list[str]:
+    """The names of the files hashed from now on."""
+    import offload_core.storage.folder as folder_module
+    import offload_core.storage.folder_guard as guard
+
+    names, real = [], guard.checksum
+
+    def counting(path):
+        names.append(Path(path).name)
+        return real(path)
+    monkeypatch.setattr(guard, "checksum", counting)
+    monkeypatch.setattr(folder_module, "checksum", counting)
+    return names
+
+
+def test_reuse_hashes_only_what_changed_since_it_was_hashed(tmp_path, monkeypatch):
+    """Verification stays on and costs almost nothing: a data file whose stamp (size, times, inode) is as recorded is
+    not read; a touched one (same bytes) is hashed once, then trusted again; damaged bytes are always caught
+    (``test_a_damaged_folder_is_rebuilt_and_reads_right``)."""
+    folder = tmp_path / "off"
+    built(folder)
+    hashed = _hashed(monkeypatch)
+    store = build(folder)
+    assert store.reused and [n for n in hashed if n.endswith(".dat")] == []
+    assert_right(store)
+    store.close()
+    os.utime(folder / "b.dat")
+    again = build(folder)
+    assert again.reused and [n for n in hashed if n.endswith(".dat")] == ["b.dat"]
+    again.close()
+    build(folder).close()
+    assert [n for n in hashed if n.endswith(".dat")] == ["b.dat"]
 
 
 def test_verify_false_trusts_sizes_only(tmp_path):
