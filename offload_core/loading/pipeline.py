@@ -171,9 +171,10 @@ def component_no_split(empty: EmptyPipeline, whole_limit: int | None, dtype: tor
 class _EntryPatches:
     """Undoes :func:`attach_entries`: the components' own methods and classes come back."""
 
-    def __init__(self, patched: list[tuple[nn.Module, str]], modules: list[nn.Module]) -> None:
+    def __init__(self, patched: list[tuple[nn.Module, str]], modules: list[nn.Module], pipeline: Any) -> None:
         self.patched = patched
         self.modules = modules
+        self.pipeline = pipeline
 
     def remove(self) -> None:
         from offload_core.loading.model_device import restore_device_report
@@ -182,6 +183,8 @@ class _EntryPatches:
             module.__dict__.pop(method, None)
         for module in self.modules:
             restore_device_report(module)
+        if getattr(type(self.pipeline), "_offload_core_pipeline", False):
+            self.pipeline.__class__ = type(self.pipeline).__bases__[0]
 
 
 def attach_entries(empty: EmptyPipeline, execution_device: torch.device) -> _EntryPatches:
@@ -206,4 +209,4 @@ def attach_entries(empty: EmptyPipeline, execution_device: torch.device) -> _Ent
     pipeline.offload_modules = empty.modules
     pipeline.offload_state = empty.modules.offload_state
     pipeline.hf_device_map = empty.modules.hf_device_map
-    return _EntryPatches(patched, list(empty.modules.children()))
+    return _EntryPatches(patched, list(empty.modules.children()), pipeline)

@@ -98,3 +98,12 @@ def test_chained_moves_each_component_whole_once_and_keeps_it_until_the_next(pip
 def _stored_bytes(path) -> int:
     with PipelineCheckpoint.open_components(path, ["text_encoder", "unet", "vae"]) as checkpoint:
         return checkpoint.total_bytes()
+
+
+def test_remove_gives_back_the_in_memory_pipeline(pipeline_dir, reference):
+    pipeline = offload_core.from_pretrained(pipeline_dir, device_map=ALL_ON_DISK, storage="pinned_cpu")
+    decode = type(pipeline.vae).decode
+    pipeline.offload_state.remove()
+    assert type(pipeline).__name__ == "StableDiffusionPipeline" and "decode" not in vars(pipeline.vae)
+    assert type(pipeline.vae).decode is decode and pipeline.unet.conv_in.weight.device.type == "cpu"
+    assert torch.equal(images(pipeline), reference)
