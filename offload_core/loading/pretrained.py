@@ -41,14 +41,16 @@ def from_pretrained(
 
     ``policy`` None is ``align_per_call``. A diffusers pipeline folder (one with ``model_index.json``) gives the
     pipeline, its module components planned as one model (keys prefixed by component) and dispatched; its
-    ``policy`` None is ``chained``: a component moves in when called and stays until the next one is called.
+    ``policy`` None is ``prefetch`` (it measured fastest on CPU: bench/results/diffusion-192.md); ``chained`` moves a
+    component whole when called and keeps it until the next one is called (components up to half the execution
+    device's budget move whole; larger ones split at their own blocks).
     """
     from offload_core.loading.pipeline import is_pipeline_folder
 
     if is_pipeline_folder(path):
         from offload_core.loading.pipeline_load import pipeline_from_pretrained
 
-        return pipeline_from_pretrained(path, max_memory, placement, storage, policy or "chained", offload_folder, dtype,
+        return pipeline_from_pretrained(path, max_memory, placement, storage, policy or "prefetch", offload_folder, dtype,
                                         device_map=device_map, execution_device=execution_device, progress=progress,
                                         page_cache=page_cache)
     policy = policy or "align_per_call"
