@@ -76,7 +76,7 @@ def _loaded(pipeline) -> dict[str, bool]:
 
 
 def test_chained_moves_each_component_whole_once_and_keeps_it_until_the_next(pipeline_dir, reference):
-    pipeline = offload_core.from_pretrained(pipeline_dir, device_map=ALL_ON_DISK, storage="safetensors")
+    pipeline = offload_core.from_pretrained(pipeline_dir, device_map=ALL_ON_DISK, policy="chained", storage="safetensors")
     seen: list[tuple[str, dict[str, bool]]] = []
     # inside each component, once its module hooks ran: which components are loaded then
     for name, inner in (("text_encoder", pipeline.text_encoder.embeddings),
