@@ -16,7 +16,8 @@ from offload_core.loading.pipeline_checkpoint import PipelineCheckpoint
 from tests.pipelines.conftest import images
 
 POLICIES = ["align_per_call", "chained", "experts", "functional_call", "prefetch"]
-STORES = ["memmap", "pinned_cpu", "safetensors"]
+#: memmap writes its folder (369 small files, each synced) once per worker: seconds, so it runs with the slow tests
+STORES = [pytest.param("memmap", marks=pytest.mark.slow), "pinned_cpu", "safetensors"]
 #: every component offloaded whole: the text encoder, the UNet and the VAE all come from the store
 ALL_ON_DISK = {"text_encoder": "disk", "unet": "disk", "vae": "disk"}
 
