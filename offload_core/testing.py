@@ -221,3 +221,57 @@ def check_policy_reservation(policy: Any) -> list[dict]:
                         f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: the unit that runs must fit there")
                 answers.append(reserve)
     return answers
+
+
+def _tiny_clip_tokenizer(directory: Path) -> Any:
+    """A CLIP tokenizer over a 60-word vocabulary (its ``vocab.json`` and ``merges.txt`` written here)."""
+    import json
+
+    from transformers import CLIPTokenizer
+
+    words = ["a", "photo", "of", "cat", "dog", "red", "blue", "the", "on", "in"]
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2}
+    for char in "abcdefghijklmnopqrstuvwxyz":
+        vocab.setdefault(char, len(vocab))
+        vocab.setdefault(char + "</w>", len(vocab))
+    for word in words:
+        vocab.setdefault(word + "</w>", len(vocab))
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (directory / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    return CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=16)
+
+
+def tiny_pipeline(directory: str | Path, scheduler: str = "ddim") -> Any:
+    """A seeded Stable Diffusion pipeline small enough for a test (UNet of 2 blocks of 8/16 channels, a 2-layer CLIP
+    text encoder of width 32, an AutoencoderKL of 8/16 channels) saved to ``directory`` with diffusers'
+    ``save_pretrained``; returns the in-memory pipeline. Needs the ``diffusion`` extra."""
+    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    directory = Path(directory)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
+                                out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                                attention_head_dim=2, norm_num_groups=4)
+    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+                        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4, sample_size=16)
+    tokenizer = _tiny_clip_tokenizer(directory / "_tokenizer_source")
+    text_config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                                 pad_token_id=1, projection_dim=32)
+    text_encoder = CLIPTextModel(text_config)
+    kinds = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
+    sched = kinds[scheduler](beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False) \
+        if scheduler == "ddim" else kinds[scheduler](beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=sched,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(directory, safe_serialization=True)
+    import shutil
+
+    shutil.rmtree(directory / "_tokenizer_source")
+    return pipe

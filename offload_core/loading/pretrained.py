@@ -14,7 +14,7 @@ def from_pretrained(
     max_memory: Mapping[Any, int | str] | None = None,
     placement: str | Any = "sequential",
     storage: str | Any = "memmap",
-    policy: str | Any = "align_per_call",
+    policy: str | Any | None = None,
     offload_folder: str | Path | None = None,
     dtype: torch.dtype | str | None = None,
     task: str | None = None,
@@ -38,12 +38,26 @@ def from_pretrained(
     rest is streamed, each dropped once it has run (``"auto"``: the memory available less the cpu budget and a
     margin; a size such as ``"8GiB"``; ``0`` streams every block). None (or ``"lru"``) leaves what stays to the
     kernel's cache. The kept set's figures are in ``model.offload_state.handle.counters()``.
+
+    ``policy`` None is ``align_per_call``. A diffusers pipeline folder (one with ``model_index.json``) gives the
+    pipeline, its module components planned as one model (keys prefixed by component) and dispatched; its
+    ``policy`` None is ``prefetch`` (it measured fastest on CPU: bench/results/diffusion-192.md); ``chained`` moves a
+    component whole when called and keeps it until the next one is called (components up to half the execution
+    device's budget move whole; larger ones split at their own blocks).
     """
+    from offload_core.loading.pipeline import is_pipeline_folder
+
+    if is_pipeline_folder(path):
+        from offload_core.loading.pipeline_load import pipeline_from_pretrained
+
+        return pipeline_from_pretrained(path, max_memory, placement, storage, policy or "prefetch", offload_folder, dtype,
+                                        device_map=device_map, execution_device=execution_device, progress=progress,
+                                        page_cache=page_cache)
+    policy = policy or "align_per_call"
     from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.loading.dispatch import _resolve, default_execution_device, load_checkpoint_and_dispatch
-    from offload_core.loading.reserve import reserve_for
+    from offload_core.loading.dispatch import default_execution_device
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
-    from offload_core.planning import PlacementRequest, get_max_memory
+    from offload_core.planning import get_max_memory
     from offload_core.planning.budgets import check_budgets, check_execution_device
     from offload_core.values import parse_dtype
 
@@ -56,11 +70,30 @@ def from_pretrained(
     if max_memory is not None:  # checked as run.py checks its max_memory, before anything is built
         check_budgets(get_max_memory(max_memory, check_devices=False), device)
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    storage, policy = _resolve("storage", storage), _resolve("policy", policy)
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it
     try:
         if given:
             check_task_fits(model, checkpoint, task, what="task")
+    except BaseException:
+        checkpoint.close()
+        raise
+    return plan_and_dispatch(model, checkpoint, max_memory, placement, storage, policy, offload_folder, dtype, device_map,
+                             device, no_split, progress, page_cache)
+
+
+def plan_and_dispatch(model: nn.Module, checkpoint: Any, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
+                      storage: str | Any, policy: str | Any, offload_folder: str | Path | None, dtype: torch.dtype | None,
+                      device_map: Mapping[str, int | str] | None, device: torch.device, no_split: list[str],
+                      progress: bool, page_cache: int | str | None) -> nn.Module:
+    """Plan ``model`` (empty) within ``max_memory`` unless ``device_map`` is given, and load the opened ``checkpoint``
+    into it with ``storage`` and ``policy`` (closing the checkpoint if that fails): what :func:`from_pretrained` does
+    once the model is built."""
+    from offload_core.loading.dispatch import _resolve, load_checkpoint_and_dispatch
+    from offload_core.loading.reserve import reserve_for
+    from offload_core.planning import PlacementRequest, get_max_memory
+
+    storage, policy = _resolve("storage", storage), _resolve("policy", policy)
+    try:
         budgets = get_max_memory(max_memory) if device_map is None or page_cache is not None else {}
         if device_map is None:
             reserve = reserve_for(model, checkpoint, policy, storage, device, no_split, dtype, budgets.get("cpu"))

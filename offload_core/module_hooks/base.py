@@ -96,6 +96,12 @@ def add_hook_to_module(module: nn.Module, hook: ModuleHook) -> ModuleHookHandle:
     return ModuleHookHandle(module, hook)
 
 
+def call_with_module_hooks(module: nn.Module, method: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``method`` (another entry of ``module``, such as a VAE's ``decode``) inside ``module``'s module hooks, as
+    its ``forward`` is called."""
+    return _run(module, list(module.__dict__.get(_HOOKS, ())), method, args, kwargs)
+
+
 def _run(module: nn.Module, hooks: list[ModuleHook], old_forward: Callable, args: tuple, kwargs: dict) -> Any:
     current = list(hooks)
     started: list[ModuleHook] = []

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from offload_core.errors import ConfigError
+from offload_core.loading.pipeline import is_pipeline_folder
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
 from offload_core.runner.batch_job import read_batches, run_batched
 from offload_core.runner.encode import run_encoder
@@ -32,6 +33,10 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     return_freed_memory_to_os()
     settings = read_settings(cfg, output_dir)
     strategies = build_strategies(settings)
+    if is_pipeline_folder(settings.model.get("path")):
+        from offload_core.runner.pipeline_job import run_pipeline
+
+        return run_pipeline(settings, strategies, labels or {})
     run_model = open_model(settings.model, settings.dtype)
     with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
         check_run_task(cfg, run_model, checkpoint)

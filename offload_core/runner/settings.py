@@ -37,6 +37,22 @@ class ModelConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``, ``prompts``,
+    ``batch_size`` and ``seed``."""
+
+    negative_prompt: Optional[str] = None
+    num_inference_steps: int = 20
+    #: image size in pixels (default: the pipeline's own)
+    height: Optional[int] = None
+    width: Optional[int] = None
+    guidance_scale: float = 7.5
+    #: components no larger than this move whole (chained: each stays until the next is called); larger ones split at
+    #: their own blocks. auto: half the execution device's budget; a size; 0 splits every component at its blocks
+    whole_components: str = "auto"
+
+
+@dataclass
 class RunConfig:
     """Top-level keys of ``conf/config.yaml``."""
 
@@ -91,6 +107,8 @@ class RunConfig:
     progress: bool = True
     #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction
     calibrate: bool = False
+    #: diffusers pipelines only
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 MODEL_PRESETS = {

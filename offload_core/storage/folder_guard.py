@@ -58,7 +58,8 @@ def checksum(path: Path) -> str:
     fd = open_nofollow(path)
     try:
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as handle:
-            buffer = bytearray(_CHUNK)
+            # no larger than the file: a folder of many small tensors would otherwise zero a whole chunk per file
+            buffer = bytearray(max(1, min(_CHUNK, os.fstat(fd).st_size)))
             view = memoryview(buffer)
             while count := handle.readinto(view):
                 digest.update(view[:count])

@@ -1,0 +1,182 @@
+"""A synthetic Stable-Diffusion-shaped pipeline larger than its cpu budget (about a third of it in RAM, the rest on
+disk): offload_core (chained whole components, prefetch) against diffusers' own offloading (sequential cpu offload,
+block-level group offloading to disk) where they run on this CPU. Fresh processes, same seed; per configuration the
+time per image and per denoising step, peak anonymous RSS, bytes moved and bytes read from disk per step, and whether
+the image equals the in-memory one. Figures go to bench/results/diffusion-<size>.{json,md}.
+
+    python bench/diffusion.py --width 192            # about 0.4 GB float32 (the loaded-machine default)
+    flock /tmp/bench.lock python bench/diffusion.py --width 448   # about 2 GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ["in_memory", "ours_chained", "ours_prefetch", "diffusers_sequential", "diffusers_group_disk"]
+
+
+def build(folder: Path, width: int) -> int:
+    """Save a seeded pipeline whose UNet has channels (width, 2 width, 2 width) to ``folder``; its bytes."""
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from offload_core.testing import _tiny_clip_tokenizer
+
+    if (folder / "model_index.json").is_file():
+        return sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(block_out_channels=(width, 2 * width, 2 * width), layers_per_block=2, sample_size=16,
+                                cross_attention_dim=2 * width, attention_head_dim=8, norm_num_groups=32,
+                                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"))
+    vae = AutoencoderKL(block_out_channels=(width // 2, width), latent_channels=4, norm_num_groups=32,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+    tokenizer = _tiny_clip_tokenizer(folder / "_tokenizer")
+    text = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=2 * width, intermediate_size=8 * width,
+                                        num_hidden_layers=6, num_attention_heads=8, max_position_embeddings=16,
+                                        bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet,
+                                   scheduler=DDIMScheduler(clip_sample=False), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(folder)
+    import shutil
+
+    shutil.rmtree(folder / "_tokenizer")
+    return sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
+
+
+def disk_read_bytes() -> int:
+    with open("/proc/self/io") as handle:
+        return int(next(line for line in handle if line.startswith("read_bytes")).split()[1])
+
+
+def worker(config: str, path: str, budget: int, steps: int, size: int, out: str) -> None:
+    """One configuration in this (fresh) process: load, one image to warm up, one timed image."""
+    import torch
+
+    import diffusers  # noqa: F401  (imported before the baseline: RSS counts the pipeline, not the libraries)
+
+    import offload_core
+    from offload_core.runner.metrics import MemoryMonitor
+
+    torch.manual_seed(0)
+    memory = MemoryMonitor().__enter__()
+    started = time.perf_counter()
+    moved = None
+    if config.startswith("ours_"):
+        pipe = offload_core.from_pretrained(path, max_memory={"cpu": budget}, storage="safetensors",
+                                            policy=config.removeprefix("ours_"), execution_device="cpu")
+        moved = pipe.offload_state.stats
+    else:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
+        if config == "diffusers_sequential":
+            pipe.enable_sequential_cpu_offload(device="cpu")
+        elif config == "diffusers_group_disk":
+            pipe.enable_group_offload(onload_device=torch.device("cpu"), offload_type="block_level",
+                                      num_blocks_per_group=1, offload_to_disk_path=tempfile.mkdtemp(dir=out))
+    load_s = time.perf_counter() - started
+    pipe.set_progress_bar_config(disable=True)
+    step_times: list[float] = []
+    step_reads: list[int] = []
+    mark = [time.perf_counter(), disk_read_bytes()]
+
+    def on_step(pipeline, step, timestep, kwargs):
+        now, reads = time.perf_counter(), disk_read_bytes()
+        step_times.append(now - mark[0])
+        step_reads.append(reads - mark[1])
+        mark[:] = [now, reads]
+        return kwargs
+
+    call = dict(prompt="a photo of a red cat", num_inference_steps=steps, height=size, width=size, output_type="pt")
+    pipe(**call, generator=torch.Generator().manual_seed(0))
+    if moved is not None:
+        moved.reset()
+    step_times.clear(), step_reads.clear()
+    began = time.perf_counter()
+    mark[:] = [began, disk_read_bytes()]
+    image = pipe(**call, generator=torch.Generator().manual_seed(0), callback_on_step_end=on_step).images
+    elapsed = time.perf_counter() - began
+    memory.__exit__(None, None, None)
+    torch.save(image, Path(out) / f"{config}.pt")
+    print(json.dumps({"config": config, "load_s": load_s, "s_per_image": elapsed,
+                      "s_per_step": sum(step_times[1:]) / max(len(step_times) - 1, 1),
+                      "peak_anon_rss_bytes": memory.anon_delta, "bytes_moved_per_image": moved.bytes if moved else None,
+                      "disk_bytes_read_per_step": sum(step_reads[1:]) // max(len(step_reads) - 1, 1)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=192, help="UNet's first channel count (448: about 2 GB)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--size", type=int, default=64, help="image size in pixels")
+    parser.add_argument("--folder", type=Path, default=None, help="where the pipeline is saved (kept for reruns)")
+    parser.add_argument("--configs", nargs="*", default=CONFIGS)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, str(args.folder), args.budget, args.steps, args.size, args.out)
+    folder = args.folder or Path(tempfile.gettempdir()) / f"offload-bench-diffusion-{args.width}"
+    total = build(folder, args.width)
+    budget = total // 3
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for config in args.configs:
+            command = [sys.executable, __file__, "--worker", config, "--folder", str(folder), "--budget", str(budget),
+                       "--steps", str(args.steps), "--size", str(args.size), "--out", out]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=3600,
+                                  env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            if done.returncode != 0:
+                lines = [line for line in done.stderr.strip().splitlines() if "Error" in line] or done.stderr.strip().splitlines() or ["?"]
+                rows.append({"config": config, "error": lines[-1][:300]})
+            else:
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(rows[-1], flush=True)
+        import torch
+
+        reference = torch.load(Path(out) / "in_memory.pt") if (Path(out) / "in_memory.pt").exists() else None
+        for row in rows:
+            file = Path(out) / f"{row['config']}.pt"
+            if reference is not None and file.exists():
+                row["same_image_as_in_memory"] = bool(torch.equal(torch.load(file), reference))
+    write(rows, args, total, budget)
+
+
+def write(rows: list[dict], args: argparse.Namespace, total: int, budget: int) -> None:
+    results = REPO / "bench" / "results"
+    results.mkdir(exist_ok=True)
+    name = f"diffusion-{args.width}"
+    meta = {"pipeline_bytes": total, "cpu_budget_bytes": budget, "steps": args.steps, "size": args.size,
+            "load_average": os.getloadavg(), "cpus": os.cpu_count()}
+    (results / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# Diffusion pipeline offload, {total / 1e9:.2f} GB float32, cpu budget {budget / 1e9:.2f} GB (CPU only)",
+             "", f"{args.steps} steps of a {args.size}x{args.size} image, warm page cache, fresh process per row; "
+             f"load average {meta['load_average'][0]:.1f} on {meta['cpus']} cores (a shared machine: indicative only).",
+             "", "| config | s/image | s/step | peak anon RSS | moved/image | disk read/step | same image |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['config']} | failed: {row['error']} | | | | | |")
+            continue
+        moved = row["bytes_moved_per_image"]
+        lines.append(f"| {row['config']} | {row['s_per_image']:.2f} | {row['s_per_step']:.2f} | "
+                     f"{row['peak_anon_rss_bytes'] / 1e6:.0f} MB | {'' if moved is None else f'{moved / 1e6:.0f} MB'} | "
+                     f"{row['disk_bytes_read_per_step'] / 1e6:.1f} MB | {row.get('same_image_as_in_memory', '')} |")
+    (results / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

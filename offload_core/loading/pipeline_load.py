@@ -1,0 +1,57 @@
+"""``from_pretrained`` for a diffusers pipeline folder: one plan over every module component, one store, one policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from offload_core.loading.pipeline import EmptyPipeline, attach_entries, build_empty_pipeline, component_no_split
+
+
+def whole_limit(budgets: Mapping[Any, int], device: torch.device) -> int | None:
+    """The largest component that moves whole: half the execution device's budget (the rest holds what runs beside
+    it); None (any) when that device has no budget."""
+    key = "cpu" if device.type == "cpu" else (device.index or 0)
+    budget = budgets.get(key)
+    return None if budget is None else budget // 2
+
+
+def open_pipeline(path: str | Path, dtype: torch.dtype | None, limit: int | None,
+                  no_split: list[str] | None = None) -> tuple[EmptyPipeline, Any, list[str]]:
+    """The empty pipeline, its components' weights as one checkpoint, and the no-split classes its plan uses
+    (``no_split`` when given, else each component of at most ``limit`` bytes whole: :func:`component_no_split`)."""
+    from offload_core.loading.pipeline_checkpoint import PipelineCheckpoint
+
+    empty = build_empty_pipeline(path, dtype)
+    classes = list(no_split) if no_split else component_no_split(empty, limit, empty.dtype)
+    checkpoint = PipelineCheckpoint.open_components(Path(path).expanduser(), list(empty.modules._modules))
+    return empty, checkpoint, classes
+
+
+def finish_dispatch(empty: EmptyPipeline, device: torch.device) -> Any:
+    """After the components are dispatched: their entries run the module hooks; the pipeline, ready, is returned."""
+    entries = attach_entries(empty, device)
+    empty.modules.offload_state.extra_handles.append(entries)
+    return empty.pipeline
+
+
+def pipeline_from_pretrained(path: str | Path, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
+                             storage: str | Any, policy: str | Any, offload_folder: str | Path | None,
+                             dtype: torch.dtype | str | None, *, device_map: Mapping[str, int | str] | None = None,
+                             execution_device: torch.device | str | None = None, progress: bool = False,
+                             page_cache: int | str | None = None, no_split_module_classes: list[str] | None = None) -> Any:
+    """The diffusers pipeline of ``path``, its components planned in one device map within ``max_memory`` and
+    dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a model's."""
+    from offload_core.loading.dispatch import default_execution_device
+    from offload_core.loading.pretrained import plan_and_dispatch
+    from offload_core.planning import get_max_memory
+    from offload_core.values import parse_dtype
+
+    device = torch.device(execution_device) if execution_device is not None else default_execution_device()
+    budgets = get_max_memory(max_memory)
+    empty, checkpoint, no_split = open_pipeline(path, parse_dtype(dtype), whole_limit(budgets, device), no_split_module_classes)
+    plan_and_dispatch(empty.modules, checkpoint, max_memory, placement, storage, policy, offload_folder, empty.dtype,
+                      device_map, device, no_split, progress, page_cache)
+    return finish_dispatch(empty, device)

@@ -1,0 +1,180 @@
+"""A run of a diffusers pipeline folder: plan its components as one model, dispatch, make the images, report."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload_core.runner.model import RunModel, resolve_checkpoint
+from offload_core.runner.plan import make_plan, print_plan, write_plan
+from offload_core.runner.results import RunResult
+from offload_core.runner.settings import Settings, Strategies
+
+
+def whole_components(settings: Settings) -> int | None:
+    """``pipeline.whole_components`` in bytes (auto: half the execution device's budget; None: no limit)."""
+    from offload_core.loading.pipeline_load import whole_limit
+    from offload_core.values import parse_size
+
+    value = str(settings.cfg.pipeline.whole_components)
+    if value == "auto":
+        return whole_limit(settings.budgets, settings.execution_device)
+    return parse_size(value, what="pipeline.whole_components")
+
+
+def pipeline_prompts(cfg: Any) -> list[str]:
+    """The run's prompts: the ``prompts`` file's, else ``[prompt]``."""
+    from offload_core.runner.batch import read_prompts
+
+    return read_prompts(cfg.prompts) if cfg.get("prompts") else [cfg.prompt]
+
+
+def call_kwargs(cfg: Any) -> dict[str, Any]:
+    """The pipeline call's arguments from ``cfg.pipeline`` (unset sizes left to the pipeline)."""
+    section = cfg.pipeline
+    kwargs = {"num_inference_steps": section.num_inference_steps, "guidance_scale": section.guidance_scale}
+    for key in ("negative_prompt", "height", "width"):
+        if section.get(key) is not None:
+            kwargs[key] = section[key]
+    return kwargs
+
+
+def make_images(pipeline: Any, prompts: list[str], cfg: Any, output_type: str, steps: "StepTimer | None" = None) -> torch.Tensor:
+    """Every prompt's image, ``batch_size`` prompts per call, each call's generator seeded with ``seed`` plus its
+    first prompt's index; one tensor (N, C, H, W) for ``output_type="pt"``, else a list of images."""
+    kwargs = call_kwargs(cfg)
+    images: list[Any] = []
+    size = max(int(cfg.batch_size), 1)
+    for start in range(0, len(prompts), size):
+        chunk = prompts[start:start + size]
+        negative = kwargs.get("negative_prompt")
+        call = {**kwargs, **({"negative_prompt": [negative] * len(chunk)} if negative is not None else {})}
+        generator = torch.Generator("cpu").manual_seed(int(cfg.seed) + start)
+        extra = {"callback_on_step_end": steps} if steps is not None else {}
+        out = pipeline(prompt=chunk, generator=generator, output_type=output_type, **call, **extra)
+        images.extend(list(out.images))
+    return torch.stack(images) if output_type == "pt" else images
+
+
+class StepTimer:
+    """A pipeline's ``callback_on_step_end``: the time and the bytes moved of each denoising step."""
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+        self.times: list[float] = []
+        self.moved: list[int] = []
+        self._last = time.perf_counter()
+        self._bytes = stats.bytes
+
+    def start(self) -> None:
+        self._last, self._bytes = time.perf_counter(), self.stats.bytes
+
+    def __call__(self, pipeline: Any, step: int, timestep: Any, kwargs: dict) -> dict:
+        now = time.perf_counter()
+        self.times.append(now - self._last)
+        self.moved.append(self.stats.bytes - self._bytes)
+        self._last, self._bytes = now, self.stats.bytes
+        return kwargs
+
+
+def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> RunResult:
+    """The run of ``settings`` (whose ``model.path`` is a pipeline folder): plan, dispatch, images, metrics."""
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.loading.pipeline_load import finish_dispatch, open_pipeline
+    from offload_core.runner.metrics import MemoryMonitor
+    from offload_core.storage.residency import make_residency
+
+    cfg = settings.cfg
+    path = resolve_checkpoint(settings.model)
+    empty, checkpoint, no_split = open_pipeline(path, settings.dtype, whole_components(settings),
+                                                settings.model.get("no_split_module_classes"))
+    run_model = RunModel(empty.modules, empty.dtype, no_split, Path(path), task="text_to_image")
+    with checkpoint:
+        plan = make_plan(settings, strategies, run_model, checkpoint)
+        print_plan(settings, strategies, plan)
+        if cfg.plan_only:
+            write_plan(settings, run_model, plan)
+            return RunResult("", [], plan.device_map, {}, plan.summary, None, settings.output_dir, plan.as_dict())
+        prompts = pipeline_prompts(cfg)
+        started = time.perf_counter()
+        load_checkpoint_and_dispatch(empty.modules, checkpoint, plan.device_map, no_split_module_classes=no_split,
+                                     storage=strategies.storage, policy=strategies.policy, offload_folder=cfg.offload_folder,
+                                     dtype=empty.dtype, execution_device=settings.execution_device, progress=cfg.progress,
+                                     offload_buffers=strategies.policy.offload_buffers,
+                                     residency=make_residency(plan.page_cache))
+        pipeline = finish_dispatch(empty, settings.execution_device)
+        pipeline.set_progress_bar_config(disable=not cfg.progress)
+        with pipeline.offload_state as state, MemoryMonitor() as memory:
+            load_s = time.perf_counter() - started
+            state.stats.reset()
+            steps = StepTimer(state.stats)
+            began = time.perf_counter()
+            steps.start()
+            images = make_images(pipeline, prompts, cfg, "pt", steps)
+            elapsed = time.perf_counter() - began
+            moved = state.stats.snapshot()
+        figures = image_figures(prompts, steps, elapsed, load_s, moved, memory, settings.execution_device)
+    result = RunResult("", [], plan.device_map, figures, plan.summary, None, settings.output_dir, plan.as_dict())
+    if cfg.compare_in_memory:
+        reference = in_memory_images(path, empty.dtype, prompts, cfg)
+        result.matches_in_memory = bool(torch.equal(reference, images))
+    write_images(settings.output_dir, prompts, images)
+    write_pipeline_metrics(result, prompts, labels, strategies.names["hook"])
+    print(f"{len(prompts)} image(s), {figures['time_per_image_s']:.3f} s per image, {figures['time_per_step_s']:.3f} s "
+          f"per step, {figures['bytes_moved_per_step']} bytes moved per step; wrote {settings.output_dir}")
+    return result
+
+
+def image_figures(prompts: list[str], steps: StepTimer, elapsed: float, load_s: float, moved: dict, memory: Any,
+                  device: torch.device) -> dict[str, Any]:
+    """metrics.json's figures of a pipeline run."""
+    count = max(len(steps.times), 1)
+    figures = {"images": len(prompts), "load_s": load_s, "time_s": elapsed, "time_per_image_s": elapsed / len(prompts),
+               "steps": len(steps.times), "time_per_step_s": sum(steps.times) / count,
+               "step_times_s": steps.times, "bytes_moved": moved["bytes"], "bytes_moved_per_step": sum(steps.moved) // count,
+               "bytes_moved_by_step": steps.moved, "peak_anon_rss_bytes": memory.anon_delta,
+               "peak_file_rss_bytes": memory.file_delta}
+    if device.type == "cuda":
+        figures["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    return figures
+
+
+def in_memory_images(path: Path, dtype: torch.dtype, prompts: list[str], cfg: Any) -> torch.Tensor:
+    """The same images from diffusers' own in-memory pipeline, for ``compare_in_memory``."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    return make_images(pipeline, prompts, cfg, "pt")
+
+
+def write_images(out_dir: Path, prompts: list[str], images: torch.Tensor) -> None:
+    """``image.png`` for one prompt; ``image-000.png``... and ``grid.png`` for several."""
+    from diffusers.utils import make_image_grid
+    from diffusers.image_processor import VaeImageProcessor
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pictures = VaeImageProcessor.pt_to_numpy(images.float().cpu())
+    pictures = VaeImageProcessor.numpy_to_pil(pictures)
+    if len(pictures) == 1:
+        pictures[0].save(out_dir / "image.png")
+        return
+    for index, picture in enumerate(pictures):
+        picture.save(out_dir / f"image-{index:03d}.png")
+    columns = min(len(pictures), 4)
+    rows = -(-len(pictures) // columns)
+    blank = [pictures[0].copy().point(lambda _: 0) for _ in range(rows * columns - len(pictures))]
+    make_image_grid(pictures + blank, rows, columns).save(out_dir / "grid.png")
+
+
+def write_pipeline_metrics(result: RunResult, prompts: list[str], labels: dict, policy_name: str) -> None:
+    """``device_map.json`` and ``metrics.json`` (labels, prompts, figures, whether the images equal in memory)."""
+    out = result.output_dir
+    (out / "device_map.json").write_text(json.dumps(result.device_map, indent=1))
+    payload = {**labels, "hook": policy_name, "prompts": prompts, "matches_in_memory": result.matches_in_memory,
+               **result.figures, "devices": result.summary["devices"]}
+    (out / "metrics.json").write_text(json.dumps(payload, indent=1, default=str))
