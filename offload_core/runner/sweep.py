@@ -23,12 +23,14 @@ COLUMNS = [
     "job", "placement", "storage", "hook", "model", "overrides", "status", "matches_in_memory",
     "batch_size", "load_s", "predicted_load_s", "time_to_first_token_s", "predicted_ttft_s", "decode_tokens_per_s",
     "time_per_decode_step_s", "predicted_step_s", "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s",
-    "peak_anon_rss_mib", "peak_file_rss_mib", "peak_gpu_mib", "bytes_moved_per_token", "error",
+    "peak_anon_rss_mib", "peak_file_rss_mib", "peak_gpu_mib", "bytes_moved_per_token", "speculative", "tokens_per_pass",
+    "acceptance_rate", "drafted_tokens", "predicted_s_per_token", "error",
 ]
 
 #: figures copied from metrics.json as they are (rounded); empty where a run has none (an older run, no batch)
 PLAIN = ("batch_size", "predicted_load_s", "predicted_ttft_s", "time_per_decode_step_s", "predicted_step_s",
-         "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s")
+         "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s", "speculative", "tokens_per_pass", "acceptance_rate",
+         "drafted_tokens", "predicted_s_per_token")
 
 
 def _one_line(text: Any) -> str:
