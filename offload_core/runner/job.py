@@ -119,7 +119,8 @@ def generate_offloaded(settings: Settings, strategies: Strategies, run_model: Ru
         with DiskReads(run_model.model) as reads:
             tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device, speculation)
         figures = generation_figures(state, tokens, timer, load_s, strategies.names["hook"])
-        return tokens, {**figures, **reads.figures(), **speculation.figures(len(tokens))}
+        figures = {**figures, **reads.figures(), **speculation.figures(len(tokens))}
+        return tokens, {**figures, **speculate.per_generated_token(figures)}
 
 
 def predicted_time(settings: Settings, strategies: Strategies, run_model: RunModel, plan: Plan, batches: Any,

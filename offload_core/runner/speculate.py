@@ -124,6 +124,15 @@ def compare(figures: dict, spec: SpeculativeConfig, tokens: list[int], reference
     figures["tokens_differing_from_plain"] = sum(a != b for a, b in zip(tokens, plain)) + abs(len(tokens) - len(plain))
 
 
+def per_generated_token(figures: dict) -> dict:
+    """Disk bytes per generated token (``disk_read_bytes_per_token`` is per forward pass, several tokens apart with
+    speculation)."""
+    reads = figures.get("disk_read_bytes_by_token")
+    if not reads or not figures.get("generated_tokens"):
+        return {}
+    return {"disk_read_bytes_per_generated_token": sum(reads) / figures["generated_tokens"]}
+
+
 def result_line(figures: dict) -> str | None:
     """The printed speculation figures, or None without speculation."""
     if figures.get("speculative", "none") == "none":
