@@ -28,6 +28,10 @@ class SpeculativeConfig:
     ngram: int = 2
     #: false: always draft ``tokens`` (prompt_lookup) / keep transformers' constant schedule (draft, self)
     adaptive: bool = True
+    #: drafting stops for the rest of a generation when, after ``probe`` passes that checked drafts, fewer than
+    #: this share of the drafted tokens were accepted (0: never stops); the target then decodes one token per pass
+    min_acceptance: float = 0.15
+    probe: int = 4
     #: the acceptance rate the plan's prediction assumes (an estimate; the run measures the real one)
     expected_acceptance: float = 0.6
 
@@ -80,6 +84,9 @@ def check(config: SpeculativeConfig) -> None:
         raise ConfigError(f"speculative.ngram={config.ngram} matches nothing: give 1 or more (2 is transformers' default)")
     if int(config.layers) < 0:
         raise ConfigError(f"speculative.layers={config.layers} is negative: give the number of first layers that draft (0: a quarter)")
+    if not 0.0 <= float(config.min_acceptance) <= 1.0 or int(config.probe) < 1:
+        raise ConfigError(f"speculative.min_acceptance={config.min_acceptance} must be in [0, 1] and speculative.probe="
+                          f"{config.probe} 1 or more")
     if not 0.0 <= float(config.expected_acceptance) < 1.0:
         raise ConfigError(f"speculative.expected_acceptance={config.expected_acceptance} must be in [0, 1): it is a rate")
     if config.name == "draft" and not config.path:

@@ -22,6 +22,7 @@ class Speculation:
         self.config, self.target, self.draft = config, target, draft
         self.passes = self.drafted = self.accepted = self.verifications = 0
         self.lookup_tokens = int(config.tokens)  # prompt lookup: tokens drafted next (adapts)
+        self.stopped = False  # drafting stopped for this generation: acceptance below min_acceptance
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -37,7 +38,7 @@ class Speculation:
     def counting(self) -> Iterator["Speculation"]:
         """Count the target's passes and the candidate generator's drafts while the block runs, from zero."""
         self.passes = self.drafted = self.accepted = self.verifications = 0
-        self.lookup_tokens = int(self.config.tokens)
+        self.lookup_tokens, self.stopped = int(self.config.tokens), False
         if self.draft is not None:  # transformers keeps the adapted count on the draft: each generate starts afresh
             self.draft.generation_config.num_assistant_tokens = int(self.config.tokens)
             self.draft.generation_config.num_assistant_tokens_schedule = "heuristic" if self.config.adaptive else "constant"
@@ -60,6 +61,9 @@ class Speculation:
         last = [0]
 
         def get_candidates(input_ids: torch.Tensor, **kw: Any) -> Any:
+            if self.stopped:  # no candidates: transformers checks none and decodes one token, as without speculation
+                last[0] = 0
+                return input_ids, None
             if lookup and self.config.adaptive:
                 generator.num_output_tokens = self.lookup_tokens
             out = get(input_ids, **kw)
@@ -68,11 +72,15 @@ class Speculation:
             return out
 
         def update_candidate_strategy(input_ids: torch.Tensor, scores: torch.Tensor, num_matches: Any) -> Any:
+            if self.stopped:
+                return None
             matched = int(num_matches)
             self.accepted += matched
-            self.verifications += 1
+            self.verifications += int(last[0] > 0)
             if lookup and last[0]:
                 self.lookup_tokens = next_lookup_tokens(self.lookup_tokens, last[0], matched, int(self.config.tokens))
+            low = self.accepted < float(self.config.min_acceptance) * self.drafted
+            self.stopped = self.verifications >= int(self.config.probe) and low
             return update(input_ids, scores, num_matches)
 
         generator.get_candidates, generator.update_candidate_strategy = get_candidates, update_candidate_strategy
@@ -92,6 +100,7 @@ class Speculation:
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else math.nan,
+            "drafting_stopped": self.stopped,
         }
 
 

@@ -30,7 +30,7 @@ def test_prompt_lookup_drafts_fewer_when_adaptive_and_gives_the_same_tokens(tmp_
     runs = {}
     prompt = torch.tensor([[3, 41, 7, 99, 12, 60, 25, 130] * 5])  # long matches the random model does not follow
     for adaptive in (True, False):
-        speculation = prepare({"name": "prompt_lookup", "tokens": 8, "adaptive": adaptive}, model)
+        speculation = prepare({"name": "prompt_lookup", "tokens": 8, "adaptive": adaptive, "min_acceptance": 0}, model)
         with torch.inference_mode():
             out = speculation.generate(prompt, max_new_tokens=16, do_sample=False)
         runs[adaptive] = (out.tolist(), speculation.figures(16))
@@ -45,3 +45,18 @@ def test_token_timer_counts_tokens_not_steps():
     timer(torch.zeros(1, 14, dtype=torch.long), None)
     timer.stamps = [0.0, 2.0]
     assert timer.decode_tokens_per_s == 2.0
+
+
+def test_drafting_stops_when_acceptance_is_too_low_and_tokens_stay_the_same(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(models.target(tmp_path / "t")).eval()
+    runs = {}
+    for floor in (0.0, 0.9):
+        speculation = prepare({"name": "self", "layers": 1, "tokens": 3, "min_acceptance": floor, "probe": 2}, model)
+        with torch.inference_mode():
+            out = speculation.generate(models.PROMPT, max_new_tokens=16, do_sample=False)
+        runs[floor] = (out.tolist(), speculation.figures(16))
+    assert runs[0.0][0] == runs[0.9][0]
+    kept, stopped = runs[0.0][1], runs[0.9][1]
+    assert not kept["drafting_stopped"] and stopped["drafting_stopped"]
+    assert kept["acceptance_rate"] < 0.9 and stopped["drafted_tokens"] < kept["drafted_tokens"]
+    assert stopped["target_passes"] + stopped["accepted_tokens"] == 16
