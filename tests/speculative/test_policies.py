@@ -35,28 +35,28 @@ def _spec(mode, checkpoints):
     return {**spec, "min_acceptance": 0.0}
 
 
-def _in_memory(path, spec=None):
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+def _in_memory(path, spec=None, device="cpu"):
+    model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
     speculation = prepare(spec, model)
     with torch.inference_mode():
-        out = speculation.generate(models.PROMPT, max_new_tokens=NEW, do_sample=False)
+        out = speculation.generate(models.PROMPT.to(device), max_new_tokens=NEW, do_sample=False)
     return out[0, models.PROMPT.shape[1]:].tolist(), speculation
 
 
-def _offloaded(path, spec, policy, storage, device_map, tmp_path):
+def _offloaded(path, spec, policy, storage, device_map, tmp_path, device="cpu"):
     model = offload_core.from_pretrained(path, device_map=device_map, storage=storage, policy=policy,
-                                         offload_folder=tmp_path / "off", speculative=spec)
+                                         offload_folder=tmp_path / "off", speculative=spec, execution_device=device)
     try:
         with torch.inference_mode():
-            out = model.speculation.generate(models.PROMPT, max_new_tokens=NEW, do_sample=False)
+            out = model.speculation.generate(models.PROMPT.to(device), max_new_tokens=NEW, do_sample=False)
         return out[0, models.PROMPT.shape[1]:].tolist(), model.speculation
     finally:
         model.offload_state.remove()
 
 
-def _check(path, spec, policy, storage, device_map, tmp_path):
-    expected, reference = _in_memory(path, spec)
-    tokens, speculation = _offloaded(path, spec, policy, storage, device_map, tmp_path)
+def _check(path, spec, policy, storage, device_map, tmp_path, device="cpu"):
+    expected, reference = _in_memory(path, spec, device)
+    tokens, speculation = _offloaded(path, spec, policy, storage, device_map, tmp_path, device)
     assert tokens == expected
     figures = speculation.figures(len(tokens))
     assert figures == reference.figures(len(expected))
@@ -80,6 +80,16 @@ def test_each_mode_matches_memory_with_the_same_speculation(checkpoints, tmp_pat
 def test_every_policy_and_store_verifies_several_tokens_per_pass(checkpoints, tmp_path, mode, policy, storage):
     device_map = models.SELF_MAP if mode == "self" else models.STREAM_MAP
     _check(checkpoints["target"], _spec(mode, checkpoints), policy, storage, device_map, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["align_per_call", "prefetch"])
+@pytest.mark.parametrize("mode", ["prompt_lookup", "self", "draft"])
+def test_on_a_gpu_offloaded_parts_stream_from_cpu_and_disk(checkpoints, tmp_path, mode, policy):
+    # the cpu entries of the cpu maps go on the GPU; the disk ones stream, from disk for self and from the cpu otherwise
+    device_map = {k: 0 if v == "cpu" else ("disk" if mode == "self" else "cpu")
+                  for k, v in (models.SELF_MAP if mode == "self" else models.STREAM_MAP).items()}
+    _check(checkpoints["target"], _spec(mode, checkpoints), policy, "pinned_cpu", device_map, tmp_path, "cuda:0")
 
 
 def test_prompt_lookup_and_a_perfect_draft_check_several_tokens_per_pass(checkpoints, tmp_path):
