@@ -34,7 +34,7 @@ PROMPTS = {
     "chat": "What are some good ways to spend a rainy weekend at home?",
 }
 BUDGETS = {"half": "300MiB", "small": "200MiB"}  # SmolLM2 is 513 MiB in float32; 48 MiB headroom comes off each
-MODES = {"none": [], "prompt_lookup": ["speculative=prompt_lookup", "speculative.tokens=10"],
+MODES = {"none": [], "prompt_lookup": ["speculative=prompt_lookup"],  # its preset: up to 20 tokens, adaptive
          "self": ["speculative=self", "speculative.layers=6", "speculative.tokens=5"]}
 #: the order rows are reported in
 ORDER = {"none": 0, "prompt_lookup": 1, "self": 2}
@@ -68,6 +68,23 @@ def one_run(prompt: str, mode: str, budget: str, cold: bool, tokens: int, out: P
     return {**row, **{k: metrics[k] for k in keep if k in metrics}}
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per prompt, budget, cache and mode: the median decode tokens/s of its runs (the first run's other
+    figures: greedy runs repeat them), with the number of runs and their range."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["prompt"], r["budget"], r["cache"], r["mode"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        rates = [r["decode_tokens_per_s"] for r in runs if r.get("decode_tokens_per_s")]
+        row = dict(runs[0])
+        if rates:
+            row.update(decode_tokens_per_s=statistics.median(rates), runs=len(rates),
+                       rate_range=f"{min(rates):.2f}-{max(rates):.2f}")
+        out.append(row)
+    return out
+
+
 def speedups(rows: list[dict]) -> None:
     """Each row's decode tokens/s over ``none``'s for the same prompt, budget and cache."""
     base = {(r["prompt"], r["budget"], r["cache"]): r.get("decode_tokens_per_s") for r in rows if r["mode"] == "none"}
@@ -87,27 +104,29 @@ def fmt(value, digits=2):
 
 
 def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
+    rows = medians(rows)
     speedups(rows)
     rows = sorted(rows, key=lambda r: (r["cache"], r["budget"], r["prompt"], ORDER[r["mode"]]))
     lines = [f"# Speculative decoding under offload: SmolLM2-135M-Instruct ({meta['tokens']} new tokens, greedy)", "",
              f"`{meta['command']}`, {meta['date']}. Store safetensors, policy align_per_call, float32. "
              f"**Taken on a loaded shared machine** ({os.cpu_count()} cores; load average before "
              f"{', '.join(f'{x:.1f}' for x in meta['load_before'])}, after {', '.join(f'{x:.1f}' for x in meta['load_after'])}): "
-             "the figures are indicative, one repetition each.", "",
+             "the figures are indicative: decode tokens/s is the median of the runs (alternating modes), range beside it.", "",
              "Budgets: half = max_memory.cpu=300MiB (about half the 513 MiB model streamed), small = 200MiB. Cold: the "
              "checkpoint dropped from the page cache before the run and page_cache=0 (every offloaded block read from "
              "the disk on every pass); warm: page_cache=lru. The plan's s/token is its predicted step divided by the "
              "expected tokens per pass at an assumed acceptance of 0.6 (an estimate). No draft checkpoint sharing "
              "SmolLM2's tokenizer exists on this machine, so speculative=draft is not measured.", "",
-             "| prompt | budget | cache | mode | decode tok/s | x none | tokens/pass | acceptance | drafted | moved/token MiB "
+             "| prompt | budget | cache | mode | decode tok/s (median) | runs: range | x none | tokens/pass | acceptance | drafted | moved/token MiB "
              "| disk read/token MiB | disk MB/s | plan s/token | same as plain greedy in memory | same as in memory, same speculation |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['prompt']} | {r['budget']} | {r['cache']} | {r['mode']} | refused: {r['error']} |||||||||||")
+            lines.append(f"| {r['prompt']} | {r['budget']} | {r['cache']} | {r['mode']} | refused: {r['error']} ||||||||||||")
             continue
         moved = r.get("bytes_moved_per_token")
         lines.append(" | ".join(["", r["prompt"], r["budget"], r["cache"], r["mode"], fmt(r.get("decode_tokens_per_s")),
+                                 f"{r.get('runs', '')}: {r.get('rate_range', '')}",
                                  fmt(r.get("speedup_vs_none")), fmt(r.get("tokens_per_pass")), fmt(r.get("acceptance_rate")),
                                  fmt(r.get("drafted_tokens")), fmt(moved / 2**20 if moved is not None else None, 1),
                                  fmt(mib(r.get("disk_read_bytes_per_generated_token")), 1),
@@ -162,6 +181,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/offload-speculative-bench"))
     parser.add_argument("--prompts", nargs="+", default=list(PROMPTS))
     parser.add_argument("--budgets", nargs="+", default=list(BUDGETS))
+    parser.add_argument("--caches", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    parser.add_argument("--reps", type=int, default=1, help="runs of none and prompt_lookup per configuration")
     parser.add_argument("--report", type=Path, help="redo the .md/.png of a written .json and stop")
     args = parser.parse_args()
     if args.report:
@@ -169,14 +190,17 @@ def main() -> None:
         write_report(args.report, data["meta"], data["rows"])
         return
     meta = {"command": "python bench/speculative.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "reps": args.reps,
             "tokens": args.tokens, "load_before": os.getloadavg()}
     rows = []
     group = 0
-    for cold in (True, False):
+    for cold in [cache == "cold" for cache in args.caches]:
         for budget in args.budgets:
             for prompt in args.prompts:
-                group += 1
-                order = ["none", "prompt_lookup"] if group % 2 else ["prompt_lookup", "none"]  # spread the load's drift
+                order = []
+                for _ in range(args.reps):
+                    group += 1
+                    order += ["none", "prompt_lookup"] if group % 2 else ["prompt_lookup", "none"]  # spread the drift
                 # self: measured warm at the larger budget (its first layers stay resident there; at the small one
                 # the plan refuses it in one line, recorded); it accepts few drafts, so the cold runs are left out
                 if budget == args.budgets[0] and not cold or budget != args.budgets[0]:

@@ -29,7 +29,8 @@ class SpeculativeConfig:
     #: false: always draft ``tokens`` (prompt_lookup) / keep transformers' constant schedule (draft, self)
     adaptive: bool = True
     #: drafting stops for the rest of a generation when, after ``probe`` passes that checked drafts, fewer than
-    #: this share of the drafted tokens were accepted (0: never stops); the target then decodes one token per pass
+    #: this share of the drafted tokens were accepted (0: never stops; prompt_lookup's preset); the target then
+    #: decodes one token per pass without running the draft
     min_acceptance: float = 0.15
     probe: int = 4
     #: the acceptance rate the plan's prediction assumes (an estimate; the run measures the real one)
@@ -42,7 +43,8 @@ class SpeculativeConfig:
 
 PRESETS = {
     "none": SpeculativeConfig(name="none"),
-    "prompt_lookup": SpeculativeConfig(name="prompt_lookup", tokens=10),
+    # a rejected lookup costs only its verification (no draft model runs): never stop, let the length adapt
+    "prompt_lookup": SpeculativeConfig(name="prompt_lookup", tokens=20, min_acceptance=0.0),
     "draft": SpeculativeConfig(name="draft", tokens=5),
     "self": SpeculativeConfig(name="self", tokens=5),
 }
