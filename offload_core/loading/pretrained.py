@@ -24,6 +24,7 @@ def from_pretrained(
     no_split_module_classes: list[str] | None = None,
     progress: bool = False,
     page_cache: int | str | None = None,
+    speculative: Any = None,
 ) -> nn.Module:
     """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
     plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
@@ -44,11 +45,22 @@ def from_pretrained(
     ``policy`` None is ``prefetch`` (it measured fastest on CPU: bench/results/diffusion-192.md); ``chained`` moves a
     component whole when called and keeps it until the next one is called (components up to half the execution
     device's budget move whole; larger ones split at their own blocks).
+
+    ``speculative`` (``"prompt_lookup"``, ``"self"``, ``"draft"`` or a dict/``SpeculativeConfig`` such as
+    ``{"name": "draft", "path": ...}``) prepares speculative decoding as ``run.py``'s ``speculative=``: a draft's
+    weights are taken from the execution device's budget before the placement, a self draft's first layers must be
+    resident. ``model.speculation.generate(ids, max_new_tokens=...)`` generates with it; then
+    ``model.speculation.figures(new_tokens)`` gives passes, tokens per pass, drafted and accepted tokens.
     """
     from offload_core.loading.pipeline import is_pipeline_folder
 
     if is_pipeline_folder(path):
         from offload_core.loading.pipeline_load import pipeline_from_pretrained
+
+        if speculative not in (None, "none"):
+            from offload_core.errors import ConfigError
+
+            raise ConfigError(f"speculative={speculative!r} decodes tokens; {path} is a diffusers pipeline: drop it")
 
         return pipeline_from_pretrained(path, max_memory, placement, storage, policy or "prefetch", offload_folder, dtype,
                                         device_map=device_map, execution_device=execution_device, progress=progress,
@@ -78,23 +90,27 @@ def from_pretrained(
         checkpoint.close()
         raise
     return plan_and_dispatch(model, checkpoint, max_memory, placement, storage, policy, offload_folder, dtype, device_map,
-                             device, no_split, progress, page_cache)
+                             device, no_split, progress, page_cache, speculative)
 
 
 def plan_and_dispatch(model: nn.Module, checkpoint: Any, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
                       storage: str | Any, policy: str | Any, offload_folder: str | Path | None, dtype: torch.dtype | None,
                       device_map: Mapping[str, int | str] | None, device: torch.device, no_split: list[str],
-                      progress: bool, page_cache: int | str | None) -> nn.Module:
+                      progress: bool, page_cache: int | str | None, speculative: Any = None) -> nn.Module:
     """Plan ``model`` (empty) within ``max_memory`` unless ``device_map`` is given, and load the opened ``checkpoint``
-    into it with ``storage`` and ``policy`` (closing the checkpoint if that fails): what :func:`from_pretrained` does
-    once the model is built."""
+    into it with ``storage`` and ``policy`` (closing the checkpoint if that fails), prepared for ``speculative``
+    decoding: what :func:`from_pretrained` does once the model is built."""
     from offload_core.loading.dispatch import _resolve, load_checkpoint_and_dispatch
     from offload_core.loading.reserve import reserve_for
     from offload_core.planning import PlacementRequest, get_max_memory
+    from offload_core.speculative import prepare, read_speculative
 
     storage, policy = _resolve("storage", storage), _resolve("policy", policy)
     try:
         budgets = get_max_memory(max_memory) if device_map is None or page_cache is not None else {}
+        spec = read_speculative(speculative)
+        if spec.name == "draft" and budgets:
+            budgets = _less_draft(budgets, spec, dtype, device)
         if device_map is None:
             reserve = reserve_for(model, checkpoint, policy, storage, device, no_split, dtype, budgets.get("cpu"))
             request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split,
@@ -102,10 +118,14 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Any, max_memory: Mapping[Any
             device_map = _resolve("placement", "balanced" if placement == "auto" else placement).make_device_map(request)
         residency = None if page_cache is None else _kept_set(model, device_map, page_cache, policy, device, no_split,
                                                               dtype, budgets)
-        return load_checkpoint_and_dispatch(model, checkpoint, device_map, no_split_module_classes=no_split,
-                                            offload_folder=offload_folder, dtype=dtype, storage=storage, policy=policy,
-                                            execution_device=device, progress=progress,
-                                            offload_buffers=policy.offload_buffers, residency=residency)
+        if spec.name == "self":
+            _check_self_resident(model, spec, device_map, device)
+        model = load_checkpoint_and_dispatch(model, checkpoint, device_map, no_split_module_classes=no_split,
+                                             offload_folder=offload_folder, dtype=dtype, storage=storage, policy=policy,
+                                             execution_device=device, progress=progress,
+                                             offload_buffers=policy.offload_buffers, residency=residency)
+        model.speculation = prepare(spec, model, dtype, device)
+        return model
     except BaseException:
         checkpoint.close()
         raise
@@ -122,3 +142,32 @@ def _kept_set(model: nn.Module, device_map: Mapping[str, int | str], page_cache:
     plan = page_cache_plan(page_cache, summary, device, policy.keeps_page_cache, budgets.get("cpu", 0),
                            largest_block_size(model, no_split, dtype=dtype))
     return make_residency(plan)
+
+
+def _less_draft(budgets: dict, spec: Any, dtype: torch.dtype, device: torch.device) -> dict:
+    """``budgets`` with the draft's weights taken from the execution device's (one line when it cannot hold them)."""
+    from offload_core.errors import ConfigError
+    from offload_core.speculative.drafts import draft_bytes
+    from offload_core.values import format_size
+
+    key = "cpu" if device.type == "cpu" else (device.index or 0)
+    if key not in budgets:
+        return budgets
+    need = draft_bytes(spec.path, dtype)
+    if need >= budgets[key]:
+        raise ConfigError(f"speculative=draft: the draft {spec.path!r} needs {format_size(need)} resident, more than "
+                          f"max_memory[{key!r}]={format_size(budgets[key])} holds beside the target; raise it or drop speculative")
+    return {**budgets, key: budgets[key] - need}
+
+
+def _check_self_resident(model: nn.Module, spec: Any, device_map: Mapping[str, int | str], device: torch.device) -> None:
+    """A self draft's layers, norm and head must be resident (one line naming the first offloaded one)."""
+    from offload_core.errors import ConfigError
+    from offload_core.planning import normalize_device_map
+    from offload_core.speculative.drafts import offloaded_draft_module, self_draft_modules, self_layers
+
+    k = self_layers(model, spec.layers)
+    found = offloaded_draft_module(self_draft_modules(model, k), normalize_device_map(dict(device_map)), device)
+    if found:
+        raise ConfigError(f"speculative='self' drafts with the first {k} layers, the final norm and the head, and the "
+                          f"placement offloads {found[0] or 'the model'} ({found[1]}): raise max_memory or lower the layers")

@@ -19,15 +19,19 @@ def prompt_ids(tokenizer: Any, prompt: str, chat: bool, vocab_size: int) -> torc
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-def generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device):
-    """The new token ids ``model`` generates after ``input_ids`` with ``cfg``'s sampling settings, and the timer."""
-    rows, timer = generate_rows(model, input_ids, torch.ones_like(input_ids), cfg, device, bool(cfg.get("progress", False)))
+def generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device, speculation: Any = None):
+    """The new token ids ``model`` generates after ``input_ids`` with ``cfg``'s sampling settings, and the timer
+    (with ``speculation``, a :class:`offload_core.speculative.Speculation` of ``model``: its drafts, counted)."""
+    rows, timer = generate_rows(model, input_ids, torch.ones_like(input_ids), cfg, device, bool(cfg.get("progress", False)),
+                                speculation)
     return rows[0], timer
 
 
 def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg: Any, device: torch.device,
-                  progress: bool = False):
+                  progress: bool = False, speculation: Any = None):
     """The new token ids of every row of ``input_ids`` (left-padded where ``attention_mask`` is 0), and the timer."""
+    from contextlib import nullcontext
+
     from transformers import StoppingCriteriaList
 
     from offload_core.runner.metrics import TokenTimer
@@ -38,7 +42,9 @@ def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     if cfg.do_sample:
         kwargs.update(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
     kwargs.update(decoder_start(model))
-    with torch.inference_mode():
+    if speculation is not None:
+        kwargs.update(speculation.kwargs)
+    with torch.inference_mode(), (speculation.counting() if speculation is not None else nullcontext()):
         try:
             out = model.generate(input_ids.to(device), attention_mask=attention_mask.to(device),
                                  stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad_token_id(model), **kwargs)
@@ -66,12 +72,16 @@ def decoder_start(model) -> dict[str, int]:
     return {"decoder_start_token_id": pad if pad is not None else 0}
 
 
-def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm") -> list[int]:
-    """Tokens of the same checkpoint loaded fully in memory by transformers with ``task``'s Auto class (the reference)."""
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm",
+                     speculative: Any = None) -> list[int]:
+    """Tokens of the same checkpoint loaded fully in memory by transformers with ``task``'s Auto class (the reference),
+    generated plainly or with ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`)."""
     from offload_core.loading.tasks import auto_class
+    from offload_core.speculative import prepare
 
     model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
     model.eval()
-    tokens, _ = generate(model, input_ids, cfg, torch.device("cpu"))
+    speculation = prepare(speculative, model, dtype, "cpu") if speculative is not None else None
+    tokens, _ = generate(model, input_ids, cfg, torch.device("cpu"), speculation)
     del model
     return tokens

@@ -19,6 +19,7 @@ from offload_core.runner.model import RunModel, open_model
 from offload_core.runner.plan import Plan, make_plan, print_plan, write_plan
 from offload_core.runner.results import RunResult, generation_figures, print_result, write_outputs
 from offload_core.runner.settings import Settings, Strategies, build_strategies, read_settings
+from offload_core.runner import speculate
 
 
 def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = None, plot: bool = True) -> RunResult:
@@ -32,6 +33,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
 
     return_freed_memory_to_os()
     settings = read_settings(cfg, output_dir)
+    spec = speculate.run_speculative(cfg)
     strategies = build_strategies(settings)
     if is_pipeline_folder(settings.model.get("path")):
         from offload_core.runner.pipeline_job import run_pipeline
@@ -41,11 +43,17 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
         check_run_task(cfg, run_model, checkpoint)
         settings, batches = read_batches(settings, run_model)
-        plan = make_plan(settings, strategies, run_model, checkpoint)
-        print_plan(settings, strategies, plan, "generated token" if run_model.task in GENERATIVE else "forward")
+        speculate.check_batches(spec, batches if cfg.get("prompts") else None)
         input_ids = prompt_ids(run_model.tokenizer, cfg.prompt, settings.model.get("chat_template", True),
                                run_model.model.config.vocab_size)
+        settings, held = speculate.reserve_speculation(settings, spec, run_model, input_ids.shape[1])
+        plan = make_plan(settings, strategies, run_model, checkpoint)
+        speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device)
+        print_plan(settings, strategies, plan, "generated token" if run_model.task in GENERATIVE else "forward")
         plan.predicted_time = predicted_time(settings, strategies, run_model, plan, batches, input_ids.shape[1])
+        plan.predicted_time.update(speculate.predicted(spec, plan.predicted_time))
+        for line in speculate.plan_lines(spec, held, plan.predicted_time):
+            print(line)
         if cfg.plan_only:
             write_plan(settings, run_model, plan, picture=plot)
             result = RunResult("", [], plan.device_map, plan_figures(plan, settings), plan.summary, None,
@@ -57,7 +65,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         if cfg.get("prompts"):
             return run_batched(settings, strategies, run_model, checkpoint, plan, batches, labels or {})
         with MemoryMonitor() as memory:
-            tokens, figures = generate_offloaded(settings, strategies, run_model, checkpoint, plan, input_ids)
+            tokens, figures = generate_offloaded(settings, strategies, run_model, checkpoint, plan, input_ids, spec)
         figures.update(peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta,
                        planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
                        **plan.predicted_time)
@@ -67,6 +75,8 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     if cfg.compare_in_memory:
         figures["in_memory_tokens"] = in_memory_tokens(run_model.checkpoint_dir, run_model.dtype, input_ids, cfg, run_model.task)
         result.matches_in_memory = figures["in_memory_tokens"] == tokens
+        speculate.compare(figures, spec, tokens, lambda same: in_memory_tokens(run_model.checkpoint_dir, run_model.dtype,
+                                                                               input_ids, cfg, run_model.task, same))
     write_outputs(result, cfg.prompt, labels or {}, strategies.names["hook"])
     print_result(result, strategies.names["hook"])
     return result
@@ -114,20 +124,24 @@ def dispatched(settings: Settings, strategies: Strategies, run_model: RunModel, 
 
 
 def generate_offloaded(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any, plan: Plan,
-                       input_ids: torch.Tensor) -> tuple[list[int], dict[str, Any]]:
-    """Dispatch, generate from ``input_ids`` and measure: the new token ids and the run's figures."""
+                       input_ids: torch.Tensor, spec: Any = None) -> tuple[list[int], dict[str, Any]]:
+    """Dispatch, generate from ``input_ids`` (with the speculation ``spec`` asks) and measure: the new token ids and
+    the run's figures."""
     from offload_core.runner.keep import DiskReads
+    from offload_core.speculative import prepare
 
     started = time.perf_counter()
     with dispatched(settings, strategies, run_model, checkpoint, plan) as state:
+        speculation = prepare(spec, run_model.model, run_model.dtype, settings.execution_device)
         load_s = time.perf_counter() - started
         state.stats.reset()
         if settings.execution_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with DiskReads(run_model.model) as reads:
-            tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device)
+            tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device, speculation)
         figures = generation_figures(state, tokens, timer, load_s, strategies.names["hook"])
-        return tokens, {**figures, **reads.figures()}
+        figures = {**figures, **reads.figures(), **speculation.figures(len(tokens))}
+        return tokens, {**figures, **speculate.per_generated_token(figures)}
 
 
 def predicted_time(settings: Settings, strategies: Strategies, run_model: RunModel, plan: Plan, batches: Any,

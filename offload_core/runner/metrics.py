@@ -57,17 +57,20 @@ class MemoryMonitor:
 
 
 class TokenTimer(StoppingCriteria):
-    """A stopping criterion that never stops: it stamps the time each new token is produced."""
+    """A stopping criterion that never stops: it stamps the time each step ends and the sequence's length then (a
+    speculative step adds several tokens)."""
 
     def __init__(self, total: int | None = None, progress: bool = False) -> None:
         self.start = time.perf_counter()
         self.stamps: list[float] = []
+        self.lengths: list[int] = []
         self.bar = tqdm(total=total, desc="generating", unit="token", leave=False) if progress else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         self.stamps.append(time.perf_counter())
+        self.lengths.append(int(input_ids.shape[-1]))
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(self.lengths[-1] - self.lengths[-2] if len(self.lengths) > 1 else 1)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def close(self) -> None:
@@ -82,4 +85,4 @@ class TokenTimer(StoppingCriteria):
     def decode_tokens_per_s(self) -> float:
         if len(self.stamps) < 2:
             return float("nan")
-        return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
+        return (self.lengths[-1] - self.lengths[0]) / (self.stamps[-1] - self.stamps[0])

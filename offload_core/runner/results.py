@@ -92,6 +92,11 @@ def print_result(result: RunResult, policy_name: str) -> None:
     if counters:
         shown = ", ".join(f"{name} {counter_text(name, value)}" for name, value in counters.items())
         print(f"{policy_name}: {shown}")
+    from offload_core.runner.speculate import result_line
+
+    line = result_line(f)
+    if line:
+        print(line)
     if result.matches_in_memory is not None:
         print(f"same tokens as in memory: {result.matches_in_memory}")
     print(f"wrote {result.output_dir / 'metrics.json'} and device_map.json")

@@ -60,6 +60,8 @@ class RunConfig:
     storage: Any = MISSING
     hook: Any = MISSING
     model: ModelConfig = MISSING
+    #: speculative decoding (offload_core.speculative.config.SpeculativeConfig): none, prompt_lookup, draft, self
+    speculative: Any = None
     #: the prompt a single run generates from (a causal_lm or seq2seq_lm model), or its one text
     prompt: str = "What is the capital of France?"
     #: the texts a masked_lm, sequence_classification or embeddings run reads at once (default: [prompt])
@@ -128,6 +130,10 @@ def register_configs(registry: Registry | None = None) -> ConfigStore:
     for kind, group in GROUPS.items():
         for name in registry.names(kind):
             cs.store(group=group, name=name, node=registry.get(kind, name).config)
+    from offload_core.speculative.config import PRESETS
+
+    for name, node in PRESETS.items():  # speculative=none|prompt_lookup|draft|self
+        cs.store(group="speculative", name=name, node=node)
     return cs
 
 

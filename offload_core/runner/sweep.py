@@ -24,16 +24,17 @@ COLUMNS = [
     "batch_size", "load_s", "predicted_load_s", "time_to_first_token_s", "predicted_ttft_s", "decode_tokens_per_s",
     "time_per_decode_step_s", "predicted_step_s", "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s",
     "peak_anon_rss_mib", "peak_file_rss_mib", "peak_gpu_mib", "bytes_moved_per_token", "predicted_bytes_per_token",
-    "offloaded_mib", "error",
+    "offloaded_mib", "speculative", "tokens_per_pass", "acceptance_rate", "drafted_tokens", "predicted_s_per_token", "error",
 ]
 
 #: figures copied from metrics.json as they are (rounded); empty where a run has none (an older run, no batch)
 PLAIN = ("batch_size", "predicted_load_s", "predicted_ttft_s", "time_per_decode_step_s", "predicted_step_s",
-         "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s")
+         "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s", "speculative", "tokens_per_pass", "acceptance_rate",
+         "drafted_tokens", "predicted_s_per_token")
 
 
 #: the numbers a summary row computes with
-FIGURES = {*PLAIN, "load_s", "time_to_first_token_s", "decode_tokens_per_s", "peak_anon_rss_bytes", "peak_file_rss_bytes",
+FIGURES = {*(set(PLAIN) - {"speculative"}), "load_s", "time_to_first_token_s", "decode_tokens_per_s", "peak_anon_rss_bytes", "peak_file_rss_bytes",
            "bytes_moved_per_token", "predicted_bytes_per_token", "offloaded_bytes", "peak_gpu_bytes"}
 
 

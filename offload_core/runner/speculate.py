@@ -1,0 +1,147 @@
+"""A run's speculative decoding, around the shared runner steps: the option read and checked, the draft's bytes and
+KV cache held back from the budget before the target is placed, the self draft's layers checked resident, the
+plan's estimate, the in-memory comparisons and the printed figures."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from offload_core.errors import ConfigError
+from offload_core.speculative import SpeculativeConfig, read_speculative
+from offload_core.speculative.config import expected_tokens_per_pass
+from offload_core.values import format_size
+
+
+def run_speculative(cfg: Any) -> SpeculativeConfig:
+    """The run's ``speculative`` section, checked (absent: none)."""
+    node = cfg.get("speculative") if hasattr(cfg, "get") else None
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    return read_speculative(node)
+
+
+def check_batches(spec: SpeculativeConfig, batches: Any) -> None:
+    """transformers' assisted generation checks one sequence at a time: a prompts run with speculation is refused."""
+    if spec.active and batches is not None:
+        raise ConfigError(f"speculative={spec.name} generates one prompt at a time (transformers' assisted generation takes "
+                          "batch 1): give prompt=... instead of prompts=..., or set speculative=none")
+
+
+def _budget_key(device: torch.device) -> Any:
+    return "cpu" if device.type == "cpu" else device.index or 0
+
+
+def draft_memory(spec: SpeculativeConfig, run_model: Any, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
+    """Bytes the draft keeps resident beside the target: its weights (none for self: they are the target's) and
+    its KV cache for the prompt, the new tokens and one pass of drafts."""
+    from offload_core.planning.batch_memory import batch_memory
+    from offload_core.speculative.drafts import draft_bytes, draft_config, self_layers
+
+    if spec.name == "self":
+        config = copy.deepcopy(run_model.model.config)
+        config.get_text_config().num_hidden_layers = self_layers(run_model.model, spec.layers)
+        weights = 0
+    else:
+        config, weights = draft_config(spec.path), draft_bytes(spec.path, run_model.dtype)
+    kv = batch_memory(config, 1, prompt_tokens, new_tokens + int(spec.tokens), run_model.dtype).kv_cache
+    return {"weights": weights, "kv_cache": kv}
+
+
+def reserve_speculation(settings: Any, spec: SpeculativeConfig, run_model: Any, prompt_tokens: int) -> tuple[Any, dict]:
+    """``settings`` with the draft's resident bytes taken from the execution device's budget before the target is
+    placed, and those bytes; a budget that cannot hold the draft is one line."""
+    if spec.name not in ("draft", "self"):
+        return settings, {}
+    held = draft_memory(spec, run_model, prompt_tokens, int(settings.cfg.max_new_tokens))
+    need = held["weights"] + held["kv_cache"]
+    key = _budget_key(settings.execution_device)
+    if key not in settings.max_memory:
+        return settings, held
+    budget = settings.max_memory[key]
+    left = budget - need - (settings.headroom if key == "cpu" else 0)
+    what = f"the draft {spec.path!r}" if spec.name == "draft" else "the self draft's KV cache"
+    if left <= 0:
+        raise ConfigError(f"speculative={spec.name}: {what} needs {format_size(need)} resident (weights "
+                          f"{format_size(held['weights'])}, KV cache {format_size(held['kv_cache'])}), more than max_memory."
+                          f"{key}={format_size(budget)} holds beside the target; raise max_memory.{key} or set speculative=none")
+    max_memory = {**settings.max_memory, key: budget - need}
+    return dataclasses.replace(settings, max_memory=max_memory), held
+
+
+def check_self_resident(spec: SpeculativeConfig, run_model: Any, device_map: dict, device: torch.device) -> None:
+    """A self draft runs the target's first layers, norm and head between passes: they must not be streamed."""
+    if spec.name != "self":
+        return
+    from offload_core.speculative.drafts import offloaded_draft_module, self_draft_modules, self_layers
+
+    k = self_layers(run_model.model, spec.layers)
+    found = offloaded_draft_module(self_draft_modules(run_model.model, k), device_map, device)
+    if found:
+        raise ConfigError(f"speculative=self drafts with the first {k} layers, the final norm and the head, and the plan "
+                          f"offloads {found[0] or 'the model'} ({found[1]}): raise max_memory, lower speculative.layers, "
+                          "use placement=sequential, or set speculative=prompt_lookup")
+
+
+def plan_lines(spec: SpeculativeConfig, held: dict, predicted: dict) -> list[str]:
+    """The plan's speculation lines: what the draft holds resident and the estimated time per token."""
+    if not spec.active:
+        return []
+    lines = []
+    if held:
+        lines.append(f"  speculative={spec.name}: resident beside the target {format_size(held['weights'])} of weights and "
+                     f"{format_size(held['kv_cache'])} of KV cache (taken from the budget before placing the target)")
+    if "predicted_tokens_per_pass" in predicted:
+        lines.append(f"  speculative={spec.name} (estimate, assuming acceptance {spec.expected_acceptance:.2f} of "
+                     f"{spec.tokens} drafted): {predicted['predicted_tokens_per_pass']:.2f} tokens per pass, "
+                     f"{predicted['predicted_s_per_token']:.3f} s per token (draft compute not counted)")
+    return lines
+
+
+def predicted(spec: SpeculativeConfig, times: dict[str, float]) -> dict[str, float]:
+    """The plan's step prediction divided by the expected tokens per pass (an estimate: the acceptance is assumed)."""
+    if not spec.active or "predicted_step_s" not in times:
+        return {}
+    per_pass = expected_tokens_per_pass(spec)
+    return {"predicted_tokens_per_pass": per_pass, "predicted_s_per_token": times["predicted_step_s"] / per_pass}
+
+
+def compare(figures: dict, spec: SpeculativeConfig, tokens: list[int], reference: Any) -> None:
+    """With speculation: the in-memory model running the same speculation (``reference(spec)``) must give the same
+    tokens bit for bit; against plain greedy decoding (``figures['in_memory_tokens']``) the differing positions are
+    counted (a several-token pass may round differently from one-token steps)."""
+    if not spec.active:
+        return
+    same = reference(spec)
+    plain = figures["in_memory_tokens"]
+    figures["in_memory_speculative_tokens"] = same
+    figures["matches_in_memory_speculative"] = same == tokens
+    figures["tokens_differing_from_plain"] = sum(a != b for a, b in zip(tokens, plain)) + abs(len(tokens) - len(plain))
+
+
+def per_generated_token(figures: dict) -> dict:
+    """Disk bytes per generated token (``disk_read_bytes_per_token`` is per forward pass, several tokens apart with
+    speculation)."""
+    reads = figures.get("disk_read_bytes_by_token")
+    if not reads or not figures.get("generated_tokens"):
+        return {}
+    return {"disk_read_bytes_per_generated_token": sum(reads) / figures["generated_tokens"]}
+
+
+def result_line(figures: dict) -> str | None:
+    """The printed speculation figures, or None without speculation."""
+    if figures.get("speculative", "none") == "none":
+        return None
+    rate = figures["acceptance_rate"]
+    line = (f"speculative={figures['speculative']}: {figures['tokens_per_pass']:.2f} tokens per pass "
+            f"({figures['target_passes']} passes), acceptance {rate if math.isnan(rate) else round(rate, 3)} "
+            f"({figures['accepted_tokens']} of {figures['drafted_tokens']} drafted)")
+    if "matches_in_memory_speculative" in figures:
+        line += (f" | same tokens as in memory with the same speculation: {figures['matches_in_memory_speculative']}, "
+                 f"{figures['tokens_differing_from_plain']} differ from plain greedy")
+    return line

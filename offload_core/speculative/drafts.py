@@ -1,0 +1,120 @@
+"""The draft models: a small checkpoint sharing the target's vocabulary, kept resident; or the target's own first
+layers, its final norm and its head (self-speculative / layer-skip), sharing the target's resident weights."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_core.errors import ConfigError
+
+
+def self_layers(target: nn.Module, layers: int) -> int:
+    """The number of first layers a self draft runs: ``layers``, or a quarter of the target's (at least 1)."""
+    total = int(target.config.get_text_config().num_hidden_layers)
+    k = layers or max(1, total // 4)
+    if k >= total:
+        raise ConfigError(f"speculative.layers={k} is not fewer than the target's {total} layers: a self draft runs "
+                          f"fewer (try {max(1, total // 4)})")
+    return k
+
+
+def self_draft_modules(target: nn.Module, layers: int) -> list[str]:
+    """The module names (as the device map names them) a self draft of the first ``layers`` layers runs."""
+    prefix = target.base_model_prefix
+    base = getattr(target, prefix, None)
+    if base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList):
+        raise ConfigError(f"speculative=self needs a decoder whose layers are {prefix}.layers ({type(target).__name__} has "
+                          "none): use speculative=prompt_lookup or a draft checkpoint")
+    names = [f"{prefix}.{name}" for name, _ in base.named_children() if name != "layers"]
+    names += [f"{prefix}.layers.{i}" for i in range(layers)]
+    names += [name for name, _ in target.named_children() if name != prefix]
+    return names
+
+
+def offloaded_draft_module(names: list[str], device_map: dict, execution_device: torch.device) -> tuple[str, Any] | None:
+    """The first entry of ``device_map`` that offloads one of the modules ``names`` (or a parent of one), or None."""
+    from offload_core.values import is_offloaded
+
+    for key, dev in device_map.items():
+        if is_offloaded(dev, execution_device) and any(
+                key in ("", n) or key.startswith(n + ".") or n.startswith(key + ".") for n in names):
+            return key, dev
+    return None
+
+
+def self_draft(target: nn.Module, layers: int) -> nn.Module:
+    """A model of the target's class with ``layers`` layers whose every module is the target's own (no copy): its
+    embedding, first layers, final norm, rotary embedding and head. Its forward is a separate call of the top
+    module, so the target's own hooks and pass count see only the target's passes."""
+    self_draft_modules(target, layers)  # the shape check
+    config = copy.deepcopy(target.config)
+    text = config.get_text_config()
+    text.num_hidden_layers = layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types)[:layers]
+    with torch.device("meta"):
+        draft = type(target)(config)
+    prefix = target.base_model_prefix
+    base, draft_base = getattr(target, prefix), getattr(draft, prefix)
+    for name, module in base.named_children():
+        setattr(draft_base, name, nn.ModuleList(list(module)[:layers]) if name == "layers" else module)
+    for name, module in target.named_children():
+        if name != prefix:
+            setattr(draft, name, module)
+    left = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    if left:
+        raise ConfigError(f"speculative=self cannot share {left[0]} of {type(target).__name__} with its draft: use "
+                          "speculative=prompt_lookup or a draft checkpoint")
+    # a dispatched target's class answers ``device`` from the execution device it is told: the draft runs there too
+    for name, value in vars(target).items():
+        if name.startswith("_offload_core_"):
+            setattr(draft, name, value)
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    draft.eval()
+    return draft
+
+
+def draft_config(path: str | Path) -> Any:
+    """The draft checkpoint's config; a folder that holds none is one line."""
+    from transformers import AutoConfig
+
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"speculative.path={str(folder)!r} holds no config.json: give a local checkpoint folder of a "
+                          "small causal LM sharing the target's tokenizer")
+    return AutoConfig.from_pretrained(folder)
+
+
+def draft_bytes(path: str | Path, dtype: torch.dtype) -> int:
+    """Bytes the draft checkpoint's weights take resident in ``dtype`` (counted on an empty model; tied weights once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(draft_config(path), dtype=dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    seen = {id(p): p.numel() for p in model.parameters()}  # named_parameters drops tied duplicates: id() does too
+    return sum(seen.values()) * item
+
+
+def check_vocab(target: nn.Module, draft: nn.Module, path: str | Path) -> None:
+    """A draft must score the target's vocabulary: the same size (transformers' same-tokenizer assisted generation)."""
+    ours, theirs = target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
+    if ours != theirs:
+        raise ConfigError(f"speculative.path={str(path)!r} has a vocabulary of {theirs} tokens, the target {ours}: a draft "
+                          "must share the target's tokenizer")
+
+
+def load_draft(path: str | Path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The draft checkpoint loaded whole on ``device`` in ``dtype`` (it stays resident), checked against the target."""
+    from transformers import AutoModelForCausalLM
+
+    draft_config(path)
+    draft = AutoModelForCausalLM.from_pretrained(Path(path).expanduser(), dtype=dtype).to(device)
+    check_vocab(target, draft, path)
+    draft.eval()
+    return draft
