@@ -12,20 +12,18 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from offload_core import devices
 from offload_core.alignment import empty_at, maps_checkpoint, reference_offset
 from offload_core.errors import CheckpointError
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
 from offload_core.storage.residency import Residency
 from offload_core.loading.model_device import report_execution_device, restore_device_report
-from offload_core.loading.routes import TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor
+from offload_core.loading.execution_device import default_execution_device, resolve_execution_device  # noqa: F401 (public here too)
+from offload_core.loading.routes import (TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor,
+                                         store_bytes)
 
 log = logging.getLogger(__name__)
-
-
-def default_execution_device() -> torch.device:
-    """``cuda:0`` when an accelerator is present, else ``cpu``."""
-    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRoutes, store: Store | None,
@@ -216,7 +214,7 @@ def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Sto
             execution_device: torch.device, no_split: list[str], residency: Residency | None = None) -> OffloadState:
     context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
                             offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
-                            non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"),
+                            non_blocking=bool(store is not None and store.pinned and devices.is_accelerator(execution_device)),
                             residency=residency)
     handle = policy.attach(model, context)
     state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
@@ -270,9 +268,9 @@ def load_checkpoint_and_dispatch(
     dtype = parse_dtype(dtype)
     if device_map is None:
         device_map, execution_device = {"": "cpu"}, execution_device or "cpu"
-    execution_device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
+    execution_device = resolve_execution_device(execution_device, device_map)
     owns_checkpoint = not hasattr(checkpoint, "shards")
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
     ckpt = convert_checkpoint(model, ckpt)
@@ -289,7 +287,8 @@ def load_checkpoint_and_dispatch(
         fingerprint = json.loads(json.dumps(fingerprint, default=str))
         context = StoreContext(names=routes.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
                                offload_folder=Path(offload_folder) if offload_folder else None,
-                               pin_memory=execution_device.type == "cuda", maps_checkpoint=maps_checkpoint(model))
+                               pin_memory=devices.is_accelerator(execution_device), maps_checkpoint=maps_checkpoint(model),
+                               nbytes=store_bytes(model, routes, ckpt, dtype))
         store = _resolve("storage", storage).open(context)
     try:
         load_checkpoint_in_model(model, ckpt, routes, store, dtype, progress, strict)
@@ -338,19 +337,19 @@ def dispatch_model(
 
     main_device = main_device if main_device is not None else execution_device
     offload_dir = offload_dir if offload_dir is not None else offload_folder
-    execution_device = torch.device(f"cuda:{main_device}" if isinstance(main_device, int) else main_device) \
-        if main_device is not None else default_execution_device()
     if storage is None:
         storage = "memmap" if offload_dir is not None else "pinned_cpu"
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, None)
+    execution_device = resolve_execution_device(main_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
     index = read_offload_index(offload_dir, offload_index) if offload_index is not None else {}
     store = None
     if routes.offloaded:
         context = StoreContext(names=routes.store_keys, offload_folder=Path(offload_dir) if offload_dir else None,
                                # never matches an earlier folder: an in-memory model's weights are always written
-                               fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=execution_device.type == "cuda")
+                               fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=devices.is_accelerator(execution_device),
+                               nbytes=store_bytes(model, routes))
         store = _resolve("storage", storage).open(context)
         placeholders: dict[str, torch.Tensor] = {}
         for name, key in routes.offloaded.items():

@@ -40,7 +40,8 @@ def from_pretrained(
     kernel's cache. The kept set's figures are in ``model.offload_state.handle.counters()``.
     """
     from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.loading.dispatch import _resolve, default_execution_device, load_checkpoint_and_dispatch
+    from offload_core.loading.dispatch import _resolve, load_checkpoint_and_dispatch
+    from offload_core.loading.execution_device import resolve_execution_device
     from offload_core.loading.reserve import reserve_for
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
     from offload_core.planning import PlacementRequest, get_max_memory
@@ -51,7 +52,7 @@ def from_pretrained(
     task = task or infer_task(config)
     dtype = parse_dtype(dtype) or config_dtype(config)
     model = build_empty(config, task, dtype, what="task")
-    device = torch.device(execution_device) if execution_device is not None else default_execution_device()
+    device = resolve_execution_device(execution_device, device_map if isinstance(device_map, Mapping) else None)
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     storage, policy = _resolve("storage", storage), _resolve("policy", policy)
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it

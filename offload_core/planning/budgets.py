@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.planning.request import PlacementRequest
 from offload_core.planning.sizing import compute_module_sizes
@@ -27,10 +28,10 @@ def budget_device(key: Any, what: str = "max_memory") -> int | str:
 def _machine_memory() -> dict[int | str, int]:
     import psutil
 
+    accelerator = devices.active()
     budgets: dict[int | str, int] = {}
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            budgets[index] = torch.cuda.mem_get_info(index)[0]
+    for index in range(accelerator.count()):
+        budgets[index] = accelerator.mem_get_info(index)[0]
     budgets["cpu"] = psutil.virtual_memory().available
     return budgets
 
@@ -51,7 +52,7 @@ def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_d
         if device in budgets:
             raise ConfigError(f"max_memory names device {device!r} twice (as {key!r}): keep one entry per device")
         if check_devices and isinstance(device, int):
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            count = devices.gpu_count()
             if device >= count:
                 log.warning("Device %s is not available, available devices are %s", device, list(range(count)))
         budgets[device] = parse_size(value, what=f"max_memory[{key!r}]")
