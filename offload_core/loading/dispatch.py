@@ -148,11 +148,14 @@ class OffloadState:
         self.release()
 
     def remove(self) -> nn.Module:
-        """Remove the module hooks (weights come back to the CPU) and close the store."""
+        """Remove the module hooks (weights come back to the CPU, resident ones too) and close the store: the
+        device memory the run held is free when this returns, not at the next garbage collection."""
         for handle in self.extra_handles:
             handle.remove()
         model = self.handle.remove()
         restore_device_report(model)
+        if any(devices.is_accelerator(t.device) for t in model.state_dict(keep_vars=True).values()):
+            model.to("cpu")
         if self.store is not None:
             self.store.close()
         return model

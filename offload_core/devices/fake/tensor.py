@@ -206,6 +206,8 @@ def dispatch(func, args, kwargs):
     device = _same_device(name, fakes, hosts)
     if target is not None and is_fake_device(target):
         device = _index(target)
+    if func.is_view:  # metadata only: no stream work, no access to the bytes
+        return _wrap(func(*_unwrap(args), **_unwrap(kwargs)), device)
     writes = [_storage_ptr(t.elem) for t in _written(func, args, kwargs)]
     reads = [_storage_ptr(t.elem) for t in flat if isinstance(t, FakeTensor)]
     a, k = _unwrap(args), _unwrap(kwargs)
