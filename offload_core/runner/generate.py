@@ -66,12 +66,21 @@ def decoder_start(model) -> dict[str, int]:
     return {"decoder_start_token_id": pad if pad is not None else 0}
 
 
-def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm") -> list[int]:
-    """Tokens of the same checkpoint loaded fully in memory by transformers with ``task``'s Auto class (the reference)."""
+def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """The same checkpoint loaded fully in memory by transformers with ``task``'s Auto class, on ``device``: the
+    reference a run compares with computes where the run computes (a GPU's results differ from a CPU's)."""
     from offload_core.loading.tasks import auto_class
 
     model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
-    model.eval()
-    tokens, _ = generate(model, input_ids, cfg, torch.device("cpu"))
+    if device.type != "cpu":
+        model.to(device)
+    return model.eval()
+
+
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm",
+                     device: torch.device = torch.device("cpu")) -> list[int]:
+    """Tokens of the reference model (:func:`reference_model`) on ``device``."""
+    model = reference_model(checkpoint, task, dtype, device)
+    tokens, _ = generate(model, input_ids, cfg, device)
     del model
     return tokens

@@ -10,6 +10,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.registry.manager import Registry, get_registry
@@ -175,24 +176,25 @@ def build_strategies(settings: Settings, registry: Registry | None = None) -> St
 
 
 def execution_device(value: str | None) -> torch.device:
-    """``execution_device`` as a torch device: ``auto``/empty picks ``cuda:0`` when present, else ``cpu``."""
+    """``execution_device`` as a torch device: ``auto``/empty picks GPU 0 of the machine's accelerator when it has
+    one (:func:`offload_core.devices.default_execution_device`), else ``cpu``; ``cuda``/``cuda:N`` (or the
+    accelerator's own type) must exist."""
     if value in (None, "", "auto"):
-        from offload_core.loading.dispatch import default_execution_device
-
-        return default_execution_device()
+        return devices.default_execution_device()
+    text = str(value)
     try:
-        device = torch.device(value)
+        device = torch.device(text)
     except RuntimeError:
         raise ConfigError(f"execution_device={value!r} is not a device: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        index = 0 if device.index is None else device.index
-        if index >= count:
-            raise ConfigError(f"execution_device={value!r} does not exist: this machine has {count} CUDA device(s); use cpu")
-        return torch.device("cuda", index)
-    if device.type != "cpu":
+    if device.type == "cpu":
+        return device
+    index = device_key(device)
+    if not isinstance(index, int):
         raise ConfigError(f"execution_device={value!r} is not supported: use cpu or cuda:N")
-    return device
+    count = devices.gpu_count()
+    if index >= count:
+        raise ConfigError(f"execution_device={value!r} does not exist: this machine has {count} CUDA device(s); use cpu")
+    return devices.gpu(index)
 
 
 def max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
@@ -204,8 +206,8 @@ def max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
         if dev is None or dev == "mps":
             raise ConfigError(f"max_memory has an unknown device {key_s!r}: use cpu, disk or a GPU index like 0")
         if isinstance(dev, int):
-            if execution_device.type == "cuda" and dev >= torch.cuda.device_count():
-                raise ConfigError(f"max_memory.{key_s}: GPU {dev} does not exist (this machine has {torch.cuda.device_count()}); remove it")
+            if devices.is_accelerator(execution_device) and dev >= devices.gpu_count():
+                raise ConfigError(f"max_memory.{key_s}: GPU {dev} does not exist (this machine has {devices.gpu_count()}); remove it")
             if execution_device.type == "cpu":
                 raise ConfigError(f"max_memory.{key_s}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
         if value is None:

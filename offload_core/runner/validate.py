@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from offload_core import devices
 from offload_core.errors import ConfigError, DeviceMapError
 from offload_core.values import device_key
 
@@ -49,8 +50,8 @@ def check_device_map_devices(device_map: dict, execution_device: torch.device) -
         if dev == "mps":
             raise DeviceMapError(f"{where} is not a device this run can use; give cpu, disk or a GPU index")
         if isinstance(dev, int):
-            count = torch.cuda.device_count()
-            if execution_device.type != "cuda" or dev >= count:
+            count = devices.gpu_count()
+            if not devices.is_accelerator(execution_device) or dev >= count:
                 raise DeviceMapError(f"{where} names GPU {dev}, but this run has {count} GPU(s) "
                                      f"and executes on {execution_device}; use cpu or disk")
 
