@@ -14,6 +14,7 @@ from offload_core.module_hooks.keeper import keep_page_cache
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.values import is_offloaded
 from offload_core.module_hooks.policy import Policy
 
 
@@ -113,13 +114,20 @@ class AlignDevicesHook(ModuleHook):
 
 def attach_io_hooks(model: nn.Module, context: PolicyContext, io_same_device: bool, skip_keys: Iterable[str]) -> list:
     """Execution-device hooks: on the root (inputs to the main device, outputs back) and, when more than one
-    device computes, on every module resident on a GPU (its inputs may come from another device: a tied model
-    balanced over two GPUs computes ``cos``/``sin`` on GPU 1 for a layer on GPU 0)."""
+    device computes, on every module the device map names, moving its inputs to the device it computes on
+    (a GPU it is resident on, or the main device for an offloaded one): a tied model balanced over two GPUs
+    computes ``cos``/``sin`` on GPU 1 for a layer on GPU 0, and a block whose tensors are offloaded one module
+    at a time adds its input, from another GPU, to what its modules computed on the main one."""
     handles = []
     main = context.execution_device
-    placed = {k: devices.gpu(v) for k, v in context.device_map.items() if isinstance(v, int) and not isinstance(v, bool)}
-    several = len({*placed.values(), main}) > 1
-    gpu_keys = {k: device for k, device in placed.items() if several or device != main}
+    computes = {}
+    for key, value in context.device_map.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            computes[key] = devices.gpu(value)
+        elif is_offloaded(value, main):
+            computes[key] = main
+    several = len({*computes.values(), main}) > 1
+    gpu_keys = {k: device for k, device in computes.items() if k and (device != main or several)}
     for key, device in gpu_keys.items():
         try:
             module = model.get_submodule(key)
