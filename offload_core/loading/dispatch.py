@@ -272,11 +272,17 @@ def load_checkpoint_and_dispatch(
     if device_map is None:
         device_map, execution_device = {"": "cpu"}, execution_device or "cpu"
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
-    execution_device = resolve_execution_device(execution_device, device_map)
     owns_checkpoint = not hasattr(checkpoint, "shards")
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
     ckpt = convert_checkpoint(model, ckpt)
+    storage, policy = _resolve("storage", storage), _policy(policy, skip_keys, preload_module_classes)
+    if isinstance(device_map, str) and reserve is None:  # the placement holds back what the policy keeps in flight
+        from offload_core.loading.reserve import reserve_for
+
+        reserve = reserve_for(model, ckpt, policy, storage, resolve_execution_device(execution_device, None),
+                              [*no_split, *(preload_module_classes or [])], dtype)
+    device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
+    execution_device = resolve_execution_device(execution_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
     if routes.offloaded:
@@ -292,7 +298,7 @@ def load_checkpoint_and_dispatch(
                                offload_folder=Path(offload_folder) if offload_folder else None,
                                pin_memory=devices.is_accelerator(execution_device), maps_checkpoint=maps_checkpoint(model),
                                nbytes=store_bytes(model, routes, ckpt, dtype))
-        store = _resolve("storage", storage).open(context)
+        store = storage.open(context)
     try:
         load_checkpoint_in_model(model, ckpt, routes, store, dtype, progress, strict)
     except BaseException:
@@ -300,8 +306,8 @@ def load_checkpoint_and_dispatch(
             store.close()
         raise
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
-            [*no_split, *(preload_module_classes or [])], residency)
+    _attach(model, device_map, routes, store, policy, execution_device, [*no_split, *(preload_module_classes or [])],
+            residency)
     return model
 
 
@@ -343,7 +349,16 @@ def dispatch_model(
     if storage is None:
         storage = "memmap" if offload_dir is not None else "pinned_cpu"
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, None)
+    storage, policy = _resolve("storage", storage), _policy(policy, skip_keys, preload_module_classes)
+    reserve = None
+    if isinstance(device_map, str):  # the placement holds back what the policy keeps in flight
+        from offload_core.loading.reserve import reservation
+        from offload_core.planning import largest_block_size
+
+        blocks = [*no_split, *(preload_module_classes or [])]
+        reserve = reservation(policy, storage, resolve_execution_device(main_device, None),
+                              largest_block_size(model, blocks), largest_block_size(model, []), False, model)
+    device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, reserve)
     execution_device = resolve_execution_device(main_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
     index = read_offload_index(offload_dir, offload_index) if offload_index is not None else {}
@@ -353,7 +368,7 @@ def dispatch_model(
                                # never matches an earlier folder: an in-memory model's weights are always written
                                fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=devices.is_accelerator(execution_device),
                                nbytes=store_bytes(model, routes))
-        store = _resolve("storage", storage).open(context)
+        store = storage.open(context)
         placeholders: dict[str, torch.Tensor] = {}
         for name, key in routes.offloaded.items():
             if key not in placeholders:
@@ -373,7 +388,7 @@ def dispatch_model(
                 set_tensor(model, name, tensor.detach().to(device), routes.is_param[name])
     retie(model, routes)
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
-            [*no_split, *(preload_module_classes or [])], residency)
+    _attach(model, device_map, routes, store, policy, execution_device, [*no_split, *(preload_module_classes or [])],
+            residency)
     return model
 

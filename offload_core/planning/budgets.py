@@ -16,6 +16,9 @@ from offload_core.values import DEVICE_FORMS, device_key, parse_size
 
 log = logging.getLogger(__name__)
 
+#: ``max_memory=None`` budgets this fraction of each GPU's free memory
+GPU_FREE_FRACTION = 0.9
+
 
 def budget_device(key: Any, what: str = "max_memory") -> int | str:
     """A ``max_memory`` (or ``reserve``) key as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; else ConfigError."""
@@ -31,7 +34,9 @@ def _machine_memory() -> dict[int | str, int]:
     accelerator = devices.active()
     budgets: dict[int | str, int] = {}
     for index in range(accelerator.count()):
-        budgets[index] = accelerator.mem_get_info(index)[0]
+        # what a run allocates besides the weights and its reservation (the CUDA context's later growth, the
+        # allocator's fragmentation, library workspaces) comes out of the rest
+        budgets[index] = int(accelerator.mem_get_info(index)[0] * GPU_FREE_FRACTION)
     budgets["cpu"] = psutil.virtual_memory().available
     return budgets
 
@@ -39,7 +44,7 @@ def _machine_memory() -> dict[int | str, int]:
 def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_devices: bool = True) -> dict[int | str, int]:
     """Budgets in bytes by device, GPUs first (ascending ids), then ``"mps"``, ``"cpu"``, ``"disk"``.
 
-    ``None`` reads the free memory of this machine (every GPU, and available RAM for ``"cpu"``).
+    ``None`` reads the free memory of this machine (90% of every GPU's, and available RAM for ``"cpu"``).
     Sizes may be bytes or strings such as ``"2GiB"``. With ``check_devices`` a GPU id that this
     machine lacks is logged as a warning (as accelerate does); ``check_devices=False`` (planning for
     another machine) says nothing.

@@ -121,10 +121,12 @@ class Settings:
 
     @property
     def budgets(self) -> dict[Any, int]:
-        """``max_memory`` as the placement fills it: on a CPU run the cpu budget less the headroom."""
+        """``max_memory`` as the placement fills it: the budget of the device the run computes on (the cpu, or
+        its GPU: activations, the KV cache and the accelerator's workspaces live there) less the headroom."""
         budgets = dict(self.max_memory)
-        if self.execution_device.type == "cpu" and "cpu" in budgets:
-            budgets["cpu"] = max(budgets["cpu"] - self.headroom, 0)
+        key = "cpu" if self.execution_device.type == "cpu" else (self.execution_device.index or 0)
+        if key in budgets:
+            budgets[key] = max(budgets[key] - self.headroom, 0)
         return budgets
 
 

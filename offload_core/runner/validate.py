@@ -33,11 +33,13 @@ def check_generation(cfg: Any) -> None:
 
 
 def check_headroom(max_memory: dict, headroom: int, execution_device: torch.device) -> None:
-    """On a CPU run the headroom comes out of the cpu budget: one that leaves nothing is refused."""
-    cpu = max_memory.get("cpu")
-    if execution_device.type == "cpu" and cpu is not None and headroom >= cpu:
-        raise ConfigError(f"headroom ({headroom} bytes) leaves nothing of max_memory.cpu ({cpu} bytes): "
-                          "lower headroom or raise max_memory.cpu")
+    """The headroom comes out of the budget of the device the run computes on (the cpu, or its GPU): one that
+    leaves nothing is refused."""
+    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+    budget = max_memory.get(key)
+    if budget is not None and headroom >= budget:
+        raise ConfigError(f"headroom ({headroom} bytes) leaves nothing of max_memory.{key} ({budget} bytes): "
+                          f"lower headroom or raise max_memory.{key}")
 
 
 def check_device_map_devices(device_map: dict, execution_device: torch.device) -> None:
