@@ -87,7 +87,7 @@ def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: in
     the reservation held back, and the predicted bytes moved per generated token.
 
     ``summary`` is :func:`offload_core.planning.summarize_device_map`'s result; ``plan`` holds
-    ``reserve`` (device -> bytes) and optionally ``headroom`` (bytes held back from the cpu budget).
+    ``reserve`` (device -> bytes) and optionally ``headroom`` (bytes held back from the budget of the device that computes).
     """
     lines = []
     keys = _grouped_keys(device_map) if device_map is not None else {}
@@ -105,7 +105,7 @@ def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: in
     reserve = ", ".join(f"{k}: {format_size(v)}" for k, v in (plan.get("reserve") or {}).items())
     lines.append(f"reserved for offloaded weights in flight: {reserve or 'none'}")
     if plan.get("headroom"):
-        lines.append(f"held back from the cpu budget for activations: {format_size(plan['headroom'])}")
+        lines.append(f"held back from the budget of the device that computes, for activations: {format_size(plan['headroom'])}")
     if predicted is not None:
         lines.append(f"predicted bytes moved per generated token: {format_size(predicted)}")
     return "\n".join(lines)

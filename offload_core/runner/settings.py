@@ -59,7 +59,8 @@ class RunConfig:
     top_p: float = 1.0
     #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
     max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
-    #: held back from the cpu budget for activations, KV cache and logits on a CPU run
+    #: held back for activations, KV cache and logits from the budget of the device that computes (the cpu,
+    #: or the GPU: there also the accelerator's workspaces)
     headroom: str = "48MiB"
     #: auto (the checkpoint's), float32, bfloat16, float16
     dtype: str = "auto"

@@ -59,9 +59,12 @@ class FakeTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, device: torch.device, requires_grad: bool = False) -> "FakeTensor":
-        wrapper = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
-                                                      storage_offset=elem.storage_offset(), dtype=elem.dtype,
-                                                      device=device, requires_grad=requires_grad)
+        # A normal tensor even under inference mode (a view of one must share its version counter); autograd
+        # and inference mode act on the wrappers, the values below them are computed under inference mode.
+        with torch.inference_mode(False):
+            wrapper = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
+                                                          storage_offset=elem.storage_offset(), dtype=elem.dtype,
+                                                          device=device, requires_grad=requires_grad)
         wrapper.elem = elem
         return wrapper
 
@@ -91,6 +94,8 @@ class FakeTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in HOST_COMPOSITES:
             return _on_host(func, args, kwargs)
+        if func is torch.Tensor.tolist:  # a copy to the host, as on a GPU
+            return args[0].cpu().tolist()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -147,7 +152,7 @@ def _on_host(func, args, kwargs):
     a, k = _unwrap(args), _unwrap(kwargs)
 
     def run():
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode():
             return func(*a, **k)
     return _wrap(_operate(device, reads, [], run, getattr(func, "__name__", "function")), device)
 
@@ -167,7 +172,7 @@ def _copy_from_host(dst: "FakeTensor", src: torch.Tensor, non_blocking: bool) ->
     runtime = _runtime
     deferred = bool(non_blocking and runtime is not None and runtime.is_pinned(src))
     if not deferred:
-        _operate(dst.device, [], [_storage_ptr(dst.elem)], lambda: dst.elem.copy_(src), "copy to the device")
+        _operate(dst.device, [], [_storage_ptr(dst.elem)], lambda: _compute(dst.elem.copy_, (src,), {}), "copy to the device")
         return
     snapshot = src.clone()
     target = dst.elem
@@ -176,7 +181,7 @@ def _copy_from_host(dst: "FakeTensor", src: torch.Tensor, non_blocking: bool) ->
         if not torch.equal(src, snapshot):
             runtime.timeline.hazard("a pinned host buffer was rewritten before the asynchronous copy reading it ran "
                                     "(wait for its event before reusing it)")
-        target.copy_(src)
+        _compute(target.copy_, (src,), {})
     _operate(dst.device, [], [_storage_ptr(target)], run, "asynchronous copy to the device", deferred=True)
 
 
@@ -194,7 +199,7 @@ def dispatch(func, args, kwargs):
             _copy_from_host(dst, src, non_blocking)
             return dst
         if not isinstance(dst, FakeTensor):  # device to host: the host waits for it
-            _operate(src.device, [_storage_ptr(src.elem)], [], lambda: dst.copy_(src.elem), "copy to the host")
+            _operate(src.device, [_storage_ptr(src.elem)], [], lambda: _compute(dst.copy_, (src.elem,), {}), "copy to the host")
             return dst
     flat, _ = tree_flatten((args, kwargs))
     fakes, hosts = _devices(flat)
@@ -207,15 +212,21 @@ def dispatch(func, args, kwargs):
     if target is not None and is_fake_device(target):
         device = _index(target)
     if func.is_view:  # metadata only: no stream work, no access to the bytes
-        return _wrap(func(*_unwrap(args), **_unwrap(kwargs)), device)
+        with torch.inference_mode():
+            return _wrap(func(*_unwrap(args), **_unwrap(kwargs)), device)
     writes = [_storage_ptr(t.elem) for t in _written(func, args, kwargs)]
     reads = [_storage_ptr(t.elem) for t in flat if isinstance(t, FakeTensor)]
     a, k = _unwrap(args), _unwrap(kwargs)
-    out = _operate(device, reads, writes, lambda: func(*a, **k), name)
+    out = _operate(device, reads, writes, lambda: _compute(func, a, k), name)
     # an in-place operation returns its own operand
     if isinstance(out, torch.Tensor) and writes and args and isinstance(args[0], FakeTensor) and out is args[0].elem:
         return args[0]
     return _wrap(out, device)
+
+
+def _compute(func, args, kwargs):
+    with torch.inference_mode():
+        return func(*args, **kwargs)
 
 
 def _fresh(elem: torch.Tensor, device: torch.device) -> torch.Tensor:
