@@ -217,6 +217,8 @@ def dispatch(func, args, kwargs):
     writes = [_storage_ptr(t.elem) for t in _written(func, args, kwargs)]
     reads = [_storage_ptr(t.elem) for t in flat if isinstance(t, FakeTensor)]
     a, k = _unwrap(args), _unwrap(kwargs)
+    if name == "histc" and not a[0].is_floating_point():  # a GPU counts integers; the CPU kernel wants floats
+        a = (a[0].float(), *a[1:])
     out = _operate(device, reads, writes, lambda: _compute(func, a, k), name)
     # an in-place operation returns its own operand
     if isinstance(out, torch.Tensor) and writes and args and isinstance(args[0], FakeTensor) and out is args[0].elem:
