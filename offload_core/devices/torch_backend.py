@@ -70,15 +70,18 @@ class TorchAccelerator(Accelerator):
         return tensor
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
-        """Pageable memory registered with the driver as it is (cudaHostRegister): PyTorch's pinned allocator
-        would round ``nbytes`` up to a power of two (up to twice the memory). Elsewhere, or if registering
-        fails, torch's pinned allocator."""
+        """Pageable memory registered with the driver as it is (cudaHostRegister of whole pages inside one
+        allocation): PyTorch's pinned allocator would round ``nbytes`` up to a power of two (up to twice the
+        memory). Elsewhere, or if registering fails, torch's pinned allocator."""
         if self.type == "cuda" and nbytes:
-            arena = torch.empty(nbytes, dtype=torch.uint8)
+            pages = -(-nbytes // PAGE) * PAGE
+            raw = torch.empty(pages + PAGE, dtype=torch.uint8)
+            start = -raw.data_ptr() % PAGE
+            arena = raw[start:start + nbytes]  # its pages lie inside this allocation: no page is shared
             try:
-                error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
+                error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), pages, 0)
                 if int(error) == 0:
-                    self._count(arena, -(-nbytes // PAGE) * PAGE, registered=True)
+                    self._count(arena, pages, registered=True)
                     return arena
                 log.info("cudaHostRegister of %d bytes failed (error %s): using torch's pinned allocator", nbytes, int(error))
             except (AttributeError, RuntimeError, TypeError) as error:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core.devices import gpu
 from offload_core.registry.contracts import Policy
 from offload_core.values import format_size, parse_dtype
 
@@ -144,7 +145,7 @@ def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes:
                 ax.text(left + width / 2, row, key.rpartition(".")[2] or key, ha="center", va="center", fontsize=7, color="white")
             left += width
         ax.text(left, row, f" {left:.1f} MiB", va="center", fontsize=8)
-    ax.set_yticks(range(len(devices)), [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices])
+    ax.set_yticks(range(len(devices)), [str(gpu(d)) if isinstance(d, int) else str(d) for d in devices])
     ax.invert_yaxis()
     ax.set_xlabel("MiB (one segment per device-map key)")
     tiers = sorted({_tier(d) for d in devices}, key=list(TIER_COLOURS).index)

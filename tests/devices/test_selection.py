@@ -74,3 +74,22 @@ def test_gpu_indices_name_the_active_accelerators_devices(fake_gpu):
     assert fake.normalize("fakegpu") == torch.device("fakegpu", 0)
     assert default_execution_device({"a": "cpu", "b": 3, "c": 1}) == torch.device("fakegpu", 3)
     assert default_execution_device({"a": "disk"}) == torch.device("fakegpu", 0)
+
+
+def test_an_unindexed_accelerator_device_is_its_device_0(fake_gpu):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    fake = fake_gpu(count=2)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    dispatch_model(model, {"model.embed_tokens": 0, "model.layers": "cpu", "model.norm": 0, "model.rotary_emb": 0,
+                           "lm_head": 0}, execution_device="fakegpu")
+    assert model.offload_state.execution_device == fake.device(0)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        model(ids)
+        moved = model.offload_state.stats.bytes
+        model(ids)  # the offloaded layers cross once per forward, never again for a "fakegpu" vs "fakegpu:0" mismatch
+    assert model.offload_state.stats.bytes == 2 * moved
+    model.offload_state.remove()
