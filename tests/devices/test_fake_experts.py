@@ -54,3 +54,38 @@ def test_prefetch_without_the_pool_is_refused_on_a_gpu(saved, tmp_path, fake_gpu
                                      policy=Prefetch(PrefetchConfig(pool=False)), offload_folder=tmp_path / "off",
                                      execution_device=fake.device(0), progress=False)
     assert "\n" not in str(caught.value) and "hook.pool=false" in str(caught.value)
+
+
+def test_a_whole_read_to_the_gpu_never_builds_a_whole_assembled_tensor(saved, tmp_path, fake_gpu, monkeypatch):
+    """Most experts routed (a long prompt): each fused tensor is read whole. From the safetensors store, whose
+    expert tensors are assembled from per-expert checkpoint tensors on read, that goes row by row."""
+    fake = fake_gpu(count=1)
+    moe = saved("mixtral")
+    reference = moe.auto.from_pretrained(moe.path).eval().to(fake.device(0))
+    ids = moe.inputs["input_ids"][:1].to(fake.device(0))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits.cpu()
+    del reference
+    with init_empty_weights():
+        model = moe.auto.from_config(moe.config).eval()
+    load_checkpoint_and_dispatch(model, moe.path, device_map={"": "disk"}, storage="safetensors",
+                                 policy=Experts(ExpertsConfig(cache_slots=0, whole_fraction=0.01)),
+                                 execution_device=fake.device(0), progress=False)
+    store = model.offload_state.store
+    assert store.assembled
+    whole = []
+    real_getitem = type(store).__getitem__
+
+    def getitem(self, name):
+        if name in self.assembled:
+            whole.append(name)
+        return real_getitem(self, name)
+
+    monkeypatch.setattr(type(store), "__getitem__", getitem)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.cpu()
+    counters = model.offload_state.handle.counters()
+    monkeypatch.undo()
+    model.offload_state.remove()
+    assert torch.equal(got, want)
+    assert counters["expert_whole_reads"] > 0 and whole == []

@@ -83,3 +83,28 @@ def test_prefetch_pool_and_staging_on_a_gpu(depth, storage, tmp_path, fake_gpu):
     assert prefetcher.block_pool.buffers[0].device == fake.device(0)
     model.offload_state.remove()
     assert fake.memory_allocated(0) == 0
+
+
+def test_cpu_offload_with_hook_chains_two_models_through_pinned_memory(fake_gpu):
+    """accelerate's model chaining on a GPU: each model rests in (pinned) host memory and moves to the GPU when
+    called, until the next model of the chain is called."""
+    from offload_core.loading.cpu_offload import cpu_offload_with_hook
+
+    fake = fake_gpu(count=1)
+    torch.manual_seed(0)
+    first, second = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()), torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = second(first(x))
+    first, first_handle = cpu_offload_with_hook(first)
+    second, second_handle = cpu_offload_with_hook(second, prev_module_hook=first_handle)
+    assert first_handle.policy.context.store.pinned and fake.pinned_bytes > 0
+    with torch.no_grad():
+        hidden = first(x.to(fake.device(0)))
+        assert fake.memory_allocated(0) > 0 and hidden.device == fake.device(0)
+        out = second(hidden)  # the first model leaves the GPU
+    assert torch.equal(out.cpu(), expected)
+    second_handle.offload()
+    del hidden, out
+    assert fake.memory_allocated(0) == 0
+    assert first[0].weight.device.type == "cpu" and second.weight.device.type == "cpu"

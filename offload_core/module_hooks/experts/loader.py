@@ -250,10 +250,17 @@ def read_expert(store: Mapping[str, torch.Tensor], key: str, expert: int, out: t
 
 
 def read_whole(store: Mapping[str, torch.Tensor], key: str, buffer: torch.Tensor) -> None:
-    """Copy all of ``store[key]`` into ``buffer``: in one pass where the store reads into host memory itself."""
+    """Copy all of ``store[key]`` into ``buffer``: in one pass where the store reads into host memory itself; to
+    a device buffer from such a store (it builds the tensor on read: assembled from per-expert checkpoint tensors,
+    or converted) expert by expert through one host row, never the whole tensor in pageable memory."""
     read_into = getattr(store, "read_into", None)
     if read_into is not None and buffer.device.type == "cpu":
         read_into(key, buffer)
+    elif read_into is not None:
+        row = torch.empty(buffer.shape[1:], dtype=buffer.dtype)
+        for expert in range(buffer.shape[0]):
+            read_expert(store, key, expert, row)
+            buffer[expert].copy_(row)  # from pageable memory: done when it returns, so the row is free again
     else:
         buffer.copy_(store[key])
 
