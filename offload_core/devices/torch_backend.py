@@ -84,6 +84,9 @@ class TorchAccelerator(Accelerator):
                     self._count(arena, pages, registered=True)
                     return arena
                 log.info("cudaHostRegister of %d bytes failed (error %s): using torch's pinned allocator", nbytes, int(error))
+                clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+                if clear is not None:  # the failure must not surface at the next kernel launch check
+                    clear()
             except (AttributeError, RuntimeError, TypeError) as error:
                 log.info("cudaHostRegister unavailable (%s): using torch's pinned allocator", error)
         return self.pinned_empty(nbytes)
