@@ -87,7 +87,7 @@ class TorchAccelerator(Accelerator):
                 clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
                 if clear is not None:  # the failure must not surface at the next kernel launch check
                     clear()
-            except (AttributeError, RuntimeError, TypeError) as error:
+            except (AttributeError, AssertionError, RuntimeError, TypeError) as error:
                 log.info("cudaHostRegister unavailable (%s): using torch's pinned allocator", error)
         return self.pinned_empty(nbytes)
 
