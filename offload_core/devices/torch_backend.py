@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from typing import Any, ContextManager
 
 import torch
@@ -66,8 +67,16 @@ class TorchAccelerator(Accelerator):
     # -- pinned host memory -----------------------------------------------------------------------
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self._count(tensor, _pow2(nbytes), registered=False)  # the caching host allocator rounds to a power of two
+        if nbytes:  # the caching host allocator rounds to a power of two; counted while the tensor lives
+            held = _pow2(nbytes)
+            with self._lock:
+                self._pinned += held
+            weakref.finalize(tensor.untyped_storage(), self._uncount, held)
         return tensor
+
+    def _uncount(self, nbytes: int) -> None:
+        with self._lock:
+            self._pinned -= nbytes
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
         """Pageable memory registered with the driver as it is (cudaHostRegister of whole pages inside one
@@ -89,7 +98,9 @@ class TorchAccelerator(Accelerator):
                     clear()
             except (AttributeError, AssertionError, RuntimeError, TypeError) as error:
                 log.info("cudaHostRegister unavailable (%s): using torch's pinned allocator", error)
-        return self.pinned_empty(nbytes)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._count(tensor, _pow2(nbytes), registered=False)
+        return tensor
 
     def _count(self, tensor: torch.Tensor, nbytes: int, registered: bool) -> None:
         if tensor.numel():
@@ -128,6 +139,8 @@ class TorchAccelerator(Accelerator):
         return torch.Stream(device=device)
 
     def current_stream(self, device: torch.device) -> Any:
+        if self.type == "cuda":  # a torch.cuda.Stream: what torch.cuda.Event.record and record_stream take
+            return torch.cuda.current_stream(device)
         return self._call("current_stream", device)
 
     def on_stream(self, stream: Any) -> ContextManager:
