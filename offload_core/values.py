@@ -104,9 +104,14 @@ DEVICE_FORMS = "a GPU index (0, '0' or 'cuda:0'), 'cpu', 'disk' or 'mps'"
 
 
 def device_key(value: object) -> int | str | None:
-    """``value`` as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; ``None`` when it names no device we know."""
+    """``value`` as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; ``None`` when it names no device we know.
+
+    A GPU is named by its index, ``cuda``/``cuda:N``, or the active accelerator's own type (``xpu:N``)."""
+    from offload_core.devices import active
+
+    kinds = {"cuda", active().index_type}
     if isinstance(value, torch.device):
-        if value.type == "cuda":
+        if value.type in kinds:
             return value.index or 0
         value = value.type
     if isinstance(value, bool):
@@ -117,11 +122,13 @@ def device_key(value: object) -> int | str | None:
         text = value.strip().lower()
         if text in NAMED_DEVICES:
             return text
-        if text == "cuda":
+        kind, _, digits = text.partition(":")
+        if kind in kinds and not digits:
             return 0
-        digits = text.removeprefix("cuda:")
-        if digits.isdigit():
-            return int(digits)
+        if kind in kinds:
+            text = digits
+        if text.isdigit():
+            return int(text)
     return None
 
 
@@ -136,7 +143,9 @@ def is_offloaded(device: int | str, execution_device: torch.device) -> bool:
 def torch_device(device: int | str, execution_device: torch.device) -> torch.device:
     """The torch device a device-map value computes on: an offloaded tier computes on ``execution_device``."""
     if isinstance(device, int):
-        return torch.device("cuda", device)
+        from offload_core.devices import gpu
+
+        return gpu(device)
     if is_offloaded(device, execution_device):
         return execution_device
     return torch.device(device)

@@ -1,5 +1,10 @@
 """Shared fixtures and markers: tensors of every dtype the stores must round-trip; everything under
-end_to_end/ is marked slow; tests marked gpu skip cleanly without a CUDA device."""
+end_to_end/ is marked slow; tests marked gpu skip cleanly without a CUDA device.
+
+The device layer: a test runs on the CPU even on a machine with a GPU (the active accelerator is the host,
+and processes the tests start inherit ``OFFLOAD_CORE_ACCELERATOR=cpu``), unless it is marked ``gpu`` (the
+real accelerator) or uses the ``fake_gpu`` fixture (the fake accelerator, and the test is marked
+``fake_gpu``); a hazard the fake accelerator saw fails the test."""
 
 from __future__ import annotations
 
@@ -9,11 +14,14 @@ from pathlib import Path
 # The test workers share the machine's cores: one compute thread each, and in the processes they start,
 # rather than every worker's torch spreading over all cores and contending (the suite runs twice as fast).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What the tests start runs on the CPU too, GPU or not (a CLI test on a GPU machine would pick cuda:0).
+os.environ["OFFLOAD_CORE_ACCELERATOR"] = "cpu"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from offload_core.testing import round_trip_tensors
+from offload_core import devices  # noqa: E402
+from offload_core.testing import round_trip_tensors  # noqa: E402
 
 END_TO_END = Path(__file__).resolve().parent / "end_to_end"
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -29,6 +37,8 @@ def pytest_ignore_collect(collection_path, config):
 def pytest_collection_modifyitems(config, items):
     no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
+        if "fake_gpu" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.fake_gpu)
         if END_TO_END in item.path.parents:
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
@@ -38,3 +48,49 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def tensors() -> dict[str, torch.Tensor]:
     return round_trip_tensors()
+
+
+@pytest.fixture(autouse=True)
+def _accelerator(request):
+    """The host (no accelerator) for every test, the real one for tests marked gpu; ``fake_gpu`` installs its own."""
+    if request.node.get_closest_marker("gpu"):
+        from offload_core.devices.torch_backend import TorchAccelerator, detect
+
+        found = detect()
+        accelerator = TorchAccelerator(found) if found else devices.HOST
+    else:
+        accelerator = devices.HOST
+    with devices.use(accelerator):
+        yield accelerator
+
+
+@pytest.fixture
+def fake_gpu(_accelerator):
+    """``fake_gpu(count=1, memory="1GiB")`` installs a fake accelerator of ``count`` devices for the rest of the
+    test and returns it; the test fails if it saw a hazard (a buffer used, overwritten or freed before the
+    event guarding it)."""
+    import gc
+
+    from offload_core.devices.fake import FakeAccelerator
+    from offload_core.values import parse_size
+
+    made: list = []
+    stack: list = []
+
+    def make(count: int = 1, memory: int | str = "1GiB") -> FakeAccelerator:
+        accelerator = FakeAccelerator(count=count, memory=parse_size(memory) if isinstance(memory, str) else memory)
+        accelerator.install()
+        context = devices.use(accelerator)
+        context.__enter__()
+        made.append(accelerator)
+        stack.append(context)
+        return accelerator
+
+    yield make
+    gc.collect()
+    for context in reversed(stack):
+        context.__exit__(None, None, None)
+    for accelerator in made:
+        accelerator.uninstall()
+    for accelerator in made:
+        accelerator.check()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from offload_core.loading.dispatch import default_execution_device
+from offload_core import devices
 from offload_core.module_hooks.chained import ChainHandle, chain_model
 from offload_core.storage import StoreContext
 
@@ -19,9 +19,8 @@ def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | str
     """
     from offload_core.storage.memory import HostMemoryStore
 
-    if execution_device is None:
-        device = default_execution_device()
-    else:
-        device = torch.device(f"cuda:{execution_device}" if isinstance(execution_device, int) else execution_device)
-    store = HostMemoryStore(StoreContext(names=[], pin_memory=device.type == "cuda"))
+    accelerator = devices.active()
+    device = accelerator.default_device() if execution_device is None else accelerator.normalize(execution_device)
+    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict(keep_vars=True).values()}.values())
+    store = HostMemoryStore(StoreContext(names=[], pin_memory=devices.is_accelerator(device), nbytes=nbytes))
     return chain_model(model, store, device, prev_module_hook)

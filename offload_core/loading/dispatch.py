@@ -12,20 +12,18 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from offload_core import devices
 from offload_core.alignment import empty_at, maps_checkpoint, reference_offset
 from offload_core.errors import CheckpointError
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.storage import Store, StoreContext, convert_dtype
 from offload_core.storage.residency import Residency
 from offload_core.loading.model_device import report_execution_device, restore_device_report
-from offload_core.loading.routes import TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor
+from offload_core.loading.execution_device import default_execution_device, resolve_execution_device  # noqa: F401 (public here too)
+from offload_core.loading.routes import (TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor,
+                                         store_bytes)
 
 log = logging.getLogger(__name__)
-
-
-def default_execution_device() -> torch.device:
-    """``cuda:0`` when an accelerator is present, else ``cpu``."""
-    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRoutes, store: Store | None,
@@ -150,11 +148,14 @@ class OffloadState:
         self.release()
 
     def remove(self) -> nn.Module:
-        """Remove the module hooks (weights come back to the CPU) and close the store."""
+        """Remove the module hooks (weights come back to the CPU, resident ones too) and close the store: the
+        device memory the run held is free when this returns, not at the next garbage collection."""
         for handle in self.extra_handles:
             handle.remove()
         model = self.handle.remove()
         restore_device_report(model)
+        if any(devices.is_accelerator(t.device) for t in model.state_dict(keep_vars=True).values()):
+            model.to("cpu")
         if self.store is not None:
             self.store.close()
         return model
@@ -216,7 +217,7 @@ def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Sto
             execution_device: torch.device, no_split: list[str], residency: Residency | None = None) -> OffloadState:
     context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
                             offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
-                            non_blocking=bool(store is not None and store.pinned and execution_device.type == "cuda"),
+                            non_blocking=bool(store is not None and store.pinned and devices.is_accelerator(execution_device)),
                             residency=residency)
     handle = policy.attach(model, context)
     state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
@@ -270,12 +271,18 @@ def load_checkpoint_and_dispatch(
     dtype = parse_dtype(dtype)
     if device_map is None:
         device_map, execution_device = {"": "cpu"}, execution_device or "cpu"
-    execution_device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     owns_checkpoint = not hasattr(checkpoint, "shards")
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
     ckpt = convert_checkpoint(model, ckpt)
+    storage, policy = _resolve("storage", storage), _policy(policy, skip_keys, preload_module_classes)
+    if isinstance(device_map, str) and reserve is None:  # the placement holds back what the policy keeps in flight
+        from offload_core.loading.reserve import reserve_for
+
+        reserve = reserve_for(model, ckpt, policy, storage, resolve_execution_device(execution_device, None),
+                              [*no_split, *(preload_module_classes or [])], dtype)
+    device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
+    execution_device = resolve_execution_device(execution_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
     store = None
     if routes.offloaded:
@@ -289,8 +296,9 @@ def load_checkpoint_and_dispatch(
         fingerprint = json.loads(json.dumps(fingerprint, default=str))
         context = StoreContext(names=routes.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
                                offload_folder=Path(offload_folder) if offload_folder else None,
-                               pin_memory=execution_device.type == "cuda", maps_checkpoint=maps_checkpoint(model))
-        store = _resolve("storage", storage).open(context)
+                               pin_memory=devices.is_accelerator(execution_device), maps_checkpoint=maps_checkpoint(model),
+                               nbytes=store_bytes(model, routes, ckpt, dtype))
+        store = storage.open(context)
     try:
         load_checkpoint_in_model(model, ckpt, routes, store, dtype, progress, strict)
     except BaseException:
@@ -298,8 +306,8 @@ def load_checkpoint_and_dispatch(
             store.close()
         raise
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
-            [*no_split, *(preload_module_classes or [])], residency)
+    _attach(model, device_map, routes, store, policy, execution_device, [*no_split, *(preload_module_classes or [])],
+            residency)
     return model
 
 
@@ -338,20 +346,29 @@ def dispatch_model(
 
     main_device = main_device if main_device is not None else execution_device
     offload_dir = offload_dir if offload_dir is not None else offload_folder
-    execution_device = torch.device(f"cuda:{main_device}" if isinstance(main_device, int) else main_device) \
-        if main_device is not None else default_execution_device()
     if storage is None:
         storage = "memmap" if offload_dir is not None else "pinned_cpu"
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, None)
+    storage, policy = _resolve("storage", storage), _policy(policy, skip_keys, preload_module_classes)
+    reserve = None
+    if isinstance(device_map, str):  # the placement holds back what the policy keeps in flight
+        from offload_core.loading.reserve import reservation
+        from offload_core.planning import largest_block_size
+
+        blocks = [*no_split, *(preload_module_classes or [])]
+        reserve = reservation(policy, storage, resolve_execution_device(main_device, None),
+                              largest_block_size(model, blocks), largest_block_size(model, []), False, model)
+    device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, reserve)
+    execution_device = resolve_execution_device(main_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
     index = read_offload_index(offload_dir, offload_index) if offload_index is not None else {}
     store = None
     if routes.offloaded:
         context = StoreContext(names=routes.store_keys, offload_folder=Path(offload_dir) if offload_dir else None,
                                # never matches an earlier folder: an in-memory model's weights are always written
-                               fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=execution_device.type == "cuda")
-        store = _resolve("storage", storage).open(context)
+                               fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=devices.is_accelerator(execution_device),
+                               nbytes=store_bytes(model, routes))
+        store = storage.open(context)
         placeholders: dict[str, torch.Tensor] = {}
         for name, key in routes.offloaded.items():
             if key not in placeholders:
@@ -371,7 +388,7 @@ def dispatch_model(
                 set_tensor(model, name, tensor.detach().to(device), routes.is_param[name])
     retie(model, routes)
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, routes, store, _policy(policy, skip_keys, preload_module_classes), execution_device,
-            [*no_split, *(preload_module_classes or [])], residency)
+    _attach(model, device_map, routes, store, policy, execution_device, [*no_split, *(preload_module_classes or [])],
+            residency)
     return model
 

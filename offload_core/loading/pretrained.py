@@ -67,7 +67,7 @@ def from_pretrained(
                                         page_cache=page_cache)
     policy = policy or "align_per_call"
     from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.loading.dispatch import default_execution_device
+    from offload_core.loading.execution_device import default_execution_device
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
     from offload_core.planning import get_max_memory
     from offload_core.planning.budgets import check_budgets, check_execution_device
@@ -78,8 +78,11 @@ def from_pretrained(
     task = task or infer_task(config)
     dtype = parse_dtype(dtype) or config_dtype(config)
     model = build_empty(config, task, dtype, what="task")
-    device = check_execution_device(execution_device) if execution_device is not None else default_execution_device()
-    if max_memory is not None:  # checked as run.py checks its max_memory, before anything is built
+    if execution_device is not None:  # checked as run.py checks its execution_device and max_memory
+        device = check_execution_device(execution_device)
+    else:
+        device = default_execution_device(device_map if isinstance(device_map, Mapping) else None)
+    if max_memory is not None:
         check_budgets(get_max_memory(max_memory, check_devices=False), device)
     no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it

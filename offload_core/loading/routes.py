@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -83,3 +84,23 @@ def move_leftover_buffers(model: nn.Module, device_map: Mapping[str, int | str],
             if buf is not None and buf.device.type != "meta" and buf.device != device:
                 module._buffers[local] = buf.to(device)
 
+
+def store_bytes(model: nn.Module, routes: TensorRoutes, checkpoint: Any = None, dtype: torch.dtype | None = None) -> int:
+    """The bytes the store will hold for ``routes``' offloaded tensors, as read from ``checkpoint`` (its shapes and
+    dtypes) or, without one, as the model holds them; floating tensors in ``dtype`` where given."""
+    sources = {}
+    if checkpoint is not None:
+        keys = set(checkpoint.keys())
+        for name, canonical in routes.canonical.items():
+            if name in keys:
+                sources.setdefault(canonical, name)
+    state = model.state_dict(keep_vars=True)
+    total = 0
+    for key in routes.store_keys:
+        if key in sources:
+            shape, stored = checkpoint.shape(sources[key]), checkpoint.dtype(sources[key])
+        else:
+            shape, stored = state[key].shape, state[key].dtype
+        itemsize = dtype.itemsize if dtype is not None and stored.is_floating_point else stored.itemsize
+        total += math.prod(shape) * itemsize
+    return total

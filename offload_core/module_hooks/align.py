@@ -8,11 +8,13 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, send_to_device
 from offload_core.module_hooks.keeper import keep_page_cache
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.values import is_offloaded
 from offload_core.module_hooks.policy import Policy
 
 
@@ -58,9 +60,7 @@ class AlignDevicesHook(ModuleHook):
         non_blocking: bool = False,
         name: str = "align_devices",
     ) -> None:
-        if isinstance(execution_device, int):
-            execution_device = f"cuda:{execution_device}"
-        self.execution_device = torch.device(execution_device) if execution_device is not None else None
+        self.execution_device = devices.active().normalize(execution_device) if execution_device is not None else None
         self.offload = offload
         self.io_same_device = io_same_device
         self.offload_buffers = offload_buffers
@@ -113,10 +113,21 @@ class AlignDevicesHook(ModuleHook):
 
 
 def attach_io_hooks(model: nn.Module, context: PolicyContext, io_same_device: bool, skip_keys: Iterable[str]) -> list:
-    """Execution-device hooks: on the root (inputs to the main device, outputs back) and on modules resident on other GPUs."""
+    """Execution-device hooks: on the root (inputs to the main device, outputs back) and, when more than one
+    device computes, on every module the device map names, moving its inputs to the device it computes on
+    (a GPU it is resident on, or the main device for an offloaded one): a tied model balanced over two GPUs
+    computes ``cos``/``sin`` on GPU 1 for a layer on GPU 0, and a block whose tensors are offloaded one module
+    at a time adds its input, from another GPU, to what its modules computed on the main one."""
     handles = []
     main = context.execution_device
-    gpu_keys = {k: v for k, v in context.device_map.items() if isinstance(v, int) and torch.device("cuda", v) != main}
+    computes = {}
+    for key, value in context.device_map.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            computes[key] = devices.gpu(value)
+        elif is_offloaded(value, main):
+            computes[key] = main
+    several = len({*computes.values(), main}) > 1
+    gpu_keys = {k: device for k, device in computes.items() if k and (device != main or several)}
     for key, device in gpu_keys.items():
         try:
             module = model.get_submodule(key)

@@ -7,6 +7,7 @@ the call itself (the first hook added is the outermost). Names are unique per mo
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable
 
@@ -159,4 +160,14 @@ def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False, s
         return type(obj)(send_to_device(o, device, non_blocking, skip_keys) for o in obj)
     if isinstance(obj, dict) and type(obj) is dict:
         return {k: v if k in skip_keys else send_to_device(v, device, non_blocking, skip_keys) for k, v in obj.items()}
+    if isinstance(obj, dict) and _is_model_output(obj):  # transformers' outputs: a copy with its tensors moved
+        moved = copy.copy(obj)
+        for k, v in obj.items():
+            if k not in skip_keys:
+                moved[k] = send_to_device(v, device, non_blocking, skip_keys)
+        return moved
     return obj
+
+
+def _is_model_output(obj: Any) -> bool:
+    return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ModuleHook, ModuleHookHandle, add_hook_to_module, send_to_device
 from offload_core.module_hooks.keeper import keep_page_cache
@@ -112,7 +113,7 @@ def chain_model(model: nn.Module, store: Any, device: torch.device,
     unit = Unit("", model, slots)
     for slot in slots:
         slot.set(slot.original)
-    non_blocking = bool(store.pinned and device.type == "cuda")
+    non_blocking = bool(store.pinned and devices.is_accelerator(device))
     context = PolicyContext(device_map={"": "cpu"}, execution_device=device, store=store,
                             offloaded={s.full: s.key for s in slots}, non_blocking=non_blocking)
     hook = ChainedHook(unit, store, device, context.stats, non_blocking=non_blocking)

@@ -8,12 +8,16 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.planning.request import PlacementRequest
 from offload_core.planning.sizing import compute_module_sizes
 from offload_core.values import DEVICE_FORMS, device_key, parse_size
 
 log = logging.getLogger(__name__)
+
+#: ``max_memory=None`` budgets this fraction of each GPU's free memory
+GPU_FREE_FRACTION = 0.9
 
 
 def budget_device(key: Any, what: str = "max_memory") -> int | str:
@@ -27,10 +31,12 @@ def budget_device(key: Any, what: str = "max_memory") -> int | str:
 def _machine_memory() -> dict[int | str, int]:
     import psutil
 
+    accelerator = devices.active()
     budgets: dict[int | str, int] = {}
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            budgets[index] = torch.cuda.mem_get_info(index)[0]
+    for index in range(accelerator.count()):
+        # what a run allocates besides the weights and its reservation (the CUDA context's later growth, the
+        # allocator's fragmentation, library workspaces) comes out of the rest
+        budgets[index] = int(accelerator.mem_get_info(index)[0] * GPU_FREE_FRACTION)
     budgets["cpu"] = psutil.virtual_memory().available
     return budgets
 
@@ -38,7 +44,7 @@ def _machine_memory() -> dict[int | str, int]:
 def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_devices: bool = True) -> dict[int | str, int]:
     """Budgets in bytes by device, GPUs first (ascending ids), then ``"mps"``, ``"cpu"``, ``"disk"``.
 
-    ``None`` reads the free memory of this machine (every GPU, and available RAM for ``"cpu"``).
+    ``None`` reads the free memory of this machine (90% of every GPU's, and available RAM for ``"cpu"``).
     Sizes may be bytes or strings such as ``"2GiB"``. With ``check_devices`` a GPU id that this
     machine lacks is logged as a warning (as accelerate does); ``check_devices=False`` (planning for
     another machine) says nothing.
@@ -51,7 +57,7 @@ def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_d
         if device in budgets:
             raise ConfigError(f"max_memory names device {device!r} twice (as {key!r}): keep one entry per device")
         if check_devices and isinstance(device, int):
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            count = devices.gpu_count()
             if device >= count:
                 log.warning("Device %s is not available, available devices are %s", device, list(range(count)))
         budgets[device] = parse_size(value, what=f"max_memory[{key!r}]")
@@ -60,22 +66,22 @@ def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_d
 
 
 def check_execution_device(value: str | torch.device) -> torch.device:
-    """The device a run computes on, as given (``cpu``, ``cuda``, ``cuda:N``), checked to exist on this machine (the one
-    rule for ``run.py``'s ``execution_device`` and ``from_pretrained``'s); else ConfigError."""
+    """The device a run computes on, as given (``cpu``, ``cuda``, ``cuda:N`` or the active accelerator's own type),
+    checked to exist on this machine (the one rule for ``run.py``'s ``execution_device`` and ``from_pretrained``'s);
+    else ConfigError."""
     try:
-        device = torch.device(value)
+        device = devices.active().normalize(value)
     except (RuntimeError, TypeError):
         raise ConfigError(f"execution_device={str(value)!r} is not a device: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        index = 0 if device.index is None else device.index
-        if index >= count:
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda" or devices.active().owns(device):
+        count = devices.gpu_count()
+        if device.index >= count:
             raise ConfigError(f"execution_device={str(value)!r} does not exist: this machine has {count} CUDA device(s); "
                               "use cpu")
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise ConfigError(f"execution_device={str(value)!r} is not supported: use cpu or cuda:N")
-    return device
+        return devices.gpu(device.index)
+    raise ConfigError(f"execution_device={str(value)!r} is not supported: use cpu or cuda:N")
 
 
 def check_budgets(budgets: Mapping[Any, int], execution_device: torch.device) -> None:
@@ -88,7 +94,7 @@ def check_budgets(budgets: Mapping[Any, int], execution_device: torch.device) ->
         if isinstance(dev, int):
             if execution_device.type == "cpu":
                 raise ConfigError(f"max_memory.{key}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            count = devices.gpu_count()
             if dev >= count:
                 raise ConfigError(f"max_memory.{key}: GPU {dev} does not exist (this machine has {count}); remove it")
         if size == 0 and dev != "disk":

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.errors import DeviceMapError
 from offload_core.planning.budgets import budget_device, get_max_memory
 from offload_core.planning.device_map import DeviceMap, compress_device_map, device_of
@@ -57,7 +58,7 @@ class _Filler:
         self.has_cpu = "cpu" in budgets
         self.main = {self.gpus[0], "cpu"} if self.gpus else {"cpu"}
         # the planned run executes on the first GPU where there is one: that decides what counts as offloaded
-        self.execution = torch.device("cuda", self.gpus[0]) if self.gpus else torch.device("cpu")
+        self.execution = devices.gpu(self.gpus[0]) if self.gpus else torch.device("cpu")
         self.reserve = None
         if request.reserve is not None:
             self.reserve = {budget_device(k, "reserve"): parse_size(v, what=f"reserve[{k!r}]") for k, v in request.reserve.items()}

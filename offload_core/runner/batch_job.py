@@ -131,7 +131,7 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
     texts = [r["text"] for r in journal.done] + [decode_row(run_model, row) for row in run.tokens]
     same = None
     if cfg.compare_in_memory:
-        reference = in_memory_batches(run_model, batches, cfg)
+        reference = in_memory_batches(run_model, batches, cfg, settings.execution_device)
         same = [a == b for a, b in zip(tokens, reference)]
         journal.rewrite([{"prompt": p, "text": t, "token_ids": ids, "matches_in_memory": m}
                          for p, t, ids, m in zip(batches.prompts, texts, tokens, same)])
@@ -143,15 +143,13 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
     return result
 
 
-def in_memory_batches(run_model: Any, batches: Batches, cfg: Any) -> list[list[int]]:
-    """Each prompt's tokens from the same checkpoint loaded fully in memory by transformers, in the same batches."""
-    import torch
+def in_memory_batches(run_model: Any, batches: Batches, cfg: Any, device: Any) -> list[list[int]]:
+    """Each prompt's tokens from the reference model (:func:`offload_core.runner.generate.reference_model`) on the
+    run's ``device``, in the same batches."""
+    from offload_core.runner.generate import reference_model
 
-    from offload_core.loading.tasks import auto_class
-
-    model = auto_class(run_model.task).from_pretrained(run_model.checkpoint_dir, dtype=run_model.dtype)
-    model.eval()
-    run = generate_batches(model, batches.encoded, batches.batch_size, cfg, torch.device("cpu"))
+    model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)
+    run = generate_batches(model, batches.encoded, batches.batch_size, cfg, device)
     del model
     return run.tokens
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.atomic import fsync_path
 
 PROBE_BYTES = 64 * 2**20
@@ -114,15 +115,19 @@ def disk_bandwidth(folder: Path) -> dict[str, float]:
 
 def h2d_bandwidth(device: torch.device) -> float:
     """Bytes/s copying pinned host memory to ``device`` (64 MiB, best of three)."""
-    host = torch.empty(PROBE_BYTES, dtype=torch.uint8).pin_memory()
-    target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
+    accelerator = devices.for_device(device)
+    host = accelerator.pinned_arena(PROBE_BYTES)
+    try:
+        target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+        best = float("inf")
+        for _ in range(3):
+            accelerator.synchronize(device)
+            started = time.perf_counter()
+            target.copy_(host, non_blocking=True)
+            accelerator.synchronize(device)
+            best = min(best, time.perf_counter() - started)
+    finally:
+        accelerator.free_arena(host)
     return PROBE_BYTES / best
 
 
@@ -135,8 +140,7 @@ def first_block(model: nn.Module, no_split: list[str]) -> nn.Module | None:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    devices.for_device(device).synchronize(device)
 
 
 def _best_of(fn: Any, device: torch.device, reps: int = 3) -> float:
@@ -228,7 +232,7 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
             disks[key] = disk_bandwidth(target)
             changed = True
         found[role] = disks[key]
-    if device.type == "cuda":
+    if devices.is_accelerator(device):
         gpus = data.setdefault("h2d_bps", {})
         if refresh or str(device) not in gpus:
             gpus[str(device)] = h2d_bandwidth(device)

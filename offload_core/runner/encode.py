@@ -82,12 +82,12 @@ def describe(run_model: RunModel, task: str, output: torch.Tensor, batch: dict[s
     return "\n".join(lines), {"predicted_token_ids": tokens, "predicted": shown}
 
 
-def in_memory_output(run_model: RunModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The task's result from the checkpoint loaded fully in memory by transformers with the same Auto class."""
-    from offload_core.loading.tasks import auto_class
+def in_memory_output(run_model: RunModel, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The task's result from the reference model (:func:`offload_core.runner.generate.reference_model`) on ``device``."""
+    from offload_core.runner.generate import reference_model
 
-    model = auto_class(run_model.task).from_pretrained(run_model.checkpoint_dir, dtype=run_model.dtype).eval()
-    output = task_output(model, run_model.task, batch, torch.device("cpu"))
+    model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)
+    output = task_output(model, run_model.task, batch, device)
     del model
     return output
 
@@ -115,7 +115,7 @@ def run_encoder(settings: Any, strategies: Any, run_model: RunModel, checkpoint:
                    peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta)
     result = RunResult(text, [], plan.device_map, figures, plan.summary, None, settings.output_dir, plan.as_dict())
     if cfg.compare_in_memory:
-        result.matches_in_memory = torch.equal(in_memory_output(run_model, batch), output)
+        result.matches_in_memory = torch.equal(in_memory_output(run_model, batch, settings.execution_device), output)
     write_outputs(result, texts, labels, strategies.names["hook"])
     name = "embeddings" if task == "embeddings" else "logits"
     save_file({name: output.contiguous()}, str(settings.output_dir / f"{name}.safetensors"))

@@ -72,16 +72,25 @@ def decoder_start(model) -> dict[str, int]:
     return {"decoder_start_token_id": pad if pad is not None else 0}
 
 
-def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm",
-                     speculative: Any = None) -> list[int]:
-    """Tokens of the same checkpoint loaded fully in memory by transformers with ``task``'s Auto class (the reference),
-    generated plainly or with ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`)."""
+def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """The same checkpoint loaded fully in memory by transformers with ``task``'s Auto class, on ``device``: the
+    reference a run compares with computes where the run computes (a GPU's results differ from a CPU's)."""
     from offload_core.loading.tasks import auto_class
-    from offload_core.speculative import prepare
 
     model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
-    model.eval()
-    speculation = prepare(speculative, model, dtype, "cpu") if speculative is not None else None
-    tokens, _ = generate(model, input_ids, cfg, torch.device("cpu"), speculation)
+    if device.type != "cpu":
+        model.to(device)
+    return model.eval()
+
+
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm",
+                     device: torch.device = torch.device("cpu"), speculative: Any = None) -> list[int]:
+    """Tokens of the reference model (:func:`reference_model`) on ``device``, generated plainly or with
+    ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`)."""
+    from offload_core.speculative import prepare
+
+    model = reference_model(checkpoint, task, dtype, device)
+    speculation = prepare(speculative, model, dtype, device) if speculative is not None else None
+    tokens, _ = generate(model, input_ids, cfg, device, speculation)
     del model
     return tokens

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.loading.pipeline import is_pipeline_folder
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
@@ -73,10 +74,12 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     result = RunResult(decode(run_model, tokens), tokens, plan.device_map, figures, plan.summary, None, settings.output_dir,
                        plan.as_dict())
     if cfg.compare_in_memory:
-        figures["in_memory_tokens"] = in_memory_tokens(run_model.checkpoint_dir, run_model.dtype, input_ids, cfg, run_model.task)
+        figures["in_memory_tokens"] = in_memory_tokens(run_model.checkpoint_dir, run_model.dtype, input_ids, cfg, run_model.task,
+                                                       settings.execution_device)
         result.matches_in_memory = figures["in_memory_tokens"] == tokens
         speculate.compare(figures, spec, tokens, lambda same: in_memory_tokens(run_model.checkpoint_dir, run_model.dtype,
-                                                                               input_ids, cfg, run_model.task, same))
+                                                                               input_ids, cfg, run_model.task,
+                                                                               settings.execution_device, same))
     write_outputs(result, cfg.prompt, labels or {}, strategies.names["hook"])
     print_result(result, strategies.names["hook"])
     return result
@@ -135,8 +138,10 @@ def generate_offloaded(settings: Settings, strategies: Strategies, run_model: Ru
         speculation = prepare(spec, run_model.model, run_model.dtype, settings.execution_device)
         load_s = time.perf_counter() - started
         state.stats.reset()
-        if settings.execution_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        if devices.is_accelerator(settings.execution_device):
+            accelerator = devices.active()
+            for index in range(accelerator.count()):
+                accelerator.reset_peak_memory_stats(index)
         with DiskReads(run_model.model) as reads:
             tokens, timer = generate(run_model.model, input_ids, settings.cfg, settings.execution_device, speculation)
         figures = generation_figures(state, tokens, timer, load_s, strategies.names["hook"])

@@ -10,6 +10,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria
 
+from offload_core import devices
+
 
 def rss_split() -> tuple[int, int]:
     """(anonymous, file-backed) resident bytes of this process; psutil's ``shared`` is the file-backed part."""
@@ -67,6 +69,8 @@ class TokenTimer(StoppingCriteria):
         self.bar = tqdm(total=total, desc="generating", unit="token", leave=False) if progress else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        # on an accelerator the token is computed, not only queued, when it is stamped
+        devices.for_device(input_ids.device).synchronize(input_ids.device)
         self.stamps.append(time.perf_counter())
         self.lengths.append(int(input_ids.shape[-1]))
         if self.bar is not None:

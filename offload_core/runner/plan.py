@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from offload_core import devices
 from offload_core.errors import ConfigError, DeviceMapError
 from offload_core.loading.reserve import reservation, reserve_for  # noqa: F401 (reservation: the runner's name for the rule)
 from offload_core.runner.model import RunModel
@@ -179,13 +180,13 @@ def warn_if_fits(summary: dict, execution_device: torch.device) -> None:
     """Offloading costs time: say so when the whole model would fit where it runs."""
     import psutil
 
-    devices = summary["devices"]
-    total = sum(info["bytes"] for info in devices.values())
-    offloaded = sum(info["bytes"] for dev, info in devices.items() if is_offloaded(dev, execution_device))
+    per_device = summary["devices"]
+    total = sum(info["bytes"] for info in per_device.values())
+    offloaded = sum(info["bytes"] for dev, info in per_device.items() if is_offloaded(dev, execution_device))
     if offloaded == 0:
         return
-    if execution_device.type == "cuda":
-        free = torch.cuda.mem_get_info(execution_device)[0]
+    if devices.is_accelerator(execution_device):
+        free = devices.active().mem_get_info(execution_device.index or 0)[0]
     else:
         free = psutil.virtual_memory().available
     if total < 0.8 * free:

@@ -9,6 +9,7 @@ import psutil
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.values import is_offloaded
 
 
@@ -48,7 +49,7 @@ def io_s(calibration: dict[str, Any], bytes_per_token: int, disk_bytes: int, rea
     if disk_bytes and reads_from != "memory":
         disk = calibration["checkpoint" if reads_from == "checkpoint" else "offload_folder"]
         seconds += disk_bytes / disk["cold_read_bps"]
-    if execution_device.type == "cuda" and bytes_per_token:
+    if devices.is_accelerator(execution_device) and bytes_per_token:
         seconds += bytes_per_token / calibration["h2d_bps"]
         if reads_from != "memory" and not pinned:
             disk = calibration["checkpoint" if reads_from == "checkpoint" else "offload_folder"]

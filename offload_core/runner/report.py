@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core.devices import gpu
 from offload_core.registry.contracts import Policy
 from offload_core.values import format_size, parse_dtype
 
@@ -87,7 +88,7 @@ def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: in
     the reservation held back, and the predicted bytes moved per generated token.
 
     ``summary`` is :func:`offload_core.planning.summarize_device_map`'s result; ``plan`` holds
-    ``reserve`` (device -> bytes) and optionally ``headroom`` (bytes held back from the cpu budget).
+    ``reserve`` (device -> bytes) and optionally ``headroom`` (bytes held back from the budget of the device that computes).
     """
     lines = []
     keys = _grouped_keys(device_map) if device_map is not None else {}
@@ -105,7 +106,8 @@ def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: in
     reserve = ", ".join(f"{k}: {format_size(v)}" for k, v in (plan.get("reserve") or {}).items())
     lines.append(f"reserved for offloaded weights in flight: {reserve or 'none'}")
     if plan.get("headroom"):
-        lines.append(f"held back from the cpu budget for the KV cache and activations: {format_size(plan['headroom'])}")
+        lines.append(f"held back from the budget of the device that computes, for the KV cache and activations: "
+                     f"{format_size(plan['headroom'])}")
     if predicted is not None:
         lines.append(f"predicted bytes moved per {per}: {format_size(predicted)}")
     return "\n".join(lines)
@@ -144,7 +146,7 @@ def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes:
                 ax.text(left + width / 2, row, key.rpartition(".")[2] or key, ha="center", va="center", fontsize=7, color="white")
             left += width
         ax.text(left, row, f" {left:.1f} MiB", va="center", fontsize=8)
-    ax.set_yticks(range(len(devices)), [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices])
+    ax.set_yticks(range(len(devices)), [str(gpu(d)) if isinstance(d, int) else str(d) for d in devices])
     ax.invert_yaxis()
     ax.set_xlabel("MiB (one segment per device-map key)")
     tiers = sorted({_tier(d) for d in devices}, key=list(TIER_COLOURS).index)

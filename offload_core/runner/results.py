@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from offload_core import devices
 from offload_core.values import format_size
 
 
@@ -47,8 +48,9 @@ def generation_figures(state: Any, tokens: list[int], timer: Any, load_s: float,
         "store_bytes_written": state.store.bytes_written if state.store is not None else 0,
         "store_reused": bool(state.store is not None and state.store.reused),
     }
-    if state.execution_device.type == "cuda":
-        figures["peak_gpu_bytes"] = {str(i): torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
+    if devices.is_accelerator(state.execution_device):
+        accelerator = devices.active()
+        figures["peak_gpu_bytes"] = {str(i): accelerator.max_memory_allocated(i) for i in range(accelerator.count())}
     counters = state.handle.counters()
     if counters:
         figures[policy_name] = per_token_counters(counters, len(tokens))

@@ -19,11 +19,15 @@ FORWARD_HEADROOM = 48 * 2**20
 #: stores use on their own (the small synthetic model's peak anonymous RSS was 5.4 MiB over its plan, both stores),
 #: at most a quarter of a smaller budget (a test's tiny model)
 RUNTIME_SLACK = 8 * 2**20
+#: held back from a GPU budget beside the KV cache, activations and one block: cuBLAS's workspace and the caching
+#: allocator's rounding (the 1.1B preset on an H100 peaked 4 MiB over a 1 GB budget without it)
+GPU_RUNTIME_SLACK = 40 * 2**20
 
 
-def runtime_slack(budget: int | None) -> int:
-    """:data:`RUNTIME_SLACK`, or a quarter of a cpu ``budget`` below 32 MiB."""
-    return RUNTIME_SLACK if budget is None else min(RUNTIME_SLACK, budget // 4)
+def runtime_slack(budget: int | None, gpu: bool = False) -> int:
+    """:data:`RUNTIME_SLACK` (:data:`GPU_RUNTIME_SLACK` for a ``gpu`` budget), or a quarter of a smaller ``budget``."""
+    slack = GPU_RUNTIME_SLACK if gpu else RUNTIME_SLACK
+    return slack if budget is None else min(slack, budget // 4)
 
 
 def forward_headroom(settings: Settings) -> Settings:
@@ -85,7 +89,7 @@ def plan_run_memory(settings: Settings, run_model: Any, rows: int, longest: int)
     if key == "cpu" and given is not None:  # the user's headroom, checked when read
         return settings, need
     budget = settings.max_memory.get(key)
-    slack = runtime_slack(budget) if key == "cpu" else 0
+    slack = runtime_slack(budget, gpu=key != "cpu")
     if budget is None:
         return dataclasses.replace(settings, headroom=need.total + slack if key == "cpu" else 0), need
     # A GPU computes each block in its own memory: the budget holds one beside the KV cache. A CPU run computes
@@ -108,5 +112,5 @@ def plan_run_memory(settings: Settings, run_model: Any, rows: int, longest: int)
     if key == "cpu":
         return dataclasses.replace(settings, headroom=need.total + slack), need
     budgets = dict(settings.max_memory)
-    budgets[key] = budget - need.total
+    budgets[key] = budget - need.total - slack
     return dataclasses.replace(settings, max_memory=budgets, headroom=given or 0), need

@@ -10,6 +10,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.registry.manager import Registry, get_registry
@@ -84,8 +85,9 @@ class RunConfig:
     top_p: float = 1.0
     #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
     max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
-    #: held back from the cpu budget for activations, KV cache and logits on a CPU run: auto plans them for the
-    #: prompt (or the batch) and max_new_tokens (48MiB for a run that does not generate); a size holds that back instead
+    #: held back from the budget of the device that computes (the cpu, or the GPU) for activations, KV cache and
+    #: logits: auto plans them for the prompt (or the batch) and max_new_tokens (48MiB for a run that does not
+    #: generate); a size holds that back instead
     headroom: str = "auto"
     #: auto (the checkpoint's), float32, bfloat16, float16
     dtype: str = "auto"
@@ -155,11 +157,13 @@ class Settings:
 
     @property
     def budgets(self) -> dict[Any, int]:
-        """``max_memory`` as the placement fills it: on a CPU run the cpu budget less the headroom."""
+        """``max_memory`` as the placement fills it: the budget of the device the run computes on (the cpu, or
+        its GPU: activations, the KV cache and the accelerator's workspaces live there) less the headroom."""
         budgets = dict(self.max_memory)
-        if self.execution_device.type == "cpu" and "cpu" in budgets:
+        key = "cpu" if self.execution_device.type == "cpu" else (self.execution_device.index or 0)
+        if key in budgets:
             assert self.headroom is not None, "the headroom is planned before the budgets are used"
-            budgets["cpu"] = max(budgets["cpu"] - self.headroom, 0)
+            budgets[key] = max(budgets[key] - self.headroom, 0)
         return budgets
 
 
@@ -213,12 +217,11 @@ def build_strategies(settings: Settings, registry: Registry | None = None) -> St
 
 
 def execution_device(value: str | None) -> torch.device:
-    """``execution_device`` as a torch device: ``auto``/empty picks ``cuda:0`` when present, else ``cpu``; another value
-    is checked by :func:`offload_core.planning.budgets.check_execution_device`."""
+    """``execution_device`` as a torch device: ``auto``/empty picks GPU 0 of the machine's accelerator when it has
+    one (:func:`offload_core.devices.default_execution_device`), else ``cpu``; another value is checked by
+    :func:`offload_core.planning.budgets.check_execution_device`."""
     if value in (None, "", "auto"):
-        from offload_core.loading.dispatch import default_execution_device
-
-        return default_execution_device()
+        return devices.default_execution_device()
     from offload_core.planning.budgets import check_execution_device
 
     return check_execution_device(value)

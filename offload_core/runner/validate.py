@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from offload_core import devices
 from offload_core.errors import ConfigError, DeviceMapError
 from offload_core.values import device_key, format_size
 
@@ -32,11 +33,13 @@ def check_generation(cfg: Any) -> None:
 
 
 def check_headroom(max_memory: dict, headroom: int, execution_device: torch.device) -> None:
-    """On a CPU run the headroom comes out of the cpu budget: one that leaves nothing is refused."""
-    cpu = max_memory.get("cpu")
-    if execution_device.type == "cpu" and cpu is not None and headroom >= cpu:
-        raise ConfigError(f"headroom ({format_size(headroom)}) leaves nothing of max_memory.cpu ({format_size(cpu)}): "
-                          "lower headroom or raise max_memory.cpu")
+    """The headroom comes out of the budget of the device the run computes on (the cpu, or its GPU): one that
+    leaves nothing is refused."""
+    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+    budget = max_memory.get(key)
+    if budget is not None and headroom >= budget:
+        raise ConfigError(f"headroom ({format_size(headroom)}) leaves nothing of max_memory.{key} ({format_size(budget)}): "
+                          f"lower headroom or raise max_memory.{key}")
 
 
 def check_device_map_devices(device_map: dict, execution_device: torch.device) -> None:
@@ -49,8 +52,8 @@ def check_device_map_devices(device_map: dict, execution_device: torch.device) -
         if dev == "mps":
             raise DeviceMapError(f"{where} is not a device this run can use; give cpu, disk or a GPU index")
         if isinstance(dev, int):
-            count = torch.cuda.device_count()
-            if execution_device.type != "cuda" or dev >= count:
+            count = devices.gpu_count()
+            if not devices.is_accelerator(execution_device) or dev >= count:
                 raise DeviceMapError(f"{where} names GPU {dev}, but this run has {count} GPU(s) "
                                      f"and executes on {execution_device}; use cpu or disk")
 

@@ -25,7 +25,8 @@ class StoreContext:
     :class:`offload_core.loading.checkpoint.Checkpoint` being loaded (stores that read in place use it).
     ``maps_checkpoint``: the model's in-memory load uses the checkpoint's tensors in place, at their offsets
     in the mapped shards (:func:`offload_core.alignment.maps_checkpoint`); otherwise every checkpoint
-    tensor's reference offset is 0.
+    tensor's reference offset is 0. ``nbytes``: the bytes the store will hold, where the loader knows them
+    (0: unknown); a store in pinned memory sizes its one arena from it.
     """
 
     names: list[str]
@@ -35,6 +36,7 @@ class StoreContext:
     fingerprint: dict = field(default_factory=dict)
     pin_memory: bool = False
     maps_checkpoint: bool = True
+    nbytes: int = 0
 
 
 def converts(stored: torch.dtype, dtype: torch.dtype | None) -> bool:

@@ -67,14 +67,15 @@ def test_from_pretrained_reserves_as_the_runner_so_an_embedding_leaves_room_on_c
     with init_empty_weights():
         empty = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(folder))
     half = {"cpu": compute_module_sizes(empty)[""] // 2}
-    # the reference rule holds back the largest unit (the word embedding) on cpu: nothing else fits there
+    # the placement's own rule would hold back the largest unit (the word embedding) on cpu, leaving nothing else
+    # room there; a placement name given to load_checkpoint_and_dispatch holds back what the policy keeps in flight
     load_checkpoint_and_dispatch(empty, folder, device_map="sequential", max_memory=half, offload_folder=tmp_path / "a",
                                  execution_device="cpu", progress=False)
-    assert set(empty.hf_device_map.values()) == {"disk"}
+    assert {"cpu", "disk"} <= set(empty.hf_device_map.values()), empty.hf_device_map
     empty.offload_state.remove()
     model = from_pretrained(folder, max_memory=half, offload_folder=tmp_path / "b", execution_device="cpu")
     assert type(model).__name__ == "BertModel"
-    assert {"cpu", "disk"} <= set(model.hf_device_map.values()), model.hf_device_map
+    assert model.hf_device_map == empty.hf_device_map
     model.offload_state.remove()
 
 

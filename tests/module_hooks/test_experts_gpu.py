@@ -14,20 +14,22 @@ from tests.loading.test_transformers_checkpoints import Saved
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("store", ["pinned_cpu", "memmap", "safetensors"])
 @pytest.mark.parametrize("guess", ["router", "previous"])
-def test_experts_policy_on_gpu_bit_identical(store, guess, tmp_path):
+def test_experts_policy_on_gpu_bit_identical(store, guess, dtype, tmp_path):
+    # bfloat16 is what MoE checkpoints run in, and where transformers' experts take their grouped_mm kernel
     moe = Saved("mixtral", tmp_path / "saved")
-    reference = moe.auto.from_pretrained(moe.path).eval().to("cuda")
+    reference = moe.auto.from_pretrained(moe.path, dtype=dtype).eval().to("cuda")
     ids = moe.inputs["input_ids"][:1].cuda()
     with torch.no_grad():
         want = [reference(input_ids=ids).logits, reference(input_ids=ids[:, :1]).logits]
     with init_empty_weights():
-        model = moe.auto.from_config(moe.config).eval()
+        model = moe.auto.from_config(moe.config, dtype=dtype).eval()
     total = compute_module_sizes(model)[""]
     load_checkpoint_and_dispatch(model, moe.path, device_map="sequential", max_memory={0: total // 4, "cpu": total // 4},
                                  storage=store, policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
-                                 offload_folder=tmp_path / "off", execution_device="cuda:0", progress=False)
+                                 offload_folder=tmp_path / "off", execution_device="cuda:0", dtype=dtype, progress=False)
     with torch.no_grad():
         got = [model(input_ids=ids).logits, model(input_ids=ids[:, :1]).logits, model(input_ids=ids[:, :1]).logits]
     counters = model.offload_state.handle.counters()

@@ -301,6 +301,18 @@ class _LoggingAccelerator:
     def on_side(self):
         return contextlib.nullcontext()
 
+    def host_waits(self, event) -> None:
+        event.synchronize()
+
+    def is_pinned(self, tensor) -> bool:
+        return False
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", None))
+
 
 def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
     """The GPU data path with its streams replaced by a log: the compute stream waits for each block's
@@ -364,9 +376,10 @@ def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
         prefetcher.store = store
         for _ in range(2):
             assert torch.equal(model(ids).logits, reference(ids).logits)
-    model.offload_state.remove()
     blocks = prefetcher.block_pool
+    model.offload_state.remove()
     assert sorted(blocks.free) == list(range(blocks.count)) and not any(blocks.refs)
+    assert prefetcher.block_pool is None  # remove() lets the pool go at once
 
 
 class _SlowStore(Mapping):

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core import devices
 from offload_core.module_hooks.base import ModuleHook
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.units import Slot, TransferStats, Unit
@@ -100,7 +101,8 @@ class ExpertLayer:
         self.next: ExpertLayer | None = None
         self.guess: dict[int, Future] = {}
         self.previous: list[int] = []
-        self.pinned = buffers.device.type == "cuda"
+        self.accelerator = devices.for_device(buffers.device)
+        self.pinned = self.accelerator is not devices.HOST
 
     # -- reading ----------------------------------------------------------------------------------
     def read_rows(self, expert: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -112,11 +114,17 @@ class ExpertLayer:
                 out = into[key]
             else:
                 with torch.inference_mode(False):  # kept in the cache across calls
-                    out = torch.empty(shape[1:], dtype=dtype, pin_memory=self.pinned)
+                    out = self._host_row(shape[1:], dtype)
             read_expert(self.store, key, expert, out)
             rows[key] = out
         self.counters.add_bytes(len(rows), self.row_bytes)
         return rows
+
+    def _host_row(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for one expert's rows of one tensor: pinned on an accelerator (asynchronous copies)."""
+        if not self.pinned:
+            return torch.empty(shape, dtype=dtype)
+        return self.accelerator.pinned_empty(shape.numel() * dtype.itemsize).view(dtype).view(shape)
 
     def read_ahead(self, experts: list[int]) -> None:
         """Start reading ``experts`` on the reader thread (those neither cached nor already under way)."""
@@ -242,10 +250,17 @@ def read_expert(store: Mapping[str, torch.Tensor], key: str, expert: int, out: t
 
 
 def read_whole(store: Mapping[str, torch.Tensor], key: str, buffer: torch.Tensor) -> None:
-    """Copy all of ``store[key]`` into ``buffer``: in one pass where the store reads into host memory itself."""
+    """Copy all of ``store[key]`` into ``buffer``: in one pass where the store reads into host memory itself; to
+    a device buffer from such a store (it builds the tensor on read: assembled from per-expert checkpoint tensors,
+    or converted) expert by expert through one host row, never the whole tensor in pageable memory."""
     read_into = getattr(store, "read_into", None)
     if read_into is not None and buffer.device.type == "cpu":
         read_into(key, buffer)
+    elif read_into is not None:
+        row = torch.empty(buffer.shape[1:], dtype=buffer.dtype)
+        for expert in range(buffer.shape[0]):
+            read_expert(store, key, expert, row)
+            buffer[expert].copy_(row)  # from pageable memory: done when it returns, so the row is free again
     else:
         buffer.copy_(store[key])
 

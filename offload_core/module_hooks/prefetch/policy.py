@@ -78,12 +78,23 @@ class Prefetch(Policy):
         """The block that runs and ``depth`` more read ahead: copies on a GPU, in the pool with
         ``pool=true``, or where the store converts; on a GPU run from a store that is not pinned, the
         staging ring in host memory too."""
+        self.check_pool(need.execution_device)
         reserve = reserve_units(need, need.block_bytes, 1 + self.config.depth, copies_on_cpu=bool(self.config.pool))
         if need.execution_device.type != "cpu":
             reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
         return reserve
 
+    def check_pool(self, execution_device: torch.device) -> None:
+        """``pool=false`` hands the model mapped host pages as its weights: only a CPU run can compute on them."""
+        from offload_core import devices
+        from offload_core.errors import ConfigError
+
+        if self.config.pool is False and devices.is_accelerator(execution_device):
+            raise ConfigError(f"hook.pool=false serves the weights as mapped host pages, which a run on {execution_device} "
+                              "cannot compute on: leave hook.pool unset (or true) on a GPU run")
+
     def attach(self, model: nn.Module, plan: PolicyContext) -> PolicyHandle:
+        self.check_pool(plan.execution_device)
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
         handles = attach_io_hooks(model, plan, True, ())
         prefetcher = self.make_prefetcher(units, plan)

@@ -205,7 +205,7 @@ class Prefetcher:
             read_into(key, view)  # host to host: one pass, converting where the store does
             return
         src = self.store[key]
-        if self.staging is not None and not src.is_pinned():
+        if self.staging is not None and not self.accel.is_pinned(src):
             self.staging.copy(flat_bytes(src), dst_bytes)
             return
         with self.accel.on_side():
@@ -336,6 +336,13 @@ class Prefetcher:
         self._reader.stop()
         for index in list(self.held):
             self.release(index)
+        # Copies still queued on the side stream write into pool buffers (and read staging buffers) that are
+        # about to be freed: wait for them, then let the pool go now rather than at garbage collection.
+        self.accel.synchronize()
+        with self._blocks_lock:
+            self._blocks = None
+        if self.staging is not None:
+            self.staging.clear()
 
 
 def _max_nesting(units: list[Unit]) -> int:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any
 
 import torch
+
+from offload_core import devices
 
 #: pinned staging ring: this many buffers of this many bytes (host memory a GPU run spends on staging)
 STAGING_BUFFERS = 3
@@ -18,39 +19,54 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Streams:
-    """The few stream and event calls of a CUDA run; on a CPU run every one is a synchronous no-op."""
+    """The few stream and event calls of a run, asked of the device layer: on an accelerator a side stream for
+    the copies and events between it and the compute stream; on a CPU run every one is a synchronous no-op."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.accelerator = devices.for_device(device)
+        self.accelerated = self.accelerator is not devices.HOST
         self.device = device
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = self.accelerator.new_stream(device) if self.accelerated else None
+
+    @property
+    def cuda(self) -> bool:
+        """An accelerator runs the device (copies are asynchronous): CUDA, or another behind the device layer."""
+        return self.accelerated
 
     def record_on_side(self) -> Any:
         """An event on the side stream after everything queued there so far."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+        return self.accelerator.record_event(self.stream)
 
     def record_on_compute(self) -> Any:
         """An event on the compute stream after everything queued there so far (kernels reading a buffer)."""
-        if not self.cuda:
+        if not self.accelerated:
             return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        return self.accelerator.record_event(self.accelerator.current_stream(self.device))
 
     def side_waits(self, event: Any) -> None:
-        if event is not None:
-            self.stream.wait_event(event)
+        self.accelerator.wait_event(self.stream, event)
 
     def compute_waits(self, event: Any) -> None:
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self.accelerator.wait_event(self.accelerator.current_stream(self.device), event)
 
     def on_side(self):
-        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        return self.accelerator.on_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """The host waits for every copy queued on the side stream."""
+        self.accelerator.synchronize_stream(self.stream)
+
+    def host_waits(self, event: Any) -> None:
+        """The host waits until ``event`` has happened (a staging buffer's last copy is done)."""
+        self.accelerator.synchronize_event(event)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return self.accelerated and self.accelerator.is_pinned(tensor)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """Host bytes for staging: page-locked on an accelerator."""
+        return self.accelerator.pinned_empty(nbytes) if self.accelerated else torch.empty(nbytes, dtype=torch.uint8)
 
 
 class StagingRing:
@@ -79,8 +95,15 @@ class StagingRing:
 
     def _buffer(self, i: int) -> torch.Tensor:
         while len(self.buffers) <= i:  # allocated on first use, once
-            self.buffers.append(torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.accel.cuda))
+            self.buffers.append(self.accel.pinned_empty(self.chunk))
         return self.buffers[i]
+
+    def clear(self) -> None:
+        """Let the buffers go (the copies reading them must be done: the side stream was synchronized)."""
+        with self._lock:
+            self.buffers = []
+            self.events = [None] * self.count
+            self.next = 0
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the 1-D uint8 host tensor ``src`` into the 1-D uint8 device tensor ``dst`` (same length)."""
@@ -94,7 +117,7 @@ class StagingRing:
             i = self.next
             self.next = (i + 1) % self.count
             if self.events[i] is not None:
-                self.events[i].synchronize()
+                self.accel.host_waits(self.events[i])
             stage = self._buffer(i)[:n]
             stage.copy_(src[start:start + n])
             with self.accel.on_side():

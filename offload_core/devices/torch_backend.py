@@ -1,0 +1,185 @@
+"""The real accelerator, through torch: CUDA, and other accelerators through ``torch.accelerator`` where torch has it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from typing import Any, ContextManager
+
+import torch
+
+from offload_core.devices.base import Accelerator
+
+log = logging.getLogger(__name__)
+
+#: cudaHostRegister pins whole pages
+PAGE = 4096
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class TorchAccelerator(Accelerator):
+    """The accelerator torch reports (``cuda``, ``xpu``, ...); streams and events are torch's."""
+
+    def __init__(self, device_type: str) -> None:
+        self.type = device_type
+        self.index_type = device_type
+        self._module = getattr(torch, device_type, None)  # torch.cuda, torch.xpu: what torch.accelerator lacks
+        self._generic = getattr(torch, "accelerator", None)
+        self._arenas: dict[int, tuple[torch.Tensor, int, bool]] = {}  # data_ptr -> (arena, counted bytes, registered)
+        self._pinned = 0
+        self._lock = threading.Lock()
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """``torch.accelerator.<name>`` where this torch has it, else ``torch.<type>.<name>``."""
+        fn = getattr(self._generic, name, None) if self._generic is not None else None
+        if fn is None:
+            fn = getattr(self._module, name)
+        return fn(*args)
+
+    # -- devices ----------------------------------------------------------------------------------
+    def count(self) -> int:
+        return int(self._call("device_count"))
+
+    def device_name(self, index: int) -> str | None:
+        get = getattr(self._module, "get_device_name", None)
+        return get(index) if get is not None else None
+
+    # -- memory -----------------------------------------------------------------------------------
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        if self._module is not None and hasattr(self._module, "mem_get_info"):
+            return tuple(self._module.mem_get_info(index))
+        return tuple(self._call("get_memory_info", index))
+
+    def memory_allocated(self, index: int) -> int:
+        return int(self._call("memory_allocated", index))
+
+    def max_memory_allocated(self, index: int) -> int:
+        return int(self._call("max_memory_allocated", index))
+
+    def reset_peak_memory_stats(self, index: int) -> None:
+        self._call("reset_peak_memory_stats", index)
+
+    # -- pinned host memory -----------------------------------------------------------------------
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if nbytes:  # the caching host allocator rounds to a power of two; counted while the tensor lives
+            held = _pow2(nbytes)
+            with self._lock:
+                self._pinned += held
+            weakref.finalize(tensor.untyped_storage(), self._uncount, held)
+        return tensor
+
+    def _uncount(self, nbytes: int) -> None:
+        with self._lock:
+            self._pinned -= nbytes
+
+    def pinned_arena(self, nbytes: int) -> torch.Tensor:
+        """Pageable memory registered with the driver as it is (cudaHostRegister of whole pages inside one
+        allocation): PyTorch's pinned allocator would round ``nbytes`` up to a power of two (up to twice the
+        memory). Elsewhere, or if registering fails, torch's pinned allocator."""
+        if self.type == "cuda" and nbytes:
+            pages = -(-nbytes // PAGE) * PAGE
+            raw = torch.empty(pages + PAGE, dtype=torch.uint8)
+            start = -raw.data_ptr() % PAGE
+            arena = raw[start:start + nbytes]  # its pages lie inside this allocation: no page is shared
+            try:
+                error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), pages, 0)
+                if int(error) == 0:
+                    self._count(arena, pages, registered=True)
+                    return arena
+                log.info("cudaHostRegister of %d bytes failed (error %s): using torch's pinned allocator", nbytes, int(error))
+                clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+                if clear is not None:  # the failure must not surface at the next kernel launch check
+                    clear()
+            except (AttributeError, AssertionError, RuntimeError, TypeError) as error:
+                log.info("cudaHostRegister unavailable (%s): using torch's pinned allocator", error)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._count(tensor, _pow2(nbytes), registered=False)
+        return tensor
+
+    def _count(self, tensor: torch.Tensor, nbytes: int, registered: bool) -> None:
+        if tensor.numel():
+            with self._lock:
+                self._arenas[tensor.data_ptr()] = (tensor, nbytes, registered)
+                self._pinned += nbytes
+
+    def free_arena(self, arena: torch.Tensor) -> None:
+        with self._lock:
+            held = self._arenas.pop(arena.data_ptr(), None) if arena.numel() else None
+            if held is None:
+                return
+            self._pinned -= held[1]
+        self.synchronize()  # no copy may still read it
+        if held[2]:
+            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned
+
+    # -- streams, events, synchronization ---------------------------------------------------------
+    def synchronize(self, device: torch.device | None = None) -> None:
+        if device is None:
+            for index in range(self.count()):
+                self._call("synchronize", index)
+        else:
+            self._call("synchronize", device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        if self.type == "cuda":
+            return torch.cuda.Stream(device)
+        return torch.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        if self.type == "cuda":  # a torch.cuda.Stream: what torch.cuda.Event.record and record_stream take
+            return torch.cuda.current_stream(device)
+        return self._call("current_stream", device)
+
+    def on_stream(self, stream: Any) -> ContextManager:
+        if stream is None:
+            return contextlib.nullcontext()
+        if self.type == "cuda":
+            return torch.cuda.stream(stream)
+        return stream  # torch.Stream is a context manager that makes itself current
+
+    def record_event(self, stream: Any) -> Any:
+        if stream is None:
+            return None
+        event = torch.cuda.Event() if self.type == "cuda" else torch.Event(device=stream.device)
+        event.record(stream)
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def synchronize_event(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def synchronize_stream(self, stream: Any) -> None:
+        if stream is not None:
+            stream.synchronize()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        if stream is not None and self.owns(tensor.device):
+            tensor.record_stream(stream)
+
+
+def detect() -> str | None:
+    """The accelerator type torch reports on this machine, or None."""
+    generic = getattr(torch, "accelerator", None)
+    if generic is not None and hasattr(generic, "is_available"):
+        if generic.is_available():
+            current = generic.current_accelerator()
+            return current.type if current is not None else None
+        return None
+    return "cuda" if torch.cuda.is_available() else None
