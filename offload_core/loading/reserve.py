@@ -15,12 +15,13 @@ from offload_core.storage.base import Storage
 
 def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,
                 converts: bool, model: nn.Module | None = None, dtype: torch.dtype | None = None,
-                cpu_budget: int | None = None) -> dict[Any, int]:
+                cpu_budget: int | None = None, no_split: list[str] | None = None) -> dict[Any, int]:
     """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
     (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
     need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
-                    store_pinned=storage.pinned, model=model, dtype=dtype, cpu_budget=cpu_budget)
+                    store_pinned=storage.pinned, model=model, dtype=dtype, cpu_budget=cpu_budget,
+                    no_split_module_classes=tuple(no_split or ()))
     return dict(policy.reserve(need))
 
 
@@ -41,4 +42,5 @@ def reserve_for(model: nn.Module, checkpoint: Any, policy: Policy, storage: Stor
                       or bool(key_conversion(model, checkpoint).converted))
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
-    return reservation(policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget)
+    return reservation(policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget,
+                       no_split)

@@ -23,6 +23,7 @@ class InFlight:
     model: Any = None  # the model being planned (on the meta device), for policies that size by its modules
     dtype: Any = None  # the run's dtype (None: each tensor's own)
     cpu_budget: int | None = None  # the cpu budget the placement fills (None: not known)
+    no_split_module_classes: tuple[str, ...] = ()  # the model's blocks, for policies that size by its units
 
 
 def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu: bool = False) -> dict[Any, int]:

@@ -10,7 +10,7 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ForwardStartHook, add_hook_to_module
-from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook
+from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook, pool_shape
 from offload_core.module_hooks.prefetch.transfer import STAGING_BUFFERS
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import Unit, find_units
@@ -75,11 +75,16 @@ class Prefetch(Policy):
         self.config = config
 
     def reserve(self, need: InFlight) -> dict:
-        """The block that runs and ``depth`` more read ahead: copies on a GPU, in the pool with
+        """The blocks that run (one, or as many as are nested) and ``depth`` more read ahead, as the prefetcher's pool
+        holds them (:func:`pool_shape`): copies on a GPU, in the pool with
         ``pool=true``, or where the store converts; on a GPU run from a store that is not pinned, the
         staging ring in host memory too."""
         self.check_pool(need.execution_device)
-        reserve = reserve_units(need, need.block_bytes, 1 + self.config.depth, copies_on_cpu=bool(self.config.pool))
+        nesting, unit_bytes = 1, need.block_bytes
+        if need.model is not None:  # the pool the prefetcher makes: depth + the deepest nesting of units, each padded
+            nesting, capacity = pool_shape(need.model, need.no_split_module_classes, need.dtype, need.execution_device)
+            unit_bytes = max(unit_bytes, capacity)
+        reserve = reserve_units(need, unit_bytes, nesting + self.config.depth, copies_on_cpu=bool(self.config.pool))
         if need.execution_device.type != "cpu":
             reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
         return reserve
