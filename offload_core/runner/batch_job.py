@@ -149,6 +149,7 @@ def in_memory_batches(run_model: Any, batches: Batches, cfg: Any, device: Any) -
     from offload_core.runner.generate import reference_model
 
     model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)
+    device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
     run = generate_batches(model, batches.encoded, batches.batch_size, cfg, device)
     del model
     return run.tokens

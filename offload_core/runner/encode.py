@@ -87,6 +87,7 @@ def in_memory_output(run_model: RunModel, batch: dict[str, torch.Tensor], device
     from offload_core.runner.generate import reference_model
 
     model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)
+    device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
     output = task_output(model, run_model.task, batch, device)
     del model
     return output

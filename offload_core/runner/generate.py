@@ -74,12 +74,22 @@ def decoder_start(model) -> dict[str, int]:
 
 def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
     """The same checkpoint loaded fully in memory by transformers with ``task``'s Auto class, on ``device``: the
-    reference a run compares with computes where the run computes (a GPU's results differ from a CPU's)."""
+    reference a run compares with computes where the run computes (a GPU's results differ from a CPU's). A model
+    larger than 90% of that GPU's free memory computes on the cpu instead, and a line says so."""
+    from offload_core import devices
     from offload_core.loading.tasks import auto_class
+    from offload_core.planning.budgets import GPU_FREE_FRACTION
+    from offload_core.values import format_size
 
     model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
     if device.type != "cpu":
-        model.to(device)
+        size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        free, _ = devices.for_device(device).mem_get_info(device.index or 0)
+        if size > GPU_FREE_FRACTION * free:
+            print(f"compare_in_memory: the model ({format_size(size)}) does not fit in {device}'s free memory "
+                  f"({format_size(free)}); the reference computes on the cpu, whose results may differ in the last bits")
+        else:
+            model.to(device)
     return model.eval()
 
 
@@ -90,6 +100,7 @@ def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tens
     from offload_core.speculative import prepare
 
     model = reference_model(checkpoint, task, dtype, device)
+    device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
     speculation = prepare(speculative, model, dtype, device) if speculative is not None else None
     tokens, _ = generate(model, input_ids, cfg, device, speculation)
     del model

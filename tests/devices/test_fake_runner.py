@@ -45,3 +45,22 @@ def test_a_run_on_a_gpu_stays_in_its_budget_and_compares_on_the_gpu(hook, storag
     peak = result.figures["peak_gpu_bytes"]["0"]
     assert gpu_bytes + result.plan["reserve"]["0"] < peak <= GPU_BUDGET
     assert references == [fake.device(0)]  # the reference computed on the GPU, as the run did
+
+
+def test_a_reference_larger_than_the_gpus_free_memory_computes_on_the_cpu(tmp_path, fake_gpu, capsys):
+    import torch
+
+    from offload_core.runner.generate import reference_model
+    from offload_core.testing import tiny_tied_llama
+
+    tiny_tied_llama(tmp_path / "ckpt")
+    size = sum(p.numel() * p.element_size() for p in torch.nn.Module.parameters(
+        reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, torch.device("cpu"))))
+    roomy = fake_gpu(count=2, memory=4 * size)
+    assert next(reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, roomy.device(1)).parameters()).device \
+        == roomy.device(1)
+    assert "cpu" not in capsys.readouterr().out
+    tight = fake_gpu(count=1, memory=size)  # 90% of its free memory cannot hold the model
+    model = reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, tight.device(0))
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert "the reference computes on the cpu" in capsys.readouterr().out
