@@ -22,3 +22,14 @@ def test_every_contract_has_an_id():
 def test_contract_is_kept(contract):
     # The broken imports, if any, are in the captured output.
     assert lint_imports(CONFIG, limit_to_contracts=(contract,), no_cache=True, no_logo=True) == EXIT_STATUS_SUCCESS
+
+
+#: the house rule: no source file over this many lines (split it by idea)
+MAX_LINES = 400
+
+
+def test_no_python_file_is_over_the_line_limit():
+    folders = ("offload_core", "plugins", "tests", "bench", "docs", "examples")
+    files = [p for folder in folders for p in (ROOT / folder).rglob("*.py")] + [ROOT / "run.py", ROOT / "conftest.py"]
+    long = {str(p.relative_to(ROOT)): n for p in files if p.exists() and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
