@@ -54,13 +54,14 @@ def hydra_main() -> None:
     from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
 
-    from offload_core.runner.overrides import check_parses, prepare
+    from offload_core.runner.overrides import check_composes, check_parses, prepare
 
     try:
         register_configs()
         register_help_resolver()
         args = prepare(sys.argv[1:])
         check_parses(args)
+        check_composes(args, CONF_DIR)
     except OffloadError as error:
         _fail(error)
     sys.argv = [sys.argv[0], *args]

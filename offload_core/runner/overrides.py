@@ -103,3 +103,48 @@ def check_parses(args: list[str]) -> None:
             typed = '"' + re.sub(r'([\\"$`])', r"\\\1", hydra) + '"'  # as bash reads it inside double quotes
             raise ConfigError(f"{arg!r} is not a value Hydra can read: quote the value for Hydra, and the whole for the "
                               f"shell, e.g. {typed} (in a multirun a comma outside quotes sweeps)") from None
+
+
+def check_composes(args: list[str], config_dir: str) -> None:
+    """A single run's overrides compose (composed once here, as Hydra will): a key an option's schema lacks
+    (``hook=prefetch hook.depht=3``) or a value of the wrong type is one line naming it, not Hydra's advice to add
+    a ``+`` (a sweep's jobs are composed by Hydra one by one and fail one by one)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    if any(a in ("-m", "--multirun") or a in HYDRA_OPTIONS_WITH_VALUE for a in args):
+        return
+    overrides = [a for a in args if not a.startswith("-") and "=" in a and not re.match(r"[+~]*hydra[./]", a)]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        try:
+            compose(config_name="config", overrides=overrides)
+        except HydraException as error:
+            raise ConfigError(composition_error(error)) from None
+
+
+def composition_error(error: BaseException) -> str:
+    """Hydra's composition error (and its causes) as one line."""
+    lines = [line.strip() for e in (error, error.__cause__) if e is not None for line in str(e).splitlines()]
+    missing = next((re.match(r"Key '([^']+)' not in '([^']+)'", line) for line in lines
+                    if line.startswith("Key '") and " not in " in line), None)
+    target = next((re.match(r"Could not override '([^']+)'", line) for line in lines
+                   if line.startswith("Could not override")), None)
+    if missing and target:
+        group = target.group(1).rsplit(".", 1)[0]
+        return (f"unknown key {missing.group(1)!r} in {target.group(1)}: {group} ({missing.group(2)}) has no such key; "
+                f"python run.py --help lists each option's keys")
+    absent = next((re.match(r"In '[^']+': Could not find '([^'/]+)/([^']+)'", line) for line in lines
+                   if "Could not find '" in line), None)
+    if absent:
+        group, option = absent.groups()
+        start = lines.index(f"Available options in '{group}':") + 1 if f"Available options in '{group}':" in lines else 0
+        options = [line for line in lines[start:] if start and re.fullmatch(r"[\w.-]+", line)]
+        listed = f"use one of {', '.join(options)}" if options else "python -m offload_core plugins lists the options"
+        return f"{group}={option} is not an option of {group}: {listed}"
+    merging = next((re.match(r"Error merging override (.+)", line) for line in lines
+                    if line.startswith("Error merging override")), None)
+    if merging:
+        reason = next((line for line in lines if not line.startswith(("Error merging", "full_key", "object_type"))), "")
+        return f"{merging.group(1)}: {reason}"
+    useful = [line for line in lines if line and not line.startswith(("To append", "full_key", "object_type"))]
+    return "; ".join(dict.fromkeys(useful)) or type(error).__name__

@@ -22,7 +22,6 @@ from offload_core.loading import sources
 from offload_core.runner.cli import hydra_main
 
 from tests import ROOT
-HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -71,20 +70,7 @@ def user_ckpt(tiny, tmp_path) -> Path:
 
 # -- config -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args,expected", [
-    (["placement=nope"], "Could not find 'placement/nope'"),
-    (["storage=ssd"], "Could not find 'storage/ssd'"),
-    (["hook=magic"], "Could not find 'hook/magic'"),
-    (["max_new_tokens=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
-    (["do_sample=perhaps"], "do_sample"),
-    (["hook.granularty=block"], "granularty"),
-])
-def test_hydra_reports_unknown_options_keys_and_wrong_types(args, expected, tmp_path, capsys):
-    code, err = cli(["model=synthetic", *args], tmp_path, capsys)
-    assert code == 1
-    assert expected in err
-    assert err.rstrip().endswith(HYDRA_HINT)
-    assert "Traceback" not in err
+# unknown options, misspelled keys and wrong types: tests/end_to_end/test_bad_inputs.py (HYDRA_CASES)
 
 
 @pytest.mark.parametrize("args,parts", [

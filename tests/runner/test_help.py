@@ -46,7 +46,7 @@ def test_run_py_help_prints_the_groups_and_where_to_read_more():
     for heading in ("placement=", "storage=", "hook=", "model=", "other keys"):
         assert heading in done.stdout
     assert "block-granular offload with look-ahead" in done.stdout  # prefetch's line, from its plugin's docstring
-    assert "+max_memory.0=10GiB" in done.stdout and "Read more" in done.stdout
+    assert "max_memory.0=10GiB" in done.stdout and "Read more" in done.stdout
 
 
 def test_a_config_group_added_later_is_listed_too(tmp_path, monkeypatch):
