@@ -43,6 +43,10 @@ _RUN_WITH_KERNEL_PEAK = textwrap.dedent("""
 """)
 
 
+#: library code first run after the run's baseline, counted in the kernel's peak (measured 7 MiB with safetensors)
+LIBRARY_PAGES = 16 * 2**20
+
+
 @pytest.mark.parametrize("storage", ["memmap", "safetensors"])
 def test_peak_anonymous_rss_stays_within_the_cpu_budget(storage, tmp_path):
     proc = subprocess.run(
@@ -60,10 +64,11 @@ def test_peak_anonymous_rss_stays_within_the_cpu_budget(storage, tmp_path):
     assert 0 < metrics["peak_anon_rss_bytes"] <= BUDGET_MIB * 2**20
     # The kernel's figure, which no spike between samples escapes: the high-water mark of the whole resident set
     # counts anonymous pages and the file pages the run maps (the checkpoint it reads, the offloaded weights), so it
-    # is held to the budget plus those mapped bytes: the checkpoint (read once) and, for memmap, the offload folder.
+    # is held to the budget plus those mapped bytes: the checkpoint (read once) and, for memmap, the offload folder,
+    # plus the code pages of torch's libraries that the first decoding steps touch after the baseline (file pages too).
     rise = json.loads((tmp_path / "peak.json").read_text())["rise"]
     mapped = devices["cpu"]["bytes"] + devices["disk"]["bytes"] + (devices["disk"]["bytes"] if storage == "memmap" else 0)
-    assert rise <= BUDGET_MIB * 2**20 + mapped, f"{rise / 2**20:.0f} MiB at the kernel's peak"
+    assert rise <= BUDGET_MIB * 2**20 + mapped + LIBRARY_PAGES, f"{rise / 2**20:.0f} MiB at the kernel's peak"
     print(f"kernel peak rise {rise / 2**20:.0f} MiB; sampled anon {metrics['peak_anon_rss_bytes'] / 2**20:.0f} MiB; "
           f"disk {devices['disk']['bytes'] / 2**20:.0f} MiB")
     # The offloaded bytes are read through mappings: they show up as file-backed pages, not as ours.
