@@ -114,14 +114,13 @@ def dispatched(settings: Settings, strategies: Strategies, run_model: RunModel, 
     """Load ``checkpoint`` into the model as ``plan`` places it, with the run's storage and policy; yields
     the model's ``offload_state`` and, however the block ends, drops every loaded unit and closes the store."""
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
-    from offload_core.storage.residency import make_residency
 
     cfg = settings.cfg
     load_checkpoint_and_dispatch(run_model.model, checkpoint, plan.device_map, no_split_module_classes=run_model.no_split,
                                  storage=strategies.storage, policy=strategies.policy, offload_folder=cfg.offload_folder,
                                  dtype=run_model.dtype, execution_device=settings.execution_device, progress=cfg.progress,
                                  offload_buffers=strategies.policy.offload_buffers,
-                                 residency=make_residency(plan.page_cache))
+                                 residency=plan.residency())
     with run_model.model.offload_state as state:
         yield state
 

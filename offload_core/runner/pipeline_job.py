@@ -86,7 +86,6 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.pipeline_load import finish_dispatch, open_pipeline
     from offload_core.runner.metrics import MemoryMonitor
-    from offload_core.storage.residency import make_residency
 
     cfg = settings.cfg
     path = resolve_checkpoint(settings.model)
@@ -105,7 +104,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
                                      storage=strategies.storage, policy=strategies.policy, offload_folder=cfg.offload_folder,
                                      dtype=empty.dtype, execution_device=settings.execution_device, progress=cfg.progress,
                                      offload_buffers=strategies.policy.offload_buffers,
-                                     residency=make_residency(plan.page_cache))
+                                     residency=plan.residency())
         pipeline = finish_dispatch(empty, settings.execution_device)
         pipeline.set_progress_bar_config(disable=not cfg.progress)
         with pipeline.offload_state as state, MemoryMonitor() as memory:

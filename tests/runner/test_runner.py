@@ -49,7 +49,7 @@ def test_reservation_follows_store_and_policy():
     import torch
 
     from offload_core.registry.manager import get_registry
-    from offload_core.runner.plan import reservation
+    from offload_core.loading.reserve import reservation
 
     registry = get_registry()
 
