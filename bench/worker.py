@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: F401
 
-from offload_core.runner.metrics import MemoryMonitor, rss_split
+from offload_core.runner.modes.metrics import MemoryMonitor, rss_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagecache  # noqa: E402
@@ -74,7 +74,7 @@ class Timer(StoppingCriteria):
 
 def prompt_ids(prompt: str, vocab_size: int, batch: int = 1) -> torch.Tensor:
     """``batch`` rows of the prompt's ids, each row's first id made distinct (equal lengths: no padding)."""
-    from offload_core.runner.generate import prompt_ids as runner_prompt_ids
+    from offload_core.runner.modes.generate import prompt_ids as runner_prompt_ids
 
     ids = runner_prompt_ids(None, prompt, False, vocab_size).repeat(batch, 1)
     ids[:, 0] = (ids[:, 0] + torch.arange(batch)) % (vocab_size - 1) + 1
@@ -148,10 +148,10 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
 
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.runner.job import dispatched
-    from offload_core.runner.model import open_model
-    from offload_core.runner.run_memory import plan_run_memory
-    from offload_core.runner.plan import make_plan
-    from offload_core.runner.predict import calibrate_and_predict
+    from offload_core.runner.plan.model import open_model
+    from offload_core.runner.plan.run_memory import plan_run_memory
+    from offload_core.runner.plan.plan import make_plan
+    from offload_core.runner.plan.predict import calibrate_and_predict
     from offload_core.runner.settings import build_strategies, read_settings
 
     offload_folder = str(Path(spec["scratch"]) / "offload") if spec["store"] == "memmap" else None
@@ -382,7 +382,7 @@ def main() -> None:
     if "_predict" in info:
         result.update(info["_predict"]())  # after the measurement: a first calibration is not timed
     if state is not None:
-        from offload_core.runner.results import per_token_counters
+        from offload_core.runner.modes.results import per_token_counters
 
         policy = info["_policy"]
         result.update({f"{policy}_{name}": value for name, value in per_token_counters(state.handle.counters(), len(tokens)).items()})

@@ -13,14 +13,14 @@ from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.loading.pipeline import is_pipeline_folder
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
-from offload_core.runner.batch_job import read_batches, run_batched
-from offload_core.runner.encode import run_encoder
-from offload_core.runner.generate import generate, in_memory_tokens, prompt_ids
-from offload_core.runner.model import RunModel, open_model
-from offload_core.runner.plan import Plan, make_plan, print_plan, write_plan
-from offload_core.runner.results import RunResult, generation_figures, print_result, write_outputs
+from offload_core.runner.plan.batches import read_batches, run_batched
+from offload_core.runner.modes.encoder import run_encoder
+from offload_core.runner.modes.generate import generate, in_memory_tokens, prompt_ids
+from offload_core.runner.plan.model import RunModel, open_model
+from offload_core.runner.plan.plan import Plan, make_plan, print_plan, write_plan
+from offload_core.runner.modes.results import RunResult, generation_figures, print_result, write_outputs
 from offload_core.runner.settings import Settings, Strategies, build_strategies, read_settings
-from offload_core.runner import speculate
+from offload_core.runner.plan import speculate
 
 
 def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = None, plot: bool = True) -> RunResult:
@@ -30,14 +30,14 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     """
     from offload_core.loading.allocator import return_freed_memory_to_os
     from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.runner.metrics import MemoryMonitor
+    from offload_core.runner.modes.metrics import MemoryMonitor
 
     return_freed_memory_to_os()
     settings = read_settings(cfg, output_dir)
     spec = speculate.run_speculative(cfg)
     strategies = build_strategies(settings)
     if is_pipeline_folder(settings.model.get("path")):
-        from offload_core.runner.pipeline_job import run_pipeline
+        from offload_core.runner.modes.pipeline_job import run_pipeline
 
         return run_pipeline(settings, strategies, labels or {})
     run_model = open_model(settings.model, settings.dtype)
@@ -129,7 +129,7 @@ def generate_offloaded(settings: Settings, strategies: Strategies, run_model: Ru
                        input_ids: torch.Tensor, spec: Any = None) -> tuple[list[int], dict[str, Any]]:
     """Dispatch, generate from ``input_ids`` (with the speculation ``spec`` asks) and measure: the new token ids and
     the run's figures."""
-    from offload_core.runner.keep import DiskReads
+    from offload_core.runner.modes.disk_reads import DiskReads
     from offload_core.speculative import prepare
 
     started = time.perf_counter()
@@ -151,7 +151,7 @@ def generate_offloaded(settings: Settings, strategies: Strategies, run_model: Ru
 def predicted_time(settings: Settings, strategies: Strategies, run_model: RunModel, plan: Plan, batches: Any,
                    prompt_tokens: int) -> dict[str, float]:
     """The plan's predicted times (printed) for the run's batch, or the single prompt of ``prompt_tokens`` tokens."""
-    from offload_core.runner.predict import calibrate_and_predict, print_prediction
+    from offload_core.runner.plan.predict import calibrate_and_predict, print_prediction
 
     if run_model.task not in GENERATIVE:  # one forward over the texts: no decoding step to predict
         return {}

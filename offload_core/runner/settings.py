@@ -146,7 +146,7 @@ class Settings:
     cfg: Any
     execution_device: torch.device
     max_memory: dict[Any, int]
-    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.batch_job.read_batches)
+    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.plan.batches.read_batches)
     dtype: torch.dtype | None
     output_dir: Path
     sections: dict[str, dict]  # "placement", "storage", "hook", "model" -> that section of the config

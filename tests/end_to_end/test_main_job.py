@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from offload_core.runner.job import run
-from offload_core.runner.run_memory import RUNTIME_SLACK
+from offload_core.runner.plan.run_memory import RUNTIME_SLACK
 from tests import ROOT
 from tests.runner.test_runner import _cfg
 

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from offload_core.errors import ConfigError
-from offload_core.runner.generate import generate_rows, pad_token_id, prompt_ids
+from offload_core.runner.modes.generate import generate_rows, pad_token_id, prompt_ids
 
 
 def read_prompts(path: str | Path) -> list[str]:

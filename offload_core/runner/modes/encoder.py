@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from offload_core.errors import ConfigError
-from offload_core.runner.model import RunModel
-from offload_core.runner.results import RunResult, write_outputs
+from offload_core.runner.plan.model import RunModel
+from offload_core.runner.modes.results import RunResult, write_outputs
 from offload_core.values import format_size
 
 
@@ -83,8 +83,8 @@ def describe(run_model: RunModel, task: str, output: torch.Tensor, batch: dict[s
 
 
 def in_memory_output(run_model: RunModel, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The task's result from the reference model (:func:`offload_core.runner.generate.reference_model`) on ``device``."""
-    from offload_core.runner.generate import reference_model
+    """The task's result from the reference model (:func:`offload_core.runner.modes.generate.reference_model`) on ``device``."""
+    from offload_core.runner.modes.generate import reference_model
 
     model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
@@ -98,7 +98,7 @@ def run_encoder(settings: Any, strategies: Any, run_model: RunModel, checkpoint:
     from safetensors.torch import save_file
 
     from offload_core.runner.job import dispatched
-    from offload_core.runner.metrics import MemoryMonitor
+    from offload_core.runner.modes.metrics import MemoryMonitor
 
     cfg, task = settings.cfg, run_model.task
     texts = run_texts(cfg)

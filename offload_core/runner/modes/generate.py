@@ -34,7 +34,7 @@ def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
     from transformers import StoppingCriteriaList
 
-    from offload_core.runner.metrics import TokenTimer
+    from offload_core.runner.modes.metrics import TokenTimer
 
     torch.manual_seed(int(cfg.seed))
     timer = TokenTimer(total=int(cfg.max_new_tokens), progress=progress)

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from offload_core.runner.model import RunModel, resolve_checkpoint
-from offload_core.runner.plan import make_plan, print_plan, write_plan
-from offload_core.runner.results import RunResult
+from offload_core.runner.plan.model import RunModel, resolve_checkpoint
+from offload_core.runner.plan.plan import make_plan, print_plan, write_plan
+from offload_core.runner.modes.results import RunResult
 from offload_core.runner.settings import Settings, Strategies
 
 
@@ -28,7 +28,7 @@ def whole_components(settings: Settings) -> int | None:
 
 def pipeline_prompts(cfg: Any) -> list[str]:
     """The run's prompts: the ``prompts`` file's, else ``[prompt]``."""
-    from offload_core.runner.batch import read_prompts
+    from offload_core.runner.modes.batch import read_prompts
 
     return read_prompts(cfg.prompts) if cfg.get("prompts") else [cfg.prompt]
 
@@ -85,7 +85,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     """The run of ``settings`` (whose ``model.path`` is a pipeline folder): plan, dispatch, images, metrics."""
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.pipeline_load import finish_dispatch, open_pipeline
-    from offload_core.runner.metrics import MemoryMonitor
+    from offload_core.runner.modes.metrics import MemoryMonitor
 
     cfg = settings.cfg
     path = resolve_checkpoint(settings.model)

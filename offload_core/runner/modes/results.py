@@ -94,7 +94,7 @@ def print_result(result: RunResult, policy_name: str) -> None:
     if counters:
         shown = ", ".join(f"{name} {counter_text(name, value)}" for name, value in counters.items())
         print(f"{policy_name}: {shown}")
-    from offload_core.runner.speculate import result_line
+    from offload_core.runner.plan.speculate import result_line
 
     line = result_line(f)
     if line:

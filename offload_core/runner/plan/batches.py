@@ -10,9 +10,9 @@ from typing import Any
 
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import BatchMemory
-from offload_core.runner.batch import batch_figures, encode_all, generate_batches, print_generations, read_prompts
-from offload_core.runner.journal import Journal, fingerprint
-from offload_core.runner.run_memory import forward_headroom, plan_run_memory
+from offload_core.runner.modes.batch import batch_figures, encode_all, generate_batches, print_generations, read_prompts
+from offload_core.runner.modes.journal import Journal, fingerprint
+from offload_core.runner.plan.run_memory import forward_headroom, plan_run_memory
 from offload_core.runner.settings import Settings
 from offload_core.values import format_size
 
@@ -86,9 +86,9 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
                 labels: dict) -> Any:
     """Dispatch once, generate every prompt in batches, measure, compare with memory when asked, write and print."""
     from offload_core.runner.job import dispatched
-    from offload_core.runner.keep import DiskReads
-    from offload_core.runner.metrics import MemoryMonitor
-    from offload_core.runner.results import RunResult, per_token_counters, write_outputs
+    from offload_core.runner.modes.disk_reads import DiskReads
+    from offload_core.runner.modes.metrics import MemoryMonitor
+    from offload_core.runner.modes.results import RunResult, per_token_counters, write_outputs
 
     cfg, device = settings.cfg, settings.execution_device
     journal = Journal.open(settings.output_dir, batches.prompts, batches.batch_size, fingerprint(cfg, batches.prompts),
@@ -144,9 +144,9 @@ def run_batched(settings: Settings, strategies: Any, run_model: Any, checkpoint:
 
 
 def in_memory_batches(run_model: Any, batches: Batches, cfg: Any, device: Any) -> list[list[int]]:
-    """Each prompt's tokens from the reference model (:func:`offload_core.runner.generate.reference_model`) on the
+    """Each prompt's tokens from the reference model (:func:`offload_core.runner.modes.generate.reference_model`) on the
     run's ``device``, in the same batches."""
-    from offload_core.runner.generate import reference_model
+    from offload_core.runner.modes.generate import reference_model
 
     model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU

@@ -12,7 +12,7 @@ from offload_core import devices
 from offload_core.errors import DeviceMapError
 from offload_core.loading.plan import Plan
 from offload_core.loading.plan import make_plan as plan_model
-from offload_core.runner.model import RunModel
+from offload_core.runner.plan.model import RunModel
 from offload_core.runner.settings import Settings, Strategies
 from offload_core.values import format_size, is_offloaded
 
@@ -53,7 +53,7 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str 
     """Print the chosen strategies (a user's ``device_map`` file in place of the placement, which it replaces) and the
     plan (with the device map's keys in a plan-only run); ``per``: what one forward makes (an encoder's is a forward)."""
     from offload_core.storage.residency import page_cache_text
-    from offload_core.runner.report import plan_text
+    from offload_core.runner.plan.report import plan_text
 
     path = settings.cfg.device_map
     print(" ".join([f"device_map={path}" if group == "placement" and path else f"{group}={name}"
@@ -72,7 +72,7 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str 
 def write_plan(settings: Settings, run_model: RunModel, plan: Plan, picture: bool = True) -> None:
     """Write ``device_map.json`` (and ``placement.png`` with ``picture``) for a plan-only run."""
     from offload_core.planning import compute_module_sizes
-    from offload_core.runner.report import plot_placement
+    from offload_core.runner.plan.report import plot_placement
 
     out_dir = settings.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
