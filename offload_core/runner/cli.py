@@ -9,7 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+from offload_core.runner.console import print_line
+
 
 
 class Terminated(KeyboardInterrupt):
@@ -18,16 +19,6 @@ class Terminated(KeyboardInterrupt):
 
 def _terminated(signum: int, frame: object) -> None:
     raise Terminated()
-
-
-def print_line(text: str) -> None:
-    """Print one line to stderr, starting a line of its own: every progress bar still open is closed first."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-    sys.stdout.flush()
-    print(f"offload_core: {text}", file=sys.stderr, flush=True)
 
 
 def _fail(error: BaseException) -> None:
@@ -50,10 +41,9 @@ def hydra_main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from offload_core.runner.options import register_help_resolver
-    from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
-
+    from offload_core.runner.config import CONF_DIR, register_configs
+    from offload_core.runner.options import register_help_resolver
     from offload_core.runner.overrides import check_parses, prepare
 
     try:

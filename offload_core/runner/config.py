@@ -1,4 +1,5 @@
-"""A run's settings: typed config schemas in Hydra's ConfigStore, then a composed config read once into devices, sizes and built strategies."""
+"""A run's config schemas in Hydra's ConfigStore: the top-level keys, the model presets and every registered
+strategy's config dataclass (:mod:`offload_core.runner.settings` reads a composed config once)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
-from offload_core import devices
-from offload_core.errors import ConfigError
-from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.registry.manager import Registry, get_registry
-from offload_core.values import device_key, parse_dtype, parse_size
+
+#: the folder of ``config.yaml`` and the config groups' YAML options
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 #: registry kind -> its Hydra config group (users pick a module-hook policy with ``hook=``)
 GROUPS = {"placement": "placement", "storage": "storage", "policy": "hook"}
@@ -105,7 +104,7 @@ class RunConfig:
     plan_only: bool = False
     #: offloaded blocks kept in the page cache across tokens (the rest are streamed and dropped after
     #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
-    #: or lru (keep no set: the kernel's page cache decides, as before)
+    #: or lru (keep no set: the kernel's page cache decides)
     page_cache: str = "auto"
     #: show progress bars (loading, prompts); TQDM_DISABLE=1 hides them too
     progress: bool = True
@@ -137,111 +136,3 @@ def register_configs(registry: Registry | None = None) -> ConfigStore:
     for name, node in PRESETS.items():  # speculative=none|prompt_lookup|draft|self
         cs.store(group="speculative", name=name, node=node)
     return cs
-
-
-@dataclass
-class Settings:
-    """A composed config read once: devices, budgets and sizes parsed, each strategy section a plain dict."""
-
-    cfg: Any
-    execution_device: torch.device
-    max_memory: dict[Any, int]
-    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.plan.batches.read_batches)
-    dtype: torch.dtype | None
-    output_dir: Path
-    sections: dict[str, dict]  # "placement", "storage", "hook", "model" -> that section of the config
-
-    @property
-    def model(self) -> dict:
-        return self.sections["model"]
-
-    @property
-    def budgets(self) -> dict[Any, int]:
-        """``max_memory`` as the placement fills it: the budget of the device the run computes on (the cpu, or
-        its GPU: activations, the KV cache and the accelerator's workspaces live there) less the headroom."""
-        budgets = dict(self.max_memory)
-        key = "cpu" if self.execution_device.type == "cpu" else (self.execution_device.index or 0)
-        if key in budgets:
-            assert self.headroom is not None, "the headroom is planned before the budgets are used"
-            budgets[key] = max(budgets[key] - self.headroom, 0)
-        return budgets
-
-
-@dataclass
-class Strategies:
-    """The placement, storage and module-hook policy a run composes, and the names they were picked by."""
-
-    placement: Placement
-    storage: Storage
-    policy: Policy
-    names: dict[str, str]  # config group -> chosen name
-
-    def __str__(self) -> str:
-        return " ".join(f"{group}={name}" for group, name in self.names.items())
-
-
-def _section(cfg: Any, key: str) -> dict:
-    node = cfg.get(key) if isinstance(cfg, DictConfig) else cfg[key]
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-
-
-def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
-    """Parse ``cfg`` (a composed config) once; a value that cannot be used is a :class:`ConfigError`."""
-    from offload_core.runner.overrides import check_keys
-    from offload_core.runner.validate import check_generation, check_headroom
-
-    check_keys(cfg)
-    check_generation(cfg)
-    device = execution_device(cfg.execution_device)
-    budgets = max_memory(_section(cfg, "max_memory"), device)
-    headroom = None if str(cfg.headroom) == "auto" else parse_size(cfg.headroom, what="headroom")
-    if headroom is not None:
-        check_headroom(budgets, headroom, device)
-    return Settings(
-        cfg=cfg,
-        execution_device=device,
-        max_memory=budgets,
-        headroom=headroom,
-        dtype=parse_dtype(cfg.dtype),
-        output_dir=Path(output_dir) if output_dir else Path.cwd(),
-        sections={key: _section(cfg, key) for key in ("placement", "storage", "hook", "model")},
-    )
-
-
-def build_strategies(settings: Settings, registry: Registry | None = None) -> Strategies:
-    """Build the strategies the config's ``placement``, ``storage`` and ``hook`` sections name."""
-    registry = registry or get_registry()
-    built = {kind: registry.create(kind, settings.sections[group]["name"], settings.sections[group]) for kind, group in GROUPS.items()}
-    names = {group: settings.sections[group]["name"] for group in GROUPS.values()}
-    return Strategies(built["placement"], built["storage"], built["policy"], names)
-
-
-def execution_device(value: str | None) -> torch.device:
-    """``execution_device`` as a torch device: ``auto``/empty picks GPU 0 of the machine's accelerator when it has
-    one (:func:`offload_core.devices.default_execution_device`), else ``cpu``; another value is checked by
-    :func:`offload_core.planning.budgets.check_execution_device`."""
-    if value in (None, "", "auto"):
-        return devices.default_execution_device()
-    from offload_core.planning.budgets import check_execution_device
-
-    return check_execution_device(value)
-
-
-def max_memory(raw: dict, execution_device: torch.device) -> dict[Any, int]:
-    """The ``max_memory`` section as budgets in bytes keyed like a device map (GPU index, ``cpu``, ``disk``); a key
-    of null is left out (:func:`offload_core.planning.check_budgets` checks the rest)."""
-    from offload_core.planning.budgets import check_budgets
-
-    budgets: dict[Any, int] = {}
-    for key, value in raw.items():
-        key_s = str(key)
-        dev = device_key(key_s)
-        if dev is None or dev == "mps":
-            raise ConfigError(f"max_memory has an unknown device {key_s!r}: use cpu, disk or a GPU index like 0")
-        if isinstance(dev, int) and execution_device.type == "cpu":
-            check_budgets({dev: 1}, execution_device)
-        if value is None:
-            continue
-        budgets[dev] = parse_size(value, what=f"max_memory.{key_s}")
-    check_budgets(budgets, execution_device)
-    return budgets

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 

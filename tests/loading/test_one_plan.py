@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from offload_core import from_pretrained
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 from offload_core.testing import tiny_tied_llama
 
 from tests import ROOT

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import AlignDevicesHook, add_hook_to_module, dispatch_model, remove_hook_from_module
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 from offload_core.module_hooks.functional import offload_by_budget
 from offload_core.runner.job import run
 

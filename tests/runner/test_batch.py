@@ -13,12 +13,13 @@ from transformers import LlamaConfig
 
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import batch_memory, largest_batch
-from offload_core.runner.modes.batch import left_padded, read_prompts, trim
+from offload_core.runner.inputs import read_prompts
+from offload_core.runner.modes.batch import left_padded, trim
 from offload_core.runner.plan.batches import Batches
 from offload_core.runner.job import run
 from offload_core.runner.plan.predict import predict_time
 from offload_core.runner.plan.run_memory import runtime_slack
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 

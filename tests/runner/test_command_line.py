@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
 from offload_core.runner.overrides import check_parses, prepare
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 

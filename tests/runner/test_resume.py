@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 import offload_core.runner.modes.batch as batch
 from offload_core.errors import ConfigError
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 from offload_core.runner.sweep import _row
 
 from tests import ROOT

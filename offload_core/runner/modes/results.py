@@ -15,7 +15,8 @@ from offload_core.values import format_size
 
 @dataclass
 class RunResult:
-    """What :func:`offload_core.runner.job.run` returns (and writes as ``metrics.json`` / ``device_map.json``)."""
+    """What :func:`offload_core.runner.job.run` returns (and writes as ``metrics.json`` / ``device_map.json``):
+    ``figures`` are the run's measurements, ``summary`` the plan's bytes per device, ``plan`` its figures."""
 
     text: str
     token_ids: list[int]
@@ -25,6 +26,14 @@ class RunResult:
     matches_in_memory: bool | None = None
     output_dir: Path | None = None
     plan: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_plan(cls, plan: Any, output_dir: Path, figures: dict[str, Any], text: str = "",
+                token_ids: list[int] | None = None) -> "RunResult":
+        """The result of a run of ``plan`` (:class:`offload_core.loading.plan.Plan`): its device map, summary and
+        figures beside what the run made."""
+        return cls(text=text, token_ids=list(token_ids or []), device_map=plan.device_map, figures=figures,
+                   summary=plan.summary, output_dir=output_dir, plan=plan.as_dict())
 
 
 def per_token_counters(counters: dict[str, int | float], tokens: int) -> dict[str, int | float]:
@@ -57,7 +66,7 @@ def generation_figures(state: Any, tokens: list[int], timer: Any, load_s: float,
     return figures
 
 
-def write_outputs(result: RunResult, prompt: str, labels: dict, policy_name: str) -> None:
+def write_outputs(result: RunResult, prompt: Any, labels: dict) -> None:
     """Write ``device_map.json`` and ``metrics.json`` (labels, prompt, text, tokens, figures, devices)."""
     out = result.output_dir
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     ``device_map`` file, else the policy's own map, else the placement's within the budgets less the headroom."""
     from offload_core.runner.validate import check_device_map_devices, check_module_classes
 
-    path = settings.cfg.device_map
+    path = settings.device_map_file
     check_module_classes(run_model.model, settings.model.get("no_split_module_classes"))
     device_map = read_device_map(path) if path else None
     if path:
@@ -31,8 +31,8 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
                       policy=strategies.policy, execution_device=settings.execution_device, budgets=settings.budgets,
                       no_split=run_model.no_split, dtype=run_model.dtype, max_memory=settings.max_memory,
                       headroom=settings.headroom,
-                      device_map=device_map, page_cache=settings.cfg.page_cache,
-                      policy_name=strategies.names.get("hook", "?"))
+                      device_map=device_map, page_cache=settings.page_cache,
+                      policy_name=strategies.policy_name)
 
 
 def read_device_map(path: str) -> dict:
@@ -55,11 +55,11 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str 
     from offload_core.storage.residency import page_cache_text
     from offload_core.runner.plan.report import plan_text
 
-    path = settings.cfg.device_map
+    path = settings.device_map_file
     print(" ".join([f"device_map={path}" if group == "placement" and path else f"{group}={name}"
                     for group, name in strategies.names.items()]))
     print(plan_text(plan.summary, plan.as_dict(), plan.predicted_bytes_per_token,
-                    plan.device_map if settings.cfg.plan_only else None, per=per))
+                    plan.device_map if settings.plan_only else None, per=per))
     for line in plan.conversion:
         print(f"  conversion: {line}")
     for line in strategies.policy.plan_lines():

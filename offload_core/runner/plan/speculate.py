@@ -10,20 +10,11 @@ import math
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from offload_core.errors import ConfigError
-from offload_core.speculative import SpeculativeConfig, read_speculative
+from offload_core.speculative import SpeculativeConfig
 from offload_core.speculative.config import expected_tokens_per_pass
 from offload_core.values import format_size
-
-
-def run_speculative(cfg: Any) -> SpeculativeConfig:
-    """The run's ``speculative`` section, checked (absent: none)."""
-    node = cfg.get("speculative") if hasattr(cfg, "get") else None
-    if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
-    return read_speculative(node)
 
 
 def check_batches(spec: SpeculativeConfig, batches: Any) -> None:
@@ -31,10 +22,6 @@ def check_batches(spec: SpeculativeConfig, batches: Any) -> None:
     if spec.active and batches is not None:
         raise ConfigError(f"speculative={spec.name} generates one prompt at a time (transformers' assisted generation takes "
                           "batch 1): give prompt=... instead of prompts=..., or set speculative=none")
-
-
-def _budget_key(device: torch.device) -> Any:
-    return "cpu" if device.type == "cpu" else device.index or 0
 
 
 def draft_memory(spec: SpeculativeConfig, run_model: Any, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
@@ -58,9 +45,9 @@ def reserve_speculation(settings: Any, spec: SpeculativeConfig, run_model: Any, 
     placed, and those bytes; a budget that cannot hold the draft is one line."""
     if spec.name not in ("draft", "self"):
         return settings, {}
-    held = draft_memory(spec, run_model, prompt_tokens, int(settings.cfg.max_new_tokens))
+    held = draft_memory(spec, run_model, prompt_tokens, settings.sampling.max_new_tokens)
     need = held["weights"] + held["kv_cache"]
-    key = _budget_key(settings.execution_device)
+    key = settings.budget_key
     if key not in settings.max_memory:
         return settings, held
     budget = settings.max_memory[key]
