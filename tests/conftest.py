@@ -45,6 +45,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
 
 
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """``saved(name)``: a tiny seeded checkpoint transformers saved (tests/checkpoints.py's MODELS), made once a session."""
+    from tests.checkpoints import saved_models
+
+    return saved_models(tmp_path_factory.mktemp("hf_saved"))
+
+
 @pytest.fixture
 def tensors() -> dict[str, torch.Tensor]:
     return round_trip_tensors()

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 
 from tests.end_to_end.test_cli_errors import assert_one_line, cli
-from tests.loading.test_transformers_checkpoints import TINY, _minilm_folder, saved  # noqa: F401 (the saved-models fixture)
+from tests.checkpoints import TINY, minilm_folder
 
 BUDGET = ["max_memory.cpu=60KiB", "headroom=1KiB", "compare_in_memory=true", "max_new_tokens=4"]
 
@@ -53,7 +53,7 @@ def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys)
 def test_embeddings_of_several_texts_print_and_write_cosines(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     texts = "texts=[the cat sits on the mat,a cat is sitting on a mat,stock markets fell sharply]"
-    code, err = cli(["model=local", f"model.path={_minilm_folder()}", "max_memory.cpu=40MiB", "headroom=1KiB",
+    code, err = cli(["model=local", f"model.path={minilm_folder()}", "max_memory.cpu=40MiB", "headroom=1KiB",
                      "compare_in_memory=true", texts], tmp_path, capsys)
     assert code == 0, err
     metrics = _metrics(tmp_path)

@@ -12,7 +12,6 @@ from offload_core.runner.config import register_configs
 from offload_core.testing import tiny_tied_llama
 
 from tests import ROOT
-from tests.loading.test_transformers_checkpoints import saved  # noqa: F401 (the saved-models fixture)
 
 #: strategies both doors are given; the page cache as a size (``auto`` reads the memory free now)
 STRATEGIES = [("sequential", "memmap", "align_per_call", "64KiB"), ("balanced", "safetensors", "prefetch", "0"),

@@ -98,7 +98,6 @@ def test_functional_call_cpu_offload_budget_through_the_runner(tmp_path):
             "progress=false", "compare_in_memory=true"])
     result = run(cfg, output_dir=tmp_path)
     assert result.matches_in_memory is True
-    offloaded = [k for k, v in result.device_map.items() if v == "disk"]
     assert 0 < result.figures["offloaded_bytes"] <= 300 * 1024
     # Half-offloaded modules: some of a layer's parameters offloaded, others resident.
     layer0 = {k: v for k, v in result.device_map.items() if k.startswith("model.layers.0.")}

@@ -5,7 +5,6 @@ line takes, prompts with commas and apostrophes read as typed, a GPU budget with
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from hydra import compose, initialize_config_dir

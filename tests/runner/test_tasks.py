@@ -9,7 +9,6 @@ from offload_core.runner.job import run
 from offload_core.runner.config import register_configs
 
 from tests import ROOT
-from tests.loading.test_transformers_checkpoints import saved  # noqa: F401 (the saved-models fixture)
 
 
 def _cfg(overrides):
