@@ -133,6 +133,7 @@ class OffloadState:
         return self.handle.stats
 
     def offloaded_bytes(self) -> int:
+        """Bytes the store holds for this model (what its policy reads back while it runs)."""
         if self.store is None:
             return 0
         return sum(self.store[k].numel() * self.store[k].element_size() for k in self.routes.store_keys)

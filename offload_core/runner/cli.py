@@ -26,7 +26,7 @@ def _fail(error: BaseException) -> None:
     sys.exit(2)
 
 
-def _one_line(error: BaseException) -> str:
+def _error_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
@@ -70,7 +70,7 @@ def hydra_main() -> None:
         except Exception as error:
             if hc.mode == RunMode.MULTIRUN:
                 output_dir.mkdir(parents=True, exist_ok=True)
-                message = str(error) if isinstance(error, OffloadError) else _one_line(error)
+                message = str(error) if isinstance(error, OffloadError) else _error_line(error)
                 (output_dir / "metrics.json").write_text(json.dumps({**labels, "error": message}, indent=1))
                 print_line(f"job failed: {message}")
                 return

@@ -15,7 +15,7 @@ from offload_core.runner.plan.plan import print_plan, write_plan
 from offload_core.runner.plan.predict import print_prediction
 from offload_core.runner.plan.prepare import Prepared, prediction_shape, prepare
 from offload_core.runner.settings import build_strategies, read_settings
-from offload_core.storage.residency import offloaded_bytes
+from offload_core.storage.residency import offloaded_in_plan
 
 
 def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = None, plot: bool = True) -> RunResult:
@@ -57,7 +57,7 @@ def plan_only(job: Prepared, labels: dict, plot: bool) -> RunResult:
     """Write the plan (``device_map.json``, with ``plot`` ``placement.png``) and its figures; nothing is loaded."""
     settings, plan = job.settings, job.plan
     write_plan(settings, job.run_model, plan, picture=plot)
-    figures = {"plan_only": True, "offloaded_bytes": offloaded_bytes(plan.summary, settings.execution_device),
+    figures = {"plan_only": True, "offloaded_bytes": offloaded_in_plan(plan.summary, settings.execution_device),
                "headroom_bytes": plan.headroom, "predicted_bytes_per_token": plan.predicted_bytes_per_token,
                **plan.predicted_time}
     result = RunResult.of_plan(plan, settings.output_dir, figures)

@@ -14,7 +14,8 @@ from offload_core.loading.plan import Plan
 from offload_core.loading.plan import make_plan as plan_model
 from offload_core.runner.plan.model import RunModel
 from offload_core.runner.settings import Settings, Strategies
-from offload_core.values import format_size, is_offloaded
+from offload_core.storage.residency import offloaded_in_plan
+from offload_core.values import format_size
 
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
@@ -88,9 +89,8 @@ def warn_if_fits(summary: dict, execution_device: torch.device) -> None:
     """Offloading costs time: say so when the whole model would fit where it runs."""
     import psutil
 
-    per_device = summary["devices"]
-    total = sum(info["bytes"] for info in per_device.values())
-    offloaded = sum(info["bytes"] for dev, info in per_device.items() if is_offloaded(dev, execution_device))
+    total = sum(info["bytes"] for info in summary["devices"].values())
+    offloaded = offloaded_in_plan(summary, execution_device)
     if offloaded == 0:
         return
     if devices.is_accelerator(execution_device):

@@ -81,10 +81,10 @@ def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes:
     from matplotlib.patches import Patch
 
     from offload_core.planning import normalize_device_map
-    from offload_core.planning.device_map import _device_order
+    from offload_core.planning.device_map import device_order
 
     device_map = normalize_device_map(device_map)
-    devices = sorted(set(device_map.values()), key=_device_order)
+    devices = sorted(set(device_map.values()), key=device_order)
     fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(devices)))
     mib = 2**20
     longest = max((sum(sizes.get(k, 0) for k, w in device_map.items() if w == d) / mib for d in devices), default=0) or 1
