@@ -147,8 +147,8 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     from omegaconf import OmegaConf
 
     from offload_core.runner.modes.context import dispatched
-    from offload_core.runner.plan.predict import calibrate_and_predict
     from offload_core.runner.plan.batches import Batches
+    from offload_core.runner.plan.predict import calibrate_and_predict
     from offload_core.runner.plan.prepare import prepare
     from offload_core.runner.settings import build_strategies, read_settings
 
@@ -161,8 +161,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         ids = prompt_ids(spec["prompt"], run_model.model.config.vocab_size)[0].tolist()
         return Batches([spec["prompt"]] * batch, [ids] * batch, batch)
 
-    release = ExitStack()
-    # the runner's own prepare step (model, checkpoint, memory, plan), counted in the load time as the runner counts it
+    release = ExitStack()  # the runner's own prepare step (model, checkpoint, memory, plan), in the load time
     job = release.enter_context(prepare(settings, strategies, predict=False, batches_of=batches_of))
     settings, run_model, ckpt, plan = job.settings, job.run_model, job.checkpoint, job.plan
     ids, need = job.batches.encoded[0], job.batches.memory
