@@ -3,6 +3,7 @@ reports nothing. Skipped only where ruff is not installed (it is in the ``test``
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -24,3 +25,28 @@ def _ruff() -> list[str]:
 def test_ruff_check_passes():
     done = subprocess.run([*_ruff(), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+#: folders whose every file stays within :data:`MAX_LINES` (the tests are not held to it)
+SIZED = ("offload_core", "plugins", "bench")
+MAX_LINES = 400
+
+
+def test_no_source_file_is_over_400_lines():
+    long = {str(path.relative_to(ROOT)): n for folder in SIZED for path in sorted((ROOT / folder).rglob("*.py"))
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"split these files (at most {MAX_LINES} lines each): {long}"
+
+
+#: the one module below the runner's edge that still reads the composed config (``settings.cfg``): the time
+#: prediction, owned by its own piece of work, reads ``offload_folder`` and ``calibrate`` there
+READS_CONFIG = {"predict.py"}
+
+
+def test_nothing_below_the_runners_edge_reads_the_raw_config():
+    runner = ROOT / "offload_core" / "runner"
+    found = [f"{path.relative_to(ROOT)}:{number}" for folder in ("plan", "modes")
+             for path in sorted((runner / folder).glob("*.py")) if path.name not in READS_CONFIG
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\bcfg\b", line)]
+    assert not found, f"read typed values from Settings (offload_core/runner/settings.py) instead: {found}"
