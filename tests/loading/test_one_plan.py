@@ -4,14 +4,10 @@ plan_only=true`` with the same budget and strategies make the same device map, r
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from offload_core import from_pretrained
 from offload_core.runner.job import run
-from offload_core.runner.config import register_configs
 from offload_core.testing import tiny_tied_llama
-
-from tests import ROOT
 
 #: strategies both doors are given; the page cache as a size (``auto`` reads the memory free now)
 STRATEGIES = [("sequential", "memmap", "align_per_call", "64KiB"), ("balanced", "safetensors", "prefetch", "0"),
@@ -29,22 +25,19 @@ def _checkpoint(name, saved, tmp_path):
     return saved(name).path
 
 
-def _run_plan(path, budget, placement, storage, hook, page_cache, tmp_path):
-    register_configs()
+def _run_plan(compose_run, path, budget, placement, storage, hook, page_cache, tmp_path):
     overrides = ["plan_only=true", "model=local", f"model.path={path}", f"max_memory.cpu={budget}", "headroom=0",
                  f"placement={placement}", f"storage={storage}", f"hook={hook}", f"page_cache={page_cache}",
                  "execution_device=cpu", "progress=false"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    return run(cfg, output_dir=tmp_path / "run", plot=False)
+    return run(compose_run(overrides), output_dir=tmp_path / "run", plot=False)
 
 
 @pytest.mark.parametrize("name,placement,storage,hook,page_cache", CASES)
 def test_from_pretrained_and_a_plan_only_run_make_the_same_plan(name, placement, storage, hook, page_cache, saved,
-                                                                tmp_path):
+                                                                compose_run, tmp_path):
     path = _checkpoint(name, saved, tmp_path)
     budget = 24 * 1024 if name != "mixtral" else 200 * 1024
-    planned = _run_plan(path, budget, placement, storage, hook, page_cache, tmp_path)
+    planned = _run_plan(compose_run, path, budget, placement, storage, hook, page_cache, tmp_path)
     model = from_pretrained(path, max_memory={"cpu": budget}, placement=placement, storage=storage, policy=hook,
                             offload_folder=tmp_path / "off", execution_device="cpu",
                             page_cache=page_cache)
