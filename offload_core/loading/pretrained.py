@@ -107,6 +107,7 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Any, max_memory: Mapping[Any
     from offload_core.loading.plan import make_plan
     from offload_core.planning import get_max_memory
     from offload_core.speculative import prepare, read_speculative
+    from offload_core.speculative.drafts import check_self_resident
 
     policy_name = policy if isinstance(policy, str) else type(policy).__name__
     storage, policy = resolve_strategy("storage", storage), resolve_strategy("policy", policy)
@@ -120,7 +121,8 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Any, max_memory: Mapping[Any
                          dtype=dtype, device_map=device_map, page_cache=page_cache, policy_name=policy_name,
                          strict=device_map is None)
         if spec.name == "self":
-            _check_self_resident(model, spec, plan.device_map, device)
+            check_self_resident(model, spec.layers, plan.device_map, device, "speculative='self'",
+                                "raise max_memory or lower the layers")
         model = load_checkpoint_and_dispatch(model, checkpoint, plan.device_map, no_split_module_classes=no_split,
                                              offload_folder=offload_folder, dtype=dtype, storage=storage, policy=policy,
                                              execution_device=device, progress=progress,
@@ -147,16 +149,3 @@ def _less_draft(budgets: dict, spec: Any, dtype: torch.dtype, device: torch.devi
         raise ConfigError(f"speculative=draft: the draft {spec.path!r} needs {format_size(need)} resident, more than "
                           f"max_memory[{key!r}]={format_size(budgets[key])} holds beside the target; raise it or drop speculative")
     return {**budgets, key: budgets[key] - need}
-
-
-def _check_self_resident(model: nn.Module, spec: Any, device_map: Mapping[str, int | str], device: torch.device) -> None:
-    """A self draft's layers, norm and head must be resident (one line naming the first offloaded one)."""
-    from offload_core.errors import ConfigError
-    from offload_core.planning import normalize_device_map
-    from offload_core.speculative.drafts import offloaded_draft_module, self_draft_modules, self_layers
-
-    k = self_layers(model, spec.layers)
-    found = offloaded_draft_module(self_draft_modules(model, k), normalize_device_map(dict(device_map)), device)
-    if found:
-        raise ConfigError(f"speculative='self' drafts with the first {k} layers, the final norm and the head, and the "
-                          f"placement offloads {found[0] or 'the model'} ({found[1]}): raise max_memory or lower the layers")

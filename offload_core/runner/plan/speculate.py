@@ -65,14 +65,10 @@ def check_self_resident(spec: SpeculativeConfig, run_model: Any, device_map: dic
     """A self draft runs the target's first layers, norm and head between passes: they must not be streamed."""
     if spec.name != "self":
         return
-    from offload_core.speculative.drafts import offloaded_draft_module, self_draft_modules, self_layers
+    from offload_core.speculative.drafts import check_self_resident as check
 
-    k = self_layers(run_model.model, spec.layers)
-    found = offloaded_draft_module(self_draft_modules(run_model.model, k), device_map, device)
-    if found:
-        raise ConfigError(f"speculative=self drafts with the first {k} layers, the final norm and the head, and the plan "
-                          f"offloads {found[0] or 'the model'} ({found[1]}): raise max_memory, lower speculative.layers, "
-                          "use placement=sequential, or set speculative=prompt_lookup")
+    check(run_model.model, spec.layers, device_map, device, "speculative=self",
+          "raise max_memory, lower speculative.layers, use placement=sequential, or set speculative=prompt_lookup")
 
 
 def plan_lines(spec: SpeculativeConfig, held: dict, predicted: dict) -> list[str]:
