@@ -1,6 +1,6 @@
-"""A run's speculative decoding, around the shared runner steps: the option read and checked, the draft's bytes and
-KV cache held back from the budget before the target is placed, the self draft's layers checked resident, the
-plan's estimate, the in-memory comparisons and the printed figures."""
+"""A run's speculative decoding, around the shared runner steps: the option checked against the batches, the
+draft's bytes and KV cache held back from the budget before the target is placed, the self draft's layers checked
+resident, the plan's estimate, the in-memory comparisons and the printed figures."""
 
 from __future__ import annotations
 
