@@ -50,3 +50,22 @@ def test_from_pretrained_and_a_plan_only_run_make_the_same_plan(name, placement,
         assert loaded.page_cache == planned.plan["page_cache"]
     finally:
         model.offload_state.remove()
+
+
+def test_a_policys_own_device_map_is_the_plan_of_both_doors(saved, compose_run, tmp_path):
+    # functional_call with cpu_offload makes its own map (vLLM's): from_pretrained takes it as run.py does
+    from offload_core.registry.manager import get_registry
+
+    path = saved("llama").path
+    planned = run(compose_run(["plan_only=true", "model=local", f"model.path={path}", "max_memory.cpu=10MiB",
+                               "headroom=0", "hook=functional_call", "hook.cpu_offload=40KiB", "execution_device=cpu",
+                               "page_cache=0"]), output_dir=tmp_path / "run", plot=False)
+    policy = get_registry().create("policy", "functional_call", {"name": "functional_call", "cpu_offload": "40KiB"})
+    model = from_pretrained(path, max_memory={"cpu": 10 * 2**20}, policy=policy, offload_folder=tmp_path / "off",
+                            execution_device="cpu", page_cache=0)
+    try:
+        assert "disk" in set(planned.device_map.values())
+        assert model.offload_plan.device_map == planned.device_map
+        assert model.offload_plan.page_cache == planned.plan["page_cache"]
+    finally:
+        model.offload_state.remove()
