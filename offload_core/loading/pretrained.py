@@ -92,11 +92,13 @@ def from_pretrained(
     except BaseException:
         checkpoint.close()
         raise
-    return plan_and_dispatch(model, checkpoint, max_memory, placement, storage, policy, offload_folder, dtype, device_map,
-                             device, no_split, progress, page_cache, speculative)
+    return plan_and_dispatch(model, checkpoint, max_memory=max_memory, placement=placement, storage=storage,
+                             policy=policy, offload_folder=offload_folder, dtype=dtype, device_map=device_map,
+                             device=device, no_split=no_split, progress=progress, page_cache=page_cache,
+                             speculative=speculative)
 
 
-def plan_and_dispatch(model: nn.Module, checkpoint: Any, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
+def plan_and_dispatch(model: nn.Module, checkpoint: Any, *, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
                       storage: str | Any, policy: str | Any, offload_folder: str | Path | None, dtype: torch.dtype | None,
                       device_map: Mapping[str, int | str] | None, device: torch.device, no_split: list[str],
                       progress: bool, page_cache: int | str | None, speculative: Any = None) -> nn.Module:
