@@ -58,7 +58,8 @@ def _read(job_dir: Path) -> dict[str, Any]:
             or (k == "peak_gpu_bytes" and isinstance(v, dict))}
 
 
-def _row(job_dir: Path) -> dict[str, Any]:
+def job_row(job_dir: Path) -> dict[str, Any]:
+    """One job's row of the sweep's summary (its choices, overrides and figures, or its one-line error)."""
     data = _read(job_dir)
     choices = data.get("choices") if isinstance(data.get("choices"), dict) else _choices(job_dir)
     if not isinstance(data.get("overrides"), (list, type(None))):
@@ -119,7 +120,7 @@ def _job_dirs(sweep_dir: Path) -> list[Path]:
 def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """Write ``summary.csv``, ``summary.md`` and ``summary.png`` in ``sweep_dir``; return the rows."""
     sweep_dir = Path(sweep_dir)
-    rows = [_row(d) for d in _job_dirs(sweep_dir)]
+    rows = [job_row(d) for d in _job_dirs(sweep_dir)]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
