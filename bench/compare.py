@@ -106,7 +106,9 @@ def code_snapshot(mode: str, log_dir: Path) -> tuple[dict, str]:
     measurement: ``head`` extracts the committed HEAD into ``log_dir``; ``worktree`` copies the working
     tree's ``offload_core``, ``plugins`` and ``conf`` as they are at the start. Returns (environment
     for the workers, a description of the code)."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
     commit = git("rev-parse", "--short", "HEAD")
     env = dict(os.environ)
     root = log_dir / "code"

@@ -66,7 +66,7 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str)
     import diffusers  # noqa: F401  (imported before the baseline: RSS counts the pipeline, not the libraries)
 
     import offload_core
-    from offload_core.runner.metrics import MemoryMonitor
+    from offload_core.runner.modes.metrics import MemoryMonitor
 
     torch.manual_seed(0)
     memory = MemoryMonitor().__enter__()

@@ -39,9 +39,10 @@ def soak_one(policy: str, preset: str, calls: int, warmup: int, seq: int) -> dic
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from offload_core import init_empty_weights, load_checkpoint_and_dispatch, models
+    from offload_core import init_empty_weights, load_checkpoint_and_dispatch
+    from offload_core.loading import sources
 
-    checkpoint = models.synthetic_checkpoint(**models.synthetic_preset(preset))
+    checkpoint = sources.synthetic_checkpoint(**sources.synthetic_preset(preset))
     config = AutoConfig.from_pretrained(checkpoint)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

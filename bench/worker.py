@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: F401
 
-from offload_core.runner.metrics import MemoryMonitor, rss_split
+from offload_core.runner.modes.metrics import MemoryMonitor, rss_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagecache  # noqa: E402
@@ -74,9 +74,9 @@ class Timer(StoppingCriteria):
 
 def prompt_ids(prompt: str, vocab_size: int, batch: int = 1) -> torch.Tensor:
     """``batch`` rows of the prompt's ids, each row's first id made distinct (equal lengths: no padding)."""
-    from offload_core.runner.generate import prompt_ids as runner_prompt_ids
+    from offload_core.runner.inputs import byte_ids
 
-    ids = runner_prompt_ids(None, prompt, False, vocab_size).repeat(batch, 1)
+    ids = torch.tensor([byte_ids(prompt, vocab_size)], dtype=torch.long).repeat(batch, 1)
     ids[:, 0] = (ids[:, 0] + torch.arange(batch)) % (vocab_size - 1) + 1
     return ids
 
@@ -118,7 +118,7 @@ def prepare_ours(spec: dict):
     """Compose the run's config through Hydra exactly as ``run.py`` would (done before the baseline)."""
     from hydra import compose, initialize_config_dir
 
-    from offload_core.runner.settings import register_configs
+    from offload_core.runner.config import register_configs
 
     register_configs()
     budgets = [f"++max_memory.{device}={size}" for device, size in max_memory_of(spec).items()]
@@ -146,26 +146,28 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
 
     from omegaconf import OmegaConf
 
-    from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.runner.job import dispatched
-    from offload_core.runner.model import open_model
-    from offload_core.runner.run_memory import plan_run_memory
-    from offload_core.runner.plan import make_plan
-    from offload_core.runner.predict import calibrate_and_predict
+    from offload_core.runner.modes.context import dispatched
+    from offload_core.runner.plan.batches import Batches
+    from offload_core.runner.plan.predict import calibrate_and_predict
+    from offload_core.runner.plan.prepare import prepare
     from offload_core.runner.settings import build_strategies, read_settings
 
     offload_folder = str(Path(spec["scratch"]) / "offload") if spec["store"] == "memmap" else None
     settings = read_settings(OmegaConf.merge(cfg, {"offload_folder": offload_folder}), output_dir=spec["scratch"])
     strategies = build_strategies(settings)
-    run_model = open_model(settings.model, settings.dtype)
-    release = ExitStack()
-    ckpt = release.enter_context(Checkpoint.open(run_model.checkpoint_dir))
-    batch, ids = spec.get("batch", 1), prompt_ids(spec["prompt"], run_model.model.config.vocab_size)[0].tolist()
-    settings, need = plan_run_memory(settings, run_model, batch, len(ids))
-    plan = make_plan(settings, strategies, run_model, ckpt)  # counted in the load time, as before
+    batch = spec.get("batch", 1)
+
+    def batches_of(run_model):  # the benchmark's own prompt ids, ``batch`` rows of them
+        ids = prompt_ids(spec["prompt"], run_model.model.config.vocab_size)[0].tolist()
+        return Batches([spec["prompt"]] * batch, [ids] * batch, batch)
+
+    release = ExitStack()  # the runner's own prepare step (model, checkpoint, memory, plan), in the load time
+    job = release.enter_context(prepare(settings, strategies, predict=False, batches_of=batches_of))
+    settings, run_model, ckpt, plan = job.settings, job.run_model, job.checkpoint, job.plan
+    ids, need = job.batches.encoded[0], job.batches.memory
     model = run_model.model
     started = time.perf_counter()
-    release.enter_context(dispatched(settings, strategies, run_model, ckpt, plan))
+    release.enter_context(dispatched(job))
     dispatch_s = time.perf_counter() - started
     state = model.offload_state
     store = state.store
@@ -382,7 +384,7 @@ def main() -> None:
     if "_predict" in info:
         result.update(info["_predict"]())  # after the measurement: a first calibration is not timed
     if state is not None:
-        from offload_core.runner.results import per_token_counters
+        from offload_core.runner.modes.results import per_token_counters
 
         policy = info["_policy"]
         result.update({f"{policy}_{name}": value for name, value in per_token_counters(state.handle.counters(), len(tokens)).items()})

@@ -10,7 +10,7 @@ import sys
 
 def list_plugins() -> str:
     from offload_core.registry.manager import DISABLE_ENV, KINDS, get_registry
-    from offload_core.runner.settings import GROUPS  # the command line's name for each kind (policy: hook=)
+    from offload_core.runner.config import GROUPS  # the command line's name for each kind (policy: hook=)
 
     registry = get_registry()
     provided: dict[str, list[str]] = {name: [] for name in registry.plugins}

@@ -34,8 +34,9 @@ def offload_register_placements(register: Register) -> None:
     """Register placement strategies (config group ``placement``).
 
     Called once when the plugin manager is built, for every plugin. A placement's factory subclasses
-    :class:`~offload_core.registry.contracts.Placement`: ``make_device_map(request: PlacementRequest)
-    -> dict[str, int | str]``. All implementations are called; results are ignored (use ``register``).
+    :class:`~offload_core.registry.contracts.Placement`, whose members say what each does and its default:
+    ``make_device_map``. ``register(name, factory, config)`` adds one placement. All implementations are
+    called; results are ignored (use ``register``).
     """
 
 
@@ -44,12 +45,9 @@ def offload_register_storages(register: Register) -> None:
     """Register storage backends (config group ``storage``).
 
     Called once when the plugin manager is built, for every plugin. A storage's factory subclasses
-    :class:`~offload_core.registry.contracts.Storage`: ``open(context: StoreContext) -> Store`` (see
-    :mod:`offload_core.storage`). It may set ``converts_on_read = True`` (a tensor stored in another
-    dtype is converted on every read: the planner holds room for the copies in flight) and
-    ``pinned = True`` (page-locked memory: a GPU run copies from it without staging); both default to
-    False. ``register(name, factory, config)`` adds one storage. All implementations are called;
-    results are ignored (use ``register``).
+    :class:`~offload_core.registry.contracts.Storage`, whose members say what each does and its default:
+    ``open`` (required), ``converts_on_read``, ``pinned``, ``reads_from``. ``register(name, factory, config)``
+    adds one storage. All implementations are called; results are ignored (use ``register``).
     """
 
 
@@ -58,15 +56,10 @@ def offload_register_module_hook_policies(register: Register) -> None:
     """Register module-hook policies (config group ``hook``).
 
     Called once when the plugin manager is built, for every plugin. A policy's factory subclasses
-    :class:`~offload_core.registry.contracts.Policy`: ``attach(model, context: PolicyContext) ->
-    PolicyHandle`` (see :mod:`offload_core.module_hooks`). Its optional capabilities, each with the
-    default the base class gives: ``reserve(need: InFlight) -> dict[device, int]``, the bytes its units
-    in flight take on each device, held back from the budgets (one block on the execution device;
-    ``reserve_units`` builds the usual answer); ``granularity`` ("block", or "module"); ``predict_moved
-    (unit_bytes: list[int]) -> int``, bytes brought in per forward (every offloaded unit once);
-    ``own_device_map(model, execution_device)``, a map the policy decides itself or None to leave it to
-    the placement (None; a user's ``device_map`` file still comes first); ``offload_buffers`` (False).
-    Its handle reports counters through ``PolicyHandle.counters()`` (none by default), which the runner
-    prints and writes to ``metrics.json``. ``register(name, factory, config)`` adds one policy. All
-    implementations are called; results are ignored (use ``register``).
+    :class:`~offload_core.registry.contracts.Policy`, whose members say what each does and its default:
+    ``attach`` (required), ``granularity``, ``offload_buffers``, ``keeps_page_cache``, ``overlaps_io``,
+    ``reserve``, ``predict_moved``, ``plan_lines``, ``own_device_map``, ``own_map_remedy``. Its handle
+    reports counters through ``PolicyHandle.counters()`` (none by default), which the runner prints and
+    writes to ``metrics.json``. ``register(name, factory, config)`` adds one policy. All implementations
+    are called; results are ignored (use ``register``).
     """

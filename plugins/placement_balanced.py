@@ -15,8 +15,7 @@ class BalancedConfig:
 
 
 class BalancedPlacement(Placement):
-    def __init__(self, config: BalancedConfig) -> None:
-        self.config = config
+    config: BalancedConfig
 
     def make_device_map(self, request: PlacementRequest) -> dict:
         return plan_device_map(request, max_memory=get_balanced_memory(request, low_zero=False))

@@ -15,8 +15,7 @@ class BalancedLow0Config:
 
 
 class BalancedLow0Placement(Placement):
-    def __init__(self, config: BalancedLow0Config) -> None:
-        self.config = config
+    config: BalancedLow0Config
 
     def make_device_map(self, request: PlacementRequest) -> dict:
         return plan_device_map(request, max_memory=get_balanced_memory(request, low_zero=True))

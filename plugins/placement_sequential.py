@@ -15,8 +15,7 @@ class SequentialConfig:
 
 
 class SequentialPlacement(Placement):
-    def __init__(self, config: SequentialConfig) -> None:
-        self.config = config
+    config: SequentialConfig
 
     def make_device_map(self, request: PlacementRequest) -> dict:
         return plan_device_map(request)

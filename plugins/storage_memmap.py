@@ -19,8 +19,7 @@ class MemmapConfig:
 
 
 class MemmapStorage(Storage):
-    def __init__(self, config: MemmapConfig) -> None:
-        self.config = config
+    config: MemmapConfig
 
     def open(self, context: StoreContext) -> FolderStore:
         return FolderStore(context, verify=self.config.verify)

@@ -21,8 +21,7 @@ class PinnedCpuStorage(Storage):
     #: offloaded tensors are held in host memory
     reads_from = "memory"
 
-    def __init__(self, config: PinnedCpuConfig) -> None:
-        self.config = config
+    config: PinnedCpuConfig
 
     @property
     def pinned(self) -> bool:

@@ -22,8 +22,7 @@ class SafetensorsStorage(Storage):
     #: offloaded tensors are read in place from the checkpoint's files
     reads_from = "checkpoint"
 
-    def __init__(self, config: SafetensorsConfig) -> None:
-        self.config = config
+    config: SafetensorsConfig
 
     def open(self, context: StoreContext) -> InPlaceStore:
         return InPlaceStore(context)

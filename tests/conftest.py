@@ -45,6 +45,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
 
 
+@pytest.fixture(scope="session")
+def compose_run():
+    """``compose_run(overrides)``: the config ``run.py`` composes from ``overrides`` (conf/config.yaml, every
+    plugin's options registered), ready for :func:`offload_core.runner.job.run`."""
+    from hydra import compose, initialize_config_dir
+
+    from offload_core.runner.config import register_configs
+
+    def make(overrides: list[str]):
+        register_configs()
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+            return compose(config_name="config", overrides=overrides)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """``saved(name)``: a tiny seeded checkpoint transformers saved (tests/checkpoints.py's MODELS), made once a session."""
+    from tests.checkpoints import saved_models
+
+    return saved_models(tmp_path_factory.mktemp("hf_saved"))
+
+
 @pytest.fixture
 def tensors() -> dict[str, torch.Tensor]:
     return round_trip_tensors()

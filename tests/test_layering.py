@@ -15,7 +15,8 @@ CONTRACTS = [contract["id"] for contract in read_configuration(CONFIG)["contract
 
 
 def test_every_contract_has_an_id():
-    assert {"layers", "storage-planning-below", "planning-acyclic", "no-accelerate"} <= set(CONTRACTS)
+    assert {"layers", "storage-planning-below", "planning-acyclic", "no-accelerate", "runner-stages",
+            "runner-acyclic"} <= set(CONTRACTS)
 
 
 @pytest.mark.parametrize("contract", CONTRACTS)

@@ -32,7 +32,7 @@ def configuration_page() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated when the site is built from the run schema (`offload_core/runner/settings.py`) and the config",
+        "Generated when the site is built from the run schema (`offload_core/runner/config.py`) and the config",
         "dataclass of every registered plugin, so it lists what this installation accepts, third-party plugins",
         "included. `python run.py --help` prints the same groups and keys; `python run.py --cfg job` prints the",
         "composed config of a command line.",

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import xxhash
@@ -19,6 +20,8 @@ __all__ = ["SAFETENSORS_DTYPES", "SafetensorsFile", "Checkpoint"]
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+
+T = TypeVar("T")
 
 
 def _header_digest(file: Path) -> str:
@@ -79,6 +82,7 @@ class Checkpoint:
         self._key_files = key_files
         self._safetensors: dict[Path, SafetensorsFile] = {}
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
+        self._worked_out: dict[tuple[str, int], tuple[weakref.ref, Any]] = {}
 
     # -- opening --------------------------------------------------------------------------------
     @classmethod
@@ -295,7 +299,19 @@ class Checkpoint:
                             "ctime_ns": stat.st_ctime_ns, "header": _header_digest(file)})
         return {"path": str(self.root.resolve()), "files": entries}
 
+    def worked_out(self, what: str, model: Any, make: Callable[[], T]) -> T:
+        """``make()``: what is worked out of this checkpoint's headers for ``model`` (``what`` names it, e.g. its key
+        conversion), once per model while the checkpoint is open, however many steps (task check, reservation, plan,
+        dispatch) ask for it."""
+        key = (what, id(model))
+        held = self._worked_out.get(key)
+        if held is None or held[0]() is not model:
+            held = (weakref.ref(model), make())
+            self._worked_out[key] = held
+        return held[1]
+
     def close(self) -> None:
+        self._worked_out.clear()
         for file in self._safetensors.values():
             file.close()
         self._safetensors.clear()

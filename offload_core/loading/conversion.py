@@ -4,6 +4,7 @@ per-expert tensors merged into fused experts), and present a checkpoint under th
 from __future__ import annotations
 
 import copy
+import os
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -193,12 +194,18 @@ def key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, str
     (regex renamings applied first). Raises :class:`ConversionMismatchError` for a missing expert
     tensor or a checkpoint that holds a fused tensor and its per-expert parts at once.
     """
+    from offload_core.loading.checkpoint import Checkpoint
+
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = Checkpoint.open(checkpoint)
+    if key_mapping is None and type(checkpoint) is Checkpoint:  # not a view of one: its names are its own
+        return checkpoint.worked_out("key_conversion", model, lambda: _key_conversion(model, checkpoint, None))
+    return _key_conversion(model, checkpoint, key_mapping)
+
+
+def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, str] | None) -> KeyConversion:
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
-    if not hasattr(checkpoint, "shards"):
-        from offload_core.loading.checkpoint import Checkpoint
-
-        checkpoint = Checkpoint.open(checkpoint)
     renamings, converters = _transforms(model, key_mapping)
     conversion = KeyConversion()
     if not (renamings or converters or getattr(model, "base_model_prefix", "")):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from offload_core import devices
 from offload_core.alignment import empty_at, maps_checkpoint, reference_offset
 from offload_core.errors import CheckpointError
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.planning import no_split_classes
 from offload_core.storage import Store, StoreContext, convert_dtype
 from offload_core.storage.residency import Residency
 from offload_core.loading.model_device import report_execution_device, restore_device_report
@@ -131,6 +133,7 @@ class OffloadState:
         return self.handle.stats
 
     def offloaded_bytes(self) -> int:
+        """Bytes the store holds for this model (what its policy reads back while it runs)."""
         if self.store is None:
             return 0
         return sum(self.store[k].numel() * self.store[k].element_size() for k in self.routes.store_keys)
@@ -161,7 +164,8 @@ class OffloadState:
         return model
 
 
-def _resolve(kind: str, value: Any, config: Any = None) -> Any:
+def resolve_strategy(kind: str, value: Any, config: Any = None) -> Any:
+    """The ``kind`` strategy (placement, storage or policy) ``value`` names, built with ``config``; a built one as given."""
     if isinstance(value, str):
         from offload_core.registry.manager import get_registry
 
@@ -178,7 +182,7 @@ def _prepare_device_map(model: nn.Module, device_map: Any, max_memory: Any, no_s
         strategy = "balanced" if device_map == "auto" else device_map
         request = PlacementRequest(model=model, max_memory=get_max_memory(max_memory), no_split_module_classes=no_split,
                                    dtype=dtype, reserve=reserve)
-        device_map = _resolve("placement", strategy).make_device_map(request)
+        device_map = resolve_strategy("placement", strategy).make_device_map(request)
     device_map = normalize_device_map(device_map)
     check_device_map(model, device_map)
     return device_map
@@ -192,7 +196,7 @@ def _policy(policy: str | Any, skip_keys: str | list[str] | None, preload: list[
         config["skip_keys"] = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys)
     if preload and policy == "align_per_call":
         config["granularity"] = "block"
-    return _resolve("policy", policy, config or None) if isinstance(policy, str) else policy
+    return resolve_strategy("policy", policy, config or None) if isinstance(policy, str) else policy
 
 
 def _encoder_io_hook(model: nn.Module) -> list:
@@ -271,11 +275,11 @@ def load_checkpoint_and_dispatch(
     dtype = parse_dtype(dtype)
     if device_map is None:
         device_map, execution_device = {"": "cpu"}, execution_device or "cpu"
-    no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    owns_checkpoint = not hasattr(checkpoint, "shards")
+    no_split = no_split_classes(model, no_split_module_classes)
+    owns_checkpoint = isinstance(checkpoint, (str, os.PathLike))
     ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
     ckpt = convert_checkpoint(model, ckpt)
-    storage, policy = _resolve("storage", storage), _policy(policy, skip_keys, preload_module_classes)
+    storage, policy = resolve_strategy("storage", storage), _policy(policy, skip_keys, preload_module_classes)
     if isinstance(device_map, str) and reserve is None:  # the placement holds back what the policy keeps in flight
         from offload_core.loading.reserve import reserve_for
 
@@ -348,8 +352,8 @@ def dispatch_model(
     offload_dir = offload_dir if offload_dir is not None else offload_folder
     if storage is None:
         storage = "memmap" if offload_dir is not None else "pinned_cpu"
-    no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    storage, policy = _resolve("storage", storage), _policy(policy, skip_keys, preload_module_classes)
+    no_split = no_split_classes(model, no_split_module_classes)
+    storage, policy = resolve_strategy("storage", storage), _policy(policy, skip_keys, preload_module_classes)
     reserve = None
     if isinstance(device_map, str):  # the placement holds back what the policy keeps in flight
         from offload_core.loading.reserve import reservation

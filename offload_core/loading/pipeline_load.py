@@ -52,6 +52,7 @@ def pipeline_from_pretrained(path: str | Path, max_memory: Mapping[Any, int | st
     device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     budgets = get_max_memory(max_memory)
     empty, checkpoint, no_split = open_pipeline(path, parse_dtype(dtype), whole_limit(budgets, device), no_split_module_classes)
-    plan_and_dispatch(empty.modules, checkpoint, max_memory, placement, storage, policy, offload_folder, empty.dtype,
-                      device_map, device, no_split, progress, page_cache)
+    plan_and_dispatch(empty.modules, checkpoint, max_memory=max_memory, placement=placement, storage=storage,
+                      policy=policy, offload_folder=offload_folder, dtype=empty.dtype, device_map=device_map,
+                      device=device, no_split=no_split, progress=progress, page_cache=page_cache)
     return finish_dispatch(empty, device)

@@ -69,7 +69,7 @@ def from_pretrained(
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.execution_device import default_execution_device
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
-    from offload_core.planning import get_max_memory
+    from offload_core.planning import get_max_memory, no_split_classes
     from offload_core.planning.budgets import check_budgets, check_execution_device
     from offload_core.values import parse_dtype
 
@@ -84,7 +84,7 @@ def from_pretrained(
         device = default_execution_device(device_map if isinstance(device_map, Mapping) else None)
     if max_memory is not None:
         check_budgets(get_max_memory(max_memory, check_devices=False), device)
-    no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
+    no_split = no_split_classes(model, no_split_module_classes)
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it
     try:
         if given:
@@ -92,59 +92,49 @@ def from_pretrained(
     except BaseException:
         checkpoint.close()
         raise
-    return plan_and_dispatch(model, checkpoint, max_memory, placement, storage, policy, offload_folder, dtype, device_map,
-                             device, no_split, progress, page_cache, speculative)
+    return plan_and_dispatch(model, checkpoint, max_memory=max_memory, placement=placement, storage=storage,
+                             policy=policy, offload_folder=offload_folder, dtype=dtype, device_map=device_map,
+                             device=device, no_split=no_split, progress=progress, page_cache=page_cache,
+                             speculative=speculative)
 
 
-def plan_and_dispatch(model: nn.Module, checkpoint: Any, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
+def plan_and_dispatch(model: nn.Module, checkpoint: Any, *, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
                       storage: str | Any, policy: str | Any, offload_folder: str | Path | None, dtype: torch.dtype | None,
                       device_map: Mapping[str, int | str] | None, device: torch.device, no_split: list[str],
                       progress: bool, page_cache: int | str | None, speculative: Any = None) -> nn.Module:
     """Plan ``model`` (empty) within ``max_memory`` unless ``device_map`` is given, and load the opened ``checkpoint``
     into it with ``storage`` and ``policy`` (closing the checkpoint if that fails), prepared for ``speculative``
     decoding: what :func:`from_pretrained` does once the model is built."""
-    from offload_core.loading.dispatch import _resolve, load_checkpoint_and_dispatch
-    from offload_core.loading.reserve import reserve_for
-    from offload_core.planning import PlacementRequest, get_max_memory
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch, resolve_strategy
+    from offload_core.loading.plan import make_plan
+    from offload_core.planning import get_max_memory
     from offload_core.speculative import prepare, read_speculative
+    from offload_core.speculative.drafts import check_self_resident
 
-    storage, policy = _resolve("storage", storage), _resolve("policy", policy)
+    policy_name = policy if isinstance(policy, str) else type(policy).__name__
+    storage, policy = resolve_strategy("storage", storage), resolve_strategy("policy", policy)
     try:
         budgets = get_max_memory(max_memory) if device_map is None or page_cache is not None else {}
         spec = read_speculative(speculative)
         if spec.name == "draft" and budgets:
             budgets = _less_draft(budgets, spec, dtype, device)
-        if device_map is None:
-            reserve = reserve_for(model, checkpoint, policy, storage, device, no_split, dtype, budgets.get("cpu"))
-            request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split,
-                                       dtype=dtype, reserve=reserve)
-            device_map = _resolve("placement", "balanced" if placement == "auto" else placement).make_device_map(request)
-        residency = None if page_cache is None else _kept_set(model, device_map, page_cache, policy, device, no_split,
-                                                              dtype, budgets)
+        plan = make_plan(model, checkpoint, placement=resolve_strategy("placement", "balanced" if placement == "auto" else placement),
+                         storage=storage, policy=policy, execution_device=device, budgets=budgets, no_split=no_split,
+                         dtype=dtype, device_map=device_map, page_cache=page_cache, policy_name=policy_name,
+                         strict=device_map is None)
         if spec.name == "self":
-            _check_self_resident(model, spec, device_map, device)
-        model = load_checkpoint_and_dispatch(model, checkpoint, device_map, no_split_module_classes=no_split,
+            check_self_resident(model, spec.layers, plan.device_map, device, "speculative='self'",
+                                "raise max_memory or lower the layers")
+        model = load_checkpoint_and_dispatch(model, checkpoint, plan.device_map, no_split_module_classes=no_split,
                                              offload_folder=offload_folder, dtype=dtype, storage=storage, policy=policy,
                                              execution_device=device, progress=progress,
-                                             offload_buffers=policy.offload_buffers, residency=residency)
+                                             offload_buffers=policy.offload_buffers, residency=plan.residency())
         model.speculation = prepare(spec, model, dtype, device)
+        model.offload_plan = plan
         return model
     except BaseException:
         checkpoint.close()
         raise
-
-
-def _kept_set(model: nn.Module, device_map: Mapping[str, int | str], page_cache: int | str, policy: Any,
-              device: torch.device, no_split: list[str], dtype: torch.dtype | None, budgets: dict) -> Any:
-    """The kept set ``page_cache`` asks for (:func:`offload_core.storage.residency.page_cache_plan`, as a run plans
-    it), or None where it keeps none."""
-    from offload_core.planning import largest_block_size, normalize_device_map, summarize_device_map
-    from offload_core.storage.residency import make_residency, page_cache_plan
-
-    summary = summarize_device_map(model, normalize_device_map(dict(device_map)), budgets, dtype=dtype)
-    plan = page_cache_plan(page_cache, summary, device, policy.keeps_page_cache, budgets.get("cpu", 0),
-                           largest_block_size(model, no_split, dtype=dtype))
-    return make_residency(plan)
 
 
 def _less_draft(budgets: dict, spec: Any, dtype: torch.dtype, device: torch.device) -> dict:
@@ -161,16 +151,3 @@ def _less_draft(budgets: dict, spec: Any, dtype: torch.dtype, device: torch.devi
         raise ConfigError(f"speculative=draft: the draft {spec.path!r} needs {format_size(need)} resident, more than "
                           f"max_memory[{key!r}]={format_size(budgets[key])} holds beside the target; raise it or drop speculative")
     return {**budgets, key: budgets[key] - need}
-
-
-def _check_self_resident(model: nn.Module, spec: Any, device_map: Mapping[str, int | str], device: torch.device) -> None:
-    """A self draft's layers, norm and head must be resident (one line naming the first offloaded one)."""
-    from offload_core.errors import ConfigError
-    from offload_core.planning import normalize_device_map
-    from offload_core.speculative.drafts import offloaded_draft_module, self_draft_modules, self_layers
-
-    k = self_layers(model, spec.layers)
-    found = offloaded_draft_module(self_draft_modules(model, k), normalize_device_map(dict(device_map)), device)
-    if found:
-        raise ConfigError(f"speculative='self' drafts with the first {k} layers, the final norm and the head, and the "
-                          f"placement offloads {found[0] or 'the model'} ({found[1]}): raise max_memory or lower the layers")

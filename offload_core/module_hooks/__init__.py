@@ -11,11 +11,7 @@ from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
 
-#: the earlier name of :class:`PolicyContext`, kept for plugins that import it
-DispatchPlan = PolicyContext
-
 __all__ = [
-    "DispatchPlan",
     "InFlight",
     "ModuleHook",
     "ModuleHookHandle",

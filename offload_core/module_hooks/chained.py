@@ -136,8 +136,7 @@ class Chained(Policy):
     granularity = "block"
     keeps_page_cache = True
 
-    def __init__(self, config: ChainedConfig) -> None:
-        self.config = config
+    config: ChainedConfig
 
     def predict_moved(self, unit_bytes: list[int]) -> int:
         """Bytes moved per forward: a unit stays until the next one runs, so a single offloaded unit stays

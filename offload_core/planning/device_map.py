@@ -153,7 +153,8 @@ def compress_device_map(tensor_devices: Mapping[str, int | str], default: int | 
     return result
 
 
-def _device_order(device: int | str) -> tuple:
+def device_order(device: int | str) -> tuple:
+    """A sort key for devices: GPUs by index, then mps, cpu, disk, then any other."""
     if isinstance(device, int):
         return (0, device, "")
     order = ("mps", "cpu", "disk")
@@ -189,7 +190,7 @@ def summarize_device_map(
         info["bytes"] += sizes[name]
         info["tensors"] += 1
     devices = {}
-    for device in sorted(per, key=_device_order):
+    for device in sorted(per, key=device_order):
         info = per[device]
         budget = budgets.get(device) if device != "disk" else None
         info["budget"] = budget

@@ -138,3 +138,9 @@ def largest_block_size(
     sizes = compute_module_sizes(model, dtype=dtype)
     units: list[Named] = [*model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
     return get_max_layer_size(units, sizes, no_split_module_classes)[0]
+
+
+def no_split_classes(model: nn.Module, given: Iterable[str] | None = None) -> list[str]:
+    """The module classes never split across devices: ``given`` when it names any, else the model's own
+    ``_no_split_modules`` (transformers' rule, and accelerate's)."""
+    return list(given or getattr(model, "_no_split_modules", None) or [])

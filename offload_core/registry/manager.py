@@ -171,7 +171,7 @@ def build_registry(
 
 def as_contract(kind: str, name: str, factory: Any) -> type:
     """``factory`` as a subclass of ``kind``'s contract: taken as is when it already is one; a class with
-    the contract's required methods but no base class (a plugin written before the contracts) gets the
+    the contract's required methods but no base class (a plugin class with no base class) gets the
     contract's defaults for everything else; anything else is a one-line error naming what it lacks."""
     contract = CONTRACTS[kind]
     if not isinstance(factory, type):

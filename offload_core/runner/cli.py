@@ -9,7 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+from offload_core.runner.console import print_line
+
 
 
 class Terminated(KeyboardInterrupt):
@@ -20,22 +21,12 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def print_line(text: str) -> None:
-    """Print one line to stderr, starting a line of its own: every progress bar still open is closed first."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-    sys.stdout.flush()
-    print(f"offload_core: {text}", file=sys.stderr, flush=True)
-
-
 def _fail(error: BaseException) -> None:
     print_line(f"error: {error}")
     sys.exit(2)
 
 
-def _one_line(error: BaseException) -> str:
+def _error_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
@@ -50,10 +41,9 @@ def hydra_main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from offload_core.runner.options import register_help_resolver
-    from offload_core.runner.settings import register_configs
     from offload_core.errors import OffloadError
-
+    from offload_core.runner.config import CONF_DIR, register_configs
+    from offload_core.runner.options import register_help_resolver
     from offload_core.runner.overrides import check_composes, check_parses, prepare
 
     try:
@@ -81,7 +71,7 @@ def hydra_main() -> None:
         except Exception as error:
             if hc.mode == RunMode.MULTIRUN:
                 output_dir.mkdir(parents=True, exist_ok=True)
-                message = str(error) if isinstance(error, OffloadError) else _one_line(error)
+                message = str(error) if isinstance(error, OffloadError) else _error_line(error)
                 (output_dir / "metrics.json").write_text(json.dumps({**labels, "error": message}, indent=1))
                 print_line(f"job failed: {message}")
                 return

@@ -18,7 +18,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from offload_core.registry.manager import Registry, get_registry
-from offload_core.runner.settings import GROUPS, MODEL_PRESETS, ModelConfig, RunConfig
+from offload_core.runner import config as run_config
+from offload_core.runner.config import GROUPS, MODEL_PRESETS, ModelConfig, RunConfig
 
 #: model options and what each is for (the model group is the runner's, not a plugin kind)
 MODEL_OPTIONS = {
@@ -150,8 +151,6 @@ def other_choices(known: set[str]) -> list[Choice]:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from offload_core.runner.cli import CONF_DIR
-
     found: list[Choice] = []
     for group, entries in sorted(ConfigStore.instance().repo.items()):
         if not isinstance(entries, dict) or group in known or group == "hydra":
@@ -164,7 +163,7 @@ def other_choices(known: set[str]) -> list[Choice]:
             summary = " ".join((cls.__doc__ or name).split()).split(". ")[0].rstrip(".")
             found.append(Choice(group, name, summary, cls.__module__, tuple(dataclass_options(cls, f"{group}."))))
     known = known | {c.group for c in found}
-    for folder in sorted(p for p in Path(CONF_DIR).iterdir() if p.is_dir() and p.name not in known and p.name != "hydra"):
+    for folder in sorted(p for p in Path(run_config.CONF_DIR).iterdir() if p.is_dir() and p.name not in known and p.name != "hydra"):
         for path in sorted(folder.glob("*.yaml")):
             lines = path.read_text(encoding="utf-8").splitlines()
             summary = next((line.lstrip("# ").strip() for line in lines if line.startswith("#")), path.stem)
@@ -174,7 +173,7 @@ def other_choices(known: set[str]) -> list[Choice]:
                 for key, value in OmegaConf.to_container(values).items()
                 if key not in ("name", "defaults")
             ) if isinstance(values, DictConfig) else ()
-            found.append(Choice(folder.name, path.stem, summary, str(path.relative_to(Path(CONF_DIR).parent)), options))
+            found.append(Choice(folder.name, path.stem, summary, str(path.relative_to(Path(run_config.CONF_DIR).parent)), options))
     return found
 
 

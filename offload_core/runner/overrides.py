@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from offload_core.errors import ConfigError
+from offload_core.runner.config import RunConfig
 
 #: what users type by mistake -> the key that does it
 INSTEAD = {"policy": "hook", "module_hook": "hook", "hooks": "hook", "store": "storage", "placements": "placement",
@@ -21,9 +22,7 @@ HYDRA_OPTIONS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--c
 
 
 def run_keys() -> list[str]:
-    """The top-level keys of a run's config (:class:`offload_core.runner.settings.RunConfig`'s fields)."""
-    from offload_core.runner.settings import RunConfig
-
+    """The top-level keys of a run's config (:class:`offload_core.runner.config.RunConfig`'s fields)."""
     return [f.name for f in fields(RunConfig)]
 
 

@@ -1,166 +1,98 @@
-"""A run's settings: typed config schemas in Hydra's ConfigStore, then a composed config read once into devices, sizes and built strategies."""
+"""A composed config read once, at the edge, into typed values: devices and sizes parsed, the prompts, sampling and
+run switches as plain fields, each strategy section a dict; nothing below the edge reads the raw config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.registry.manager import Registry, get_registry
+from offload_core.runner.config import GROUPS
+from offload_core.speculative import SpeculativeConfig, read_speculative
 from offload_core.values import device_key, parse_dtype, parse_size
 
-#: registry kind -> its Hydra config group (users pick a module-hook policy with ``hook=``)
-GROUPS = {"placement": "placement", "storage": "storage", "policy": "hook"}
 
+@dataclass(frozen=True)
+class Sampling:
+    """How many tokens a run generates after its prompt and how it picks them (greedy unless ``do_sample``)."""
 
-@dataclass
-class ModelConfig:
-    """Which checkpoint to run. ``path`` (any local Hugging Face checkpoint folder) wins over ``name``."""
-
-    #: smollm2 (embedded default), synthetic (random Llama of a preset size) or local (needs path)
-    name: str = "smollm2"
-    path: Optional[str] = None
-    #: synthetic only: tiny, small, 0.3b, 1.1b, 30b
-    preset: str = "tiny"
-    #: apply the tokenizer's chat template to the prompt
-    chat_template: bool = True
-    #: module classes never split across devices (default: the model's own ``_no_split_modules``)
-    no_split_module_classes: Optional[List[str]] = None
-    #: causal_lm, seq2seq_lm, masked_lm, sequence_classification or embeddings (default: from config.architectures)
-    task: Optional[str] = None
-
-
-@dataclass
-class PipelineConfig:
-    """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``, ``prompts``,
-    ``batch_size`` and ``seed``."""
-
-    negative_prompt: Optional[str] = None
-    num_inference_steps: int = 20
-    #: image size in pixels (default: the pipeline's own)
-    height: Optional[int] = None
-    width: Optional[int] = None
-    guidance_scale: float = 7.5
-    #: components no larger than this move whole (chained: each stays until the next is called); larger ones split at
-    #: their own blocks. auto: half the execution device's budget; a size; 0 splits every component at its blocks
-    whole_components: str = "auto"
-
-
-@dataclass
-class RunConfig:
-    """Top-level keys of ``conf/config.yaml``."""
-
-    placement: Any = MISSING
-    storage: Any = MISSING
-    hook: Any = MISSING
-    model: ModelConfig = MISSING
-    #: speculative decoding (offload_core.speculative.config.SpeculativeConfig): none, prompt_lookup, draft, self
-    speculative: Any = None
-    #: the prompt a single run generates from (a causal_lm or seq2seq_lm model), or its one text
-    prompt: str = "What is the capital of France?"
-    #: the texts a masked_lm, sequence_classification or embeddings run reads at once (default: [prompt])
-    texts: Optional[List[str]] = None
-    #: a file of prompts (one per line, or JSON lines with a "prompt" field) generated in batches instead of ``prompt``
-    prompts: Optional[str] = None
-    #: prompts generated at once when ``prompts`` is given (left-padded; the KV cache is planned for it)
-    batch_size: int = 1
-    #: the folder of an interrupted prompts run to go on with: its finished prompts are kept, the rest generated there
-    resume: Optional[str] = None
-    #: tokens generated after the prompt (greedy unless do_sample)
     max_new_tokens: int = 16
-    #: sample with temperature, top_k and top_p instead of greedy decoding
     do_sample: bool = False
-    #: sampling temperature (above 0; do_sample only)
     temperature: float = 1.0
-    #: sample from the k likeliest tokens (do_sample only)
     top_k: int = 50
-    #: nucleus sampling: the smallest set of tokens whose probability reaches top_p, in (0, 1] (do_sample only)
     top_p: float = 1.0
-    #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
-    max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
-    #: held back from the budget of the device that computes (the cpu, or the GPU) for activations, KV cache and
-    #: logits: auto plans them for the prompt (or the batch) and max_new_tokens (48MiB for a run that does not
-    #: generate); a size holds that back instead
-    headroom: str = "auto"
-    #: auto (the checkpoint's), float32, bfloat16, float16
-    dtype: str = "auto"
-    #: where the memmap store writes (a temporary folder, removed at exit, when null)
-    offload_folder: Optional[str] = None
-    #: a JSON device map to use instead of the placement's
-    device_map: Optional[str] = None
-    #: cpu, cuda, cuda:N (default: cuda:0 when present, else cpu)
-    execution_device: Optional[str] = None
-    #: the random seed set before generating (matters with do_sample)
     seed: int = 0
-    #: also run the model fully in memory and record whether the tokens match
-    compare_in_memory: bool = False
-    #: print the plan (device map, bytes per device, reservation) and stop before loading anything
-    plan_only: bool = False
-    #: offloaded blocks kept in the page cache across tokens (the rest are streamed and dropped after
-    #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
-    #: or lru (keep no set: the kernel's page cache decides, as before)
-    page_cache: str = "auto"
-    #: show progress bars (loading, prompts); TQDM_DISABLE=1 hides them too
-    progress: bool = True
-    #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction
-    calibrate: bool = False
-    #: diffusers pipelines only
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
-
-MODEL_PRESETS = {
-    "smollm2": ModelConfig(name="smollm2"),
-    "synthetic": ModelConfig(name="synthetic", preset="tiny", chat_template=False),
-    "local": ModelConfig(name="local", path=MISSING),
-}
-
-
-def register_configs(registry: Registry | None = None) -> ConfigStore:
-    """Store the run schema, the model presets and every registered strategy's config dataclass."""
-    registry = registry or get_registry()
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    for name, node in MODEL_PRESETS.items():
-        cs.store(group="model", name=name, node=node)
-    for kind, group in GROUPS.items():
-        for name in registry.names(kind):
-            cs.store(group=group, name=name, node=registry.get(kind, name).config)
-    from offload_core.speculative.config import PRESETS
-
-    for name, node in PRESETS.items():  # speculative=none|prompt_lookup|draft|self
-        cs.store(group="speculative", name=name, node=node)
-    return cs
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The arguments ``model.generate`` takes for them."""
+        kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
+        if self.do_sample:
+            kwargs.update(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return kwargs
 
 
 @dataclass
 class Settings:
-    """A composed config read once: devices, budgets and sizes parsed, each strategy section a plain dict."""
+    """A composed config read once: devices, budgets and sizes parsed, the inputs and switches typed, each strategy
+    section a plain dict (``sections``: "placement", "storage", "hook", "model", "pipeline")."""
 
-    cfg: Any
     execution_device: torch.device
     max_memory: dict[Any, int]
-    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.batch_job.read_batches)
+    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.plan.batches.read_batches)
     dtype: torch.dtype | None
     output_dir: Path
-    sections: dict[str, dict]  # "placement", "storage", "hook", "model" -> that section of the config
+    sections: dict[str, dict]
+    #: the prompt a single run generates from (or an encoder's one text), the encoder's texts, the prompts file
+    prompt: str = ""
+    texts: list[str] | None = None
+    prompts_file: str | None = None
+    batch_size: int = 1
+    resume: str | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    speculative: SpeculativeConfig = field(default_factory=lambda: read_speculative(None))
+    offload_folder: str | None = None
+    device_map_file: str | None = None
+    page_cache: str = "auto"
+    compare_in_memory: bool = False
+    plan_only: bool = False
+    progress: bool = True
+    calibrate: bool = False
+    #: ``dtype`` as given (``auto``: the checkpoint's): what a resumed run must match
+    dtype_name: str = "auto"
+    #: the composed config itself, read by :mod:`offload_core.runner.plan.predict` alone (``offload_folder``,
+    #: ``calibrate``) until that module takes these typed values
+    cfg: Any = None
 
     @property
     def model(self) -> dict:
         return self.sections["model"]
 
     @property
+    def pipeline(self) -> dict:
+        return self.sections["pipeline"]
+
+    @property
+    def chat_template(self) -> bool:
+        return bool(self.model.get("chat_template", True))
+
+    @property
+    def budget_key(self) -> Any:
+        """The budget key of the device the run computes on: ``cpu``, or its GPU's index."""
+        return "cpu" if self.execution_device.type == "cpu" else (self.execution_device.index or 0)
+
+    @property
     def budgets(self) -> dict[Any, int]:
         """``max_memory`` as the placement fills it: the budget of the device the run computes on (the cpu, or
         its GPU: activations, the KV cache and the accelerator's workspaces live there) less the headroom."""
         budgets = dict(self.max_memory)
-        key = "cpu" if self.execution_device.type == "cpu" else (self.execution_device.index or 0)
+        key = self.budget_key
         if key in budgets:
             assert self.headroom is not None, "the headroom is planned before the budgets are used"
             budgets[key] = max(budgets[key] - self.headroom, 0)
@@ -175,6 +107,10 @@ class Strategies:
     storage: Storage
     policy: Policy
     names: dict[str, str]  # config group -> chosen name
+
+    @property
+    def policy_name(self) -> str:
+        return self.names["hook"]
 
     def __str__(self) -> str:
         return " ".join(f"{group}={name}" for group, name in self.names.items())
@@ -197,15 +133,40 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     headroom = None if str(cfg.headroom) == "auto" else parse_size(cfg.headroom, what="headroom")
     if headroom is not None:
         check_headroom(budgets, headroom, device)
+    texts = cfg.get("texts")
     return Settings(
-        cfg=cfg,
         execution_device=device,
         max_memory=budgets,
         headroom=headroom,
         dtype=parse_dtype(cfg.dtype),
         output_dir=Path(output_dir) if output_dir else Path.cwd(),
-        sections={key: _section(cfg, key) for key in ("placement", "storage", "hook", "model")},
+        sections={key: _section(cfg, key) for key in ("placement", "storage", "hook", "model", "pipeline")},
+        prompt=str(cfg.prompt),
+        texts=[str(text) for text in texts] if texts else None,
+        prompts_file=str(cfg.prompts) if cfg.get("prompts") else None,
+        batch_size=int(cfg.batch_size),
+        resume=str(cfg.resume) if cfg.get("resume") else None,
+        sampling=Sampling(int(cfg.max_new_tokens), bool(cfg.do_sample), float(cfg.temperature), int(cfg.top_k),
+                          float(cfg.top_p), int(cfg.seed)),
+        speculative=run_speculative(cfg),
+        offload_folder=cfg.offload_folder,
+        device_map_file=cfg.device_map,
+        page_cache=str(cfg.page_cache),
+        compare_in_memory=bool(cfg.compare_in_memory),
+        plan_only=bool(cfg.plan_only),
+        progress=bool(cfg.progress),
+        calibrate=bool(cfg.get("calibrate", False)),
+        dtype_name=str(cfg.dtype),
+        cfg=cfg,
     )
+
+
+def run_speculative(cfg: Any) -> SpeculativeConfig:
+    """The run's ``speculative`` section, checked (absent: none)."""
+    node = cfg.get("speculative") if hasattr(cfg, "get") else None
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    return read_speculative(node)
 
 
 def build_strategies(settings: Settings, registry: Registry | None = None) -> Strategies:

@@ -27,7 +27,7 @@ COLUMNS = [
     "offloaded_mib", "speculative", "tokens_per_pass", "acceptance_rate", "drafted_tokens", "predicted_s_per_token", "error",
 ]
 
-#: figures copied from metrics.json as they are (rounded); empty where a run has none (an older run, no batch)
+#: figures copied from metrics.json as they are (rounded); empty where a run has none (a run that did not record it, no batch)
 PLAIN = ("batch_size", "predicted_load_s", "predicted_ttft_s", "time_per_decode_step_s", "predicted_step_s",
          "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s", "speculative", "tokens_per_pass", "acceptance_rate",
          "drafted_tokens", "predicted_s_per_token")
@@ -38,7 +38,7 @@ FIGURES = {*(set(PLAIN) - {"speculative"}), "load_s", "time_to_first_token_s", "
            "bytes_moved_per_token", "predicted_bytes_per_token", "offloaded_bytes", "peak_gpu_bytes"}
 
 
-def _one_line(text: Any) -> str:
+def _squashed(text: Any) -> str:
     return " ".join(str(text).split())
 
 
@@ -58,7 +58,8 @@ def _read(job_dir: Path) -> dict[str, Any]:
             or (k == "peak_gpu_bytes" and isinstance(v, dict))}
 
 
-def _row(job_dir: Path) -> dict[str, Any]:
+def job_row(job_dir: Path) -> dict[str, Any]:
+    """One job's row of the sweep's summary (its choices, overrides and figures, or its one-line error)."""
     data = _read(job_dir)
     choices = data.get("choices") if isinstance(data.get("choices"), dict) else _choices(job_dir)
     if not isinstance(data.get("overrides"), (list, type(None))):
@@ -87,7 +88,7 @@ def _row(job_dir: Path) -> dict[str, Any]:
         "bytes_moved_per_token": int(data["bytes_moved_per_token"]) if "bytes_moved_per_token" in data else "",
         "predicted_bytes_per_token": data.get("predicted_bytes_per_token", ""),
         "offloaded_mib": fmt(data["offloaded_bytes"] / mib, 1) if "offloaded_bytes" in data else "",
-        "error": _one_line(data.get("error") or ""),
+        "error": _squashed(data.get("error") or ""),
         **{key: fmt(data.get(key, ""), 4) for key in PLAIN},
     }
 
@@ -119,7 +120,7 @@ def _job_dirs(sweep_dir: Path) -> list[Path]:
 def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """Write ``summary.csv``, ``summary.md`` and ``summary.png`` in ``sweep_dir``; return the rows."""
     sweep_dir = Path(sweep_dir)
-    rows = [_row(d) for d in _job_dirs(sweep_dir)]
+    rows = [job_row(d) for d in _job_dirs(sweep_dir)]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()

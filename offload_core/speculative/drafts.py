@@ -47,6 +47,18 @@ def offloaded_draft_module(names: list[str], device_map: dict, execution_device:
     return None
 
 
+def check_self_resident(target: nn.Module, layers: int, device_map: dict, execution_device: torch.device,
+                        option: str, remedy: str) -> None:
+    """A self draft runs the target's first ``layers`` layers, final norm and head between passes: none may be
+    offloaded by ``device_map``, else one line naming the first offloaded one (``option``: how the caller spells the
+    setting; ``remedy``: what to change)."""
+    k = self_layers(target, layers)
+    found = offloaded_draft_module(self_draft_modules(target, k), device_map, execution_device)
+    if found:
+        raise ConfigError(f"{option} drafts with the first {k} layers, the final norm and the head, and the plan "
+                          f"offloads {found[0] or 'the model'} ({found[1]}): {remedy}")
+
+
 def self_draft(target: nn.Module, layers: int) -> nn.Module:
     """A model of the target's class with ``layers`` layers whose every module is the target's own (no copy): its
     embedding, first layers, final norm, rotary embedding and head. Its forward is a separate call of the top

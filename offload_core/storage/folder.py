@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 INDEX = "index.json"
 TAG = ".offload_core"
 COMPLETE = ".offload_complete"
-_OURS = {INDEX, TAG, COMPLETE, LOCK}
 
 
 class FolderStore(Store):

@@ -170,7 +170,7 @@ def page_cache_setting(value: Any) -> int | None | str:
                           "(0 streams every offloaded block)") from None
 
 
-def offloaded_bytes(summary: dict, execution_device: Any) -> int:
+def offloaded_in_plan(summary: dict, execution_device: Any) -> int:
     """Bytes of the model the plan offloads (read from the store while generating)."""
     return sum(info["bytes"] for dev, info in summary["devices"].items() if is_offloaded(dev, execution_device))
 
@@ -186,7 +186,7 @@ def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps
     memory at once (:data:`STREAMED_AT_ONCE` of ``largest_block``).
     """
     setting = page_cache_setting(page_cache)
-    offloaded = offloaded_bytes(summary, execution_device)
+    offloaded = offloaded_in_plan(summary, execution_device)
     if setting == "lru" or not keeps or offloaded == 0:
         return {"page_cache": "lru", "offloaded_bytes": offloaded}
     margin = SAFETY_MARGIN + STREAMED_AT_ONCE * largest_block

@@ -13,7 +13,6 @@ from offload_core.module_hooks.experts import Experts, ExpertsConfig
 from offload_core.module_hooks.experts.loader import ExpertLayer
 from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
 from offload_core.planning import compute_module_sizes
-from tests.loading.test_transformers_checkpoints import saved  # noqa: F401 (the session fixture of tiny models)
 
 
 @pytest.mark.parametrize("store", ["pinned_cpu", "memmap", "safetensors"])

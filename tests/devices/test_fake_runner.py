@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 
@@ -17,7 +17,7 @@ GPU_BUDGET = 2 * 2**20
 @pytest.mark.parametrize("hook,storage", [("prefetch", "pinned_cpu"), ("prefetch", "memmap"),
                                           ("align_per_call", "safetensors"), ("chained", "pinned_cpu")])
 def test_a_run_on_a_gpu_stays_in_its_budget_and_compares_on_the_gpu(hook, storage, tmp_path, fake_gpu, monkeypatch):
-    from offload_core.runner import generate
+    from offload_core.runner.modes import generate
 
     fake = fake_gpu(count=1, memory=4 * GPU_BUDGET)  # room for the reference model, which must fit whole
     references = []
@@ -50,7 +50,7 @@ def test_a_run_on_a_gpu_stays_in_its_budget_and_compares_on_the_gpu(hook, storag
 def test_a_reference_larger_than_the_gpus_free_memory_computes_on_the_cpu(tmp_path, fake_gpu, capsys):
     import torch
 
-    from offload_core.runner.generate import reference_model
+    from offload_core.runner.modes.generate import reference_model
     from offload_core.testing import tiny_tied_llama
 
     tiny_tied_llama(tmp_path / "ckpt")

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from offload_core.loading import sources
 from tests import ROOT
-from tests.end_to_end.test_cli_errors import cli, snapshot
+from tests.end_to_end.helpers import cli, snapshot
 
 
 def _map(content) -> callable:

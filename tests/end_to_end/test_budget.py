@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +20,7 @@ BUDGET_MIB = 32  # the "small" synthetic model is 42 MiB in bf16; less the plann
 _RUN_WITH_KERNEL_PEAK = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
-    from offload_core.runner import metrics
+    from offload_core.runner.modes import metrics
     from offload_core.runner.cli import hydra_main
     from tests.memory_peak import KernelPeak
     init, exit_, peaks = metrics.MemoryMonitor.__init__, metrics.MemoryMonitor.__exit__, {}

@@ -6,7 +6,6 @@ The CLI runs in this process (``hydra_main`` with a patched ``sys.argv``): the s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,40 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload_core.loading import sources
-from offload_core.runner.cli import hydra_main
 
 from tests import ROOT
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` (hidden ones included) by relative path -> sha256 of its bytes."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*")) if p.is_file()
-    }
-
-
-def cli(args: list[str], tmp_path: Path, capsys) -> tuple[int, str]:
-    """Run ``run.py args`` in this process; return (exit code, stderr)."""
-    argv = ["run.py", "progress=false", "max_new_tokens=2", f"hydra.run.dir={tmp_path / 'hydra'}", *args]
-    old = sys.argv
-    sys.argv = argv
-    try:
-        hydra_main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        sys.argv = old
-    return code, capsys.readouterr().err
-
-
-def assert_one_line(err: str, *parts: str) -> None:
-    lines = [line for line in err.splitlines() if line.startswith("offload_core: error: ")]
-    assert len(lines) == 1, err
-    for part in parts:
-        assert part in lines[0], lines[0]
-    assert "Traceback" not in err
+from tests.end_to_end.helpers import assert_one_line, cli, snapshot
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,14 @@ import sys
 import pytest
 
 from offload_core.runner.job import run
-from offload_core.runner.run_memory import RUNTIME_SLACK
+from offload_core.runner.plan.run_memory import RUNTIME_SLACK
 from tests import ROOT
-from tests.runner.test_runner import _cfg
 
 
 @pytest.fixture(scope="module")
-def main_job(tmp_path_factory):
+def main_job(tmp_path_factory, compose_run):
     out = tmp_path_factory.mktemp("main_job")
-    cfg = _cfg(["compare_in_memory=true", "progress=false", "max_new_tokens=12"])
+    cfg = compose_run(["compare_in_memory=true", "progress=false", "max_new_tokens=12"])
     return run(cfg, output_dir=out), out
 
 

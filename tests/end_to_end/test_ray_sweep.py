@@ -13,9 +13,10 @@ import pytest
 
 from offload_core.runner.sweep import COLUMNS
 
+from tests import ROOT
+
 pytestmark = pytest.mark.slow
 
-from tests import ROOT
 RAY_CLI = Path(sys.executable).parent / "ray"
 SWEEP = ["model=synthetic", "model.preset=tiny", "progress=false", "max_new_tokens=2", "headroom=0",
          "max_memory.cpu=1MiB", "headroom=0", "storage=memmap,safetensors", "hook=align_per_call,chained"]

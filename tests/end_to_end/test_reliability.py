@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import errno
 import gc
-import json
 import os
-import queue
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,60 +19,16 @@ from torch import nn
 from offload_core.loading import sources
 from offload_core.storage import StoreContext
 from offload_core.errors import StorageError
-from offload_core.storage.folder import COMPLETE, INDEX, FolderStore
-from tests.end_to_end.test_cli_errors import assert_one_line, cli, snapshot
+from offload_core.storage.folder import COMPLETE, FolderStore
+from tests.end_to_end.helpers import (assert_one_line, child_env, cli, run_args, run_metrics, signal_after_load, snapshot,
+                                      wait_for_line)
 
-from tests import ROOT
 from tests.waits import wait_until
 
 
 @pytest.fixture(scope="module")
 def tiny() -> Path:
     return sources.synthetic_checkpoint(**sources.synthetic_preset("tiny"))
-
-
-def _args(ckpt: Path, folder: Path | None = None) -> list[str]:
-    args = ["model=local", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0"]  # everything on disk
-    return args + ([f"offload_folder={folder}"] if folder is not None else [])
-
-
-def _metrics(tmp_path: Path) -> dict:
-    return json.loads((tmp_path / "hydra" / "metrics.json").read_text())
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT / "tests") + os.pathsep + str(ROOT), "PYTHONUNBUFFERED": "1"}
-
-
-def _wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float = 90) -> str:
-    """The first line of ``proc``'s stdout that holds ``wanted``; fails (killing ``proc``) once ``timeout`` seconds
-    pass without it, even while the process prints nothing (a reader thread reads, this waits on a queue)."""
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = getattr(proc, "_line_reader", None)
-    if reader is None:
-        def read() -> None:
-            for line in proc.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        reader = proc._line_reader = (threading.Thread(target=read, daemon=True), lines)
-        reader[0].start()
-    lines = reader[1]
-    deadline = time.monotonic() + timeout
-    seen = []
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        if wanted in line:
-            return line
-    proc.kill()
-    _, err = proc.communicate(timeout=30)
-    raise AssertionError(f"never saw {wanted!r} in {timeout} s; stdout: {''.join(seen)[-2000:]}; stderr: {err[-2000:]}")
 
 
 # -- kill -9 while the offload folder is being written ------------------------------------------
@@ -103,26 +56,26 @@ _KILLED_WRITER = textwrap.dedent("""
 
 def test_kill_9_mid_write_is_detected_and_rebuilt(tiny, tmp_path, capsys):
     folder = tmp_path / "off"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, *_args(tiny, folder), "progress=false",
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, *run_args(tiny, folder), "progress=false",
                              f"hydra.run.dir={tmp_path / 'killed'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    _wait_for_line(proc, "HALF-WRITTEN")
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    wait_for_line(proc, "HALF-WRITTEN")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     leftovers = set(os.listdir(folder))
     assert COMPLETE not in leftovers and any(n.endswith(".dat.tmp") for n in leftovers)
 
-    code, err = cli(_args(tiny, folder), tmp_path, capsys)
+    code, err = cli(run_args(tiny, folder), tmp_path, capsys)
     assert code == 0, err
-    rebuilt = _metrics(tmp_path)
+    rebuilt = run_metrics(tmp_path)
     assert rebuilt["store_reused"] is False
     assert not any(n.endswith(".tmp") for n in os.listdir(folder))
     # The data is right: same tokens as a run with a fresh temporary folder, then as a reusing run.
-    assert cli(_args(tiny), tmp_path, capsys)[0] == 0
-    assert _metrics(tmp_path)["token_ids"] == rebuilt["token_ids"]
-    assert cli(_args(tiny, folder), tmp_path, capsys)[0] == 0
-    assert _metrics(tmp_path)["store_reused"] is True and _metrics(tmp_path)["token_ids"] == rebuilt["token_ids"]
+    assert cli(run_args(tiny), tmp_path, capsys)[0] == 0
+    assert run_metrics(tmp_path)["token_ids"] == rebuilt["token_ids"]
+    assert cli(run_args(tiny, folder), tmp_path, capsys)[0] == 0
+    assert run_metrics(tmp_path)["store_reused"] is True and run_metrics(tmp_path)["token_ids"] == rebuilt["token_ids"]
 
 
 def test_an_unfinished_folder_is_never_read(tmp_path):
@@ -161,7 +114,7 @@ def test_disk_full_on_a_small_filesystem(tiny, tmp_path, capsys):
     try:
         (disk / "mine.txt").write_text("the user's file")
         before = snapshot(tiny)
-        code, err = cli(_args(tiny, disk / "off"), tmp_path, capsys)  # 1.6 MiB to write, 512 KiB of room
+        code, err = cli(run_args(tiny, disk / "off"), tmp_path, capsys)  # 1.6 MiB to write, 512 KiB of room
         _assert_disk_full_handled(code, err, disk, before, tiny)
     finally:
         subprocess.run(["umount", str(disk)], check=True, timeout=60)
@@ -184,7 +137,7 @@ def test_disk_full_injected_enospc(tiny, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(FolderStore, "write_file", staticmethod(filling))
     before = snapshot(tiny)
-    code, err = cli(_args(tiny, disk / "off"), tmp_path, capsys)
+    code, err = cli(run_args(tiny, disk / "off"), tmp_path, capsys)
     _assert_disk_full_handled(code, err, disk, before, tiny)
 
 
@@ -209,48 +162,6 @@ def test_disk_full_in_an_existing_folder_keeps_the_users_files(tmp_path, monkeyp
 
 # -- Ctrl-C -------------------------------------------------------------------------------------
 
-_GENERATING = textwrap.dedent("""
-    import sys
-    from transformers.generation.utils import GenerationMixin
-    real = GenerationMixin.generate
-
-    def announced(self, *args, **kwargs):
-        print("GENERATING", flush=True)
-        return real(self, *args, **kwargs)
-
-    GenerationMixin.generate = announced
-    from offload_core.runner.cli import hydra_main
-    sys.argv = ["run.py", *sys.argv[1:]]
-    hydra_main()
-""")
-
-
-def signal_after_load(tiny: Path, tmp_path: Path, sig: int) -> tuple[int, str, Path]:
-    """Start a long run of ``tiny`` with its temporary files under ``tmp_path/tmp``, send ``sig`` once generation
-    has started (the run prints GENERATING as it enters ``generate``), and return its exit code, stderr and that
-    scratch folder."""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _GENERATING, *_args(tiny), "max_new_tokens=1500", "progress=false",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "TMPDIR": str(scratch)},
-        cwd=ROOT,
-        # As a terminal's foreground job: a suite started in the background (`cmd &`) has SIGINT ignored, which
-        # its children would inherit, and Python then never raises KeyboardInterrupt.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    _wait_for_line(proc, "GENERATING")
-    assert any((p / INDEX).exists() for p in scratch.glob("offload_core-*")), "generation started before the store"
-    proc.send_signal(sig)
-    proc._line_reader[0].join(timeout=60)  # stdout closes as the process exits
-    try:
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    return proc.returncode, proc.stderr.read(), scratch
-
-
 def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny, tmp_path):
     returncode, err, scratch = signal_after_load(tiny, tmp_path, signal.SIGINT)
     assert returncode == 130, err
@@ -274,7 +185,7 @@ def test_ctrl_c_during_loading_removes_the_temporary_folder(tiny, tmp_path, caps
         real(path, data)
 
     monkeypatch.setattr(FolderStore, "write_file", staticmethod(interrupted))
-    code, err = cli(_args(tiny), tmp_path, capsys)
+    code, err = cli(run_args(tiny), tmp_path, capsys)
     assert code == 130
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
     assert count[0] == 4 and os.listdir(scratch) == []
@@ -299,9 +210,9 @@ _HOLDER = textwrap.dedent("""
 def test_a_second_run_on_the_same_folder_waits_and_says_why(tmp_path, capsys):
     folder = tmp_path / "shared"
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        _wait_for_line(holder, "HOLDING")
+        wait_for_line(holder, "HOLDING")
         opened: list[FolderStore] = []
         second = threading.Thread(target=lambda: opened.append(
             FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))))

@@ -12,13 +12,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.end_to_end.test_cli_errors import assert_one_line, cli
-from tests.loading.test_transformers_checkpoints import TINY, _minilm_folder, saved  # noqa: F401 (the saved-models fixture)
+from tests.end_to_end.helpers import assert_one_line, cli
+from tests.checkpoints import TINY, minilm_folder
 
 BUDGET = ["max_memory.cpu=60KiB", "headroom=1KiB", "compare_in_memory=true", "max_new_tokens=4"]
 
 
-def _metrics(tmp_path) -> dict:
+def run_metrics(tmp_path) -> dict:
     return json.loads((tmp_path / "hydra" / "metrics.json").read_text())
 
 
@@ -26,7 +26,7 @@ def _metrics(tmp_path) -> dict:
 def test_local_folder_of_each_kind_runs_offloaded_and_matches_in_memory(saved, name, task, tmp_path, capsys):
     code, err = cli(["model=local", f"model.path={saved(name).path}", *BUDGET], tmp_path, capsys)
     assert code == 0, err
-    metrics = _metrics(tmp_path)
+    metrics = run_metrics(tmp_path)
     assert metrics["matches_in_memory"] is True
     assert metrics["devices"]["disk"]["bytes"] > 0
     if task == "masked_lm":
@@ -44,7 +44,7 @@ def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys)
     transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "cls", max_shard_size="20KB")
     code, err = cli(["model=local", f"model.path={tmp_path / 'cls'}", *BUDGET, "texts=[good,bad,so so]"], tmp_path, capsys)
     assert code == 0, err
-    metrics = _metrics(tmp_path)
+    metrics = run_metrics(tmp_path)
     assert metrics["task"] == "sequence_classification" and metrics["matches_in_memory"] is True
     assert len(metrics["labels"]) == 3 and set(metrics["labels"]) <= {"negative", "neutral", "positive"}
     assert metrics["devices"]["disk"]["bytes"] > 0
@@ -53,10 +53,10 @@ def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys)
 def test_embeddings_of_several_texts_print_and_write_cosines(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     texts = "texts=[the cat sits on the mat,a cat is sitting on a mat,stock markets fell sharply]"
-    code, err = cli(["model=local", f"model.path={_minilm_folder()}", "max_memory.cpu=40MiB", "headroom=1KiB",
+    code, err = cli(["model=local", f"model.path={minilm_folder()}", "max_memory.cpu=40MiB", "headroom=1KiB",
                      "compare_in_memory=true", texts], tmp_path, capsys)
     assert code == 0, err
-    metrics = _metrics(tmp_path)
+    metrics = run_metrics(tmp_path)
     assert metrics["matches_in_memory"] is True and metrics["embedding_shape"] == [3, 384]
     cosine = metrics["cosine_similarities"]
     assert cosine[0][1] > 0.8 > 0.3 > cosine[0][2]  # the two sentences about a cat are close, the third is not
@@ -101,7 +101,7 @@ def test_a_seq2seq_model_generates_a_prompts_file_in_batches_as_in_memory(saved,
     code, err = cli(["model=local", f"model.path={saved('t5').path}", f"prompts={prompts}", "batch_size=2",
                      "max_memory.cpu=300KiB", "compare_in_memory=true", "max_new_tokens=4"], tmp_path, capsys)
     assert code == 0, err
-    metrics = _metrics(tmp_path)
+    metrics = run_metrics(tmp_path)
     assert metrics["matches_in_memory"] is True and metrics["devices"]["disk"]["bytes"] > 0
     rows = [json.loads(line) for line in (tmp_path / "hydra" / "generations.jsonl").read_text().splitlines()]
     assert [len(r["token_ids"]) for r in rows] == [4, 4, 4]

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from offload_core.loading import sources
 from offload_core.storage.folder import INDEX
-from tests.end_to_end.test_cli_errors import cli
-from tests.end_to_end.test_reliability import _args, _metrics, signal_after_load
+from tests.end_to_end.helpers import cli
+from tests.end_to_end.helpers import run_args, run_metrics, signal_after_load
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_a_stale_checkpoint_with_the_same_size_and_mtime_is_not_reused(tiny, tmp
     folder = tmp_path / "off"
     args = ["model=local", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0", f"offload_folder={folder}"]
     assert cli(args, tmp_path, capsys)[0] == 0
-    first = _metrics(tmp_path)
+    first = run_metrics(tmp_path)
     shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
     stat = shard.stat()
     tensors = load_file(shard)
@@ -52,19 +52,19 @@ def test_a_stale_checkpoint_with_the_same_size_and_mtime_is_not_reused(tiny, tmp
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert shard.stat().st_size == stat.st_size and shard.stat().st_mtime_ns == stat.st_mtime_ns
     assert cli(args, tmp_path, capsys)[0] == 0
-    second = _metrics(tmp_path)
+    second = run_metrics(tmp_path)
     assert second["store_reused"] is False
     # The rebuilt folder gives what a fresh temporary folder gives for the new weights.
     assert cli(args[:-1], tmp_path, capsys)[0] == 0
-    assert _metrics(tmp_path)["token_ids"] == second["token_ids"]
+    assert run_metrics(tmp_path)["token_ids"] == second["token_ids"]
     assert first["store_reused"] is False
 
 
 @pytest.mark.parametrize("tamper", ["flip", "swap", "truncate", "index"])
 def test_a_tampered_folder_gives_the_same_tokens_as_a_fresh_one(tamper, tiny, tmp_path, capsys):
     folder = tmp_path / "off"
-    assert cli(_args(tiny, folder), tmp_path, capsys)[0] == 0
-    expected = _metrics(tmp_path)["token_ids"]
+    assert cli(run_args(tiny, folder), tmp_path, capsys)[0] == 0
+    expected = run_metrics(tmp_path)["token_ids"]
     dats = sorted(folder.glob("*.dat"), key=lambda p: (p.stat().st_size, p.name))
     if tamper == "flip":
         data = bytearray(dats[-1].read_bytes())
@@ -81,10 +81,10 @@ def test_a_tampered_folder_gives_the_same_tokens_as_a_fresh_one(tamper, tiny, tm
     else:
         text = (folder / INDEX).read_text().replace('"bfloat16"', '"float16"', 1)
         (folder / INDEX).write_text(text)
-    code, err = cli(_args(tiny, folder), tmp_path, capsys)
+    code, err = cli(run_args(tiny, folder), tmp_path, capsys)
     assert code == 0, err
-    assert _metrics(tmp_path)["store_reused"] is False
-    assert _metrics(tmp_path)["token_ids"] == expected
+    assert run_metrics(tmp_path)["store_reused"] is False
+    assert run_metrics(tmp_path)["token_ids"] == expected
     assert "Traceback" not in err
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import offload_core
 from offload_core import load_checkpoint_and_dispatch
-from tests.loading.test_transformers_checkpoints import POLICIES, STORES, Saved, saved  # noqa: F401, F811 (saved: the session fixture of tiny models)
+from tests.checkpoints import POLICIES, STORES, Saved
 
 
 def _generate(model: nn.Module, moe: Saved) -> tuple[torch.Tensor, list[torch.Tensor], set[str]]:

@@ -10,7 +10,6 @@ from offload_core import init_empty_weights
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.reserve import reserve_for
 from offload_core.registry.manager import get_registry
-from tests.loading.test_transformers_checkpoints import saved  # noqa: F401 (the session fixture of tiny models)
 
 
 @pytest.mark.parametrize("name,store,holds_back", [("mixtral", "safetensors", True), ("mixtral", "memmap", False),

@@ -14,7 +14,7 @@ from offload_core import OffloadError, from_pretrained, init_empty_weights, load
 from offload_core.loading.tasks import TASKS, auto_class, infer_task
 from offload_core.planning import compute_module_sizes
 
-from tests.loading.test_transformers_checkpoints import _minilm_folder, saved  # noqa: F401 (the saved-models fixture)
+from tests.checkpoints import minilm_folder
 
 
 @pytest.mark.parametrize("model_type,architecture,task", [
@@ -63,7 +63,7 @@ def test_from_pretrained_seq2seq_generates_as_in_memory(saved, tmp_path):
 
 def test_from_pretrained_reserves_as_the_runner_so_an_embedding_leaves_room_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = _minilm_folder()
+    folder = minilm_folder()
     with init_empty_weights():
         empty = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(folder))
     half = {"cpu": compute_module_sizes(empty)[""] // 2}

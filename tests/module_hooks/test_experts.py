@@ -14,7 +14,7 @@ from offload_core import init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.errors import ConfigError
 from offload_core.module_hooks.experts import ExpertCache, Experts, ExpertsConfig, is_fused_experts
 from offload_core.planning import compute_module_sizes
-from tests.loading.test_transformers_checkpoints import Saved, saved  # noqa: F401, F811 (saved: the session fixture of tiny models)
+from tests.checkpoints import Saved
 
 
 def _dispatch(saved: Saved, path: Path, store: str, folder: Path, **config) -> torch.nn.Module:
@@ -185,7 +185,7 @@ def test_cached_experts_are_used_in_place_with_no_read(saved, tmp_path):
 
 def test_released_rows_give_their_memory_back():
     from offload_core.module_hooks.experts import ReservedRows
-    from offload_core.runner.metrics import rss_split
+    from offload_core.runner.modes.metrics import rss_split
 
     rows = ReservedRows(torch.Size([4, 1024, 1024]), torch.bfloat16)  # 2 MiB a row
     before = rss_split()[0]

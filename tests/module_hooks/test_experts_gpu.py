@@ -9,8 +9,7 @@ import torch
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.module_hooks.experts import Experts, ExpertsConfig
 from offload_core.planning import compute_module_sizes
-from tests.loading.test_transformers_checkpoints import Saved
-
+from tests.checkpoints import Saved
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 

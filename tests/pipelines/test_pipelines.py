@@ -3,14 +3,12 @@ images bit for bit, and chained at whole-component granularity (each component s
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import offload_core
-from offload_core.loading.pipeline import build_empty_pipeline, component_no_split
+from offload_core.loading.pipeline import component_no_split
 from offload_core.loading.pipeline_checkpoint import PipelineCheckpoint
 
 from tests.pipelines.conftest import images

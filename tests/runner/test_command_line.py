@@ -5,14 +5,13 @@ line takes, prompts with commas and apostrophes read as typed, a GPU budget with
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
 from offload_core.runner.overrides import check_parses, prepare
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 
@@ -114,7 +113,7 @@ def test_a_device_map_file_replaces_the_placement_in_the_header(tmp_path, capsys
 
 
 def test_counters_print_sizes_in_binary_units():
-    from offload_core.runner.results import counter_text
+    from offload_core.runner.modes.results import counter_text
 
     assert counter_text("kept_bytes", 3 * 2**20) == "3.00 MiB" and counter_text("expert_bytes_per_token", 1536.0) == "1.50 KiB"
     assert counter_text("hits", 5) == "5" and counter_text("wait_s_per_token", 0.25) == "0.250"

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
 

@@ -11,7 +11,7 @@ import pytest
 
 from offload_core.registry.manager import get_registry
 from offload_core.runner.options import choices, field_comments, help_text, run_options
-from offload_core.runner.settings import GROUPS, RunConfig
+from offload_core.runner.config import GROUPS, RunConfig
 from tests import ROOT
 
 
@@ -36,7 +36,7 @@ def test_every_registered_option_and_key_is_listed_with_a_description():
     keys = {o.key for o in run_options()}
     assert {"prompt", "max_memory", "page_cache", "batch_size"} <= keys
     undocumented = [o.key for o in run_options() if not o.doc]
-    assert not undocumented, f"write a `#:` comment above RunConfig's {undocumented} in offload_core/runner/settings.py"
+    assert not undocumented, f"write a `#:` comment above RunConfig's {undocumented} in offload_core/runner/config.py"
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_a_config_group_added_later_is_listed_too(tmp_path, monkeypatch):
     """A group stored as a dataclass in Hydra's ConfigStore, or as conf/<group>/*.yaml, needs no change here."""
     from hydra.core.config_store import ConfigStore
 
-    import offload_core.runner.cli as cli
+    import offload_core.runner.config as run_config
 
     @dataclasses.dataclass
     class DraftConfig:
@@ -64,7 +64,7 @@ def test_a_config_group_added_later_is_listed_too(tmp_path, monkeypatch):
 
     (tmp_path / "colour").mkdir()
     (tmp_path / "colour" / "blue.yaml").write_text("# the blue one\nname: blue\nshade: 3\n")
-    monkeypatch.setattr(cli, "CONF_DIR", str(tmp_path))
+    monkeypatch.setattr(run_config, "CONF_DIR", str(tmp_path))
     store = ConfigStore.instance()
     store.store(group="zz_draft", name="small", node=DraftConfig)
     try:

@@ -8,7 +8,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 from offload_core.runner.job import run
 
 from tests import ROOT
@@ -49,7 +49,7 @@ def test_reservation_follows_store_and_policy():
     import torch
 
     from offload_core.registry.manager import get_registry
-    from offload_core.runner.plan import reservation
+    from offload_core.loading.reserve import reservation
 
     registry = get_registry()
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
+from offload_core.runner.config import register_configs
 
 from tests import ROOT
-from tests.loading.test_transformers_checkpoints import saved  # noqa: F401 (the saved-models fixture)
 
 
 def _cfg(overrides):

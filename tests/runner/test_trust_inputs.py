@@ -12,7 +12,7 @@ from offload_core.errors import ConfigError, StorageError
 
 
 def test_calibration_of_another_shape_is_measured_again_with_one_line(tmp_path, monkeypatch, capsys):
-    from offload_core.runner.calibrate import _read_cached, calibration_file
+    from offload_core.runner.plan.calibrate import _read_cached, calibration_file
 
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
     good = {"disks": {"1": {"write_bps": 1.0, "cold_read_bps": 2.0, "warm_read_bps": 3.0}}, "h2d_bps": {},
@@ -30,7 +30,7 @@ def test_calibration_of_another_shape_is_measured_again_with_one_line(tmp_path, 
 
 
 def test_a_binary_prompts_file_is_one_line(tmp_path):
-    from offload_core.runner.batch import read_prompts
+    from offload_core.runner.inputs import read_prompts
 
     path = tmp_path / "prompts.bin"
     path.write_bytes(b"ok\n\xff\xfe\x00\x81" + bytes(range(256)))
@@ -52,7 +52,7 @@ def test_an_offload_index_of_another_shape_is_one_line(tmp_path):
 def test_an_error_line_starts_its_own_line_after_a_progress_bar(capsys):
     from tqdm.auto import tqdm
 
-    from offload_core.runner.cli import print_line
+    from offload_core.runner.console import print_line
 
     bar = tqdm(total=21, desc="loading", unit="tensor", leave=False, mininterval=0)
     bar.update(1)
@@ -84,7 +84,7 @@ def test_from_pretrained_checks_budgets_as_the_command_line_does(tmp_path, caplo
 def _cfg(overrides):
     from hydra import compose, initialize_config_dir
 
-    from offload_core.runner.settings import register_configs
+    from offload_core.runner.config import register_configs
     from tests import ROOT
 
     register_configs()

@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
-from offload_core.runner.settings import register_configs
-from offload_core.runner.speculate import run_speculative
+from offload_core.runner.config import register_configs
+from offload_core.runner.settings import run_speculative
 from offload_core.speculative import read_speculative
 from offload_core.speculative.config import expected_tokens_per_pass
 from offload_core.speculative.counting import next_lookup_tokens

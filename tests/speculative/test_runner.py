@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
 from offload_core.runner.job import run
-from offload_core.runner.settings import register_configs
-from offload_core.runner.sweep import _row
+from offload_core.runner.config import register_configs
+from offload_core.runner.sweep import job_row
 
 from tests import ROOT
 from tests.speculative import models
@@ -51,7 +51,7 @@ def test_prompt_lookup_run_reports_its_figures_and_matches_memory(checkpoints, t
     if "predicted_step_s" in metrics:  # the plan's estimate: the step divided by the expected tokens per pass
         assert metrics["predicted_s_per_token"] == pytest.approx(metrics["predicted_step_s"] / metrics["predicted_tokens_per_pass"])
         assert "(estimate, assuming acceptance" in out
-    row = _row(tmp_path)
+    row = job_row(tmp_path)
     assert row["speculative"] == "prompt_lookup" and row["tokens_per_pass"] == round(metrics["tokens_per_pass"], 4)
 
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from offload_core import devices
 from offload_core.values import format_size
@@ -15,7 +14,8 @@ from offload_core.values import format_size
 
 @dataclass
 class RunResult:
-    """What :func:`offload_core.runner.job.run` returns (and writes as ``metrics.json`` / ``device_map.json``)."""
+    """What :func:`offload_core.runner.job.run` returns (and writes as ``metrics.json`` / ``device_map.json``):
+    ``figures`` are the run's measurements, ``summary`` the plan's bytes per device, ``plan`` its figures."""
 
     text: str
     token_ids: list[int]
@@ -25,6 +25,14 @@ class RunResult:
     matches_in_memory: bool | None = None
     output_dir: Path | None = None
     plan: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_plan(cls, plan: Any, output_dir: Path, figures: dict[str, Any], text: str = "",
+                token_ids: list[int] | None = None) -> "RunResult":
+        """The result of a run of ``plan`` (:class:`offload_core.loading.plan.Plan`): its device map, summary and
+        figures beside what the run made."""
+        return cls(text=text, token_ids=list(token_ids or []), device_map=plan.device_map, figures=figures,
+                   summary=plan.summary, output_dir=output_dir, plan=plan.as_dict())
 
 
 def per_token_counters(counters: dict[str, int | float], tokens: int) -> dict[str, int | float]:
@@ -57,7 +65,7 @@ def generation_figures(state: Any, tokens: list[int], timer: Any, load_s: float,
     return figures
 
 
-def write_outputs(result: RunResult, prompt: str, labels: dict, policy_name: str) -> None:
+def write_outputs(result: RunResult, prompt: Any, labels: dict) -> None:
     """Write ``device_map.json`` and ``metrics.json`` (labels, prompt, text, tokens, figures, devices)."""
     out = result.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +102,7 @@ def print_result(result: RunResult, policy_name: str) -> None:
     if counters:
         shown = ", ".join(f"{name} {counter_text(name, value)}" for name, value in counters.items())
         print(f"{policy_name}: {shown}")
-    from offload_core.runner.speculate import result_line
+    from offload_core.runner.plan.speculate import result_line
 
     line = result_line(f)
     if line:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
+from offload_core.planning import no_split_classes
 
 
 @dataclass
@@ -35,20 +36,20 @@ class RunModel:
         return sources.load_tokenizer(self.checkpoint_dir)
 
 
-def resolve_checkpoint(model_cfg: dict) -> Path:
-    """The local checkpoint folder the model config names (converting/creating it once if needed)."""
+def resolve_checkpoint(section: dict) -> Path:
+    """The local checkpoint folder the run's ``model`` section names (converting/creating it once if needed)."""
     from offload_core.loading import sources
 
-    if model_cfg.get("path"):
-        path = Path(model_cfg["path"]).expanduser()
+    if section.get("path"):
+        path = Path(section["path"]).expanduser()
         if not path.exists():
             raise ConfigError(f"model.path={str(path)!r} does not exist: give a local Hugging Face checkpoint folder")
         return path
-    name = model_cfg.get("name")
+    name = section.get("name")
     if name == "smollm2":
         return sources.smollm2_checkpoint()
     if name == "synthetic":
-        return sources.synthetic_checkpoint(**sources.synthetic_preset(model_cfg.get("preset", "tiny")))
+        return sources.synthetic_checkpoint(**sources.synthetic_preset(section.get("preset", "tiny")))
     raise ConfigError(f"model.name={name!r} needs model.path=<a local checkpoint folder> (known names: smollm2, synthetic)")
 
 
@@ -63,9 +64,9 @@ def build_empty_model(checkpoint: Path, dtype: torch.dtype | None, task: str | N
     return build_empty(config, task, dtype), dtype, task
 
 
-def open_model(model_cfg: dict, dtype: torch.dtype | None) -> RunModel:
-    """The run's model section as an empty model, ready to plan and load (``dtype`` None: the checkpoint's)."""
-    checkpoint_dir = resolve_checkpoint(model_cfg)
-    model, dtype, task = build_empty_model(checkpoint_dir, dtype, model_cfg.get("task"))
-    no_split = model_cfg.get("no_split_module_classes") or list(getattr(model, "_no_split_modules", None) or [])
-    return RunModel(model, dtype, list(no_split), checkpoint_dir, task, bool(model_cfg.get("task")))
+def open_model(section: dict, dtype: torch.dtype | None) -> RunModel:
+    """The run's ``model`` section as an empty model, ready to plan and load (``dtype`` None: the checkpoint's)."""
+    checkpoint_dir = resolve_checkpoint(section)
+    model, dtype, task = build_empty_model(checkpoint_dir, dtype, section.get("task"))
+    no_split = no_split_classes(model, section.get("no_split_module_classes"))
+    return RunModel(model, dtype, no_split, checkpoint_dir, task, bool(section.get("task")))

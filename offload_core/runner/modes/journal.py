@@ -25,13 +25,17 @@ RUN_FILE = "generations.run.json"
 SAME_SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "batch_size", "dtype")
 
 
-def fingerprint(cfg: Any, prompts: list[str]) -> dict[str, Any]:
-    """What the records of a run depend on: the prompts (a digest), the model and the generation settings."""
-    model = cfg.model
+def fingerprint(settings: Any, prompts: list[str]) -> dict[str, Any]:
+    """What the records of a run depend on: the prompts (a digest), the model and the generation settings
+    (:data:`SAME_SETTINGS`, as the config names them)."""
+    model, sampling = settings.model, settings.sampling
     digest = hashlib.sha256(json.dumps(prompts).encode("utf-8")).hexdigest()
+    values = {"max_new_tokens": sampling.max_new_tokens, "do_sample": sampling.do_sample,
+              "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+              "seed": sampling.seed, "batch_size": settings.batch_size, "dtype": settings.dtype_name}
     return {"prompts_sha256": digest, "prompts": len(prompts),
             "model": {key: model.get(key) for key in ("name", "path", "preset", "chat_template")},
-            **{key: cfg.get(key) for key in SAME_SETTINGS}}
+            **{key: values[key] for key in SAME_SETTINGS}}
 
 
 def _is_record(record: Any, prompt: str) -> bool:

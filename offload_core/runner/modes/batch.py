@@ -1,49 +1,18 @@
-"""Batched generation: prompts read from a file, tokenised and padded on the left, generated in batches through
-one dispatched model, each prompt's output written to ``generations.jsonl`` with throughput and latency figures."""
+"""Batched generation: token ids padded on the left and generated in batches through one model, each batch handed
+on as it ends, with throughput and latency figures."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from offload_core.errors import ConfigError
-from offload_core.runner.generate import generate_rows, pad_token_id, prompt_ids
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """The prompts in ``path``: one per line, or JSON lines each holding a ``prompt`` string; blank lines are skipped."""
-    file = Path(path).expanduser()
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ConfigError(f"prompts={str(path)!r} cannot be read ({exc.strerror}); give a text file with one prompt per line") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"prompts={str(path)!r} is not UTF-8 text (byte {exc.start} cannot be decoded); give a text file "
-                          "with one prompt per line") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ConfigError(f"prompts file {str(path)!r} line {number} is not a JSON object with a \"prompt\" string; fix that line")
-            prompts.append(record["prompt"])
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise ConfigError(f"prompts file {str(path)!r} holds no prompt; write one prompt per line")
-    return prompts
+from offload_core.runner.modes.generate import generate_rows, pad_token_id
+from offload_core.runner.settings import Sampling
 
 
 def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +58,7 @@ class BatchRun:
         return sum(len(t) for t in self.tokens)
 
 
-def generate_batches(model, encoded: list[list[int]], batch_size: int, cfg: Any, device: torch.device,
+def generate_batches(model, encoded: list[list[int]], batch_size: int, sampling: Sampling, device: torch.device,
                      progress: bool = False, done: int = 0,
                      finished: Callable[[int, list[list[int]]], None] | None = None) -> BatchRun:
     """Generate after every row of ``encoded`` in consecutive batches of ``batch_size`` (a progress bar over prompts),
@@ -104,7 +73,7 @@ def generate_batches(model, encoded: list[list[int]], batch_size: int, cfg: Any,
         for start in range(done, len(encoded), batch_size):
             ids, mask = left_padded(encoded[start:start + batch_size], pad)
             began = time.perf_counter()
-            rows, timer = generate_rows(model, ids, mask, cfg, device)
+            rows, timer = generate_rows(model, ids, mask, sampling, device)
             took = time.perf_counter() - began
             run.seconds += took
             rows = [trim(row, eos) for row in rows]
@@ -119,12 +88,6 @@ def generate_batches(model, encoded: list[list[int]], batch_size: int, cfg: Any,
     finally:
         bar.close()
     return run
-
-
-def encode_all(run_model: Any, prompts: list[str], chat: bool) -> list[list[int]]:
-    """Each prompt as token ids (the chat template where asked; a deterministic id per byte for a synthetic model)."""
-    vocab = run_model.model.config.vocab_size
-    return [prompt_ids(run_model.tokenizer, p, chat, vocab)[0].tolist() for p in prompts]
 
 
 def p90(values: list[float]) -> float:

@@ -1,6 +1,6 @@
-"""A run's speculative decoding, around the shared runner steps: the option read and checked, the draft's bytes and
-KV cache held back from the budget before the target is placed, the self draft's layers checked resident, the
-plan's estimate, the in-memory comparisons and the printed figures."""
+"""A run's speculative decoding, around the shared runner steps: the option checked against the batches, the
+draft's bytes and KV cache held back from the budget before the target is placed, the self draft's layers checked
+resident, the plan's estimate, the in-memory comparisons and the printed figures."""
 
 from __future__ import annotations
 
@@ -10,20 +10,11 @@ import math
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from offload_core.errors import ConfigError
-from offload_core.speculative import SpeculativeConfig, read_speculative
+from offload_core.speculative import SpeculativeConfig
 from offload_core.speculative.config import expected_tokens_per_pass
 from offload_core.values import format_size
-
-
-def run_speculative(cfg: Any) -> SpeculativeConfig:
-    """The run's ``speculative`` section, checked (absent: none)."""
-    node = cfg.get("speculative") if hasattr(cfg, "get") else None
-    if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
-    return read_speculative(node)
 
 
 def check_batches(spec: SpeculativeConfig, batches: Any) -> None:
@@ -31,10 +22,6 @@ def check_batches(spec: SpeculativeConfig, batches: Any) -> None:
     if spec.active and batches is not None:
         raise ConfigError(f"speculative={spec.name} generates one prompt at a time (transformers' assisted generation takes "
                           "batch 1): give prompt=... instead of prompts=..., or set speculative=none")
-
-
-def _budget_key(device: torch.device) -> Any:
-    return "cpu" if device.type == "cpu" else device.index or 0
 
 
 def draft_memory(spec: SpeculativeConfig, run_model: Any, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
@@ -58,9 +45,9 @@ def reserve_speculation(settings: Any, spec: SpeculativeConfig, run_model: Any, 
     placed, and those bytes; a budget that cannot hold the draft is one line."""
     if spec.name not in ("draft", "self"):
         return settings, {}
-    held = draft_memory(spec, run_model, prompt_tokens, int(settings.cfg.max_new_tokens))
+    held = draft_memory(spec, run_model, prompt_tokens, settings.sampling.max_new_tokens)
     need = held["weights"] + held["kv_cache"]
-    key = _budget_key(settings.execution_device)
+    key = settings.budget_key
     if key not in settings.max_memory:
         return settings, held
     budget = settings.max_memory[key]
@@ -78,14 +65,10 @@ def check_self_resident(spec: SpeculativeConfig, run_model: Any, device_map: dic
     """A self draft runs the target's first layers, norm and head between passes: they must not be streamed."""
     if spec.name != "self":
         return
-    from offload_core.speculative.drafts import offloaded_draft_module, self_draft_modules, self_layers
+    from offload_core.speculative.drafts import check_self_resident as check
 
-    k = self_layers(run_model.model, spec.layers)
-    found = offloaded_draft_module(self_draft_modules(run_model.model, k), device_map, device)
-    if found:
-        raise ConfigError(f"speculative=self drafts with the first {k} layers, the final norm and the head, and the plan "
-                          f"offloads {found[0] or 'the model'} ({found[1]}): raise max_memory, lower speculative.layers, "
-                          "use placement=sequential, or set speculative=prompt_lookup")
+    check(run_model.model, spec.layers, device_map, device, "speculative=self",
+          "raise max_memory, lower speculative.layers, use placement=sequential, or set speculative=prompt_lookup")
 
 
 def plan_lines(spec: SpeculativeConfig, held: dict, predicted: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""Plan reports made before anything is loaded: predicted bytes moved per token, the plan as text, and a placement picture."""
+"""Plan reports made before anything is loaded: the plan as text and a placement picture."""
 
 from __future__ import annotations
 
@@ -6,57 +6,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 
 from offload_core.devices import gpu
-from offload_core.registry.contracts import Policy
-from offload_core.values import format_size, parse_dtype
+from offload_core.values import format_size
 
 TIER_COLOURS = {"gpu": "tab:green", "cpu": "tab:blue", "disk": "tab:orange", "other": "tab:gray"}
-
-
-def predicted_bytes_per_token(
-    model: nn.Module,
-    device_map: Mapping[str, int | str],
-    policy: Policy,
-    execution_device: torch.device | str,
-    dtype: torch.dtype | str | None,
-    no_split_module_classes: list[str] | None = None,
-) -> int:
-    """Bytes the module-hook policy will bring in per generated token, predicted from the plan alone.
-
-    A decoder runs one forward per generated token and calls each unit (a module, or a no-split block:
-    the policy's ``granularity``) once per forward; a policy that brings each
-    unit in per call (``align_per_call``, ``functional_call``, ``prefetch``) reads every offloaded tensor
-    once per forward: the sum of the offloaded units' bytes. A tensor tied between two units (embeddings
-    and head) is read by each, so it counts twice. A policy that keeps units longer says what it moves
-    with ``predict_moved(unit_bytes: list[int]) -> int`` (``chained``: nothing when a single unit is
-    offloaded). Offloaded means on ``disk`` for a CPU run, on ``cpu`` or ``disk`` for a GPU run.
-    ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read).
-    The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
-    the same bytes.
-    """
-    from offload_core.loading.routes import route_tensors
-    from offload_core.module_hooks.units import find_units
-    from offload_core.planning import normalize_device_map
-
-    device = torch.device(execution_device)
-    dtype = parse_dtype(dtype)
-    no_split = list(no_split_module_classes or getattr(model, "_no_split_modules", None) or [])
-    tensors = route_tensors(model, normalize_device_map(device_map), device)
-    units = find_units(model, tensors.offloaded, no_split, policy.granularity)
-    return int(policy.predict_moved([_unit_bytes(unit, dtype) for unit in units]))
-
-
-def _unit_bytes(unit: Any, dtype: torch.dtype | None) -> int:
-    """A unit's offloaded bytes, each store key once (two names tied inside one unit are read once)."""
-    from offload_core.planning.sizing import tensor_bytes
-
-    originals: dict[str, Any] = {}
-    for slot in unit.slots:
-        originals.setdefault(slot.key, slot.original)
-    return sum(tensor_bytes(t, dtype) for t in originals.values())
 
 
 def _tier(device: Any) -> str:
@@ -126,10 +81,10 @@ def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes:
     from matplotlib.patches import Patch
 
     from offload_core.planning import normalize_device_map
-    from offload_core.planning.device_map import _device_order
+    from offload_core.planning.device_map import device_order
 
     device_map = normalize_device_map(device_map)
-    devices = sorted(set(device_map.values()), key=_device_order)
+    devices = sorted(set(device_map.values()), key=device_order)
     fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(devices)))
     mib = 2**20
     longest = max((sum(sizes.get(k, 0) for k, w in device_map.items() if w == d) / mib for d in devices), default=0) or 1

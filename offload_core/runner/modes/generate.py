@@ -1,4 +1,4 @@
-"""Generation: the prompt as token ids, greedy or sampled generation timed per token, and the in-memory reference."""
+"""Generation: greedy or sampled generation timed per token, and the in-memory reference."""
 
 from __future__ import annotations
 
@@ -7,40 +7,29 @@ from typing import Any
 
 import torch
 
-
-def prompt_ids(tokenizer: Any, prompt: str, chat: bool, vocab_size: int) -> torch.Tensor:
-    """``prompt`` as a (1, n) tensor of token ids (with the chat template where asked and present)."""
-    if tokenizer is None:
-        # Synthetic models have no tokenizer: a deterministic id per prompt byte.
-        return torch.tensor([[1 + b % (vocab_size - 1) for b in prompt.encode()]], dtype=torch.long)
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
-        return ids if torch.is_tensor(ids) else ids["input_ids"]
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+from offload_core.runner.settings import Sampling
 
 
-def generate(model, input_ids: torch.Tensor, cfg: Any, device: torch.device, speculation: Any = None):
-    """The new token ids ``model`` generates after ``input_ids`` with ``cfg``'s sampling settings, and the timer
-    (with ``speculation``, a :class:`offload_core.speculative.Speculation` of ``model``: its drafts, counted)."""
-    rows, timer = generate_rows(model, input_ids, torch.ones_like(input_ids), cfg, device, bool(cfg.get("progress", False)),
-                                speculation)
+def generate(model, input_ids: torch.Tensor, sampling: Sampling, device: torch.device, speculation: Any = None,
+             progress: bool = False):
+    """The new token ids ``model`` generates after ``input_ids`` as ``sampling`` says, and the timer (with
+    ``speculation``, a :class:`offload_core.speculative.Speculation` of ``model``: its drafts, counted)."""
+    rows, timer = generate_rows(model, input_ids, torch.ones_like(input_ids), sampling, device, progress, speculation)
     return rows[0], timer
 
 
-def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg: Any, device: torch.device,
-                  progress: bool = False, speculation: Any = None):
+def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
+                  device: torch.device, progress: bool = False, speculation: Any = None):
     """The new token ids of every row of ``input_ids`` (left-padded where ``attention_mask`` is 0), and the timer."""
     from contextlib import nullcontext
 
     from transformers import StoppingCriteriaList
 
-    from offload_core.runner.metrics import TokenTimer
+    from offload_core.runner.modes.metrics import TokenTimer
 
-    torch.manual_seed(int(cfg.seed))
-    timer = TokenTimer(total=int(cfg.max_new_tokens), progress=progress)
-    kwargs: dict[str, Any] = {"max_new_tokens": int(cfg.max_new_tokens), "do_sample": bool(cfg.do_sample)}
-    if cfg.do_sample:
-        kwargs.update(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
+    torch.manual_seed(sampling.seed)
+    timer = TokenTimer(total=sampling.max_new_tokens, progress=progress)
+    kwargs = sampling.generate_kwargs()
     kwargs.update(decoder_start(model))
     if speculation is not None:
         kwargs.update(speculation.kwargs)
@@ -93,8 +82,9 @@ def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, devi
     return model.eval()
 
 
-def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, cfg: Any, task: str = "causal_lm",
-                     device: torch.device = torch.device("cpu"), speculative: Any = None) -> list[int]:
+def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, sampling: Sampling,
+                     task: str = "causal_lm", device: torch.device = torch.device("cpu"),
+                     speculative: Any = None) -> list[int]:
     """Tokens of the reference model (:func:`reference_model`) on ``device``, generated plainly or with
     ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`)."""
     from offload_core.speculative import prepare
@@ -102,6 +92,6 @@ def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tens
     model = reference_model(checkpoint, task, dtype, device)
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
     speculation = prepare(speculative, model, dtype, device) if speculative is not None else None
-    tokens, _ = generate(model, input_ids, cfg, device, speculation)
+    tokens, _ = generate(model, input_ids, sampling, device, speculation)
     del model
     return tokens

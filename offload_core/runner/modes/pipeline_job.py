@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from offload_core.runner.model import RunModel, resolve_checkpoint
-from offload_core.runner.plan import make_plan, print_plan, write_plan
-from offload_core.runner.results import RunResult
+from offload_core.runner.inputs import read_prompts
+from offload_core.runner.plan.model import RunModel, resolve_checkpoint
+from offload_core.runner.plan.plan import make_plan, print_plan, write_plan
+from offload_core.runner.modes.results import RunResult
 from offload_core.runner.settings import Settings, Strategies
 
 
@@ -20,40 +21,38 @@ def whole_components(settings: Settings) -> int | None:
     from offload_core.loading.pipeline_load import whole_limit
     from offload_core.values import parse_size
 
-    value = str(settings.cfg.pipeline.whole_components)
+    value = str(settings.pipeline["whole_components"])
     if value == "auto":
         return whole_limit(settings.budgets, settings.execution_device)
     return parse_size(value, what="pipeline.whole_components")
 
 
-def pipeline_prompts(cfg: Any) -> list[str]:
+def pipeline_prompts(settings: Settings) -> list[str]:
     """The run's prompts: the ``prompts`` file's, else ``[prompt]``."""
-    from offload_core.runner.batch import read_prompts
-
-    return read_prompts(cfg.prompts) if cfg.get("prompts") else [cfg.prompt]
+    return read_prompts(settings.prompts_file) if settings.prompts_file else [settings.prompt]
 
 
-def call_kwargs(cfg: Any) -> dict[str, Any]:
-    """The pipeline call's arguments from ``cfg.pipeline`` (unset sizes left to the pipeline)."""
-    section = cfg.pipeline
-    kwargs = {"num_inference_steps": section.num_inference_steps, "guidance_scale": section.guidance_scale}
+def call_kwargs(section: dict) -> dict[str, Any]:
+    """The pipeline call's arguments from the ``pipeline`` section (unset sizes left to the pipeline)."""
+    kwargs = {"num_inference_steps": section["num_inference_steps"], "guidance_scale": section["guidance_scale"]}
     for key in ("negative_prompt", "height", "width"):
         if section.get(key) is not None:
             kwargs[key] = section[key]
     return kwargs
 
 
-def make_images(pipeline: Any, prompts: list[str], cfg: Any, output_type: str, steps: "StepTimer | None" = None) -> torch.Tensor:
+def make_images(pipeline: Any, prompts: list[str], settings: Settings, output_type: str,
+                steps: "StepTimer | None" = None) -> torch.Tensor:
     """Every prompt's image, ``batch_size`` prompts per call, each call's generator seeded with ``seed`` plus its
     first prompt's index; one tensor (N, C, H, W) for ``output_type="pt"``, else a list of images."""
-    kwargs = call_kwargs(cfg)
+    kwargs = call_kwargs(settings.pipeline)
     images: list[Any] = []
-    size = max(int(cfg.batch_size), 1)
+    size = max(settings.batch_size, 1)
     for start in range(0, len(prompts), size):
         chunk = prompts[start:start + size]
         negative = kwargs.get("negative_prompt")
         call = {**kwargs, **({"negative_prompt": [negative] * len(chunk)} if negative is not None else {})}
-        generator = torch.Generator("cpu").manual_seed(int(cfg.seed) + start)
+        generator = torch.Generator("cpu").manual_seed(settings.sampling.seed + start)
         extra = {"callback_on_step_end": steps} if steps is not None else {}
         out = pipeline(prompt=chunk, generator=generator, output_type=output_type, **call, **extra)
         images.extend(list(out.images))
@@ -85,10 +84,8 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     """The run of ``settings`` (whose ``model.path`` is a pipeline folder): plan, dispatch, images, metrics."""
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.pipeline_load import finish_dispatch, open_pipeline
-    from offload_core.runner.metrics import MemoryMonitor
-    from offload_core.storage.residency import make_residency
+    from offload_core.runner.modes.metrics import MemoryMonitor
 
-    cfg = settings.cfg
     path = resolve_checkpoint(settings.model)
     empty, checkpoint, no_split = open_pipeline(path, settings.dtype, whole_components(settings),
                                                 settings.model.get("no_split_module_classes"))
@@ -96,34 +93,34 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     with checkpoint:
         plan = make_plan(settings, strategies, run_model, checkpoint)
         print_plan(settings, strategies, plan)
-        if cfg.plan_only:
+        if settings.plan_only:
             write_plan(settings, run_model, plan)
-            return RunResult("", [], plan.device_map, {}, plan.summary, None, settings.output_dir, plan.as_dict())
-        prompts = pipeline_prompts(cfg)
+            return RunResult.of_plan(plan, settings.output_dir, {})
+        prompts = pipeline_prompts(settings)
         started = time.perf_counter()
         load_checkpoint_and_dispatch(empty.modules, checkpoint, plan.device_map, no_split_module_classes=no_split,
-                                     storage=strategies.storage, policy=strategies.policy, offload_folder=cfg.offload_folder,
-                                     dtype=empty.dtype, execution_device=settings.execution_device, progress=cfg.progress,
+                                     storage=strategies.storage, policy=strategies.policy, offload_folder=settings.offload_folder,
+                                     dtype=empty.dtype, execution_device=settings.execution_device, progress=settings.progress,
                                      offload_buffers=strategies.policy.offload_buffers,
-                                     residency=make_residency(plan.page_cache))
+                                     residency=plan.residency())
         pipeline = finish_dispatch(empty, settings.execution_device)
-        pipeline.set_progress_bar_config(disable=not cfg.progress)
+        pipeline.set_progress_bar_config(disable=not settings.progress)
         with pipeline.offload_state as state, MemoryMonitor() as memory:
             load_s = time.perf_counter() - started
             state.stats.reset()
             steps = StepTimer(state.stats)
             began = time.perf_counter()
             steps.start()
-            images = make_images(pipeline, prompts, cfg, "pt", steps)
+            images = make_images(pipeline, prompts, settings, "pt", steps)
             elapsed = time.perf_counter() - began
             moved = state.stats.snapshot()
         figures = image_figures(prompts, steps, elapsed, load_s, moved, memory, settings.execution_device)
-    result = RunResult("", [], plan.device_map, figures, plan.summary, None, settings.output_dir, plan.as_dict())
-    if cfg.compare_in_memory:
-        reference = in_memory_images(path, empty.dtype, prompts, cfg)
+    result = RunResult.of_plan(plan, settings.output_dir, figures)
+    if settings.compare_in_memory:
+        reference = in_memory_images(path, empty.dtype, prompts, settings)
         result.matches_in_memory = bool(torch.equal(reference, images))
     write_images(settings.output_dir, prompts, images)
-    write_pipeline_metrics(result, prompts, labels, strategies.names["hook"])
+    write_pipeline_metrics(result, prompts, labels, strategies.policy_name)
     print(f"{len(prompts)} image(s), {figures['time_per_image_s']:.3f} s per image, {figures['time_per_step_s']:.3f} s "
           f"per step, {figures['bytes_moved_per_step']} bytes moved per step; wrote {settings.output_dir}")
     return result
@@ -143,13 +140,13 @@ def image_figures(prompts: list[str], steps: StepTimer, elapsed: float, load_s: 
     return figures
 
 
-def in_memory_images(path: Path, dtype: torch.dtype, prompts: list[str], cfg: Any) -> torch.Tensor:
+def in_memory_images(path: Path, dtype: torch.dtype, prompts: list[str], settings: Settings) -> torch.Tensor:
     """The same images from diffusers' own in-memory pipeline, for ``compare_in_memory``."""
     from diffusers import DiffusionPipeline
 
     pipeline = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
-    return make_images(pipeline, prompts, cfg, "pt")
+    return make_images(pipeline, prompts, settings, "pt")
 
 
 def write_images(out_dir: Path, prompts: list[str], images: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from offload_core.values import is_offloaded
 
 def count_blocks(model: nn.Module, no_split: list[str]) -> int:
     """How many blocks of the calibrated kind (the first no-split module's class) a forward runs."""
-    from offload_core.runner.calibrate import first_block
+    from offload_core.runner.plan.calibrate import first_block
 
     block = first_block(model, no_split)
     return 0 if block is None else sum(type(m) is type(block) for m in model.modules())
@@ -101,7 +101,7 @@ def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: 
     import tempfile
     from pathlib import Path
 
-    from offload_core.runner.calibrate import calibrate
+    from offload_core.runner.plan.calibrate import calibrate
 
     cfg = settings.cfg
     folders = {"offload_folder": Path(cfg.offload_folder or tempfile.gettempdir()), "checkpoint": run_model.checkpoint_dir.parent}

@@ -80,8 +80,8 @@ def plan_run_memory(settings: Settings, run_model: Any, rows: int, longest: int)
     the model's context, or whose memory does not fit beside one block, is a :class:`ConfigError` naming what fits."""
     from offload_core.planning import largest_block_size
 
-    config, dtype, new = run_model.model.config, run_model.dtype, int(settings.cfg.max_new_tokens)
-    check_context(config, longest, new, "the longest prompt" if settings.cfg.get("prompts") else "the prompt")
+    config, dtype, new = run_model.model.config, run_model.dtype, settings.sampling.max_new_tokens
+    check_context(config, longest, new, "the longest prompt" if settings.prompts_file else "the prompt")
     need = batch_memory(config, rows, longest, new, dtype)
     device = settings.execution_device
     key = "cpu" if device.type == "cpu" else device.index

@@ -1,0 +1,175 @@
+"""The plan made before anything is loaded, one rule for ``run.py``, :func:`offload_core.from_pretrained` and the
+benchmarks: the bytes held back for units in flight, the device map (given, the policy's own, or the placement's),
+its checks, the bytes predicted to move per token and the page-cache plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.errors import ConfigError
+from offload_core.registry.contracts import Placement, Policy, Storage
+from offload_core.values import format_size, parse_dtype
+
+
+@dataclass
+class Plan:
+    """Where every weight goes and what that costs: the checked device map, its per-device summary, the
+    bytes held back per device for units in flight (``reserve``) and from the cpu budget (``headroom``),
+    the largest no-split block, the bytes predicted to move per generated token, what converting the
+    checkpoint's names to the model's costs (``conversion``: the report's lines) and the page-cache plan
+    (:func:`offload_core.storage.residency.page_cache_plan`: kept and streamed bytes; empty: no kept set asked)."""
+
+    device_map: dict[str, int | str]
+    summary: dict[str, Any]
+    reserve: dict[Any, int]
+    headroom: int
+    largest_block: int
+    predicted_bytes_per_token: int
+    conversion: list[str] = field(default_factory=list)
+    page_cache: dict[str, Any] = field(default_factory=dict)
+    #: predicted_load_s, predicted_ttft_s, predicted_step_s (see :func:`offload_core.runner.plan.predict.predict_time`)
+    predicted_time: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
+        return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
+                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
+                "conversion": list(self.conversion), "page_cache": self.page_cache,
+                **self.predicted_time}
+
+    def residency(self) -> Any:
+        """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or None."""
+        from offload_core.storage.residency import make_residency
+
+        return make_residency(self.page_cache)
+
+
+def make_plan(model: nn.Module, checkpoint: Any, *, placement: Placement, storage: Storage, policy: Policy,
+              execution_device: torch.device, budgets: Mapping[Any, int], no_split: list[str],
+              dtype: torch.dtype | None, max_memory: Mapping[Any, int] | None = None, headroom: int = 0,
+              device_map: Mapping[str, int | str] | None = None, page_cache: int | str | None = None,
+              policy_name: str = "?", strict: bool = True) -> Plan:
+    """The plan of the empty ``model`` loaded from the opened ``checkpoint``: ``device_map`` when given, else the
+    policy's own (checked against ``budgets``), else the placement's within ``budgets`` less what the policy keeps
+    in flight. ``max_memory``: the budgets as the user gave them (``budgets`` is that less ``headroom`` on the
+    device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it. ``page_cache`` None plans no kept set."""
+    from offload_core.loading.conversion import key_conversion
+    from offload_core.loading.reserve import reserve_for
+    from offload_core.planning import (PlacementRequest, check_device_map, largest_block_size, normalize_device_map,
+                                       summarize_device_map)
+    from offload_core.storage.residency import page_cache_plan
+
+    budgets = dict(budgets)
+    max_memory = dict(budgets if max_memory is None else max_memory)
+    block = largest_block_size(model, no_split, dtype=dtype)
+    reserve = reserve_for(model, checkpoint, policy, storage, execution_device, no_split, dtype, budgets.get("cpu"))
+    own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
+    if device_map is None:
+        request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split, dtype=dtype,
+                                   special_dtypes=None, reserve=reserve)
+        device_map = placement.make_device_map(request)
+    device_map = normalize_device_map(dict(device_map))
+    check_device_map(model, device_map, strict=strict)
+    summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
+    if own:
+        check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
+    check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
+    predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split)
+    conversion = key_conversion(model, checkpoint)
+    lines = conversion.summary().lines()
+    if conversion.converted:
+        names = sorted(conversion.converted)
+        lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
+    kept = {} if page_cache is None else page_cache_plan(page_cache, summary, execution_device, policy.keeps_page_cache,
+                                                         max_memory.get("cpu", 0), block)
+    return Plan(device_map, summary, reserve, headroom, block, predicted, lines, kept)
+
+
+def predicted_bytes_per_token(
+    model: nn.Module,
+    device_map: Mapping[str, int | str],
+    policy: Policy,
+    execution_device: torch.device | str,
+    dtype: torch.dtype | str | None,
+    no_split_module_classes: list[str] | None = None,
+) -> int:
+    """Bytes the module-hook policy will bring in per generated token, predicted from the plan alone.
+
+    A decoder runs one forward per generated token and calls each unit (a module, or a no-split block:
+    the policy's ``granularity``) once per forward; a policy that brings each
+    unit in per call (``align_per_call``, ``functional_call``, ``prefetch``) reads every offloaded tensor
+    once per forward: the sum of the offloaded units' bytes. A tensor tied between two units (embeddings
+    and head) is read by each, so it counts twice. A policy that keeps units longer says what it moves
+    with ``predict_moved(unit_bytes: list[int]) -> int`` (``chained``: nothing when a single unit is
+    offloaded). Offloaded means on ``disk`` for a CPU run, on ``cpu`` or ``disk`` for a GPU run.
+    ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read).
+    The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
+    the same bytes.
+    """
+    from offload_core.loading.routes import route_tensors
+    from offload_core.module_hooks.units import find_units
+    from offload_core.planning import no_split_classes, normalize_device_map
+
+    device = torch.device(execution_device)
+    dtype = parse_dtype(dtype)
+    tensors = route_tensors(model, normalize_device_map(device_map), device)
+    units = find_units(model, tensors.offloaded, no_split_classes(model, no_split_module_classes), policy.granularity)
+    return int(policy.predict_moved([_unit_bytes(unit, dtype) for unit in units]))
+
+
+def _unit_bytes(unit: Any, dtype: torch.dtype | None) -> int:
+    """A unit's offloaded bytes, each store key once (two names tied inside one unit are read once)."""
+    from offload_core.planning.sizing import tensor_bytes
+
+    originals: dict[str, Any] = {}
+    for slot in unit.slots:
+        originals.setdefault(slot.key, slot.original)
+    return sum(tensor_bytes(t, dtype) for t in originals.values())
+
+
+def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_block: int, headroom: int) -> None:
+    """A ``disk`` budget is a limit: ``max_memory.disk=0`` means nothing may be offloaded to disk."""
+    if "disk" not in max_memory:
+        return
+    on_disk = summary["devices"].get("disk", {}).get("bytes", 0)
+    allowed = max_memory["disk"]
+    if on_disk <= allowed:
+        return
+    short = on_disk - allowed
+    needed = summary["devices"].get("cpu", {}).get("bytes", 0) + short + headroom
+    memory = ", ".join(f"max_memory.{k}={format_size(v)}" for k, v in max_memory.items() if k != "disk") or "no memory budget"
+    if headroom:
+        memory += f" less headroom {format_size(headroom)}"
+    raise ConfigError(
+        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) does not "
+        f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
+        f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
+    )
+
+
+def check_own_map_budgets(summary: dict, budgets: Mapping[Any, int], max_memory: Mapping[Any, int],
+                          reserve: Mapping[Any, int], policy: Policy, policy_name: str, model: nn.Module,
+                          execution_device: torch.device) -> None:
+    """A map the policy made itself keeps every budget as the placement's does (with the units in flight and, on
+    a CPU run, the headroom held back), or the run is refused in one line naming the option to change."""
+    for dev, info in summary["devices"].items():
+        if dev not in budgets:
+            continue
+        used = info["bytes"] + reserve.get(dev, 0)
+        if used <= budgets[dev]:
+            continue
+        short = used - budgets[dev]
+        held = budgets[dev] != max_memory[dev]
+        key = f"max_memory.{dev}"
+        room = f"{format_size(budgets[dev])} budget" + (
+            f" ({key}={format_size(max_memory[dev])} less headroom {format_size(max_memory[dev] - budgets[dev])})" if held else "")
+        in_flight = f" ({format_size(reserve[dev])} of it held back for units in flight)" if reserve.get(dev) else ""
+        remedy = policy.own_map_remedy(model, execution_device, dev, short)
+        raise ConfigError(
+            f"hook={policy_name}'s own device map puts {format_size(used)} on {dev}{in_flight}, over "
+            f"its {room}: {remedy + ', or ' if remedy else ''}raise {key} to at least {max_memory[dev] + short} "
+            f"({format_size(max_memory[dev] + short)})")

@@ -1,0 +1,138 @@
+"""A run's config schemas in Hydra's ConfigStore: the top-level keys, the model presets and every registered
+strategy's config dataclass (:mod:`offload_core.runner.settings` reads a composed config once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from offload_core.registry.manager import Registry, get_registry
+
+#: the folder of ``config.yaml`` and the config groups' YAML options
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+#: registry kind -> its Hydra config group (users pick a module-hook policy with ``hook=``)
+GROUPS = {"placement": "placement", "storage": "storage", "policy": "hook"}
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to run. ``path`` (any local Hugging Face checkpoint folder) wins over ``name``."""
+
+    #: smollm2 (embedded default), synthetic (random Llama of a preset size) or local (needs path)
+    name: str = "smollm2"
+    path: Optional[str] = None
+    #: synthetic only: tiny, small, 0.3b, 1.1b, 30b
+    preset: str = "tiny"
+    #: apply the tokenizer's chat template to the prompt
+    chat_template: bool = True
+    #: module classes never split across devices (default: the model's own ``_no_split_modules``)
+    no_split_module_classes: Optional[List[str]] = None
+    #: causal_lm, seq2seq_lm, masked_lm, sequence_classification or embeddings (default: from config.architectures)
+    task: Optional[str] = None
+
+
+@dataclass
+class PipelineConfig:
+    """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``, ``prompts``,
+    ``batch_size`` and ``seed``."""
+
+    negative_prompt: Optional[str] = None
+    num_inference_steps: int = 20
+    #: image size in pixels (default: the pipeline's own)
+    height: Optional[int] = None
+    width: Optional[int] = None
+    guidance_scale: float = 7.5
+    #: components no larger than this move whole (chained: each stays until the next is called); larger ones split at
+    #: their own blocks. auto: half the execution device's budget; a size; 0 splits every component at its blocks
+    whole_components: str = "auto"
+
+
+@dataclass
+class RunConfig:
+    """Top-level keys of ``conf/config.yaml``."""
+
+    placement: Any = MISSING
+    storage: Any = MISSING
+    hook: Any = MISSING
+    model: ModelConfig = MISSING
+    #: speculative decoding (offload_core.speculative.config.SpeculativeConfig): none, prompt_lookup, draft, self
+    speculative: Any = None
+    #: the prompt a single run generates from (a causal_lm or seq2seq_lm model), or its one text
+    prompt: str = "What is the capital of France?"
+    #: the texts a masked_lm, sequence_classification or embeddings run reads at once (default: [prompt])
+    texts: Optional[List[str]] = None
+    #: a file of prompts (one per line, or JSON lines with a "prompt" field) generated in batches instead of ``prompt``
+    prompts: Optional[str] = None
+    #: prompts generated at once when ``prompts`` is given (left-padded; the KV cache is planned for it)
+    batch_size: int = 1
+    #: the folder of an interrupted prompts run to go on with: its finished prompts are kept, the rest generated there
+    resume: Optional[str] = None
+    #: tokens generated after the prompt (greedy unless do_sample)
+    max_new_tokens: int = 16
+    #: sample with temperature, top_k and top_p instead of greedy decoding
+    do_sample: bool = False
+    #: sampling temperature (above 0; do_sample only)
+    temperature: float = 1.0
+    #: sample from the k likeliest tokens (do_sample only)
+    top_k: int = 50
+    #: nucleus sampling: the smallest set of tokens whose probability reaches top_p, in (0, 1] (do_sample only)
+    top_p: float = 1.0
+    #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
+    max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
+    #: held back from the budget of the device that computes (the cpu, or the GPU) for activations, KV cache and
+    #: logits: auto plans them for the prompt (or the batch) and max_new_tokens (48MiB for a run that does not
+    #: generate); a size holds that back instead
+    headroom: str = "auto"
+    #: auto (the checkpoint's), float32, bfloat16, float16
+    dtype: str = "auto"
+    #: where the memmap store writes (a temporary folder, removed at exit, when null)
+    offload_folder: Optional[str] = None
+    #: a JSON device map to use instead of the placement's
+    device_map: Optional[str] = None
+    #: cpu, cuda, cuda:N (default: cuda:0 when present, else cpu)
+    execution_device: Optional[str] = None
+    #: the random seed set before generating (matters with do_sample)
+    seed: int = 0
+    #: also run the model fully in memory and record whether the tokens match
+    compare_in_memory: bool = False
+    #: print the plan (device map, bytes per device, reservation) and stop before loading anything
+    plan_only: bool = False
+    #: offloaded blocks kept in the page cache across tokens (the rest are streamed and dropped after
+    #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
+    #: or lru (keep no set: the kernel's page cache decides)
+    page_cache: str = "auto"
+    #: show progress bars (loading, prompts); TQDM_DISABLE=1 hides them too
+    progress: bool = True
+    #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction
+    calibrate: bool = False
+    #: diffusers pipelines only
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+MODEL_PRESETS = {
+    "smollm2": ModelConfig(name="smollm2"),
+    "synthetic": ModelConfig(name="synthetic", preset="tiny", chat_template=False),
+    "local": ModelConfig(name="local", path=MISSING),
+}
+
+
+def register_configs(registry: Registry | None = None) -> ConfigStore:
+    """Store the run schema, the model presets and every registered strategy's config dataclass."""
+    registry = registry or get_registry()
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for name, node in MODEL_PRESETS.items():
+        cs.store(group="model", name=name, node=node)
+    for kind, group in GROUPS.items():
+        for name in registry.names(kind):
+            cs.store(group=group, name=name, node=registry.get(kind, name).config)
+    from offload_core.speculative.config import PRESETS
+
+    for name, node in PRESETS.items():  # speculative=none|prompt_lookup|draft|self
+        cs.store(group="speculative", name=name, node=node)
+    return cs

@@ -1,0 +1,58 @@
+"""The context every run mode measures in: the prepared model dispatched as its plan says, the load timed, the
+counters and peak memory reset once loaded, the process's memory watched, and everything released however it ends."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from offload_core import devices
+from offload_core.runner.modes.metrics import MemoryMonitor
+from offload_core.runner.plan.prepare import Prepared
+
+
+@contextmanager
+def dispatched(job: Prepared) -> Iterator[Any]:
+    """Load the prepared checkpoint into the model as the plan places it, with the run's storage and policy; yields
+    the model's ``offload_state`` and, however the block ends, drops every loaded unit and closes the store."""
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+
+    settings, strategies, run_model = job.settings, job.strategies, job.run_model
+    load_checkpoint_and_dispatch(run_model.model, job.checkpoint, job.plan.device_map,
+                                 no_split_module_classes=run_model.no_split, storage=strategies.storage,
+                                 policy=strategies.policy, offload_folder=settings.offload_folder, dtype=run_model.dtype,
+                                 execution_device=settings.execution_device, progress=settings.progress,
+                                 offload_buffers=strategies.policy.offload_buffers, residency=job.plan.residency())
+    with run_model.model.offload_state as state:
+        yield state
+
+
+@dataclass
+class Loaded:
+    """A dispatched run as its mode measures it: the model's ``offload_state``, the seconds loading took, the
+    memory monitor running since before the load, and what ``ready`` made of the loaded model (if given)."""
+
+    state: Any
+    load_s: float
+    memory: MemoryMonitor
+    ready: Any = None
+
+
+@contextmanager
+def loaded(job: Prepared, ready: Callable[[Any], Any] | None = None) -> Iterator[Loaded]:
+    """Watch memory, dispatch (timed, with ``ready(model)`` counted in the load: a speculation's drafts), then reset
+    the transfer counters and the accelerator's peak memory so the figures count the run alone. The monitor stops
+    when the block ends: read its deltas after it."""
+    with MemoryMonitor() as memory:
+        started = time.perf_counter()
+        with dispatched(job) as state:
+            made = ready(job.run_model.model) if ready is not None else None
+            load_s = time.perf_counter() - started
+            state.stats.reset()
+            if devices.is_accelerator(job.settings.execution_device):
+                accelerator = devices.active()
+                for index in range(accelerator.count()):
+                    accelerator.reset_peak_memory_stats(index)
+            yield Loaded(state, load_s, memory, made)
