@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["drop", "libc", "populate", "resident", "will_need"]
+__all__ = ["advise_ranges", "coalesce", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
@@ -139,3 +139,44 @@ def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> boo
     start, length = _page_span(tensor)
     lib.madvise(start, length, _MADV_DONTNEED)
     return _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_DONTNEED")
+
+
+def coalesce(ranges: list[tuple[os.PathLike[str], int, int]], gap: int = 0) -> list[tuple[os.PathLike[str], int, int]]:
+    """File byte ranges sorted by file and offset, those that touch (or lie within ``gap`` bytes) merged: one
+    large read per run of neighbours, in the order they lie on the disk."""
+    merged: list[tuple[os.PathLike[str], int, int]] = []
+    for path, start, end in sorted(ranges, key=lambda r: (str(r[0]), r[1])):
+        if merged and str(merged[-1][0]) == str(path) and start <= merged[-1][2] + gap:
+            merged[-1] = (path, merged[-1][1], max(merged[-1][2], end))
+        else:
+            merged.append((path, start, end))
+    return merged
+
+
+def advise_ranges(ranges: list[tuple[os.PathLike[str], int, int]], advice: str) -> None:
+    """``posix_fadvise(advice)`` on file byte ranges, neighbours merged (each file opened once)."""
+    if not ranges or not hasattr(os, advice):
+        return
+    fds: dict[str, int] = {}
+    try:
+        for path, start, end in coalesce(ranges):
+            if str(path) not in fds:
+                fds[str(path)] = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fds[str(path)], start, end - start, getattr(os, advice))
+    except OSError:
+        pass  # a hint that cannot be given costs time, never data
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def drop_spans(spans: list[tuple[int, int, os.PathLike[str], int]]) -> bool:
+    """:func:`drop` for page-aligned file mappings given as (address, length, file, file offset): unmapped from
+    this process, then dropped from the page cache. False where this cannot be done."""
+    lib = libc()
+    if lib is None or not hasattr(os, "posix_fadvise"):
+        return False
+    for address, length, _, _ in spans:
+        lib.madvise(address, length, _MADV_DONTNEED)
+    advise_ranges([(path, offset, offset + length) for _, length, path, offset in spans], "POSIX_FADV_DONTNEED")
+    return True

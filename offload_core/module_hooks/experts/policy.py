@@ -14,6 +14,7 @@ from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.lists import ListedExpertHook, listed_expert_sizes, listed_expert_units
 from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, ExpertLayer, ExpertsHook, expert_sizes,
                                                       expert_slots, is_fused_experts, most_experts)
+from offload_core.module_hooks.experts.mapped import MappedLayer, mapped_views
 from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.reader import Reader
@@ -63,6 +64,7 @@ class ExpertsHandle(PrefetchHandle):
             "expert_bytes_per_token": c.decode_bytes / c.decode_tokens if c.decode_tokens else 0.0,
             "expert_hit_rate": c.hits / served if served else 0.0,
             "expert_guess_accuracy": c.guessed_right / c.routed if c.routed else 0.0,
+            "expert_guessing": int(c.guessing), "expert_guess_pauses": c.guess_pauses,
         })
         return counters
 
@@ -170,11 +172,16 @@ class Experts(Prefetch):
         counters = ExpertCounters(stats=plan.stats)
         reader = Reader("experts")
         buffers = Buffers(plan.execution_device)
-        # On a CPU run each layer reads into rows of its own (a cached expert stays in place); on an
-        # accelerator the layers share one buffer per shape, filled from host-memory rows.
-        kind = RowsLayer if plan.execution_device.type == "cpu" else ExpertLayer
-        layers = [kind(unit, plan.store, buffers, ExpertCache(self.slots), counters, config.whole_fraction, reader)
-                  for unit in expert_units]
+        # On a CPU run each layer computes on the store's mapped views where it hands them out (no copy), else
+        # reads into rows of its own (a cached expert stays in place); on an accelerator the layers share one
+        # buffer per shape, filled from host-memory rows.
+        layers = []
+        for unit in expert_units:
+            views = mapped_views(plan.store, unit.keys) if plan.execution_device.type == "cpu" else None
+            kind = ExpertLayer if plan.execution_device.type != "cpu" else RowsLayer if views is None else MappedLayer
+            extra = {"views": views} if views is not None else {}
+            layers.append(kind(unit, plan.store, buffers, ExpertCache(self.slots), counters, config.whole_fraction,
+                               reader, **extra))
         for layer, following in zip(layers, layers[1:]):
             if config.guess != "none":
                 layer.next = following
