@@ -1,0 +1,135 @@
+"""Experts computed where their bytes lie: fused expert tensors spliced from the safetensors shards' pages once per load,
+CPU experts layers on the store's mapped views, routed rows asked for before they are read, guesses that stop when
+they do not pay; tokens always the in-memory model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig
+
+import offload_core
+from offload_core.alignment import kernels_depend_on_alignment
+from offload_core.module_hooks.experts import Experts, ExpertsConfig
+from offload_core.module_hooks.experts import mapped as mapped_module
+from offload_core.module_hooks.experts.loader import GUESS_PAYS, GUESS_WINDOW, ExpertCounters
+from offload_core.module_hooks.experts.mapped import MappedLayer
+from offload_core.planning import compute_module_sizes
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def mixtral(request, tmp_path_factory):
+    """A Mixtral whose per-expert tensors span whole pages (16 KiB and more), saved by transformers in ``dtype``."""
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model = model.to(request.param)
+    path = tmp_path_factory.mktemp("mixtral") / "ckpt"
+    model.save_pretrained(path)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=request.param).eval()
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        tokens = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return path, ids, tokens, compute_module_sizes(reference)[""], reference, request.param
+
+
+def _file_backed(address: int, length: int, path: str) -> int:
+    """Bytes of ``[address, address + length)`` that this process maps from ``path``."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) == 6 and fields[5].strip() == path:
+                total += max(0, min(end, address + length) - max(start, address))
+    return total
+
+
+def test_fused_experts_are_spliced_from_the_shard_and_survive_a_drop(mixtral):
+    path, _, _, _, reference, dtype = mixtral
+    model = offload_core.from_pretrained(path, device_map={"": "disk"}, storage="safetensors", dtype=dtype)
+    store = model.offload_state.store
+    fused = [name for name in store if name.endswith("gate_up_proj") or name.endswith("down_proj")]
+    assert fused
+    for name in fused:
+        spliced = store.spliced(name)
+        assert spliced is not None, name
+        want = reference.get_parameter(name)
+        assert torch.equal(spliced.tensor, want) and torch.equal(store[name], want)
+        shard = str(spliced.pieces[0].part.path)
+        assert _file_backed(spliced.address, spliced.nbytes, shard) > spliced.nbytes // 2  # the shard's own pages
+        assert store.drop(name)  # the mapped pages go; the copied edges are not zeroed
+        assert torch.equal(spliced.tensor, want)
+        assert store.spliced(name) is spliced  # once per load
+    model.offload_state.remove()
+
+
+@pytest.mark.parametrize("store", ["safetensors", "memmap"])
+@pytest.mark.parametrize("guess", ["router", "none"])
+def test_experts_on_mapped_views_give_the_in_memory_tokens(mixtral, store, guess, tmp_path):
+    path, ids, want, total, _, dtype = mixtral
+    model = offload_core.from_pretrained(path, max_memory={"cpu": total // 4}, storage=store, dtype=dtype,
+                                         policy=Experts(ExpertsConfig(guess=guess, cache_slots=0)),
+                                         offload_folder=tmp_path / "off")
+    layers = model.offload_state.handle.layers
+    assert layers
+    if store == "memmap" or not kernels_depend_on_alignment(dtype):  # else the spliced view is misplaced: rows copied
+        assert all(isinstance(layer, MappedLayer) for layer in layers)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    counters = model.offload_state.handle.counters()
+    model.offload_state.remove()
+    assert torch.equal(got, want)
+    assert counters["expert_misses"] + counters["expert_guess_hits"] + counters["expert_whole_reads"] > 0
+
+
+def test_routed_rows_are_asked_for_before_they_are_read(mixtral, tmp_path, monkeypatch):
+    path, ids, want, total, _, dtype = mixtral
+    events: list[tuple] = []
+    advise, populate = mapped_module.advise_ranges, mapped_module.populate
+
+    def record_advise(ranges, advice):
+        events.extend(("advise", str(p), s, e) for p, s, e in ranges)
+        advise(ranges, advice)
+
+    def record_populate(tensor):
+        events.append(("read", tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return populate(tensor)
+
+    monkeypatch.setattr(mapped_module, "advise_ranges", record_advise)
+    monkeypatch.setattr(mapped_module, "populate", record_populate)
+    model = offload_core.from_pretrained(path, device_map={"": "disk"}, storage="memmap", dtype=dtype,
+                                         policy=Experts(ExpertsConfig(guess="none", cache_slots=0)),
+                                         offload_folder=tmp_path / "off")
+    layers = model.offload_state.handle.layers
+    assert all(isinstance(layer, MappedLayer) for layer in layers)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    store = model.offload_state.store
+    reads = [e for e in events if e[0] == "read"]
+    assert torch.equal(got, want[:, :ids.shape[1] + 3]) and reads
+    for layer in layers:
+        for key, view in layer.views.items():
+            row = view[0].numel() * view.element_size()
+            for index, event in enumerate(events):
+                if event[0] == "read" and view.data_ptr() <= event[1] < view.data_ptr() + view.numel() * view.element_size():
+                    start = event[1] - view.data_ptr()
+                    (file, begin, end), = store.file_ranges(key, start, start + row)
+                    assert any(e[0] == "advise" and e[1] == str(file) and e[2] <= begin and end <= e[3]
+                               for e in events[:index]), (key, start)
+    model.offload_state.remove()
+
+
+def test_guessing_stops_while_it_does_not_pay_and_starts_again():
+    counters = ExpertCounters()
+    for _ in range(GUESS_WINDOW):
+        counters.score(1, 2)  # half right
+    assert not counters.guessing and counters.guess_pauses == 1
+    for _ in range(GUESS_WINDOW):
+        counters.score(2, 2)
+    assert counters.guessing and counters.guess_pauses == 1
+    assert counters.guessed_right == 3 * GUESS_WINDOW and GUESS_PAYS > 0.5
