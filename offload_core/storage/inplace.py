@@ -14,7 +14,7 @@ import torch
 from offload_core.alignment import misplaced, placed, reference_offset
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
-from offload_core.storage.pagecache import advise_ranges, drop, drop_spans, populate, will_need
+from offload_core.storage.pagecache import advise_ranges, drop, drop_spans, populate, read_in, resident, will_need
 from offload_core.storage.splice import Part, Spliced
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,7 @@ class InPlaceStore(Store):
         spliced = self.spliced(name)
         if spliced is not None:
             row = spliced.tensor[expert]
-            advise_ranges(self._row_ranges(spliced, expert), "POSIX_FADV_WILLNEED")
-            populate(row)
+            read_in([row], [self._row_ranges(spliced, expert)])
             out.copy_(row)
             return
         if name in self.assembled:
@@ -187,7 +186,8 @@ class InPlaceStore(Store):
         """Start reading expert ``expert`` of ``name`` from the shard: its per-expert checkpoint tensors, or its row."""
         spliced = self.spliced(name)
         if spliced is not None:
-            advise_ranges(self._row_ranges(spliced, expert), "POSIX_FADV_WILLNEED")
+            if not resident(spliced.tensor[expert]):
+                advise_ranges(self._row_ranges(spliced, expert), "POSIX_FADV_WILLNEED")
         elif name in self.assembled:
             for index, source in self.checkpoint.parts(self._refs[name]) or ():
                 if _row_of(index) == expert:
@@ -213,8 +213,8 @@ class InPlaceStore(Store):
         if spliced is not None:
             if misplaced(spliced.tensor, self.offset(name)):
                 return False
-            advise_ranges(spliced.ranges(0, spliced.nbytes), "POSIX_FADV_WILLNEED")
-            return populate(spliced.tensor)
+            read_in([spliced.tensor], [spliced.ranges(0, spliced.nbytes)])
+            return True
         if name in self.converting or name in self.assembled or misplaced(self._view(name), self.offset(name)):
             return False  # a copy is made on read: the caller fetches it ahead instead
         return populate(self._view(name), *self._where(name))

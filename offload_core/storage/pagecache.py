@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["advise_ranges", "coalesce", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
+__all__ = ["advise_ranges", "coalesce", "read_in", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
@@ -180,3 +180,14 @@ def drop_spans(spans: list[tuple[int, int, os.PathLike[str], int]]) -> bool:
         lib.madvise(address, length, _MADV_DONTNEED)
     advise_ranges([(path, offset, offset + length) for _, length, path, offset in spans], "POSIX_FADV_DONTNEED")
     return True
+
+
+def read_in(tensors: list[torch.Tensor], ranges: list[tuple[os.PathLike[str], int, int]]) -> int:
+    """Bring mapped CPU tensors in whose pages are not all in memory: the file ranges that hold them (``ranges``,
+    one list per tensor) asked for at once, neighbours merged, then each tensor waited for and mapped, in
+    order. Tensors already in memory cost one ``mincore`` each. Returns how many were not in memory."""
+    missing = [i for i, tensor in enumerate(tensors) if not resident(tensor)]
+    advise_ranges([r for i in missing for r in ranges[i]], "POSIX_FADV_WILLNEED")
+    for i in missing:
+        populate(tensors[i])
+    return len(missing)

@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 import offload_core
 from offload_core.alignment import kernels_depend_on_alignment
 from offload_core.module_hooks.experts import Experts, ExpertsConfig
-from offload_core.module_hooks.experts import mapped as mapped_module
 from offload_core.module_hooks.experts.loader import GUESS_PAYS, GUESS_WINDOW, ExpertCounters
 from offload_core.module_hooks.experts.mapped import MappedLayer
 from offload_core.planning import compute_module_sizes
+from offload_core.storage import pagecache
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "f32"])
@@ -89,8 +89,9 @@ def test_experts_on_mapped_views_give_the_in_memory_tokens(mixtral, store, guess
 
 def test_routed_rows_are_asked_for_before_they_are_read(mixtral, tmp_path, monkeypatch):
     path, ids, want, total, _, dtype = mixtral
+    """Every row read in (a cold page cache: nothing counts as resident) had its file range asked for first."""
     events: list[tuple] = []
-    advise, populate = mapped_module.advise_ranges, mapped_module.populate
+    advise, populate = pagecache.advise_ranges, pagecache.populate
 
     def record_advise(ranges, advice):
         events.extend(("advise", str(p), s, e) for p, s, e in ranges)
@@ -100,8 +101,9 @@ def test_routed_rows_are_asked_for_before_they_are_read(mixtral, tmp_path, monke
         events.append(("read", tensor.data_ptr(), tensor.numel() * tensor.element_size()))
         return populate(tensor)
 
-    monkeypatch.setattr(mapped_module, "advise_ranges", record_advise)
-    monkeypatch.setattr(mapped_module, "populate", record_populate)
+    monkeypatch.setattr(pagecache, "advise_ranges", record_advise)
+    monkeypatch.setattr(pagecache, "populate", record_populate)
+    monkeypatch.setattr(pagecache, "resident", lambda tensor: False)
     model = offload_core.from_pretrained(path, device_map={"": "disk"}, storage="memmap", dtype=dtype,
                                          policy=Experts(ExpertsConfig(guess="none", cache_slots=0)),
                                          offload_folder=tmp_path / "off")

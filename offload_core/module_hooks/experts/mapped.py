@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from offload_core.module_hooks.experts.loader import ExpertLayer
-from offload_core.storage.pagecache import advise_ranges, populate
+from offload_core.storage.pagecache import read_in
 
 
 def mapped_views(store: Any, keys: list[str]) -> dict[str, torch.Tensor] | None:
@@ -36,21 +36,16 @@ class MappedLayer(ExpertLayer):
         self.views = views
         self.sizes = {key: view[0].numel() * view.element_size() for key, view in views.items()}
 
-    def ranges(self, experts: list[int]) -> list[tuple[Path, int, int]]:
-        """The file byte ranges of ``experts``' rows in every tensor of the layer."""
-        found = []
-        for key, size in self.sizes.items():
-            for expert in experts:
-                found.extend(self.store.file_ranges(key, expert * size, (expert + 1) * size))
-        return found
+    def ranges_of(self, key: str, expert: int) -> list[tuple[Path, int, int]]:
+        """The file byte ranges of ``expert``'s row of tensor ``key``."""
+        size = self.sizes[key]
+        return self.store.file_ranges(key, expert * size, (expert + 1) * size)
 
     def read_in(self, experts: list[int]) -> list[int]:
         """Read ``experts``' rows in: every range asked for at once (neighbours merged, in file order), then
         each row waited for and mapped, in file order too."""
-        advise_ranges(self.ranges(experts), "POSIX_FADV_WILLNEED")
-        for expert in sorted(experts):
-            for view in self.views.values():
-                populate(view[expert])
+        rows = [(view[expert], key, expert) for expert in sorted(experts) for key, view in self.views.items()]
+        read_in([row for row, _, _ in rows], [self.ranges_of(key, expert) for _, key, expert in rows])
         self.counters.add_bytes(len(self.views) * len(experts), self.row_bytes * len(experts))
         return experts
 
