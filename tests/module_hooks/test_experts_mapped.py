@@ -135,3 +135,22 @@ def test_guessing_stops_while_it_does_not_pay_and_starts_again():
         counters.score(2, 2)
     assert counters.guessing and counters.guess_pauses == 1
     assert counters.guessed_right == 3 * GUESS_WINDOW and GUESS_PAYS > 0.5
+
+
+@pytest.mark.parametrize("converts", [False, True])
+def test_experts_on_mapped_views_hold_nothing_back_from_the_cpu_budget(mixtral, converts):
+    """A CPU run on a mapped store computes on views: nothing beyond prefetch's own reservation; a store that hands
+    out copies (converts on read) still holds back the cache and the rows being read."""
+    from offload_core import init_empty_weights
+    from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
+    from offload_core.planning.reservation import InFlight
+
+    *_, reference, _ = mixtral
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(reference.config).eval()
+    need = InFlight(execution_device=torch.device("cpu"), block_bytes=1 << 20, module_bytes=1 << 20, model=model,
+                    store_maps=True, store_converts=converts, cpu_budget=1 << 30)
+    policy = Experts(ExpertsConfig())
+    held = policy.reserve(need)["cpu"] - Prefetch(PrefetchConfig()).reserve(need).get("cpu", 0)
+    assert (held == 0) != converts
+    assert ("mapped views" in policy.plan_lines()[0]) != converts

@@ -139,6 +139,12 @@ class Experts(Prefetch):
         top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
         top_k = top_k if isinstance(top_k, int) else experts
         in_flight = ((experts if need.execution_device.type == "cpu" else top_k) + top_k) * fused_row
+        if need.execution_device.type == "cpu" and need.store_maps and not need.store_converts and layers:
+            # computed on the store's mapped views: routed and cached experts are page cache, never copies
+            self.slots = AUTO_SLOTS if self.config.cache_slots is None else self.config.cache_slots
+            self.cache_note = (f"experts: computed on the store's mapped views ({layers} MoE layers, {format_size(row)} "
+                               f"experts): only routed rows are read, nothing is held from the cpu budget")
+            return reserve
         if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
             left = need.cpu_budget - reserve.get("cpu", 0) - in_flight  # after the blocks and the rows in flight
             self.slots = max(0, min(AUTO_SLOTS, left // (row * layers)))
