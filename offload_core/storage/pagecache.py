@@ -11,8 +11,9 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["advise_ranges", "coalesce", "read_in", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
+__all__ = ["advise_ranges", "coalesce", "random_access", "read_in", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
 
+_MADV_RANDOM = 1
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14+: read the pages in (from disk if needed) and map them, no copy
@@ -191,3 +192,12 @@ def read_in(tensors: list[torch.Tensor], ranges: list[tuple[os.PathLike[str], in
     for i in missing:
         populate(tensors[i])
     return len(missing)
+
+
+def random_access(tensor: torch.Tensor) -> None:
+    """Tell the kernel that a mapped CPU tensor's pages are used out of order (``MADV_RANDOM``): a page fault reads
+    that page alone, never a read-around window (``read_ahead_kb``, megabytes) of its neighbours. For tensors whose
+    pages are asked for ahead of use (:func:`read_in`): what is used was read in large requests already."""
+    lib = libc()
+    if lib is not None and tensor.numel() and tensor.device.type == "cpu":
+        lib.madvise(*_page_span(tensor), _MADV_RANDOM)
