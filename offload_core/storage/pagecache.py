@@ -75,8 +75,8 @@ def populate(tensor: torch.Tensor, path: str | os.PathLike[str] | None = None, o
 
     When ``mincore`` shows the tensor already in memory, nothing is done (walking the pages of every
     offloaded byte on every token is costly). Otherwise, given the file the tensor maps (``path``, its
-    bytes starting at ``offset``), the tensor's byte range is first asked for with ``POSIX_FADV_WILLNEED``,
-    which queues the whole range at once (a deeper queue than the page faults' readahead windows:
+    bytes starting at ``offset``), the tensor's byte range is first asked for with ``POSIX_FADV_WILLNEED``
+    (in read-ahead-window pieces: :func:`advise_ranges`), which queues the whole range at once (a deeper queue than the page faults' readahead windows:
     ``bench/readpath.py``); then ``MADV_POPULATE_READ`` waits for the pages and maps them (the GIL is
     released meanwhile). Kernels without it get the ``MADV_WILLNEED`` hint, which some disks ignore.
     Returns False where madvise is unavailable.
@@ -88,7 +88,7 @@ def populate(tensor: torch.Tensor, path: str | os.PathLike[str] | None = None, o
     if _all_resident(lib, start, length):
         return True
     if path is not None:
-        _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_WILLNEED")
+        advise_ranges([(path, offset, offset + tensor.numel() * tensor.element_size())], "POSIX_FADV_WILLNEED")
     if lib.madvise(start, length, _MADV_POPULATE_READ) == 0:
         return True
     return lib.madvise(start, length, _MADV_WILLNEED) == 0
@@ -155,15 +155,20 @@ def coalesce(ranges: list[tuple[os.PathLike[str], int, int]], gap: int = 0) -> l
 
 
 def advise_ranges(ranges: list[tuple[os.PathLike[str], int, int]], advice: str) -> None:
-    """``posix_fadvise(advice)`` on file byte ranges, neighbours merged (each file opened once)."""
+    """``posix_fadvise(advice)`` on file byte ranges, neighbours merged (each file opened once), in file order.
+
+    ``POSIX_FADV_WILLNEED`` reads at most one read-ahead window per call and ignores the rest (as
+    ``MADV_WILLNEED``: :func:`will_need`), so it is given in :data:`_HINT_CHUNK` pieces covering each range."""
     if not ranges or not hasattr(os, advice):
         return
+    chunk = _HINT_CHUNK if advice == "POSIX_FADV_WILLNEED" else 1 << 62
     fds: dict[str, int] = {}
     try:
         for path, start, end in coalesce(ranges):
             if str(path) not in fds:
                 fds[str(path)] = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fds[str(path)], start, end - start, getattr(os, advice))
+            for offset in range(start, end, chunk):
+                os.posix_fadvise(fds[str(path)], offset, min(chunk, end - offset), getattr(os, advice))
     except OSError:
         pass  # a hint that cannot be given costs time, never data
     finally:
