@@ -11,9 +11,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["advise_ranges", "coalesce", "random_access", "read_in", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
+__all__ = ["advise_ranges", "coalesce", "map_in", "read_in", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
 
-_MADV_RANDOM = 1
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14+: read the pages in (from disk if needed) and map them, no copy
@@ -195,14 +194,14 @@ def read_in(tensors: list[torch.Tensor], ranges: list[tuple[os.PathLike[str], in
     missing = [i for i, tensor in enumerate(tensors) if not resident(tensor)]
     advise_ranges([r for i in missing for r in ranges[i]], "POSIX_FADV_WILLNEED")
     for i in missing:
-        populate(tensors[i])
+        map_in(tensors[i])
     return len(missing)
 
 
-def random_access(tensor: torch.Tensor) -> None:
-    """Tell the kernel that a mapped CPU tensor's pages are used out of order (``MADV_RANDOM``): a page fault reads
-    that page alone, never a read-around window (``read_ahead_kb``, megabytes) of its neighbours. For tensors whose
-    pages are asked for ahead of use (:func:`read_in`): what is used was read in large requests already."""
+def map_in(tensor: torch.Tensor) -> None:
+    """Map a CPU tensor's pages now, waiting for those still being read (``MADV_POPULATE_READ``, even where all are
+    cached: :func:`populate` skips those, and the compute would fault each window in)."""
     lib = libc()
-    if lib is not None and tensor.numel() and tensor.device.type == "cpu":
-        lib.madvise(*_page_span(tensor), _MADV_RANDOM)
+    if lib is None or lib.madvise(*_page_span(tensor), _MADV_POPULATE_READ) != 0:
+        populate(tensor)
+

@@ -91,18 +91,18 @@ def test_routed_rows_are_asked_for_before_they_are_read(mixtral, tmp_path, monke
     path, ids, want, total, _, dtype = mixtral
     """Every row read in (a cold page cache: nothing counts as resident) had its file range asked for first."""
     events: list[tuple] = []
-    advise, populate = pagecache.advise_ranges, pagecache.populate
+    advise, map_in = pagecache.advise_ranges, pagecache.map_in
 
     def record_advise(ranges, advice):
         events.extend(("advise", str(p), s, e) for p, s, e in ranges)
         advise(ranges, advice)
 
-    def record_populate(tensor):
+    def record_map_in(tensor):
         events.append(("read", tensor.data_ptr(), tensor.numel() * tensor.element_size()))
-        return populate(tensor)
+        map_in(tensor)
 
     monkeypatch.setattr(pagecache, "advise_ranges", record_advise)
-    monkeypatch.setattr(pagecache, "populate", record_populate)
+    monkeypatch.setattr(pagecache, "map_in", record_map_in)
     monkeypatch.setattr(pagecache, "resident", lambda tensor: False)
     model = offload_core.from_pretrained(path, device_map={"": "disk"}, storage="memmap", dtype=dtype,
                                          policy=Experts(ExpertsConfig(guess="none", cache_slots=0)),

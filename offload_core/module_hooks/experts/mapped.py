@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from offload_core.module_hooks.experts.loader import ExpertLayer
-from offload_core.storage.pagecache import random_access, read_in
+from offload_core.storage.pagecache import read_in
 
 
 def mapped_views(store: Any, keys: list[str]) -> dict[str, torch.Tensor] | None:
@@ -35,8 +35,6 @@ class MappedLayer(ExpertLayer):
         super().__init__(*args, **kwargs)
         self.views = views
         self.sizes = {key: view[0].numel() * view.element_size() for key, view in views.items()}
-        for view in views.values():  # only routed rows are touched, each read in whole first: no read-around
-            random_access(view)
 
     def ranges_of(self, key: str, expert: int) -> list[tuple[Path, int, int]]:
         """The file byte ranges of ``expert``'s row of tensor ``key``."""
