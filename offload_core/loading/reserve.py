@@ -20,7 +20,7 @@ def reservation(policy: Policy, storage: Storage, execution_device: torch.device
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
     (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
     need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
-                    store_pinned=storage.pinned, store_maps=storage.reads_from in ("offload_folder", "checkpoint"), model=model, dtype=dtype, cpu_budget=cpu_budget,
+                    store_pinned=storage.pinned, store_maps=storage.reads_from in ("offload_folder", "checkpoint", "memory"), model=model, dtype=dtype, cpu_budget=cpu_budget,
                     no_split_module_classes=tuple(no_split or ()))
     return dict(policy.reserve(need))
 
