@@ -142,8 +142,9 @@ class Experts(Prefetch):
         if need.execution_device.type == "cpu" and need.store_maps and not need.store_converts and layers:
             # computed on the store's mapped views: routed and cached experts are page cache, never copies
             self.slots = AUTO_SLOTS if self.config.cache_slots is None else self.config.cache_slots
-            self.cache_note = (f"experts: computed on the store's mapped views ({layers} MoE layers, {format_size(row)} "
-                               f"experts): only routed rows are read, nothing is held from the cpu budget")
+            self.cache_note = (f"experts: computed on the store's views ({layers} MoE layers, {format_size(row)} experts): "
+                               f"only routed rows are read or mapped, nothing is held from the cpu budget; block prefetch "
+                               f"would map all {experts} experts of a layer for {top_k} routed per token, warm or cold")
             return reserve
         if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
             left = need.cpu_budget - reserve.get("cpu", 0) - in_flight  # after the blocks and the rows in flight
