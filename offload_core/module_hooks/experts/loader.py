@@ -43,8 +43,10 @@ def is_fused_experts(module: nn.Module) -> bool:
     return any(p.dim() == 3 and p.shape[0] == count for p in module.parameters(recurse=False))
 
 
-#: calls a guess is judged over, and the share of routed experts it must have guessed to be read ahead
+#: calls a guess is judged over (the last GUESS_WINDOW, once there are GUESS_JUDGED), and the share of routed experts
+#: it must have guessed to be read ahead
 GUESS_WINDOW = 32
+GUESS_JUDGED = 8
 GUESS_PAYS = 0.8
 
 
@@ -75,7 +77,7 @@ class ExpertCounters:
             self.guessed_right += right
             self.routed += routed
             self.window.append((right, routed))
-            if len(self.window) < GUESS_WINDOW // 2:
+            if len(self.window) < GUESS_JUDGED:
                 return
             pays = sum(r for r, _ in self.window) >= GUESS_PAYS * sum(n for _, n in self.window)
             if self.guessing and not pays:
