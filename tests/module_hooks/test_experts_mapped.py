@@ -154,3 +154,23 @@ def test_experts_on_mapped_views_hold_nothing_back_from_the_cpu_budget(mixtral, 
     held = policy.reserve(need)["cpu"] - Prefetch(PrefetchConfig()).reserve(need).get("cpu", 0)
     assert (held == 0) != converts
     assert ("computed on the store's views" in policy.plan_lines()[0]) != converts
+
+
+def test_guesses_in_memory_already_wake_no_reader(mixtral, tmp_path):
+    """Warm, a guess whose rows are in the page cache is served on the compute thread: the experts' reader never starts
+    (a thread woken beside the compute's slows every parallel kernel on a small machine)."""
+    path, ids, want, total, _, dtype = mixtral
+    model = offload_core.from_pretrained(path, max_memory={"cpu": total // 4}, storage="memmap", dtype=dtype,
+                                         policy=Experts(ExpertsConfig(guess="router", cache_slots=0)),
+                                         offload_folder=tmp_path / "off")
+    handle = model.offload_state.handle
+    assert all(isinstance(layer, MappedLayer) for layer in handle.layers)
+    for layer in handle.layers:  # in memory for sure: read in once
+        layer.read_in(list(range(layer.num_experts)))
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    counters = handle.counters()
+    running = handle.reader.running
+    model.offload_state.remove()
+    assert torch.equal(got, want)
+    assert counters["expert_guess_hits"] > 0 and not running

@@ -5,13 +5,18 @@ experts module runs on those views. A routed expert costs no copy and no anonymo
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from offload_core.module_hooks.experts.loader import ExpertLayer
-from offload_core.storage.pagecache import read_in
+from offload_core.storage.pagecache import read_in, resident
+
+
+DONE: Future = Future()  # a guess whose rows were in memory already
+DONE.set_result(None)
 
 
 def mapped_views(store: Any, keys: list[str]) -> dict[str, torch.Tensor] | None:
@@ -56,9 +61,12 @@ class MappedLayer(ExpertLayer):
             self.shadow = set(experts)
             return
         ahead = [e for e in experts if e not in self.guess and self.cache.get(e) is None]
-        if ahead:
-            future = self.reader.submit(self.read_in, ahead)
-            self.guess.update({expert: future for expert in ahead})
+        # Rows already in memory need no reader (waking a thread beside the compute's costs more than a mincore).
+        cold = [e for e in ahead if not all(resident(view[e]) for view in self.views.values())]
+        self.guess.update({expert: DONE for expert in ahead})
+        if cold:
+            future = self.reader.submit(self.read_in, cold)
+            self.guess.update({expert: future for expert in cold})
 
     def load(self, args: tuple, kwargs: dict) -> None:
         experts = self.selected(args, kwargs)
