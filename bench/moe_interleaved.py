@@ -29,9 +29,10 @@ OURS = ["experts:safetensors", "experts+guess=none:safetensors", "experts:memmap
 
 def load_all(checkpoint: str, budget: int, scratch: Path, ours: list[str]) -> dict[str, torch.nn.Module]:
     import transformers
+    from worker import load_accelerate
+
     import offload_core
     from offload_core.module_hooks.experts import Experts, ExpertsConfig
-    from worker import load_accelerate
 
     models = {"inmem": transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()}
     spec = {"checkpoint": checkpoint, "dtype": "bfloat16", "budget": str(budget), "scratch": str(scratch / "acc"),

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["advise_ranges", "coalesce", "map_in", "read_in", "drop", "drop_spans", "libc", "populate", "resident", "will_need"]
+__all__ = ["advise_ranges", "coalesce", "drop", "drop_spans", "libc", "map_in", "populate", "read_in", "resident", "will_need"]
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4

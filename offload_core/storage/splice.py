@@ -114,7 +114,7 @@ class Spliced:
             self.tensor = flat.view(dtype).view(self.shape)
 
     @classmethod
-    def build(cls, shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> "Spliced | None":
+    def build(cls, shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> Spliced | None:
         placed = layout(torch.Size(shape), dtype, parts) if parts else None
         if placed is None or libc() is None or _mmap_fn() is None:
             return None

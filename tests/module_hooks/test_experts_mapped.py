@@ -11,7 +11,11 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 import offload_core
 from offload_core.alignment import kernels_depend_on_alignment
 from offload_core.module_hooks.experts import Experts, ExpertsConfig
-from offload_core.module_hooks.experts.loader import GUESS_PAYS, GUESS_WINDOW, ExpertCounters
+from offload_core.module_hooks.experts.loader import (
+    GUESS_PAYS,
+    GUESS_WINDOW,
+    ExpertCounters,
+)
 from offload_core.module_hooks.experts.mapped import MappedLayer
 from offload_core.planning import compute_module_sizes
 from offload_core.storage import pagecache

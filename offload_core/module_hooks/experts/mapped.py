@@ -14,7 +14,6 @@ import torch
 from offload_core.module_hooks.experts.loader import ExpertLayer
 from offload_core.storage.pagecache import read_in, resident
 
-
 DONE: Future = Future()  # a guess whose rows were in memory already
 DONE.set_result(None)
 
