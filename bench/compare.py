@@ -42,7 +42,7 @@ GPU_SYSTEMS = ["inmem", "accelerate", "ours:prefetch:pinned_cpu", "ours:function
 FIGURES = [
     "load_s", "time_to_first_token_s", "load_to_first_token_s", "decode_tokens_per_s", "decode_token_mean_s",
     "peak_anon_rss_bytes", "peak_file_rss_bytes", "anon_rss_after_load_bytes", "bytes_read_per_token",
-    "read_bandwidth_bytes_per_s", "disk_read_bytes_per_token", "offloaded_bytes", "store_bytes_written",
+    "read_bandwidth_bytes_per_s", "disk_read_bytes_per_token", "disk_read_bytes_per_decode_token", "offloaded_bytes", "store_bytes_written",
     "sequential_read_bytes_per_s", "ideal_read_s_per_token", "cold_token_over_ideal",
     "disk_read_bandwidth_bytes_per_s", "cached_fraction_after_drop_max",
     "peak_gpu_bytes", "h2d_bytes_per_s", "ideal_h2d_s_per_token", "h2d_token_over_ideal", "prefetch_wait_s_per_token",

@@ -45,14 +45,13 @@ BANDWIDTH_SAMPLES = 5
 
 
 class Timer(StoppingCriteria):
-    """Stamps each new token; in cold mode drops the offloaded files' pages before the next token.
-
-    The time spent dropping is kept out of the stamps, so per-token times are the model's alone.
-    """
+    """Stamps each new token and the process's disk reads at it; in cold mode drops the offloaded files' pages before
+    the next token. The time spent dropping is kept out of the stamps, so per-token times are the model's alone."""
 
     def __init__(self, cold_files: list[str] | None = None) -> None:
         self.cold_files = cold_files or []
         self.stamps: list[float] = []
+        self.io: list[int] = []  # /proc/self/io read_bytes at each stamp: decode tokens' disk reads, the prompt's left out
         self.excluded = 0.0
         self.cached_after_drop: list[float] = []
         self.start = time.perf_counter()
@@ -67,6 +66,7 @@ class Timer(StoppingCriteria):
         if input_ids.is_cuda:
             torch.cuda.synchronize()  # the token is computed, not only queued
         self.stamps.append(time.perf_counter() - self.excluded)
+        self.io.append(read_io_bytes())
         if self.cold_files:
             self.drop()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -356,6 +356,7 @@ def main() -> None:
         "anon_rss_after_load_bytes": after_load_anon,
         "bytes_read_per_token": moved / max(len(tokens), 1),
         "disk_read_bytes_per_token": io_read / max(len(tokens), 1),
+        "disk_read_bytes_per_decode_token": (timer.io[-1] - timer.io[0]) / (len(timer.io) - 1) if len(timer.io) > 1 else None,
         "offloaded_bytes": info["offloaded_bytes"],
         "store_bytes_written": info["store_bytes_written"],
         "device_bytes": info["device_bytes"],

@@ -366,6 +366,14 @@ class ConvertedCheckpoint:
             return None
         return [(index, self.checkpoint.get(key)) for key, index in item.parts]
 
+    def part_ranges(self, name: str) -> list[tuple[Index, Path, int, int]] | None:
+        """``[(index, file, start, end)]``: where each of :meth:`parts`' sources lies (absolute byte offsets), or None."""
+        item = self.conversion.converted.get(name)
+        if item is None or item.parts is None or not getattr(self.checkpoint, "is_safetensors", False):
+            return None
+        files = [(index, self.checkpoint.file_of(key), key) for key, index in item.parts]
+        return [(index, file, *self.checkpoint.safetensors_file(file).byte_range(key)) for index, file, key in files]
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor under the model's name: a zero-copy view, or a converted tensor built by transformers."""
         item = self.conversion.converted.get(name)

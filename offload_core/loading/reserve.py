@@ -20,7 +20,7 @@ def reservation(policy: Policy, storage: Storage, execution_device: torch.device
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
     (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
     need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
-                    store_pinned=storage.pinned, model=model, dtype=dtype, cpu_budget=cpu_budget,
+                    store_pinned=storage.pinned, store_maps=storage.reads_from in ("offload_folder", "checkpoint", "memory"), model=model, dtype=dtype, cpu_budget=cpu_budget,
                     no_split_module_classes=tuple(no_split or ()))
     return dict(policy.reserve(need))
 
@@ -31,15 +31,19 @@ def reserve_for(model: nn.Module, checkpoint: Any, policy: Policy, storage: Stor
     largest module, and whether any tensor is stored otherwise than the model holds it (another dtype, or
     several checkpoint tensors). Held back on the devices the policy names only, so a large embedding never
     keeps a whole model off the cpu tier."""
+    from offload_core.alignment import kernels_depend_on_alignment
+    from offload_core.loading.conversion import key_conversion
     from offload_core.planning import largest_block_size
     from offload_core.storage.base import converts
 
-    from offload_core.loading.conversion import key_conversion
-
     # A tensor stored in another dtype, or built from several checkpoint tensors (per-expert MoE weights),
-    # is a copy when a store that reads in place hands it out.
+    # is a copy when a store that reads in place hands it out; unless it is only placement of safetensors
+    # parts, which the store maps where they lie (storage.splice), wherever the kernels ignore alignment.
+    converted = key_conversion(model, checkpoint).converted
+    spliced = (getattr(checkpoint, "is_safetensors", False) and all(item.parts is not None for item in converted.values())
+               and not (dtype is not None and kernels_depend_on_alignment(dtype)))
     stored_differs = (any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
-                      or bool(key_conversion(model, checkpoint).converted))
+                      or (bool(converted) and not spliced))
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
     return reservation(policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget,

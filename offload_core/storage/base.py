@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from offload_core.alignment import address_offset
+from offload_core.alignment import address_offset, misplaced
 from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
 
@@ -106,6 +106,15 @@ class Store(Mapping):
         ``store[name]`` hands out (mapped files); for memory it does nothing."""
         will_need(self[name][expert])
 
+    def mapped_view(self, name: str) -> torch.Tensor | None:
+        """``store[name]`` where it is a view of mapped file pages at its reference offset, which a CPU run computes
+        on in place (only the pages it touches are read); None (the default) where reading it makes a copy."""
+        return None
+
+    def file_ranges(self, name: str, start: int, end: int) -> list[tuple[Path, int, int]]:
+        """Where bytes ``[start, end)`` of :meth:`mapped_view` lie on disk: ``(file, start, end)`` per piece ([] unknown)."""
+        return []
+
     def drop(self, name: str) -> bool:
         """Drop ``name``'s bytes from memory after use (the page cache included), so that streaming it
         never evicts what is kept. Returns False where the store cannot (the default: nothing is done)."""
@@ -132,6 +141,18 @@ class Store(Mapping):
 
     def __len__(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class FileMaps:
+    """For a store that maps one file per tensor (``file_of(name)``, its bytes from ``offset(name)`` on, handed out
+    by ``_mapped(name)``): the mapped view to compute on, and where its bytes lie."""
+
+    def mapped_view(self, name: str) -> torch.Tensor | None:
+        mapped = self._mapped(name)
+        return None if misplaced(mapped, self.offset(name)) else mapped
+
+    def file_ranges(self, name: str, start: int, end: int) -> list[tuple[Path, int, int]]:
+        return [(self.file_of(name), self.offset(name) + start, self.offset(name) + end)]
 
 
 class Storage(StrategyBase):

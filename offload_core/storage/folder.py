@@ -1,14 +1,13 @@
 """An offload folder: one raw data file per tensor plus accelerate's ``index.json``, written atomically and reused when still valid.
 
-Layout (accelerate's, as ``load_offloaded_weights`` reads it, for tensors whose entry has no ``offset``):
-``index.json`` maps each tensor name to ``{"dtype": ..., "shape": [...]}`` (plus, ours, ``"offset"`` where the
-tensor's reference address offset is not 0: see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes,
-after ``offset`` zero bytes, so that its mapping lies at the reference offset and is used as it is, never copied. Beside them, files of our own:
-``.offload_core`` (our tag: the names of every file we wrote, so only those are ever removed),
-``.offload_complete`` (written last: the fingerprint of what the folder holds and each file's xxh3-128
-checksum and stamp, verified before the folder is reused: a file whose stamp (size, mtime, ctime, inode) is
-unchanged is trusted, any other is hashed again), and ``.lock``. No file in the folder is opened through a
-symlink.
+Layout (accelerate's, as ``load_offloaded_weights`` reads it, for tensors whose entry has no ``offset``): ``index.json``
+maps each tensor name to ``{"dtype": ..., "shape": [...]}`` (plus, ours, ``"offset"`` where the tensor's reference address
+offset is not 0: see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes, after ``offset`` zero bytes, so that
+its mapping lies at the reference offset and is used as it is, never copied. Beside them, files of our own: ``.offload_core``
+(our tag: the names of every file we wrote, so only those are ever removed), ``.offload_complete`` (written last: the
+fingerprint of what the folder holds and each file's xxh3-128 checksum and stamp, verified before the folder is reused: a
+file whose stamp (size, mtime, ctime, inode) is unchanged is trusted, any other is hashed again), and ``.lock``. No file
+in the folder is opened through a symlink.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 from offload_core.alignment import ALIGNMENT, address_offset, misplaced, placed, reference_offset
 from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
-from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
+from offload_core.storage.base import FileMaps, Store, StoreContext, convert_dtype, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, Padded, write_file
 from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
 from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, matches,
@@ -47,7 +46,7 @@ TAG = ".offload_core"
 COMPLETE = ".offload_complete"
 
 
-class FolderStore(Store):
+class FolderStore(FileMaps, Store):
     """Offloaded tensors in an offload folder, read back through memory maps (file-backed pages, no copy)."""
 
     #: ``write_file(path, data)`` writes one new file (a tensor's bytes, the index, the completion marker):

@@ -1,9 +1,11 @@
 """A store that writes nothing: offloaded tensors are read in place from the checkpoint's own safetensors shards
-(a tensor built from several checkpoint tensors, such as fused experts, is read part by part into its destination)."""
+(a tensor built from several checkpoint tensors, such as fused experts, is mapped part by part where it lies:
+:mod:`offload_core.storage.splice`)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -12,7 +14,8 @@ import torch
 from offload_core.alignment import misplaced, placed, reference_offset
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
-from offload_core.storage.pagecache import drop, populate, will_need
+from offload_core.storage.pagecache import advise_ranges, drop, drop_spans, populate, read_in, resident, will_need
+from offload_core.storage.splice import Part, Spliced
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +26,12 @@ class InPlaceStore(Store):
     When the run's dtype differs from a tensor's stored dtype, the tensor is converted on every read
     (one copy per read, into fresh memory that is dropped after the module runs); nothing is cached.
     A tensor the checkpoint presents as several parts (``checkpoint.parts(key)``: per-expert tensors
-    of a fused expert parameter) is assembled on every read, each part copied from its mapped bytes
-    into its place in the destination; one the checkpoint can only build (``checkpoint.get``) is built
-    on every read. Either way nothing is written to disk.
+    of a fused expert parameter) is spliced once, on its first read: each part's pages mapped where
+    they lie in the shard, only the edge pages copied (:class:`~offload_core.storage.splice.Spliced`),
+    and every read after is that view. Where it cannot be spliced (a conversion of dtype, parts that
+    are not contiguous ranges of it) it is assembled on every read, each part copied into its place;
+    one the checkpoint can only build (``checkpoint.get``) is built on every read. Either way nothing
+    is written to disk.
     """
 
     def __init__(self, context: StoreContext) -> None:
@@ -41,7 +47,9 @@ class InPlaceStore(Store):
         self._refs: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self.converting: set[str] = set()
-        self.assembled: set[str] = set()  # built from several checkpoint tensors on each read
+        self.assembled: set[str] = set()  # built from several checkpoint tensors
+        self._spliced: dict[str, Spliced | None] = {}  # assembled tensors mapped where their parts lie (None: cannot)
+        self._splicing = threading.Lock()
         self.bytes_written = 0
 
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
@@ -74,7 +82,50 @@ class InPlaceStore(Store):
                 view = self._views[name] = self.checkpoint.get(self._refs[name])
         return view
 
+    def spliced(self, name: str) -> Spliced | None:
+        """The assembled tensor ``name`` mapped where its parts lie (built on first use), or None where it is not
+        assembled or cannot be spliced (converted, parts that are not placement, no ``mmap``)."""
+        if name not in self.assembled or name in self.converting:
+            return None
+        if name not in self._spliced:
+            with self._splicing:
+                if name not in self._spliced:
+                    self._spliced[name] = self._splice(name)
+        return self._spliced[name]
+
+    def _splice(self, name: str) -> Spliced | None:
+        ranges = getattr(self.checkpoint, "part_ranges", lambda key: None)(self._refs[name])
+        if not ranges:
+            return None
+        shape, dtype = self.spec(name)
+        with torch.inference_mode(False):
+            spliced = Spliced.build(shape, dtype, [Part(index, Path(file), start, end) for index, file, start, end in ranges])
+            if spliced is not None:
+                spliced.copy_edges([source for _, source in self.checkpoint.parts(self._refs[name])])
+        return spliced
+
+    def mapped_view(self, name: str) -> torch.Tensor | None:
+        """``store[name]`` where it is the shard's mapped bytes at the reference offset (computed on in place)."""
+        if name in self.converting:
+            return None
+        spliced = self.spliced(name)
+        view = spliced.tensor if spliced is not None else None if name in self.assembled else self._view(name)
+        return None if view is None or misplaced(view, self.offset(name)) else view
+
+    def file_ranges(self, name: str, start: int, end: int) -> list[tuple[Path, int, int]]:
+        """Where bytes ``[start, end)`` of ``store[name]`` lie in the shards (for a tensor read in place or spliced)."""
+        spliced = self.spliced(name)
+        if spliced is not None:
+            return spliced.ranges(start, end)
+        if name in self.assembled or name in self.converting:
+            return []
+        shard, offset = self._where(name)
+        return [(shard, offset + start, offset + end)]
+
     def __getitem__(self, name: str) -> torch.Tensor:
+        spliced = self.spliced(name)
+        if spliced is not None:
+            return placed(spliced.tensor, self.offset(name))
         if name in self.assembled:
             shape, dtype = self.spec(name)
             out = torch.empty(shape, dtype=dtype)
@@ -94,6 +145,10 @@ class InPlaceStore(Store):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Copy ``name`` into ``out``, converting in the same pass (no converted copy in between)."""
+        spliced = self.spliced(name)
+        if spliced is not None:
+            out.copy_(spliced.tensor)
+            return
         if name in self.assembled:
             parts = self.checkpoint.parts(self._refs[name])
             if parts is None:
@@ -107,6 +162,12 @@ class InPlaceStore(Store):
     def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
         """Copy expert ``expert`` of ``name`` into ``out`` from the mapped shard: a row of the stored tensor,
         or the per-expert checkpoint tensors that form it (converting in the same pass)."""
+        spliced = self.spliced(name)
+        if spliced is not None:
+            row = spliced.tensor[expert]
+            read_in([row], [self._row_ranges(spliced, expert)])
+            out.copy_(row)
+            return
         if name in self.assembled:
             parts = self.checkpoint.parts(self._refs[name])
             if parts is None:
@@ -123,12 +184,21 @@ class InPlaceStore(Store):
 
     def advise_expert(self, name: str, expert: int) -> None:
         """Start reading expert ``expert`` of ``name`` from the shard: its per-expert checkpoint tensors, or its row."""
-        if name in self.assembled:
+        spliced = self.spliced(name)
+        if spliced is not None:
+            if not resident(spliced.tensor[expert]):
+                advise_ranges(self._row_ranges(spliced, expert), "POSIX_FADV_WILLNEED")
+        elif name in self.assembled:
             for index, source in self.checkpoint.parts(self._refs[name]) or ():
                 if _row_of(index) == expert:
                     will_need(source)
-            return
-        will_need(self._view(name)[expert])
+        else:
+            will_need(self._view(name)[expert])
+
+    @staticmethod
+    def _row_ranges(spliced: Spliced, expert: int) -> list[tuple[Path, int, int]]:
+        row = spliced.nbytes // spliced.shape[0]
+        return spliced.ranges(expert * row, (expert + 1) * row)
 
     def offset(self, name: str) -> int:
         """A tensor read in place sits at its offset in the mapped shard, as an in-memory load in place has it
@@ -139,11 +209,20 @@ class InPlaceStore(Store):
         return reference_offset(self._view(name), self.maps_checkpoint)
 
     def warm(self, name: str) -> bool:
+        spliced = self.spliced(name)
+        if spliced is not None:
+            if misplaced(spliced.tensor, self.offset(name)):
+                return False
+            read_in([spliced.tensor], [spliced.ranges(0, spliced.nbytes)])
+            return True
         if name in self.converting or name in self.assembled or misplaced(self._view(name), self.offset(name)):
             return False  # a copy is made on read: the caller fetches it ahead instead
         return populate(self._view(name), *self._where(name))
 
     def drop(self, name: str) -> bool:
+        spliced = self.spliced(name)
+        if spliced is not None:  # the mapped pages only: the copied edges are the tensor's own memory
+            return drop_spans(spliced.mapped_spans())
         if name in self.assembled:
             return False
         return drop(self._view(name), *self._where(name))
@@ -162,6 +241,7 @@ class InPlaceStore(Store):
 
     def close(self) -> None:
         self._views.clear()
+        self._spliced.clear()
 
 
 def _row_of(index: tuple) -> int | None:

@@ -58,6 +58,10 @@ class HostMemoryStore(Store):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
 
+    def mapped_view(self, name: str) -> torch.Tensor:
+        """The held memory itself: a CPU run computes on it in place (nothing to read, no copy)."""
+        return self._tensors[name]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 

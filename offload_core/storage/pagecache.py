@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["drop", "libc", "populate", "resident", "will_need"]
+__all__ = ["advise_ranges", "coalesce", "drop", "drop_spans", "libc", "map_in", "populate", "read_in", "resident", "will_need"]
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
@@ -74,8 +74,8 @@ def populate(tensor: torch.Tensor, path: str | os.PathLike[str] | None = None, o
 
     When ``mincore`` shows the tensor already in memory, nothing is done (walking the pages of every
     offloaded byte on every token is costly). Otherwise, given the file the tensor maps (``path``, its
-    bytes starting at ``offset``), the tensor's byte range is first asked for with ``POSIX_FADV_WILLNEED``,
-    which queues the whole range at once (a deeper queue than the page faults' readahead windows:
+    bytes starting at ``offset``), the tensor's byte range is first asked for with ``POSIX_FADV_WILLNEED``
+    (in read-ahead-window pieces: :func:`advise_ranges`), which queues the whole range at once (a deeper queue than the page faults' readahead windows:
     ``bench/readpath.py``); then ``MADV_POPULATE_READ`` waits for the pages and maps them (the GIL is
     released meanwhile). Kernels without it get the ``MADV_WILLNEED`` hint, which some disks ignore.
     Returns False where madvise is unavailable.
@@ -87,7 +87,7 @@ def populate(tensor: torch.Tensor, path: str | os.PathLike[str] | None = None, o
     if _all_resident(lib, start, length):
         return True
     if path is not None:
-        _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_WILLNEED")
+        advise_ranges([(path, offset, offset + tensor.numel() * tensor.element_size())], "POSIX_FADV_WILLNEED")
     if lib.madvise(start, length, _MADV_POPULATE_READ) == 0:
         return True
     return lib.madvise(start, length, _MADV_WILLNEED) == 0
@@ -139,3 +139,69 @@ def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> boo
     start, length = _page_span(tensor)
     lib.madvise(start, length, _MADV_DONTNEED)
     return _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_DONTNEED")
+
+
+def coalesce(ranges: list[tuple[os.PathLike[str], int, int]], gap: int = 0) -> list[tuple[os.PathLike[str], int, int]]:
+    """File byte ranges sorted by file and offset, those that touch (or lie within ``gap`` bytes) merged: one
+    large read per run of neighbours, in the order they lie on the disk."""
+    merged: list[tuple[os.PathLike[str], int, int]] = []
+    for path, start, end in sorted(ranges, key=lambda r: (str(r[0]), r[1])):
+        if merged and str(merged[-1][0]) == str(path) and start <= merged[-1][2] + gap:
+            merged[-1] = (path, merged[-1][1], max(merged[-1][2], end))
+        else:
+            merged.append((path, start, end))
+    return merged
+
+
+def advise_ranges(ranges: list[tuple[os.PathLike[str], int, int]], advice: str) -> None:
+    """``posix_fadvise(advice)`` on file byte ranges, neighbours merged (each file opened once), in file order.
+
+    ``POSIX_FADV_WILLNEED`` reads at most one read-ahead window per call and ignores the rest (as
+    ``MADV_WILLNEED``: :func:`will_need`), so it is given in :data:`_HINT_CHUNK` pieces covering each range."""
+    if not ranges or not hasattr(os, advice):
+        return
+    chunk = _HINT_CHUNK if advice == "POSIX_FADV_WILLNEED" else 1 << 62
+    fds: dict[str, int] = {}
+    try:
+        for path, start, end in coalesce(ranges):
+            if str(path) not in fds:
+                fds[str(path)] = os.open(path, os.O_RDONLY)
+            for offset in range(start, end, chunk):
+                os.posix_fadvise(fds[str(path)], offset, min(chunk, end - offset), getattr(os, advice))
+    except OSError:
+        pass  # a hint that cannot be given costs time, never data
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def drop_spans(spans: list[tuple[int, int, os.PathLike[str], int]]) -> bool:
+    """:func:`drop` for page-aligned file mappings given as (address, length, file, file offset): unmapped from
+    this process, then dropped from the page cache. False where this cannot be done."""
+    lib = libc()
+    if lib is None or not hasattr(os, "posix_fadvise"):
+        return False
+    for address, length, _, _ in spans:
+        lib.madvise(address, length, _MADV_DONTNEED)
+    advise_ranges([(path, offset, offset + length) for _, length, path, offset in spans], "POSIX_FADV_DONTNEED")
+    return True
+
+
+def read_in(tensors: list[torch.Tensor], ranges: list[tuple[os.PathLike[str], int, int]]) -> int:
+    """Bring mapped CPU tensors in whose pages are not all in memory: the file ranges that hold them (``ranges``,
+    one list per tensor) asked for at once, neighbours merged, then each tensor waited for and mapped, in
+    order. Tensors already in memory cost one ``mincore`` each. Returns how many were not in memory."""
+    missing = [i for i, tensor in enumerate(tensors) if not resident(tensor)]
+    advise_ranges([r for i in missing for r in ranges[i]], "POSIX_FADV_WILLNEED")
+    for i in missing:
+        map_in(tensors[i])
+    return len(missing)
+
+
+def map_in(tensor: torch.Tensor) -> None:
+    """Map a CPU tensor's pages now, waiting for those still being read (``MADV_POPULATE_READ``, even where all are
+    cached: :func:`populate` skips those, and the compute would fault each window in)."""
+    lib = libc()
+    if lib is None or lib.madvise(*_page_span(tensor), _MADV_POPULATE_READ) != 0:
+        populate(tensor)
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -42,6 +43,13 @@ def is_fused_experts(module: nn.Module) -> bool:
     return any(p.dim() == 3 and p.shape[0] == count for p in module.parameters(recurse=False))
 
 
+#: calls a guess is judged over (the last GUESS_WINDOW, once there are GUESS_JUDGED), and the share of routed experts
+#: it must have guessed to be read ahead
+GUESS_WINDOW = 32
+GUESS_JUDGED = 8
+GUESS_PAYS = 0.8
+
+
 @dataclass
 class ExpertCounters:
     """What the expert-granular policy counts: shared by every MoE layer of one model."""
@@ -56,8 +64,25 @@ class ExpertCounters:
     routed: int = 0  # experts selected, over every call that had a guess
     decode_bytes: int = 0
     decode_tokens: int = 0
+    guessing: bool = True  # guesses are read ahead (False while they do not pay: computed and scored only)
+    guess_pauses: int = 0  # times guessing stopped for want of hits
+    window: deque = field(default_factory=lambda: deque(maxlen=GUESS_WINDOW), repr=False)  # (right, routed) per call
     stats: TransferStats | None = None  # the run's transfer counters, which count expert reads too
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def score(self, right: int, routed: int) -> None:
+        """Count one call's guess; guessing stops while fewer than :data:`GUESS_PAYS` of the routed experts of the
+        last calls were guessed (a wrong guess reads bytes no one uses), and starts again when as many are."""
+        with self.lock:
+            self.guessed_right += right
+            self.routed += routed
+            self.window.append((right, routed))
+            if len(self.window) < GUESS_JUDGED:
+                return
+            pays = sum(r for r, _ in self.window) >= GUESS_PAYS * sum(n for _, n in self.window)
+            if self.guessing and not pays:
+                self.guess_pauses += 1
+            self.guessing = pays
 
     def add_bytes(self, tensors: int, nbytes: int) -> None:
         with self.lock:
@@ -100,6 +125,7 @@ class ExpertLayer:
         self.row_bytes = sum(shape[1:].numel() * dtype.itemsize for shape, dtype in self.specs.values())
         self.next: ExpertLayer | None = None
         self.guess: dict[int, Future] = {}
+        self.shadow: set[int] = set()  # the guess while guessing does not pay: scored, not read
         self.previous: list[int] = []
         self.accelerator = devices.for_device(buffers.device)
         self.pinned = self.accelerator is not devices.HOST
@@ -128,6 +154,11 @@ class ExpertLayer:
 
     def read_ahead(self, experts: list[int]) -> None:
         """Start reading ``experts`` on the reader thread (those neither cached nor already under way)."""
+        if not self.counters.guessing:
+            self.shadow = set(experts)
+            with self.counters.lock:
+                self.counters.guessed += len(experts)
+            return
         for expert in experts:
             if expert not in self.guess and self.cache.get(expert) is None:
                 self.guess[expert] = self.reader.submit(self.read_rows, expert)
@@ -158,10 +189,9 @@ class ExpertLayer:
             self.next.read_ahead(self.guess_next(hidden))
 
     def score_guess(self, experts: list[int]) -> None:
-        if self.guess:
-            with self.counters.lock:
-                self.counters.guessed_right += len(set(self.guess) & set(experts))
-                self.counters.routed += len(experts)
+        guessed, self.shadow = set(self.guess) | self.shadow, set()
+        if guessed:
+            self.counters.score(len(guessed & set(experts)), len(experts))
 
     def read_whole(self, tensors: dict[str, torch.Tensor]) -> None:
         """Most experts must come from the store (a long prompt): one read of each whole tensor beats

@@ -72,6 +72,11 @@ class RowsLayer(ExpertLayer):
                 self.store.advise_expert(key, expert)
 
     def read_ahead(self, experts: list[int]) -> None:
+        if not self.counters.guessing:
+            self.shadow = set(experts)
+            with self.counters.lock:
+                self.counters.guessed += len(experts)
+            return
         ahead = [e for e in experts if e not in self.guess and e not in self.present]
         self.advise(ahead)
         for expert in ahead:

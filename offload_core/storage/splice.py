@@ -1,0 +1,150 @@
+"""A tensor assembled from byte ranges of files without copying them: each part's whole pages are the file's own
+pages, mapped at their place in the tensor (``mmap(MAP_FIXED)``); only the page at each part's edges is a copy.
+
+transformers 5 fuses per-expert checkpoint tensors into one parameter per layer (``gate_up_proj[E, 2I, H]``);
+each per-expert tensor is contiguous in its shard, and so is its place in the fused tensor. Mapped where they
+lie, the parts make a fused tensor that is built once per load, costs no copy on any read after, takes its bytes
+from the page cache (file-backed: no anonymous memory but a few edge pages), and reads from the disk only the
+pages that are touched: a routed expert's rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload_core.storage.pagecache import libc
+
+PAGE = mmap.PAGESIZE
+_PROT_READ, _PROT_WRITE = 1, 2
+_MAP_PRIVATE, _MAP_FIXED = 0x02, 0x10
+_MADV_NOHUGEPAGE = 15
+
+
+@dataclass(frozen=True)
+class Part:
+    """``target[index] = file[start:end]``: one source tensor's bytes and where they go."""
+
+    index: tuple
+    path: Path
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a part lies in the spliced tensor (``at``: its byte offset there) and whether its pages are the file's."""
+
+    part: Part
+    at: int
+    mapped: tuple[int, int] | None  # the tensor's byte range [a, b) whose pages map the file (None: copied whole)
+
+
+def _mmap_fn():
+    lib = libc()
+    if lib is None:
+        return None
+    fn = lib.mmap
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+def layout(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[tuple[Part, int]] | None:
+    """Each part with its byte offset in a contiguous ``shape`` tensor, or None where the parts are not contiguous
+    ranges of it of their own sizes, or do not cover it exactly once."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    placed, total = [], 0
+    for part in parts:
+        try:
+            sub = meta[part.index]
+        except (IndexError, TypeError, RuntimeError):
+            return None
+        nbytes = sub.numel() * dtype.itemsize
+        if not sub.is_contiguous() or nbytes != part.end - part.start or nbytes == 0:
+            return None
+        placed.append((part, sub.storage_offset() * dtype.itemsize))
+        total += nbytes
+    ranges = sorted((at, at + part.end - part.start) for part, at in placed)
+    if total != meta.numel() * dtype.itemsize or any(b > c for (_, b), (c, _) in zip(ranges, ranges[1:])):
+        return None
+    return placed
+
+
+class Spliced:
+    """A ``shape`` tensor over a private mapping in which each part's whole pages map its file, copy-on-write.
+
+    The mapping starts where the first part's file offset falls in its page, so that every part whose file
+    offset falls alike (all parts of one checkpoint layer, typically) maps its interior pages; the bytes of
+    a part's first and last page, and a part that falls otherwise, are copied once (anonymous memory).
+    Build with :meth:`build`, which answers None where this cannot be done (off Linux, the parts not a
+    layout of the tensor).
+    """
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, placed: list[tuple[Part, int]]) -> None:
+        self.shape, self.dtype = torch.Size(shape), dtype
+        self.nbytes = self.shape.numel() * dtype.itemsize
+        first, at = min(placed, key=lambda item: item[1])
+        self.lead = (first.start - at) % PAGE  # the tensor's address modulo the page size
+        self.map = mmap.mmap(-1, self.lead + self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + self.lead
+        lib, fn = libc(), _mmap_fn()
+        lib.madvise(self.address - self.lead, self.lead + self.nbytes, _MADV_NOHUGEPAGE)
+        self.pieces: list[Piece] = []
+        for part, at in placed:
+            a, b = self.address + at, self.address + at + part.end - part.start
+            lo, hi = -(-a // PAGE) * PAGE, b // PAGE * PAGE
+            mapped = None
+            if (part.start - at) % PAGE == self.lead and hi > lo:
+                fd = os.open(part.path, os.O_RDONLY)
+                try:
+                    got = fn(lo, hi - lo, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED, fd, part.start + lo - a)
+                finally:
+                    os.close(fd)
+                if got == lo:
+                    mapped = (lo - self.address, hi - self.address)
+            self.pieces.append(Piece(part, at, mapped))
+        with torch.inference_mode(False):  # kept across calls: a normal tensor
+            flat = torch.frombuffer(self.map, dtype=torch.uint8, count=self.nbytes, offset=self.lead)
+            self.tensor = flat.view(dtype).view(self.shape)
+
+    @classmethod
+    def build(cls, shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> Spliced | None:
+        placed = layout(torch.Size(shape), dtype, parts) if parts else None
+        if placed is None or libc() is None or _mmap_fn() is None:
+            return None
+        return cls(shape, dtype, placed)
+
+    def copy_edges(self, sources: list[torch.Tensor]) -> None:
+        """Copy the bytes that are not mapped (each part's edge pages, or all of it) from ``sources`` (the parts'
+        own views, in the order of the parts)."""
+        flat = self.tensor.view(-1).view(torch.uint8)
+        for piece, source in zip(self.pieces, sources):
+            data = source.reshape(-1).view(torch.uint8)
+            size = piece.part.end - piece.part.start
+            if piece.mapped is None:
+                flat[piece.at:piece.at + size].copy_(data)
+                continue
+            lo, hi = piece.mapped
+            flat[piece.at:lo].copy_(data[:lo - piece.at])
+            flat[hi:piece.at + size].copy_(data[hi - piece.at:])
+
+    def ranges(self, start: int, end: int) -> list[tuple[Path, int, int]]:
+        """The file byte ranges that hold the tensor's bytes ``[start, end)``: (file, start, end) per part touched."""
+        found = []
+        for piece in self.pieces:
+            size = piece.part.end - piece.part.start
+            lo, hi = max(start, piece.at), min(end, piece.at + size)
+            if lo < hi:
+                found.append((piece.part.path, piece.part.start + lo - piece.at, piece.part.start + hi - piece.at))
+        return found
+
+    def mapped_spans(self) -> list[tuple[int, int, Path, int]]:
+        """The file-backed page ranges: (address, length, file, file offset) per mapped part."""
+        return [(self.address + lo, hi - lo, p.part.path, p.part.start + lo - p.at) for p in self.pieces
+                if (p.mapped is not None) for lo, hi in [p.mapped]]
