@@ -1,0 +1,71 @@
+"""The fill on models small enough to work by hand: what each device holds back, what it says, the flags of
+``infer_auto_device_map``. Sizes are float32: a 16 x 16 linear is 272 floats (1,088 bytes), a 4 x 4 one 20 (80 bytes)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+from torch import nn
+
+from offload_core.planning import infer_auto_device_map
+
+
+def said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "offload_core.planning.fill"]
+
+
+def three_linears() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(4, 4))  # 1,088 + 1,088 + 80 bytes
+
+
+def test_only_the_main_devices_hold_back_room_and_an_empty_gpu_says_what_it_needed(caplog):
+    """GPU 0 (main) holds back the largest unit (1,088) so unit 0 (1,088) cannot join it in 1,088 bytes; GPU 1 is not
+    a main device and holds back nothing, so units 0 and 1 fill its 2,176 bytes exactly; unit 2 goes to the cpu."""
+    with caplog.at_level(logging.INFO, logger="offload_core.planning.fill"):
+        device_map = infer_auto_device_map(three_linears(), {0: 1088, 1: 2176, "cpu": 10**6})
+    assert device_map == {"0": 1, "1": 1, "2": "cpu"}
+    assert said(caplog) == [
+        "no modules could be assigned to these devices due to insufficient memory (0: 2176 bytes required); give "
+        "them at least that much, or plan with fallback_allocation=True"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="offload_core.planning.fill"):
+        assert infer_auto_device_map(three_linears(), {0: 2175, 1: 2176, "cpu": 10**6}) == {"0": 1, "1": 1, "2": "cpu"}
+        assert infer_auto_device_map(three_linears(), {0: 2176, 1: 2176, "cpu": 10**6}) == {"0": 0, "1": 1, "2": 1}
+    assert len(said(caplog)) == 1  # only the first map left a GPU empty
+
+
+def test_verbose_says_where_each_unit_goes(caplog):
+    with caplog.at_level(logging.INFO, logger="offload_core.planning.fill"):
+        infer_auto_device_map(three_linears(), {"cpu": 10**6}, verbose=True)
+    assert said(caplog) == [
+        "Putting 0 (size=1088) on cpu", "Putting 1 (size=1088) on cpu", "Putting 2 (size=80) on cpu"]
+
+
+def test_clean_result_false_keeps_one_key_per_unit_where_the_clean_map_merges():
+    """The outer Sequential (160 bytes) with the 1,088 held back for the linear after it does not fit 1,100 bytes of
+    cpu; its halves (80 each) do not either (80 + 1,088), nor the linear once they are offloaded (1,088 + 80)."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(16, 16))
+    assert infer_auto_device_map(model, {"cpu": 1100}) == {"": "disk"}
+    assert infer_auto_device_map(model, {"cpu": 1100}, clean_result=False) == {"0.0": "disk", "0.1": "disk", "1": "disk"}
+    # 1,168: the first half fits beside the 1,088 held back; the second half then needs 80 + 80 + 1,088; the last
+    # linear 80 + 1,088 + 80 held back for the half on disk
+    assert infer_auto_device_map(model, {"cpu": 1168}) == {"0.0": "cpu", "0.1": "disk", "1": "disk"}
+    assert infer_auto_device_map(model, {"cpu": 1248}) == {"": "cpu"}
+
+
+@pytest.mark.parametrize("budget, warns", [(1100, True), (1127, True), (1128, False)])
+def test_buffers_of_offloaded_modules_warn_when_no_gpu_has_room_for_them(budget, warns):
+    """A batch norm over 4 features: weight and bias 32 bytes, buffers 40 (running mean and variance 32, the int64
+    count 8). The 16 x 16 linear (1,088) with the 72 held back for the norm does not fit GPU 0, so both go to the cpu;
+    GPU 0 keeps 1,088 back for streaming them, leaving budget - 1,088 for the norm's 40 bytes of buffers."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert infer_auto_device_map(model, {0: budget, "cpu": 10**6}) == {"": "cpu"}
+        infer_auto_device_map(model, {0: budget, "cpu": 10**6}, offload_buffers=True)
+    said = [str(w.message) for w in caught]
+    assert said == (["Current model requires 40 bytes of buffer for offloaded layers, which seems does not fit any GPU's "
+                     "remaining memory. If you are experiencing a OOM later, please consider using offload_buffers=True."]
+                    if warns else [])
