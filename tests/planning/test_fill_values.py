@@ -7,6 +7,7 @@ import logging
 import warnings
 
 import pytest
+import torch
 from torch import nn
 
 from offload_core.planning import infer_auto_device_map
@@ -69,3 +70,54 @@ def test_buffers_of_offloaded_modules_warn_when_no_gpu_has_room_for_them(budget,
     assert said == (["Current model requires 40 bytes of buffer for offloaded layers, which seems does not fit any GPU's "
                      "remaining memory. If you are experiencing a OOM later, please consider using offload_buffers=True."]
                     if warns else [])
+
+
+def test_dtype_and_special_dtypes_size_the_units():
+    """In float16 the linears are 544, 544 and 40 bytes: unit 0 fits 1,100 beside the 544 held back, unit 1 does not
+    (544 + 544 + 40), nor unit 2 once unit 1 is offloaded (544 + 40 + 544). With only unit 0's weight in float16
+    (512 + 64 of bias = 576), 1,700 bytes take unit 0 beside 1,088 held back, not unit 1 (576 + 1,088 + 80)."""
+    assert infer_auto_device_map(three_linears(), {"cpu": 1100}) == {"": "disk"}
+    assert infer_auto_device_map(three_linears(), {"cpu": 1100}, dtype="float16") == {"0": "cpu", "1": "disk", "2": "disk"}
+    assert infer_auto_device_map(three_linears(), {"cpu": 1700}) == {"0": "disk", "1": "disk", "2": "cpu"}
+    assert infer_auto_device_map(three_linears(), {"cpu": 1700}, special_dtypes={"0.weight": torch.float16}) == {
+        "0": "cpu", "1": "disk", "2": "disk"}
+
+
+def test_fallback_allocation_looks_inside_modules_breadth_first():
+    """Unit 0 (1,088) with 1,088 held back does not fit GPU 0's 1,200 bytes; fallback looks at unit 0, then opens the
+    Sequential: its first linear does not fit either, its 4 x 4 linear (80 + 1,088 held back) does."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16), nn.Linear(4, 4)))
+    assert infer_auto_device_map(model, {0: 1200, "cpu": 10**6}) == {"": "cpu"}
+    assert infer_auto_device_map(model, {0: 1200, "cpu": 10**6}, fallback_allocation=True) == {
+        "0": "cpu", "1.0": "cpu", "1.1": 0}
+
+
+def test_a_model_without_tensors_goes_whole_to_the_first_device():
+    assert infer_auto_device_map(nn.Sequential(nn.ReLU()), {0: 10, "cpu": 10}) == {"": 0}
+    assert infer_auto_device_map(nn.Sequential(nn.ReLU()), {"cpu": 10}) == {"": "cpu"}
+    assert infer_auto_device_map(nn.Sequential(nn.ReLU()), {}) == {"": "disk"}
+
+
+def test_the_buffer_warning_points_at_the_caller():
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(4))
+    with pytest.warns(UserWarning, match="40 bytes of buffer") as caught:
+        infer_auto_device_map(model, {0: 1100, "cpu": 10**6})
+    assert caught[0].filename == __file__
+
+
+class Head(nn.Module):
+    """A module with a child and a direct weight (tied below): the weight is a unit of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.weight = nn.Parameter(torch.zeros(10, 4))
+
+
+def test_a_tie_to_a_direct_weight_of_a_splittable_module_goes_with_its_partner():
+    """The embedding (160 bytes) and its tied partner head.weight (counted once) fill GPU 0's 160 bytes together;
+    head.proj (80) follows to the cpu."""
+    model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": Head()})
+    model["head"].weight = model["embed"].weight
+    assert infer_auto_device_map(model, {0: 160, "cpu": 10**6}, reserve={}) == {
+        "embed": 0, "head.weight": 0, "head.proj": "cpu"}
