@@ -118,7 +118,8 @@ def run_group(name: str, children: int, keep: Path | None, minutes: float) -> tu
             shutil.copytree(tree / "mutants", keep / name, dirs_exist_ok=True)
         log.close()
         if not counts(tree) or not any(t["killed"] + t["survived"] for t in counts(tree).values()):
-            raise SystemExit(f"mutmut failed for {name}: {(Path(scratch) / 'mutmut.log').read_text()[-3000:]}")
+            raise SystemExit(f"mutmut failed for {name} (exit {proc.returncode}): "
+                             f"{(Path(scratch) / 'mutmut.log').read_text()[-3000:]}")
         return counts(tree), took, survivors
 
 
