@@ -37,13 +37,20 @@ def test_the_execution_device_is_checked_in_one_line(fake_gpu):
     assert said(fake.device(5)) == "execution_device='fakegpu:5' does not exist: this machine has 2 CUDA device(s); use cpu"
 
 
-def test_balanced_budgets_plan_for_another_machine_silently_and_count_special_dtypes(caplog):
+def test_balanced_budgets_plan_for_another_machine_silently_and_count_special_dtypes(caplog, monkeypatch):
     """One 16 x 16 linear: 1,088 bytes, its own only leaf, so the cap is 1,088 / 2 + 1.25 x 1,088; its weight in
     float16 makes it 512 + 64 bytes: 576 / 2 + 1.25 x 576."""
     big = 10**6
+    logger = logging.getLogger("offload_core.planning.budgets")  # live, whatever an earlier Hydra run did to it
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
     with caplog.at_level(logging.WARNING, logger="offload_core.planning.budgets"):
-        assert get_balanced_memory(nn.Linear(16, 16), {5: big, 7: big}) == {5: 544 + 1360, 7: big}
-    assert not [r for r in caplog.records if r.name == "offload_core.planning.budgets"]  # GPUs 5 and 7: not here
+        get_max_memory({97: big})
+    assert "Device 97 is not available" in caplog.text  # what a check of this machine's GPUs would have said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload_core.planning.budgets"):
+        assert get_balanced_memory(nn.Linear(16, 16), {97: big, 99: big}) == {97: 544 + 1360, 99: big}
+    assert not [r for r in caplog.records if r.name == "offload_core.planning.budgets"]  # GPUs 97 and 99: not here
     assert get_balanced_memory(nn.Linear(16, 16), {0: big, 1: big}, special_dtypes={"weight": torch.float16}) == {
         0: 288 + 720, 1: big}
     assert get_balanced_memory(nn.Linear(16, 16), {0: 1, 1: big, 2: big}) == {0: 1, 1: 362 + 1360, 2: big}  # 1 byte is a GPU: 1,088 // 3
