@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import pytest
@@ -11,44 +10,37 @@ import torch
 from torch import nn
 
 from offload_core.planning import infer_auto_device_map
+from tests.logs import records_of
 
-
-@pytest.fixture
-def fill_log(caplog, monkeypatch):
-    """The fill's log records: its logger live and reaching caplog (an in-process Hydra run earlier in the same
-    worker may have disabled existing loggers)."""
-    logger = logging.getLogger("offload_core.planning.fill")
-    monkeypatch.setattr(logger, "disabled", False)
-    monkeypatch.setattr(logger, "propagate", True)
-    caplog.set_level(logging.INFO, logger="offload_core.planning.fill")
-    return caplog
-
-
-def said(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "offload_core.planning.fill"]
+FILL = "offload_core.planning.fill"
 
 
 def three_linears() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(4, 4))  # 1,088 + 1,088 + 80 bytes
 
 
-def test_only_the_main_devices_hold_back_room_and_an_empty_gpu_says_what_it_needed(fill_log):
+def test_only_the_main_devices_hold_back_room_and_an_empty_gpu_says_what_it_needed():
     """GPU 0 (main) holds back the largest unit (1,088) so unit 0 (1,088) cannot join it in 1,088 bytes; GPU 1 is not
     a main device and holds back nothing, so units 0 and 1 fill its 2,176 bytes exactly; unit 2 goes to the cpu."""
-    device_map = infer_auto_device_map(three_linears(), {0: 1088, 1: 2176, "cpu": 10**6})
+    with records_of(FILL) as said:
+        device_map = infer_auto_device_map(three_linears(), {0: 1088, 1: 2176, "cpu": 10**6})
     assert device_map == {"0": 1, "1": 1, "2": "cpu"}
-    assert said(fill_log) == [
+    assert said == [
         "no modules could be assigned to these devices due to insufficient memory (0: 2176 bytes required); give "
         "them at least that much, or plan with fallback_allocation=True"]
-    fill_log.clear()
-    assert infer_auto_device_map(three_linears(), {0: 2175, 1: 2176, "cpu": 10**6}) == {"0": 1, "1": 1, "2": "cpu"}
-    assert infer_auto_device_map(three_linears(), {0: 2176, 1: 2176, "cpu": 10**6}) == {"0": 0, "1": 1, "2": 1}
-    assert len(said(fill_log)) == 1  # only the first map left a GPU empty
+    with records_of(FILL) as said:  # one byte short of unit 0 and the 1,088 held back: GPU 0 stays empty
+        assert infer_auto_device_map(three_linears(), {0: 2175, 1: 2176, "cpu": 10**6}) == {"0": 1, "1": 1, "2": "cpu"}
+    assert [line[:80] for line in said] == [
+        "no modules could be assigned to these devices due to insufficient memory (0: 2176 bytes required); give "[:80]]
+    with records_of(FILL) as said:
+        assert infer_auto_device_map(three_linears(), {0: 2176, 1: 2176, "cpu": 10**6}) == {"0": 0, "1": 1, "2": 1}
+    assert said == []
 
 
-def test_verbose_says_where_each_unit_goes(fill_log):
-    infer_auto_device_map(three_linears(), {"cpu": 10**6}, verbose=True)
-    assert said(fill_log) == [
+def test_verbose_says_where_each_unit_goes():
+    with records_of(FILL) as said:
+        infer_auto_device_map(three_linears(), {"cpu": 10**6}, verbose=True)
+    assert said == [
         "Putting 0 (size=1088) on cpu", "Putting 1 (size=1088) on cpu", "Putting 2 (size=80) on cpu"]
 
 
