@@ -192,6 +192,7 @@ def test_balanced_caps_worked_by_hand():
     weightless = nn.Sequential(nn.ReLU(), nn.ReLU())  # nothing to spread, no block, no leaf with bytes: caps of 0
     assert get_balanced_memory(weightless, {0: big, 1: big}) == {0: 0, 1: big}
     assert get_balanced_memory(weightless, {0: big, 1: big}, ["ReLU"]) == {0: 0, 1: big}
+    assert get_balanced_memory(weightless, {0: big, 1: big}, ["Nope"]) == {0: 0, 1: big}
 
 
 def test_fallback_allocation_puts_the_first_unit_that_fits_on_an_otherwise_empty_gpu():
