@@ -117,6 +117,8 @@ def run_group(name: str, children: int, keep: Path | None, minutes: float) -> tu
         if keep is not None:
             shutil.copytree(tree / "mutants", keep / name, dirs_exist_ok=True)
         log.close()
+        if keep is not None:
+            shutil.copy(Path(scratch) / "mutmut.log", keep / f"{name}.log")
         if not counts(tree) or not any(t["killed"] + t["survived"] for t in counts(tree).values()):
             raise SystemExit(f"mutmut failed for {name} (exit {proc.returncode}): "
                              f"{(Path(scratch) / 'mutmut.log').read_text()[-3000:]}")
