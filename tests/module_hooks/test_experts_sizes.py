@@ -12,7 +12,7 @@ from offload_core.module_hooks.experts.loader import expert_sizes, expert_slots,
 
 class Fused(nn.Module):
     """``experts`` experts: gate_up [E, 8, width] and down [E, 3, 4] indexed by expert, an int8 [E, 5, 1] table, and a
-    bias that is not indexed by expert. One expert's rows: 8 x width + 12 floats and 5 bytes."""
+    bias and a [3, 2, 2] mix that are not indexed by expert. One expert's rows: 8 x width + 12 floats and 5 bytes."""
 
     def __init__(self, experts: int = 4, width: int = 6) -> None:
         super().__init__()
@@ -21,6 +21,7 @@ class Fused(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(experts, 3, 4))
         self.table = nn.Parameter(torch.zeros(experts, 5, 1, dtype=torch.int8), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(8))
+        self.mix = nn.Parameter(torch.zeros(3, 2, 2))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return hidden_states
@@ -45,7 +46,7 @@ def test_a_fused_experts_module_is_called_with_the_routing_and_indexed_by_expert
 
 
 def test_expert_sizes_are_one_experts_rows_in_the_largest_module_and_the_count_of_modules():
-    model = nn.Sequential(Fused(4, 6), nn.Linear(4, 4), Fused(8, 10), Unrouted())
+    model = nn.Sequential(Fused(8, 10), nn.Linear(4, 4), Fused(4, 6), Unrouted())
     # Fused(8, 10): 8 x 10 + 12 = 92 floats (368 bytes) and 5 int8 bytes; Fused(4, 6): 60 floats
     assert expert_sizes(model) == (368 + 5, 2)
     assert expert_sizes(model, torch.float16) == (184 + 5, 2)  # the int8 table keeps its size
@@ -55,7 +56,7 @@ def test_expert_sizes_are_one_experts_rows_in_the_largest_module_and_the_count_o
 
 def test_expert_slots_are_the_offloaded_tensors_indexed_by_expert():
     fused = Fused()
-    offloaded = {"moe.gate_up_proj": "k1", "moe.table": "k3", "moe.bias": "k4"}
+    offloaded = {"moe.gate_up_proj": "k1", "moe.table": "k3", "moe.bias": "k4", "moe.mix": "k5"}
     slots = expert_slots("moe", fused, offloaded)
     assert [(s.local, s.full, s.key, s.is_param, s.owner is fused) for s in slots] == [
         ("gate_up_proj", "moe.gate_up_proj", "k1", True, True), ("table", "moe.table", "k3", True, True)]
