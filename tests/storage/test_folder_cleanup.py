@@ -14,6 +14,7 @@ import torch
 from offload_core.errors import StorageError
 from offload_core.storage import StoreContext
 from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
+from tests.logs import records_of
 
 TENSORS = {"a": torch.arange(8.0), "b": torch.ones(2, 3)}
 
@@ -62,6 +63,7 @@ def test_a_failed_write_removes_what_it_wrote_and_says_so_in_one_line(tmp_path, 
     store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint={"v": 1}))
     store.put("a", TENSORS["a"])
     assert (folder / "a.dat").exists() and store.bytes_written == 32
+    (folder / (COMPLETE + ".tmp")).write_text("an interrupted marker")  # ours: goes too
 
     def failing(path, data):
         raise OSError(code, os.strerror(code))
@@ -92,3 +94,23 @@ def test_a_failed_index_write_in_an_existing_folder_keeps_the_folder(tmp_path):
         store.finalize()
     store.close()
     assert folder.exists() and os.listdir(folder) == []  # not ours to remove: only its contents were
+
+
+def test_reuse_that_cannot_record_new_stamps_says_so_and_reuses(tmp_path, monkeypatch):
+    """A touched file is hashed again (same bytes) and its new stamp recorded in the marker: best effort, so a full
+    disk then is one log line, and the folder is still reused."""
+    folder = tmp_path / "off"
+    build(folder, 1).close()
+    os.utime(folder / "a.dat", ns=(1, 1))
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full(path, data):
+        raise error
+
+    monkeypatch.setattr(FolderStore, "write_file", staticmethod(full))
+    with records_of("offload_core.storage.folder") as said:
+        store = build(folder, 1)
+    assert store.reused
+    assert said == [f"memmap: could not record the verified stamps in {folder} ({error})",
+                    f"memmap: reusing complete offload folder {folder} (contents verified)"]
+    store.close()
