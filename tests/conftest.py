@@ -8,6 +8,7 @@ real accelerator) or uses the ``fake_gpu`` fixture (the fake accelerator, and th
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -72,6 +73,21 @@ def saved(tmp_path_factory):
 @pytest.fixture
 def tensors() -> dict[str, torch.Tensor]:
     return round_trip_tensors()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_log_files():
+    """A Hydra run in this process leaves a FileHandler on a logger for a log file under the test's tmp_path; once
+    pytest removes that folder, a later test's warning fails reopening it (FileNotFoundError from logging). Each
+    test's new file handlers go, closed, when it ends."""
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    before = {id(logger): list(logger.handlers) for logger in loggers}
+    yield
+    for logger in [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]:
+        for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
+            if handler not in before.get(id(logger), []):
+                logger.removeHandler(handler)
+                handler.close()
 
 
 @pytest.fixture(autouse=True)

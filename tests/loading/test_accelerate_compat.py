@@ -27,6 +27,8 @@ from offload_core.planning import (
     infer_auto_device_map,
 )
 
+from tests.logs import records_of
+
 # accelerate 1.x's positional parameters, in order, for the functions we share a name with
 ACCELERATE = {
     infer_auto_device_map: ["model", "max_memory", "no_split_module_classes", "dtype", "special_dtypes", "verbose",
@@ -67,15 +69,12 @@ def test_errors_are_also_the_builtin_exceptions_accelerate_raises():
         check_device_map(nn.Linear(2, 2), {"weight": 0})
 
 
-def test_get_max_memory_logs_a_missing_gpu_instead_of_raising(caplog, monkeypatch):
-    # Independent of test order: a Hydra run earlier in this process configures logging with
-    # disable_existing_loggers, which silences the module's logger; the warning is what is under test here.
-    logger = logging.getLogger("offload_core.planning.budgets")
-    monkeypatch.setattr(logger, "disabled", False)
-    with caplog.at_level(logging.WARNING, logger=logger.name):
+def test_get_max_memory_logs_a_missing_gpu_instead_of_raising():
+    # Independent of test order: the records are taken on the module's logger itself (tests/logs.py), so neither a
+    # Hydra run earlier in this process (disable_existing_loggers) nor a parent that stops propagating hides them.
+    with records_of("offload_core.planning.budgets", logging.WARNING) as said:
         assert get_max_memory({99: 10, "cpu": "1KB"}) == {99: 10, "cpu": 1000}
-    assert [r.getMessage() for r in caplog.records if r.name == logger.name] == [
-        "Device 99 is not available, available devices are []"]
+    assert said == ["Device 99 is not available, available devices are []"]
 
 
 def test_get_balanced_memory_takes_accelerates_arguments():

@@ -274,3 +274,24 @@ def test_the_cache_takes_as_many_slots_as_the_cpu_budget_holds(saved, spare_slot
     assert held == reading + slots * len(experts) * row <= budget
     assert f"expert cache: {slots} slots per layer (as many as the cpu budget holds)" in policy.plan_lines()[0]
     assert Experts(ExpertsConfig(cache_slots=4)).reserve(need)["cpu"] >= 4 * len(experts) * row  # a number given is kept
+
+
+def test_without_a_cache_a_cpu_run_reads_each_routed_expert_once_into_its_row(saved, tmp_path):
+    """No cache, no guess, one token (too few experts for a whole read): every expert a layer is routed to is read from
+    the store straight into its row of the buffer; nothing is a hit. The routing is the in-memory model's."""
+    moe = saved("mixtral")
+    reference = moe.auto.from_pretrained(moe.path).eval()
+    inputs = {"input_ids": moe.inputs["input_ids"][:1, :1]}
+    routed = _routing(reference, inputs)
+    with torch.no_grad():
+        want = reference(**inputs).logits
+    model = _dispatch(moe, moe.path, "safetensors", tmp_path / "off", cache_slots=0, guess="none", whole_fraction=1.0)
+    with torch.no_grad():
+        got = model(**inputs).logits
+    counters = model.offload_state.handle.counters()
+    device_map = dict(model.hf_device_map)
+    model.offload_state.remove()
+    assert torch.equal(got, want)
+    assert counters["expert_hits"] == 0 and counters["expert_whole_reads"] == 0
+    assert device_map == {"": "disk"}  # every layer's experts come from the store
+    assert counters["expert_misses"] == sum(len(experts) for experts in routed.values()) == 2 * len(routed) > 0  # top 2

@@ -242,6 +242,9 @@ def test_uncovered_tensors_are_named_five_at_most():
     with pytest.raises(DeviceMapError) as two:
         check_device_map(model, {"0": "cpu", "1": "cpu", "2": "cpu"})
     assert "for 2 tensor(s) ('3.weight', '3.bias'): add keys" in str(two.value)
+    with pytest.raises(DeviceMapError) as five:
+        check_device_map(model, {"0.weight": "cpu", "3": "cpu"})
+    assert "for 5 tensor(s) ('0.bias', '1.weight', '1.bias', '2.weight', '2.bias'): add keys" in str(five.value)
 
 
 def test_summary_worked_by_hand():

@@ -185,6 +185,14 @@ def test_balanced_caps_worked_by_hand():
     assert get_balanced_memory(model, {0: 1000, 1: big, "cpu": 5}) == {0: 1000, 1: big, "cpu": 5}  # never raised
     assert get_balanced_memory(model, {0: 0, 1: big, 2: big}) == {0: 0, 1: 3536, 2: big}  # a GPU given 0 is skipped
     assert get_balanced_memory(model, {0: big, 1: big}, dtype=torch.float16) == {0: 1088 + 680, 1: big}
+    # a no-split class the model lacks, or one without weights (not in the sizes), changes nothing
+    assert get_balanced_memory(model, {0: big, 1: big}, ["Nope"]) == {0: 2176 + 1360, 1: big}
+    relu = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))  # 2,176 bytes, leaves of 1,088
+    assert get_balanced_memory(relu, {0: big, 1: big}, ["ReLU"]) == {0: 1088 + 1360, 1: big}
+    weightless = nn.Sequential(nn.ReLU(), nn.ReLU())  # nothing to spread, no block, no leaf with bytes: caps of 0
+    assert get_balanced_memory(weightless, {0: big, 1: big}) == {0: 0, 1: big}
+    assert get_balanced_memory(weightless, {0: big, 1: big}, ["ReLU"]) == {0: 0, 1: big}
+    assert get_balanced_memory(weightless, {0: big, 1: big}, ["Nope"]) == {0: 0, 1: big}
 
 
 def test_fallback_allocation_puts_the_first_unit_that_fits_on_an_otherwise_empty_gpu():

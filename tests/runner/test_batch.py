@@ -218,3 +218,9 @@ def test_batch_memory_worked_by_hand():
     assert two.kv_cache == 2 * 2 * 4 * 8 * 2 * 4 * 4 == 4_096  # kv heads = heads, head_dim = 32 / 4
     assert two.activations == 13_824 + 384 + 800  # 576 values a prompt token (MLP 4 x 32 wide)
     assert largest_batch(config, one.total * 3, 10, 6, torch.bfloat16, upto=2) == 2  # capped by upto
+    assert largest_batch(config, one.total, 10, 6, torch.bfloat16, upto=3) == 1  # 2 x 19,872 does not fit
+    from transformers import LlavaConfig
+
+    composite = LlavaConfig(text_config=config.to_dict())  # a multimodal config: its text model's sizes count
+    assert batch_memory(composite, batch=1, prompt_tokens=10, new_tokens=6, dtype=torch.bfloat16).total == 19_872
+    assert largest_batch(config, 2 * one.total, 10, 6, torch.bfloat16, upto=7) == 2
