@@ -4,8 +4,7 @@ Run by ``bench/compare.py`` as ``python bench/worker.py '<spec json>' <out.json>
 ``offload_core``. Systems: ``inmem`` (transformers, all in RAM), ``accelerate`` (empty init +
 ``infer_auto_device_map`` + ``load_checkpoint_and_dispatch`` with an offload folder; transformers'
 ``from_pretrained`` with that device map where the checkpoint's names need converting) and ``ours``
-(the runner's planning, then ``offload_core.load_checkpoint_and_dispatch`` with a store and a
-module-hook policy, exactly what ``python run.py`` does).
+(the runner's planning, then ``load_checkpoint_and_dispatch`` with a store and a policy, as ``run.py`` does).
 """
 
 from __future__ import annotations
