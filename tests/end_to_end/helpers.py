@@ -55,7 +55,7 @@ def assert_one_line(err: str, *parts: str) -> None:
 
 
 def run_args(ckpt: Path, folder: Path | None = None) -> list[str]:
-    args = ["model=local", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0"]  # everything on disk
+    args = ["model=local", "storage=memmap", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0"]  # all on disk
     return args + ([f"offload_folder={folder}"] if folder is not None else [])
 
 

@@ -59,7 +59,7 @@ def _folder(setup) -> callable:
     def make(user: Path) -> list[str]:
         folder = user / "offload"
         setup(folder)
-        return ["model=synthetic", f"offload_folder={folder}", "max_memory.cpu=1KiB", "headroom=0"]
+        return ["model=synthetic", "storage=memmap", f"offload_folder={folder}", "max_memory.cpu=1KiB", "headroom=0"]
     return make
 
 

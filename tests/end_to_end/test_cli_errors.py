@@ -222,7 +222,7 @@ def test_a_pickle_that_would_run_code_is_refused_never_executed(tiny, tmp_path, 
 # -- offload folders ----------------------------------------------------------------------------
 
 def _offload_args(tiny: Path, folder: Path) -> list[str]:
-    return ["model=local", f"model.path={tiny}", "max_memory.cpu=1MiB", "headroom=0", f"offload_folder={folder}"]
+    return ["model=local", "storage=memmap", f"model.path={tiny}", "max_memory.cpu=1MiB", "headroom=0", f"offload_folder={folder}"]
 
 
 def test_offload_folder_holding_foreign_files_is_refused_and_untouched(tiny, tmp_path, capsys):

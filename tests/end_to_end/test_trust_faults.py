@@ -41,7 +41,7 @@ def _copy(tiny: Path, target: Path) -> Path:
 def test_a_stale_checkpoint_with_the_same_size_and_mtime_is_not_reused(tiny, tmp_path, capsys):
     ckpt = _copy(tiny, tmp_path / "ckpt")
     folder = tmp_path / "off"
-    args = ["model=local", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0", f"offload_folder={folder}"]
+    args = ["model=local", "storage=memmap", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0", f"offload_folder={folder}"]
     assert cli(args, tmp_path, capsys)[0] == 0
     first = run_metrics(tmp_path)
     shard = sorted(ckpt.glob("model-*.safetensors"))[-1]

@@ -109,7 +109,7 @@ def test_a_device_map_file_replaces_the_placement_in_the_header(tmp_path, capsys
     path = tmp_path / "a" / "device_map.json"
     run(_cfg([*base, f"device_map={path}"]), output_dir=tmp_path / "b", plot=False)
     header = capsys.readouterr().out.splitlines()[0]
-    assert header == f"device_map={path} storage=memmap hook=align_per_call"
+    assert header == f"device_map={path} storage=safetensors hook=align_per_call"
 
 
 def test_counters_print_sizes_in_binary_units():
