@@ -109,15 +109,17 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Any, *, max_memory: Mapping[
     from offload_core.loading.plan import make_plan
     from offload_core.planning import get_max_memory
     from offload_core.speculative import prepare, read_speculative
-    from offload_core.speculative.drafts import check_self_resident
+    from offload_core.speculative.drafts import check_self_resident, draft_bytes, hold_draft
 
     policy_name = policy if isinstance(policy, str) else type(policy).__name__
     storage, policy = resolve_strategy("storage", storage), resolve_strategy("policy", policy)
     try:
         budgets = get_max_memory(max_memory) if device_map is None or page_cache is not None else {}
         spec = read_speculative(speculative)
-        if spec.name == "draft" and budgets:
-            budgets = _less_draft(budgets, spec, dtype, device)
+        if spec.name == "draft" and budgets:  # its weights; the lengths its KV cache needs are not known here
+            key = "cpu" if device.type == "cpu" else (device.index or 0)
+            held = {"weights": draft_bytes(spec.path, dtype), "kv_cache": 0}
+            budgets = hold_draft(budgets, key, held, f"speculative='draft': the draft {spec.path!r}", f"max_memory[{key!r}]")
         plan = make_plan(model, checkpoint, placement=resolve_strategy("placement", "balanced" if placement == "auto" else placement),
                          storage=storage, policy=policy, execution_device=device, budgets=budgets, no_split=no_split,
                          dtype=dtype, device_map=device_map, page_cache=page_cache, policy_name=policy_name,
@@ -135,19 +137,3 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Any, *, max_memory: Mapping[
     except BaseException:
         checkpoint.close()
         raise
-
-
-def _less_draft(budgets: dict, spec: Any, dtype: torch.dtype, device: torch.device) -> dict:
-    """``budgets`` with the draft's weights taken from the execution device's (one line when it cannot hold them)."""
-    from offload_core.errors import ConfigError
-    from offload_core.speculative.drafts import draft_bytes
-    from offload_core.values import format_size
-
-    key = "cpu" if device.type == "cpu" else (device.index or 0)
-    if key not in budgets:
-        return budgets
-    need = draft_bytes(spec.path, dtype)
-    if need >= budgets[key]:
-        raise ConfigError(f"speculative=draft: the draft {spec.path!r} needs {format_size(need)} resident, more than "
-                          f"max_memory[{key!r}]={format_size(budgets[key])} holds beside the target; raise it or drop speculative")
-    return {**budgets, key: budgets[key] - need}

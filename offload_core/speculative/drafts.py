@@ -59,6 +59,23 @@ def check_self_resident(target: nn.Module, layers: int, device_map: dict, execut
                           f"offloads {found[0] or 'the model'} ({found[1]}): {remedy}")
 
 
+def hold_draft(budgets: dict, key: Any, held: dict[str, int], what: str, option: str, headroom: int = 0) -> dict:
+    """``budgets`` with the draft's resident bytes (``held``: its ``weights`` and ``kv_cache``) taken from ``key``'s
+    budget before the target is placed (``headroom`` stays held back too); one line when that budget cannot hold
+    them beside the target (``what``: the draft as the caller names it; ``option``: how the caller spells the
+    budget)."""
+    from offload_core.values import format_size
+
+    if key not in budgets:
+        return budgets
+    need = held["weights"] + held["kv_cache"]
+    if budgets[key] - need - headroom <= 0:
+        raise ConfigError(f"{what} needs {format_size(need)} resident (weights {format_size(held['weights'])}, KV cache "
+                          f"{format_size(held['kv_cache'])}), more than {option}={format_size(budgets[key])} holds beside "
+                          f"the target; raise {option} or set speculative=none")
+    return {**budgets, key: budgets[key] - need}
+
+
 def self_draft(target: nn.Module, layers: int) -> nn.Module:
     """A model of the target's class with ``layers`` layers whose every module is the target's own (no copy): its
     embedding, first layers, final norm, rotary embedding and head. Its forward is a separate call of the top

@@ -45,19 +45,13 @@ def reserve_speculation(settings: Any, spec: SpeculativeConfig, run_model: Any, 
     placed, and those bytes; a budget that cannot hold the draft is one line."""
     if spec.name not in ("draft", "self"):
         return settings, {}
+    from offload_core.speculative.drafts import hold_draft
+
     held = draft_memory(spec, run_model, prompt_tokens, settings.sampling.max_new_tokens)
-    need = held["weights"] + held["kv_cache"]
     key = settings.budget_key
-    if key not in settings.max_memory:
-        return settings, held
-    budget = settings.max_memory[key]
-    left = budget - need - (settings.headroom if key == "cpu" else 0)
-    what = f"the draft {spec.path!r}" if spec.name == "draft" else "the self draft's KV cache"
-    if left <= 0:
-        raise ConfigError(f"speculative={spec.name}: {what} needs {format_size(need)} resident (weights "
-                          f"{format_size(held['weights'])}, KV cache {format_size(held['kv_cache'])}), more than max_memory."
-                          f"{key}={format_size(budget)} holds beside the target; raise max_memory.{key} or set speculative=none")
-    max_memory = {**settings.max_memory, key: budget - need}
+    what = f"speculative=draft: the draft {spec.path!r}" if spec.name == "draft" else "speculative=self: the self draft's KV cache"
+    max_memory = hold_draft(settings.max_memory, key, held, what, f"max_memory.{key}",
+                            settings.headroom if key == "cpu" else 0)
     return dataclasses.replace(settings, max_memory=max_memory), held
 
 
