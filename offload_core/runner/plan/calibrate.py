@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from offload_core import devices
-from offload_core.atomic import fsync_path
+from offload_core.atomic import fsync_path, write_text_atomic
 
 PROBE_BYTES = 64 * 2**20
 #: what :func:`disk_bandwidth` measures per filesystem
@@ -74,11 +74,8 @@ def _read_cached() -> dict[str, Any]:
 
 
 def _write_cached(data: dict[str, Any]) -> None:
-    file = calibration_file()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, file)
+    """Write the calibration whole or not at all (a crash or a second process never leaves half a file)."""
+    write_text_atomic(calibration_file(), json.dumps(data, indent=1))
 
 
 def _read_all(path: Path) -> float:
