@@ -141,7 +141,8 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
     else:
         p = candidate.predicted
         per_batch = p["predicted_ttft_s"] + max(max_new_tokens - 1, 0) * p["predicted_step_s"]
-        candidate.total_s = p["predicted_load_s"] + math.ceil(prompts / rows) * per_batch
+        # the process's one-time warm-up is the same for every candidate (and paid already where a probe ran here)
+        candidate.total_s = p["predicted_load_s"] + math.ceil(prompts / rows) * per_batch - p.get("predicted_first_call_s", 0.0)
     return candidate
 
 

@@ -282,7 +282,7 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
         if refresh or key not in probes:
             blocks = {name: found["compute"].get(name, {}).get("block_s", 0.0) for name in shapes}
             probes[key] = _probe(probe[1], blocks)
-            changed = True
+            changed = found["probed_here"] = True
         found["probe"] = probes[key]
         if not probes[key]:
             print("  no dispatched probe for this store and policy (it could not run when calibrated; calibrate=true "
