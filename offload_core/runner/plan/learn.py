@@ -93,10 +93,8 @@ def read() -> dict[str, Any]:
 
 def config_key(job: Any) -> tuple[str, str]:
     """The key of ``job``'s configuration (a :class:`offload_core.runner.plan.prepare.Prepared`) and a short label."""
-    from offload_core.runner.plan.prepare import prediction_shape
-
     settings, strategies = job.settings, job.strategies
-    rows, tokens = prediction_shape(job)
+    rows, tokens = job.shape
     sections = {group: settings.sections[group] for group in ("placement", "storage", "hook")}
     parts = {
         "model": job.run_model.model.config.to_dict(), "dtype": str(job.run_model.dtype),

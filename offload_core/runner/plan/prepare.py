@@ -40,6 +40,11 @@ class Prepared:
         return self.run_model.task in GENERATIVE
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """Sequences generated at once and their prompt tokens (:func:`prediction_shape`)."""
+        return prediction_shape(self)
+
+    @property
     def per(self) -> str:
         """What one forward makes: a generated token, or (an encoder's) a forward."""
         return "generated token" if self.generates else "forward"
