@@ -198,8 +198,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
     parser.add_argument("--note", default="", help="a line for the report (the machine's state)")
+    parser.add_argument("--out", default=str(HERE / "results"), help="the folder the report goes to")
     args = parser.parse_args()
-    out = HERE / "results" / f"predict-sweep-{args.tag}"
+    out = Path(args.out) / f"predict-sweep-{args.tag}"
     with tempfile.TemporaryDirectory(prefix="predict-sweep-") as tmp:
         work = Path(tmp)
         # a fresh corrections file: first runs are the cost model's alone; the machine's calibration is kept
