@@ -73,6 +73,8 @@ def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_
     block = next(m for m in run_model.model.modules() if type(m).__name__ in run_model.no_split)
     assert terms["loads_per_forward"] == PROBE_BLOCKS * len(list(block.parameters()))
     assert terms["per_load_decode_s"] >= 0 and terms["outside_decode_s"] > 0 and terms["first_call_s"] >= 0
+    assert terms["probe_tensors"] > PROBE_BLOCKS * len(list(block.parameters())) and terms["probe_load_s"] > 0
+    assert 0 < terms["probe_offloaded_bytes"] < terms["probe_bytes"]
     assert not list(tmp_path.iterdir())  # its files are removed
 
 
@@ -98,8 +100,13 @@ def test_the_prediction_adds_the_probe_terms_per_tensor_loaded():
                    "compute": {"prefill": {"block_s": 0.01}, "decode": {"block_s": 0.001}}}
     bare = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), calibration)
     probe = {"outside_prefill_s": 0.02, "outside_decode_s": 0.002, "per_load_prefill_s": 0.001,
-             "per_load_decode_s": 0.0005, "first_call_s": 0.1, "loads_per_forward": 18}
+             "per_load_decode_s": 0.0005, "first_call_s": 0.1, "loads_per_forward": 18,
+             "probe_load_s": 0.05, "probe_tensors": 20, "probe_bytes": 0, "probe_offloaded_bytes": 0}
     probed = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe})
     assert bare["predicted_step_s"] == pytest.approx(0.004)
     assert probed["predicted_step_s"] == pytest.approx(0.004 + 0.002 + 9 * 0.0005)
     assert probed["predicted_ttft_s"] == pytest.approx(0.04 + 0.02 + 9 * 0.001 + 0.1)
+    # loading's fixed cost per tensor: 10 tensors at 0.05 s / 20
+    assert probed["predicted_load_s"] == pytest.approx(bare["predicted_load_s"] + 10 * 0.05 / 20)
+    here = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe, "probed_here": True})
+    assert here["predicted_ttft_s"] == pytest.approx(0.04 + 0.02 + 9 * 0.001)  # the warm-up was paid by the probe

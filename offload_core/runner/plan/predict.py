@@ -79,7 +79,7 @@ def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_de
     (:mod:`offload_core.runner.plan.probe`) where it ran: what lies outside the blocks (embedding, norms, the generate
     loop) and a fixed cost per offloaded tensor the policy brings in (its hooks, the store's read path, the reader's
     overlap: ``plan.predicted_loads_per_token`` of them); the first token adds what a process's first generation
-    pays once (unless the probe ran in this process: it paid it). Then the plan's reads from the disk itself
+    pays once (unless the probe ran in this process: it paid it), the load a fixed cost per tensor. Then the plan's reads from the disk itself
     (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the larger of the two) for a
     policy that ``overlaps_io``. Empty when no block could be timed."""
     compute = calibration.get("compute") or {}
@@ -104,7 +104,12 @@ def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_de
         return max(work, io) if policy.overlaps_io else work + io
 
     first_call = 0.0 if calibration.get("probed_here") else probe.get("first_call_s", 0.0)
-    return {"predicted_load_s": load_s(calibration, total, offloaded, storage.reads_from),
+    load = load_s(calibration, total, offloaded, storage.reads_from)
+    if probe.get("probe_tensors"):  # loading's fixed cost per tensor, beyond the probe's own bytes
+        bytes_s = load_s(calibration, probe["probe_bytes"], probe["probe_offloaded_bytes"], storage.reads_from)
+        tensors = sum(info.get("tensors", 0) for info in devices.values())
+        load += tensors * max(probe["probe_load_s"] - bytes_s, 0.0) / probe["probe_tensors"]
+    return {"predicted_load_s": load,
             "predicted_ttft_s": forward("prefill") + first_call, "predicted_step_s": forward("decode"),
             "predicted_first_call_s": first_call}
 

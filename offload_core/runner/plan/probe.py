@@ -5,7 +5,10 @@ and then with both blocks offloaded through the run's store and policy. What the
   loop), in memory;
 - ``per_load_*_s``: what each offloaded tensor brought in costs on top (the policy's hooks, the store's read path,
   the reader thread's overlap), per tensor loaded;
-- ``first_call_s``: what a process's first generation pays once on its first token (kernels built, caches made).
+- ``first_call_s``: what a process's first generation pays once on its first token (kernels built, caches made);
+- ``probe_load_s`` with ``probe_tensors``, ``probe_bytes`` and ``probe_offloaded_bytes``: its load, timed as a
+  run's (the dispatch through the store and policy), from which the cost model takes loading's fixed cost per
+  tensor beyond the bytes read and written.
 
 Each for ``prefill`` (the prompt's forward) and ``decode`` (one token per row), over the run's batch shape. A probe
 that cannot run (an architecture it cannot shrink, a policy that needs what the probe lacks) leaves these terms out."""
@@ -26,7 +29,7 @@ from transformers import StoppingCriteria
 from offload_core import devices
 
 #: the cache key's version: a probe measured by an older rule is measured again
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 #: the probe's blocks and vocabulary (its output embedding is timed apart, at the real size)
 PROBE_BLOCKS = 2
 PROBE_VOCAB = 256
@@ -110,8 +113,9 @@ def probe_times(run_model: Any, storage: Any, policy: Any, execution_device: tor
     the run's, on ``execution_device`` for ``rows`` sequences of ``tokens`` prompt tokens; ``block_s``: one bare
     block's calibrated seconds per shape (``prefill``, ``decode``). Its files are written in a temporary folder
     under ``folder`` (where the checkpoint lies) and removed."""
-    from offload_core.loading.pretrained import from_pretrained
-    from offload_core.loading.tasks import read_config
+    from offload_core.loading.checkpoint import Checkpoint
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.loading.tasks import build_empty, read_config
 
     config = probe_config(read_config(run_model.checkpoint_dir))
     torch.manual_seed(0)
@@ -123,18 +127,26 @@ def probe_times(run_model: Any, storage: Any, policy: Any, execution_device: tor
     with tempfile.TemporaryDirectory(prefix=".offload-probe-", dir=folder) as tmp:
         model.save_pretrained(Path(tmp) / "model")
         memory_first, memory_step, warmup = _timed(model.to(execution_device), ids)
+        sizes = {"probe_tensors": len(model.state_dict()),
+                 "probe_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
         del model
-        offloaded = from_pretrained(Path(tmp) / "model", storage=storage, policy=policy, device_map=device_map,
-                                    offload_folder=Path(tmp) / "offload", dtype=run_model.dtype,
-                                    execution_device=execution_device, no_split_module_classes=run_model.no_split)
-        with offloaded.offload_state as state:
-            state.stats.reset()
-            first, step, _ = _timed(offloaded, ids)
-            loads = state.stats.snapshot()["loads"] / ((REPEATS + 1) * PROBE_TOKENS)
+        offloaded = build_empty(config, run_model.task, run_model.dtype)
+        with Checkpoint.open(Path(tmp) / "model") as checkpoint:
+            started = time.perf_counter()  # timed as a run times its load: the dispatch, the plan made before
+            load_checkpoint_and_dispatch(offloaded, checkpoint, device_map, no_split_module_classes=run_model.no_split,
+                                         storage=storage, policy=policy, offload_folder=Path(tmp) / "offload",
+                                         dtype=run_model.dtype, execution_device=execution_device, progress=False,
+                                         offload_buffers=policy.offload_buffers)
+            sizes["probe_load_s"] = time.perf_counter() - started
+            sizes["probe_offloaded_bytes"] = offloaded.offload_state.offloaded_bytes()
+            with offloaded.offload_state as state:
+                state.stats.reset()
+                first, step, _ = _timed(offloaded, ids)
+                loads = state.stats.snapshot()["loads"] / ((REPEATS + 1) * PROBE_TOKENS)
     if not loads:
         raise ValueError("the probe's offloaded blocks were never loaded")
     return {"outside_prefill_s": max(memory_first - PROBE_BLOCKS * block_s["prefill"], 0.0),
             "outside_decode_s": max(memory_step - PROBE_BLOCKS * block_s["decode"], 0.0),
             "per_load_prefill_s": max(first - memory_first, 0.0) / loads,
             "per_load_decode_s": max(step - memory_step, 0.0) / loads,
-            "loads_per_forward": loads, "first_call_s": warmup}
+            "loads_per_forward": loads, "first_call_s": warmup, **sizes}
