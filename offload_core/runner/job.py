@@ -29,7 +29,9 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     labels = labels or {}
     settings = read_settings(cfg, output_dir)
     pipeline = is_pipeline_folder(settings.model.get("path"))
-    if settings.auto and not pipeline:
+    if settings.auto and pipeline:
+        print("auto=true predicts transformers models only; the pipeline runs as configured")
+    elif settings.auto:
         settings, labels = choose_configuration(settings, labels)
     strategies = build_strategies(settings)
     if pipeline:

@@ -90,3 +90,12 @@ def test_a_run_records_its_prediction_and_the_next_run_predicts_from_it(correcti
         assert second.figures["prediction"][name]["predicted"] == pytest.approx(measured)
         assert (abs(second.figures["prediction"][name]["predicted"] - measured)
                 < abs(first.figures["prediction"][name]["predicted"] - measured))
+
+
+def test_a_calibration_whose_probe_terms_are_damaged_is_not_trusted():
+    from offload_core.runner.plan.calibrate import calibration_problem
+
+    assert calibration_problem({"probe": {"k": {"per_load_decode_s": 0.001}, "failed": {}}}) is None
+    for bad in ({"probe": {"k": {"per_load_decode_s": -1}}}, {"probe": {"k": {"per_load_decode_s": "x"}}},
+                {"probe": {"k": [1]}}, {"probe": [1]}, {"probe": {"k": {"outside_decode_s": float("inf")}}}):
+        assert "'probe'" in calibration_problem(bad)
