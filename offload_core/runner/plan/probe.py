@@ -33,6 +33,9 @@ PROBE_VERSION = 4
 #: the probe's blocks and vocabulary (its output embedding is timed apart, at the real size)
 PROBE_BLOCKS = 2
 PROBE_VOCAB = 256
+#: the most bytes of blocks the probe builds, writes and loads (larger blocks: the probe is left out, their bytes
+#: dominate a step anyway)
+PROBE_MAX_BYTES = 512 * 2**20
 #: tokens each probe generation makes (the first is the prefill's)
 PROBE_TOKENS = 6
 #: generations timed per probe (the fastest counts)
@@ -117,6 +120,12 @@ def probe_times(run_model: Any, storage: Any, policy: Any, execution_device: tor
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.tasks import build_empty, read_config
 
+    from offload_core.planning import largest_block_size
+    from offload_core.values import format_size
+
+    block = largest_block_size(run_model.model, run_model.no_split, dtype=run_model.dtype)
+    if PROBE_BLOCKS * block > PROBE_MAX_BYTES:
+        raise ValueError(f"blocks of {format_size(block)} are too large to probe in seconds")
     config = probe_config(read_config(run_model.checkpoint_dir))
     torch.manual_seed(0)
     model = type(run_model.model)(config).to(run_model.dtype).eval()
