@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -208,7 +209,7 @@ def main() -> None:
         started = time.time()
         rows, picks = sweep(args, env, work)
     header = [f"# Predicted against measured: {args.tag}", "",
-              f"`python bench/predict_sweep.py {' '.join(sys.argv[1:])}` ({time.time() - started:.0f} s, "
+              f"`python bench/predict_sweep.py {shlex.join(sys.argv[1:])}` ({time.time() - started:.0f} s, "
               f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')})"] + (["", args.note] if args.note else [])
     write(rows, picks, out, header)
     print("\n".join(summary_lines(rows, picks)))
