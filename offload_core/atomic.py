@@ -66,3 +66,21 @@ def atomic_write(target: str | os.PathLike | Path, *, folder: bool = False, sync
             with contextlib.suppress(OSError):
                 tmp.unlink()
         raise
+
+
+def write_text_atomic(target: str | os.PathLike | Path, text: str) -> None:
+    """Write ``text`` to ``target`` whole or not at all: a temporary of its own beside it (several processes may write
+    the same file), flushed to the disk, then renamed into place; on any error the temporary is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(name, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise

@@ -19,6 +19,7 @@ class MemmapConfig:
 
 
 class MemmapStorage(Storage):
+    auto = True  # the time prediction reads reads_from and pinned; auto=true may pick it
     config: MemmapConfig
 
     def open(self, context: StoreContext) -> FolderStore:

@@ -18,6 +18,7 @@ class PinnedCpuConfig:
 
 
 class PinnedCpuStorage(Storage):
+    auto = True
     #: offloaded tensors are held in host memory
     reads_from = "memory"
 

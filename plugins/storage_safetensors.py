@@ -16,6 +16,7 @@ class SafetensorsConfig:
 
 
 class SafetensorsStorage(Storage):
+    auto = True
     #: a tensor stored in another dtype than the run's is converted on every read (the planner holds
     #: room for those copies)
     converts_on_read = True

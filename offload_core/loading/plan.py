@@ -31,6 +31,8 @@ class Plan:
     predicted_bytes_per_token: int
     conversion: list[str] = field(default_factory=list)
     page_cache: dict[str, Any] = field(default_factory=dict)
+    #: offloaded tensors the policy brings in per forward, predicted as the bytes are (each costs a fixed time)
+    predicted_loads_per_token: int = 0
     #: predicted_load_s, predicted_ttft_s, predicted_step_s (see :func:`offload_core.runner.plan.predict.predict_time`)
     predicted_time: dict[str, float] = field(default_factory=dict)
 
@@ -38,6 +40,7 @@ class Plan:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
         return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
                 "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
+                "predicted_loads_per_token": self.predicted_loads_per_token,
                 "conversion": list(self.conversion), "page_cache": self.page_cache,
                 **self.predicted_time}
 
@@ -79,6 +82,7 @@ def make_plan(model: nn.Module, checkpoint: Any, *, placement: Placement, storag
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
     check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
     predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split)
+    loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)
     lines = conversion.summary().lines()
     if conversion.converted:
@@ -86,7 +90,7 @@ def make_plan(model: nn.Module, checkpoint: Any, *, placement: Placement, storag
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
     kept = {} if page_cache is None else page_cache_plan(page_cache, summary, execution_device, policy.keeps_page_cache,
                                                          max_memory.get("cpu", 0), block)
-    return Plan(device_map, summary, reserve, headroom, block, predicted, lines, kept)
+    return Plan(device_map, summary, reserve, headroom, block, predicted, lines, kept, loads)
 
 
 def predicted_bytes_per_token(
@@ -96,6 +100,7 @@ def predicted_bytes_per_token(
     execution_device: torch.device | str,
     dtype: torch.dtype | str | None,
     no_split_module_classes: list[str] | None = None,
+    count: bool = False,
 ) -> int:
     """Bytes the module-hook policy will bring in per generated token, predicted from the plan alone.
 
@@ -108,7 +113,8 @@ def predicted_bytes_per_token(
     offloaded). Offloaded means on ``disk`` for a CPU run, on ``cpu`` or ``disk`` for a GPU run.
     ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read).
     The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
-    the same bytes.
+    the same bytes. ``count``: the tensors brought in instead of their bytes (``transfers_per_token``), the
+    policy's rule applied to each unit's tensor count.
     """
     from offload_core.loading.routes import route_tensors
     from offload_core.module_hooks.units import find_units
@@ -118,6 +124,8 @@ def predicted_bytes_per_token(
     dtype = parse_dtype(dtype)
     tensors = route_tensors(model, normalize_device_map(device_map), device)
     units = find_units(model, tensors.offloaded, no_split_classes(model, no_split_module_classes), policy.granularity)
+    if count:
+        return int(policy.predict_moved([len({slot.key for slot in unit.slots}) for unit in units]))
     return int(policy.predict_moved([_unit_bytes(unit, dtype) for unit in units]))
 
 

@@ -157,6 +157,7 @@ class AlignPerCallConfig:
 class AlignPerCall(Policy):
     """Policy: every call of a unit fetches its offloaded tensors and drops them afterwards."""
 
+    auto = True
     keeps_page_cache = True
 
     def __init__(self, config: AlignPerCallConfig) -> None:

@@ -133,6 +133,7 @@ class ChainedConfig:
 class Chained(Policy):
     """Policy: the model's blocks are chained in execution order; each stays loaded until the next is called."""
 
+    auto = True
     granularity = "block"
     keeps_page_cache = True
 

@@ -108,6 +108,7 @@ class FunctionalCallConfig:
 class FunctionalCall(Policy):
     """Policy: offloaded tensors go in as ``functional_call`` arguments for the duration of one call."""
 
+    auto = True
     keeps_page_cache = True
 
     def __init__(self, config: FunctionalCallConfig) -> None:

@@ -110,6 +110,10 @@ class RunConfig:
     progress: bool = True
     #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction
     calibrate: bool = False
+    #: pick the configuration predicted fastest among those that fit the budget: every store x policy (and prefetch
+    #: depth), page_cache where the offloaded files outgrow the page cache, batch_size with prompts; the options given
+    #: on the command line stay as given. Writes the ranked table to auto.json and auto.csv (plan_only=true: only that)
+    auto: bool = False
     #: diffusers pipelines only
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 

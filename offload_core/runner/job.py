@@ -28,8 +28,13 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     return_freed_memory_to_os()
     labels = labels or {}
     settings = read_settings(cfg, output_dir)
+    pipeline = is_pipeline_folder(settings.model.get("path"))
+    if settings.auto and pipeline:
+        print("auto=true predicts transformers models only; the pipeline runs as configured")
+    elif settings.auto:
+        settings, labels = choose_configuration(settings, labels)
     strategies = build_strategies(settings)
-    if is_pipeline_folder(settings.model.get("path")):
+    if pipeline:
         from offload_core.runner.modes.pipeline_job import run_pipeline
 
         return run_pipeline(settings, strategies, labels)
@@ -42,6 +47,16 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         if job.settings.prompts_file:
             return run_batched(job, labels)
         return run_single(job, labels)
+
+
+def choose_configuration(settings: Any, labels: dict) -> tuple[Any, dict]:
+    """``auto=true``: the settings of the configuration predicted fastest, and the labels saying what was picked."""
+    from offload_core.runner.plan.auto import choose
+
+    settings, table = choose(settings, list(labels.get("overrides", [])))
+    choices = {**labels.get("choices", {}), "storage": settings.sections["storage"]["name"],
+               "hook": settings.sections["hook"]["name"]}
+    return settings, {**labels, "choices": choices, "auto": table[0]["configuration"] if table else None}
 
 
 def report_plan(job: Prepared) -> None:

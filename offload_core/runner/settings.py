@@ -64,6 +64,8 @@ class Settings:
     plan_only: bool = False
     progress: bool = True
     calibrate: bool = False
+    #: pick the fastest predicted configuration among those that fit (:mod:`offload_core.runner.plan.auto`)
+    auto: bool = False
     #: ``dtype`` as given (``auto``: the checkpoint's): what a resumed run must match
     dtype_name: str = "auto"
     #: the composed config itself, read by :mod:`offload_core.runner.plan.predict` alone (``offload_folder``,
@@ -156,6 +158,7 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         plan_only=bool(cfg.plan_only),
         progress=bool(cfg.progress),
         calibrate=bool(cfg.get("calibrate", False)),
+        auto=bool(cfg.get("auto", False)),
         dtype_name=str(cfg.dtype),
         cfg=cfg,
     )

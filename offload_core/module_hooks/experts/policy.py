@@ -109,6 +109,9 @@ class TokenCounter(ModuleHook):
 class Experts(Prefetch):
     """Policy: block-granular prefetch, except the experts of MoE layers: only the routed ones are read."""
 
+    #: left out of ``auto=true``: the time prediction does not yet count routed experts (it would charge every expert)
+    auto = False
+
     def __init__(self, config: ExpertsConfig) -> None:
         from offload_core.errors import ConfigError
 

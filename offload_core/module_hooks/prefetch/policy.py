@@ -59,6 +59,13 @@ class PrefetchConfig:
 class Prefetch(Policy):
     """Policy: block-granular units, loaded ahead of use along the recorded execution order."""
 
+    auto = True
+
+    @classmethod
+    def auto_variants(cls) -> list[dict]:
+        """``auto=true`` tries reading one and two blocks ahead."""
+        return [{"depth": 1}, {"depth": 2}]
+
     granularity = "block"
     keeps_page_cache = True
     overlaps_io = True

@@ -12,6 +12,7 @@ from offload_core.runner.modes.context import loaded
 from offload_core.runner.modes.disk_reads import DiskReads
 from offload_core.runner.modes.journal import Journal, fingerprint
 from offload_core.runner.modes.results import RunResult, per_token_counters, write_outputs
+from offload_core.runner.plan import learn
 from offload_core.runner.plan.batches import Batches
 from offload_core.runner.plan.prepare import Prepared
 from offload_core.values import format_size
@@ -50,6 +51,7 @@ def run_batched(job: Prepared, labels: dict) -> RunResult:
     figures.update(peak_anon_rss_bytes=run.memory.anon_delta, peak_file_rss_bytes=run.memory.file_delta,
                    planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
                    **plan.predicted_time)
+    figures.update(learn.record(job, figures))
     tokens = [r["token_ids"] for r in journal.done] + generated.tokens
     texts = [r["text"] for r in journal.done] + [decode(run_model.tokenizer, row) for row in generated.tokens]
     result = RunResult.of_plan(plan, settings.output_dir, figures, texts[0], tokens[0])
@@ -61,6 +63,7 @@ def run_batched(job: Prepared, labels: dict) -> RunResult:
     write_outputs(result, settings.prompts_file, labels)
     print_generations(batches.prompts, texts)
     print_batch_result(result)
+    learn.print_comparison(figures)
     return result
 
 

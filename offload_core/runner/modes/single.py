@@ -10,7 +10,7 @@ from offload_core.runner.modes.context import loaded
 from offload_core.runner.modes.disk_reads import DiskReads
 from offload_core.runner.modes.generate import generate, in_memory_tokens
 from offload_core.runner.modes.results import RunResult, generation_figures, print_result, write_outputs
-from offload_core.runner.plan import speculate
+from offload_core.runner.plan import learn, speculate
 from offload_core.runner.plan.prepare import Prepared
 
 
@@ -18,11 +18,13 @@ def run_single(job: Prepared, labels: dict) -> RunResult:
     """Generate after the run's prompt through the dispatched model, measure, compare, write and print."""
     settings, run_model, plan = job.settings, job.run_model, job.plan
     tokens, figures = generate_offloaded(job)
+    figures.update(learn.record(job, figures))
     result = RunResult.of_plan(plan, settings.output_dir, figures, decode(run_model.tokenizer, tokens), tokens)
     if settings.compare_in_memory:
         compare_in_memory(job, tokens, result)
     write_outputs(result, settings.prompt, labels)
     print_result(result, job.strategies.policy_name)
+    learn.print_comparison(figures)
     return result
 
 

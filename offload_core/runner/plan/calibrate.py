@@ -12,13 +12,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from offload_core import devices
-from offload_core.atomic import fsync_path
+from offload_core.atomic import fsync_path, write_text_atomic
 
 PROBE_BYTES = 64 * 2**20
 #: what :func:`disk_bandwidth` measures per filesystem
@@ -52,6 +52,11 @@ def calibration_problem(data: Any) -> str | None:
     if not isinstance(compute, dict) or not all(isinstance(v, dict) and all(_numbers(t) for t in v.values())
                                                 for v in compute.values()):
         return "'compute' is not an object of times per model and shape"
+    probes = data.get("probe", {})
+    if not isinstance(probes, dict) or not all(isinstance(v, dict) and all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf") for t in v.values())
+            for v in probes.values()):
+        return "'probe' is not an object of times per configuration"
     return None
 
 
@@ -74,11 +79,8 @@ def _read_cached() -> dict[str, Any]:
 
 
 def _write_cached(data: dict[str, Any]) -> None:
-    file = calibration_file()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, file)
+    """Write the calibration whole or not at all (a crash or a second process never leaves half a file)."""
+    write_text_atomic(calibration_file(), json.dumps(data, indent=1))
 
 
 def _read_all(path: Path) -> float:
@@ -143,17 +145,27 @@ def _sync(device: torch.device) -> None:
     devices.for_device(device).synchronize(device)
 
 
-def _best_of(fn: Any, device: torch.device, reps: int = 3) -> float:
-    """Seconds of ``fn()``'s fastest of ``reps`` calls, after one untimed call (which builds kernels for the shape)."""
+def _best_of(fn: Any, device: torch.device, reps: int = 5) -> float:
+    """Seconds of ``fn()``'s median of ``reps`` calls, after one untimed call (which builds kernels for the shape): what a
+    run sees on a busy machine, where the fastest call is an optimistic guess."""
+    import statistics
+
     fn()
     _sync(device)
-    best = float("inf")
+    times = []
     for _ in range(reps):
         started = time.perf_counter()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - started)
-    return best
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+#: bytes of block copies the compute calibration cycles through at least (more than a CPU's last-level cache:
+#: a run's blocks come from memory, not from the cache one block timed alone would stay in)
+ROTATION_BYTES = 128 * 2**20
+#: at most this many copies
+ROTATION_COPIES = 8
 
 
 def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -172,13 +184,15 @@ HEAD_ROWS = 8
 
 def compute_times(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device, rows: int,
                   tokens: int) -> dict[str, float]:
-    """Seconds one block of ``model`` (a copy with random weights) takes on ``device`` over ``rows`` sequences of
-    ``tokens`` tokens (``block_s``), and the output embedding over the last position of each row, laid out as
+    """Seconds one block of ``model`` (copies with random weights, cycled through as a run's blocks are) takes on
+    ``device`` over ``rows`` sequences of ``tokens`` tokens (``block_s``), and the output embedding over the last position of each row, laid out as
     generation slices it (``head_s``); the model's rotary embedding gives the positions when it has one."""
     meta_block = first_block(model, no_split)
     if meta_block is None:
         return {}
     block = _materialized(meta_block, dtype, device)
+    size = sum(p.numel() * p.element_size() for p in block.parameters()) or 1
+    blocks = [block] + [_materialized(meta_block, dtype, device) for _ in range(min(ROTATION_COPIES, ROTATION_BYTES // size) - 1)]
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if rotary is not None:
         with torch.device(device):
@@ -190,8 +204,8 @@ def compute_times(model: nn.Module, no_split: list[str], dtype: torch.dtype, dev
         kwargs: dict[str, Any] = {}
         if rotary is not None:
             kwargs["position_embeddings"] = rotary(x, torch.arange(tokens, device=device)[None])
-        times["block_s"] = _best_of(lambda: block(x, **kwargs), device)
-        del block
+        times["block_s"] = _best_of(lambda: [b(x, **kwargs) for b in blocks], device) / len(blocks)
+        del block, blocks
         meta_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(meta_head, nn.Linear):
             head = _materialized(meta_head, dtype, device)
@@ -203,7 +217,16 @@ def compute_times(model: nn.Module, no_split: list[str], dtype: torch.dtype, dev
 
 def _model_key(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     text = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(f"compute-v3|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"compute-v4|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+
+
+def _probe(measure: Callable[[dict[str, float]], dict[str, float]], blocks: dict[str, float]) -> dict[str, float]:
+    """The dispatched probe's terms, or none (and one line saying why) where it cannot run."""
+    try:
+        return measure(blocks)
+    except Exception as exc:  # noqa: BLE001 - any architecture, store or policy: the term is left out, the run goes on
+        print(f"  the dispatched probe could not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        return {}
 
 
 def existing_folder(path: Path) -> Path:
@@ -215,10 +238,14 @@ def existing_folder(path: Path) -> Path:
 
 
 def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device,
-              folders: dict[str, Path], shapes: dict[str, tuple[int, int]], refresh: bool = False) -> dict[str, Any]:
+              folders: dict[str, Path], shapes: dict[str, tuple[int, int]], refresh: bool = False,
+              probe: tuple[str, Callable[[dict[str, float]], dict[str, float]]] | None = None) -> dict[str, Any]:
     """The calibration for this machine and model: per ``folders`` entry (``offload_folder``, ``checkpoint``) its
     filesystem's bandwidths, ``h2d_bps`` on a GPU run, and per named ``(rows, tokens)`` shape in ``shapes`` the
-    :func:`compute_times` under ``compute``; each measured once and cached (``refresh`` measures again)."""
+    :func:`compute_times` under ``compute``; with ``probe`` (a key naming the store, the policy and the shape, and
+    the function that measures them given a bare block's seconds per shape: :mod:`offload_core.runner.plan.probe`)
+    its terms under ``probe`` (empty where it could not run, said in one line). Each is measured once and cached
+    (``refresh`` measures again)."""
     data = _read_cached()
     changed = False
     disks = data.setdefault("disks", {})
@@ -249,6 +276,17 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
                 timed[key] = {}
             changed = True
         found["compute"][name] = timed[key]
+    if probe is not None:
+        probes = data.setdefault("probe", {})
+        key = f"{_model_key(model, dtype, device)}|{probe[0]}"
+        if refresh or key not in probes:
+            blocks = {name: found["compute"].get(name, {}).get("block_s", 0.0) for name in shapes}
+            probes[key] = _probe(probe[1], blocks)
+            changed = found["probed_here"] = True
+        found["probe"] = probes[key]
+        if not probes[key]:
+            print("  no dispatched probe for this store and policy (it could not run when calibrated; calibrate=true "
+                  "tries again): the prediction leaves out the per-tensor and outside-the-blocks costs")
     if changed:
         _write_cached(data)
     return found

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pathlib import Path
+
 import psutil
 import torch
 from torch import nn
@@ -73,25 +75,43 @@ def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_de
     """``predicted_load_s``, ``predicted_ttft_s`` and ``predicted_step_s`` of a run whose forwards were calibrated
     as ``prefill`` (the batch's rows over its prompt) and ``decode`` (one token per row).
 
-    A forward costs ``blocks`` times the calibrated block plus the output embedding, and the plan's offloaded
-    reads (:func:`io_s`), overlapped (the larger of the two) for a policy that ``overlaps_io``. Not counted: the
-    embedding and norms, attention over a long cache, module-hook overheads. Empty when no block could be timed."""
+    A forward costs ``blocks`` times the calibrated block, the output embedding, and, from the dispatched probe
+    (:mod:`offload_core.runner.plan.probe`) where it ran: what lies outside the blocks (embedding, norms, the generate
+    loop) and a fixed cost per offloaded tensor the policy brings in (its hooks, the store's read path, the reader's
+    overlap: ``plan.predicted_loads_per_token`` of them); the first token adds what a process's first generation
+    pays once (unless the probe ran in this process: it paid it), the load a fixed cost per tensor. Then the plan's reads from the disk itself
+    (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the larger of the two) for a
+    policy that ``overlaps_io``. Empty when no block could be timed."""
     compute = calibration.get("compute") or {}
     if any("block_s" not in compute.get(name, {}) for name in ("prefill", "decode")):
         return {}
+    probe = calibration.get("probe") or {}
     devices = plan.summary["devices"]
     total = sum(info["bytes"] for info in devices.values())
     offloaded = sum(info["bytes"] for dev, info in devices.items() if is_offloaded(dev, execution_device))
     moved = plan.predicted_bytes_per_token
     disk = disk_bytes_per_forward(plan.page_cache, offloaded, moved, storage.reads_from, cold)
-    io = io_s(calibration, moved, disk, storage.reads_from, storage.pinned, execution_device)
+    # the probe's tensors came through the real path (a GPU's copy included): only the cold disk reads are left
+    io = io_s(calibration, moved, disk, storage.reads_from, storage.pinned,
+              torch.device("cpu") if probe else execution_device)
+    loads = getattr(plan, "predicted_loads_per_token", 0)
 
-    def forward(times: dict[str, float]) -> float:
+    def forward(shape: str) -> float:
+        times = compute[shape]
         work = blocks * times["block_s"] + times.get("head_s", 0.0)
+        if probe:
+            work += probe[f"outside_{shape}_s"] + loads * probe[f"per_load_{shape}_s"]
         return max(work, io) if policy.overlaps_io else work + io
 
-    return {"predicted_load_s": load_s(calibration, total, offloaded, storage.reads_from),
-            "predicted_ttft_s": forward(compute["prefill"]), "predicted_step_s": forward(compute["decode"])}
+    first_call = 0.0 if calibration.get("probed_here") else probe.get("first_call_s", 0.0)
+    load = load_s(calibration, total, offloaded, storage.reads_from)
+    if probe.get("probe_tensors"):  # loading's fixed cost per tensor, beyond the probe's own bytes
+        bytes_s = load_s(calibration, probe["probe_bytes"], probe["probe_offloaded_bytes"], storage.reads_from)
+        tensors = sum(info.get("tensors", 0) for info in devices.values())
+        load += tensors * max(probe["probe_load_s"] - bytes_s, 0.0) / probe["probe_tensors"]
+    return {"predicted_load_s": load,
+            "predicted_ttft_s": forward("prefill") + first_call, "predicted_step_s": forward("decode"),
+            "predicted_first_call_s": first_call}
 
 
 def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: Any, rows: int, prompt_tokens: int,
@@ -99,16 +119,17 @@ def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: 
     """Calibrate (cached; ``calibrate=true`` measures again) and predict the run's times from its plan, for ``rows``
     sequences of ``prompt_tokens`` tokens generated at once (``cold``: see :func:`disk_bytes_per_forward`)."""
     import tempfile
-    from pathlib import Path
 
     from offload_core.runner.plan.calibrate import calibrate
 
     cfg = settings.cfg
-    folders = {"offload_folder": Path(cfg.offload_folder or tempfile.gettempdir()), "checkpoint": run_model.checkpoint_dir.parent}
+    offload_folder = cfg.offload_folder if cfg is not None else settings.offload_folder
+    folders = {"offload_folder": Path(offload_folder or tempfile.gettempdir()), "checkpoint": run_model.checkpoint_dir.parent}
     shapes = {"prefill": (rows, prompt_tokens), "decode": (rows, 1)}
+    refresh = bool(cfg.get("calibrate", False)) if cfg is not None else settings.calibrate
     try:
         calibration = calibrate(run_model.model, run_model.no_split, run_model.dtype, settings.execution_device, folders,
-                                shapes, refresh=bool(cfg.get("calibrate", False)))
+                                shapes, refresh=refresh, probe=dispatched_probe(settings, run_model, rows, prompt_tokens))
     except OSError as exc:  # a probe that cannot be written (a full disk): the run goes on without a prediction
         print(f"  no time prediction: calibration failed ({exc.strerror or exc})")
         return {}
@@ -116,9 +137,37 @@ def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: 
                         settings.execution_device, calibration, cold)
 
 
+def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> tuple[str, Any]:
+    """The probe of the run's store and policy (built afresh from their sections) at its batch shape: its cache key
+    and the function measuring it (:func:`offload_core.runner.plan.probe.probe_times`)."""
+    import json
+    import os
+    import tempfile
+
+    from offload_core.registry.manager import get_registry
+    from offload_core.runner.plan.calibrate import existing_folder
+    from offload_core.runner.plan.probe import PROBE_VERSION, probe_times
+
+    storage, hook = settings.sections["storage"], settings.sections["hook"]
+    key = json.dumps({"v": PROBE_VERSION, "storage": storage, "hook": hook, "shape": [rows, tokens]}, sort_keys=True,
+                     default=str)
+    folder = existing_folder(run_model.checkpoint_dir.parent)
+    if not os.access(folder, os.W_OK):
+        folder = existing_folder(Path(tempfile.gettempdir()))
+
+    def measure(block_s: dict[str, float]) -> dict[str, float]:
+        registry = get_registry()
+        return probe_times(run_model, registry.create("storage", storage["name"], storage),
+                           registry.create("policy", hook["name"], hook), settings.execution_device, rows, tokens,
+                           folder, block_s)
+
+    return key, measure
+
+
 def print_prediction(predicted: dict[str, float], rows: int) -> None:
     """One line: the predicted load time, time to first token and decoding rate."""
     if predicted:
-        step = predicted["predicted_step_s"]
+        step, runs = predicted["predicted_step_s"], predicted.get("prediction_runs", 0)
+        learned = f" (corrected by {runs} earlier run{'s' if runs != 1 else ''} on this machine)" if runs else ""
         print(f"predicted: load {predicted['predicted_load_s']:.2f} s | first token {predicted['predicted_ttft_s']:.3f} s | "
-              f"{step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows})")
+              f"{step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows}){learned}")

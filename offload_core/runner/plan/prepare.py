@@ -40,6 +40,11 @@ class Prepared:
         return self.run_model.task in GENERATIVE
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """Sequences generated at once and their prompt tokens (:func:`prediction_shape`)."""
+        return prediction_shape(self)
+
+    @property
     def per(self) -> str:
         """What one forward makes: a generated token, or (an encoder's) a forward."""
         return "generated token" if self.generates else "forward"
@@ -89,13 +94,16 @@ def check_run_task(settings: Settings, run_model: RunModel, checkpoint: Any) -> 
 
 
 def predicted_time(job: Prepared) -> dict[str, float]:
-    """The plan's predicted times for the run's batch, or its single prompt; none for a run that does not generate
+    """The plan's predicted times for the run's batch, or its single prompt, corrected by this machine's earlier runs
+    of the same configuration (:mod:`offload_core.runner.plan.learn`); none for a run that does not generate
     (one forward over the texts: no decoding step to predict)."""
+    from offload_core.runner.plan import learn
     from offload_core.runner.plan.predict import calibrate_and_predict
 
     if not job.generates:
         return {}
-    return calibrate_and_predict(job.settings, job.strategies, job.run_model, job.plan, *prediction_shape(job))
+    return learn.correct(job, calibrate_and_predict(job.settings, job.strategies, job.run_model, job.plan,
+                                                    *prediction_shape(job)))
 
 
 def prediction_shape(job: Prepared) -> tuple[int, int]:

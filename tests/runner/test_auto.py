@@ -1,0 +1,112 @@
+"""auto=true: the options a user gave stay fixed and the rest are chosen; the ranked table is written (auto.json,
+auto.csv) and printed, and its first row is what runs; a strategy that does not declare itself stays out; the
+dispatched probe that the prediction reads runs on a tiny model and counts tensors brought in."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from offload_core.runner.job import run
+from offload_core.runner.plan.auto import given_options
+
+TINY = ["model=synthetic", "progress=false", "max_new_tokens=4", "max_memory.cpu=1MiB", "headroom=0"]
+
+
+def test_given_options_are_read_from_the_override_list():
+    assert given_options(["storage=memmap", "hook.depth=1", "+page_cache=0", "model=synthetic", "~x"]) == \
+        {"storage", "hook", "page_cache", "model", "x"}
+
+
+def test_plan_only_auto_keeps_what_was_given_ranks_the_rest_and_writes_the_table(tmp_path, compose_run, capsys):
+    overrides = [*TINY, "hook=align_per_call", "plan_only=true", "auto=true"]
+    result = run(compose_run(overrides), output_dir=tmp_path, labels={"overrides": overrides}, plot=False)
+    table = json.loads((tmp_path / "auto.json").read_text())
+    out = capsys.readouterr().out
+    assert {row["configuration"].split()[1] for row in table} == {"hook=align_per_call"}  # kept as given
+    stores = {row["configuration"].split()[0] for row in table}
+    assert {"storage=memmap", "storage=safetensors"} <= stores  # chosen among
+    runnable = [row for row in table if not row["problem"]]
+    assert [row["rank"] for row in table] == list(range(1, len(table) + 1))
+    assert [row["predicted_total_s"] for row in runnable] == sorted(row["predicted_total_s"] for row in runnable)
+    assert runnable and runnable[0] is table[0]
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert table[0]["configuration"].startswith(f"storage={written['choices']['storage']} hook=align_per_call")
+    assert written["auto"] == table[0]["configuration"] and result.figures["plan_only"]
+    assert "auto: " in out and "kept as given: hook" in out and table[0]["configuration"] in out
+    with open(tmp_path / "auto.csv", newline="") as f:
+        assert [row["configuration"] for row in csv.DictReader(f)] == [row["configuration"] for row in table]
+
+
+def test_a_strategy_that_does_not_declare_itself_stays_out_of_auto(compose_run, tmp_path):
+    from offload_core.registry.manager import get_registry
+    from offload_core.runner.plan.auto import candidates
+    from offload_core.runner.settings import read_settings
+
+    settings = read_settings(compose_run([*TINY, "auto=true"]), tmp_path)
+    tried = candidates(settings, {"storage"}, 1)
+    hooks = {c.hook["name"] for c in tried}
+    registry = get_registry()
+    assert hooks == {n for n in registry.names("policy") if registry.get("policy", n).factory.auto}
+    assert "experts" not in hooks and {"align_per_call", "prefetch"} <= hooks
+    assert sorted(c.hook.get("depth") for c in tried if c.hook["name"] == "prefetch") == [1, 2]
+    assert {c.storage["name"] for c in tried} == {"memmap"}  # given: kept
+    with_prompts = read_settings(compose_run([*TINY, "auto=true", "prompts=bench/prompts.txt"]), tmp_path)
+    assert {c.batch_size for c in candidates(with_prompts, {"storage", "hook"}, 3)} == {1, 2}
+    assert {c.batch_size for c in candidates(with_prompts, {"storage", "hook", "batch_size"}, 3)} == {1}
+
+
+def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_path, compose_run):
+    from offload_core.registry.manager import get_registry
+    from offload_core.runner.plan.model import open_model
+    from offload_core.runner.plan.probe import PROBE_BLOCKS, probe_times
+
+    run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
+    registry = get_registry()
+    import torch
+
+    terms = probe_times(run_model, registry.create("storage", "safetensors", {"name": "safetensors"}),
+                        registry.create("policy", "align_per_call", {"name": "align_per_call"}), torch.device("cpu"),
+                        1, 8, tmp_path, {"prefill": 0.0, "decode": 0.0})
+    block = next(m for m in run_model.model.modules() if type(m).__name__ in run_model.no_split)
+    assert terms["loads_per_forward"] == PROBE_BLOCKS * len(list(block.parameters()))
+    assert terms["per_load_decode_s"] >= 0 and terms["outside_decode_s"] > 0 and terms["first_call_s"] >= 0
+    assert terms["probe_tensors"] > PROBE_BLOCKS * len(list(block.parameters())) and terms["probe_load_s"] > 0
+    assert 0 < terms["probe_offloaded_bytes"] < terms["probe_bytes"]
+    assert not list(tmp_path.iterdir())  # its files are removed
+
+
+def test_the_prediction_adds_the_probe_terms_per_tensor_loaded():
+    import torch
+
+    from offload_core.runner.plan.predict import predict_time
+
+    class Plan:
+        summary = {"devices": {"cpu": {"bytes": 10, "tensors": 1}, "disk": {"bytes": 10, "tensors": 9}}}
+        page_cache = {"predicted_disk_bytes_per_token": 0}
+        predicted_bytes_per_token = 10
+        predicted_loads_per_token = 9
+
+    class Storage:
+        reads_from, pinned = "offload_folder", False
+
+    class Policy:
+        overlaps_io = False
+
+    disk = {"write_bps": 1e9, "cold_read_bps": 1e9, "warm_read_bps": 1e9}
+    calibration = {"checkpoint": disk, "offload_folder": disk,
+                   "compute": {"prefill": {"block_s": 0.01}, "decode": {"block_s": 0.001}}}
+    bare = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), calibration)
+    probe = {"outside_prefill_s": 0.02, "outside_decode_s": 0.002, "per_load_prefill_s": 0.001,
+             "per_load_decode_s": 0.0005, "first_call_s": 0.1, "loads_per_forward": 18,
+             "probe_load_s": 0.05, "probe_tensors": 20, "probe_bytes": 0, "probe_offloaded_bytes": 0}
+    probed = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe})
+    assert bare["predicted_step_s"] == pytest.approx(0.004)
+    assert probed["predicted_step_s"] == pytest.approx(0.004 + 0.002 + 9 * 0.0005)
+    assert probed["predicted_ttft_s"] == pytest.approx(0.04 + 0.02 + 9 * 0.001 + 0.1)
+    # loading's fixed cost per tensor: 10 tensors at 0.05 s / 20
+    assert probed["predicted_load_s"] == pytest.approx(bare["predicted_load_s"] + 10 * 0.05 / 20)
+    here = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe, "probed_here": True})
+    assert here["predicted_ttft_s"] == pytest.approx(0.04 + 0.02 + 9 * 0.001)  # the warm-up was paid by the probe
