@@ -45,7 +45,7 @@ def test_a_strategy_that_does_not_declare_itself_stays_out_of_auto(compose_run, 
     from offload_core.runner.plan.auto import candidates
     from offload_core.runner.settings import read_settings
 
-    settings = read_settings(compose_run([*TINY, "auto=true"]), tmp_path)
+    settings = read_settings(compose_run([*TINY, "auto=true", "storage=memmap"]), tmp_path)
     tried = candidates(settings, {"storage"}, 1)
     hooks = {c.hook["name"] for c in tried}
     registry = get_registry()
