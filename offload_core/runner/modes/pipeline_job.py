@@ -85,7 +85,9 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.pipeline_load import finish_dispatch, open_pipeline
     from offload_core.runner.modes.metrics import MemoryMonitor
+    from offload_core.runner.plan.run_memory import forward_headroom
 
+    settings = forward_headroom(settings)  # headroom=auto: a pipeline's activations are not planned from a KV cache
     path = resolve_checkpoint(settings.model)
     empty, checkpoint, no_split = open_pipeline(path, settings.dtype, whole_components(settings),
                                                 settings.model.get("no_split_module_classes"))
