@@ -27,15 +27,10 @@ def test_ruff_check_passes():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-#: the one module below the runner's edge that still reads the composed config (``settings.cfg``): the time
-#: prediction, owned by its own piece of work, reads ``offload_folder`` and ``calibrate`` there
-READS_CONFIG = {"predict.py"}
-
-
 def test_nothing_below_the_runners_edge_reads_the_raw_config():
     runner = ROOT / "offload_core" / "runner"
     found = [f"{path.relative_to(ROOT)}:{number}" for folder in ("plan", "modes")
-             for path in sorted((runner / folder).glob("*.py")) if path.name not in READS_CONFIG
+             for path in sorted((runner / folder).glob("*.py"))
              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              if re.search(r"\bcfg\b", line)]
     assert not found, f"read typed values from Settings (offload_core/runner/settings.py) instead: {found}"

@@ -68,9 +68,6 @@ class Settings:
     auto: bool = False
     #: ``dtype`` as given (``auto``: the checkpoint's): what a resumed run must match
     dtype_name: str = "auto"
-    #: the composed config itself, read by :mod:`offload_core.runner.plan.predict` alone (``offload_folder``,
-    #: ``calibrate``) until that module takes these typed values
-    cfg: Any = None
 
     @property
     def model(self) -> dict:
@@ -160,7 +157,6 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         calibrate=bool(cfg.get("calibrate", False)),
         auto=bool(cfg.get("auto", False)),
         dtype_name=str(cfg.dtype),
-        cfg=cfg,
     )
 
 

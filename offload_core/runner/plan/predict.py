@@ -122,11 +122,10 @@ def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: 
 
     from offload_core.runner.plan.calibrate import calibrate
 
-    cfg = settings.cfg
-    offload_folder = cfg.offload_folder if cfg is not None else settings.offload_folder
-    folders = {"offload_folder": Path(offload_folder or tempfile.gettempdir()), "checkpoint": run_model.checkpoint_dir.parent}
+    folders = {"offload_folder": Path(settings.offload_folder or tempfile.gettempdir()),
+               "checkpoint": run_model.checkpoint_dir.parent}
     shapes = {"prefill": (rows, prompt_tokens), "decode": (rows, 1)}
-    refresh = bool(cfg.get("calibrate", False)) if cfg is not None else settings.calibrate
+    refresh = settings.calibrate
     try:
         calibration = calibrate(run_model.model, run_model.no_split, run_model.dtype, settings.execution_device, folders,
                                 shapes, refresh=refresh, probe=dispatched_probe(settings, run_model, rows, prompt_tokens))
