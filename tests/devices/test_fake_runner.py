@@ -14,8 +14,10 @@ from tests import ROOT
 GPU_BUDGET = 2 * 2**20
 
 
-@pytest.mark.parametrize("hook,storage", [("prefetch", "pinned_cpu"), ("prefetch", "memmap"),
-                                          ("align_per_call", "safetensors"), ("chained", "pinned_cpu")])
+@pytest.mark.parametrize(
+    "hook,storage",
+    [("prefetch", "pinned_cpu"), ("prefetch", "memmap"), ("align_per_call", "safetensors"), ("chained", "pinned_cpu")],
+)
 def test_a_run_on_a_gpu_stays_in_its_budget_and_compares_on_the_gpu(hook, storage, tmp_path, fake_gpu, monkeypatch):
     from offload_core.runner.modes import generate
 
@@ -31,9 +33,20 @@ def test_a_run_on_a_gpu_stays_in_its_budget_and_compares_on_the_gpu(hook, storag
     monkeypatch.setattr(generate, "reference_model", reference_model)
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "model=synthetic", f"hook={hook}", f"storage={storage}", "max_new_tokens=4", "progress=false",
-            "compare_in_memory=true", f"+max_memory.0={GPU_BUDGET}", "max_memory.cpu=200MiB", "headroom=256KiB"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "model=synthetic",
+                f"hook={hook}",
+                f"storage={storage}",
+                "max_new_tokens=4",
+                "progress=false",
+                "compare_in_memory=true",
+                f"+max_memory.0={GPU_BUDGET}",
+                "max_memory.cpu=200MiB",
+                "headroom=256KiB",
+            ],
+        )
     result = run(cfg, output_dir=tmp_path)
     assert result.matches_in_memory is True
     devices_used = set(result.device_map.values())
@@ -54,13 +67,28 @@ def test_a_reference_larger_than_the_gpus_free_memory_computes_on_the_cpu(tmp_pa
     from offload_core.testing import tiny_tied_llama
 
     tiny_tied_llama(tmp_path / "ckpt")
-    size = sum(p.numel() * p.element_size() for p in torch.nn.Module.parameters(
-        reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, torch.device("cpu"))))
+    size = sum(
+        p.numel() * p.element_size()
+        for p in torch.nn.Module.parameters(
+            reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, torch.device("cpu"))
+        )
+    )
     roomy = fake_gpu(count=2, memory=4 * size)
-    assert next(reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, roomy.device(1)).parameters()).device \
-        == roomy.device(1)
+    assert next(
+        reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, roomy.device(1)).parameters()
+    ).device == roomy.device(1)
     assert "cpu" not in capsys.readouterr().out
     tight = fake_gpu(count=1, memory=size)  # 90% of its free memory cannot hold the model
     model = reference_model(tmp_path / "ckpt", "causal_lm", torch.float32, tight.device(0))
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert "the reference computes on the cpu" in capsys.readouterr().out
+
+
+def test_the_copy_probe_fits_a_small_gpu(fake_gpu):
+    """The host-to-device probe copies 64 MiB where the GPU has room, and a quarter of its free memory where not
+    (a fresh calibration on an 8 MiB GPU ran out of memory)."""
+    from offload_core.runner.plan.calibrate import h2d_bandwidth
+
+    fake = fake_gpu(count=1, memory=8 * 2**20)
+    assert h2d_bandwidth(fake.device(0)) > 0
+    assert fake.memory_allocated(0) == 0  # the probe's buffers are given back

@@ -35,8 +35,9 @@ def calibration_file() -> Path:
 
 def _numbers(value: Any) -> bool:
     """A JSON object of names to finite, positive numbers (one disk's bandwidths, one shape's compute times)."""
-    return isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
-                                           for v in value.values())
+    return isinstance(value, dict) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in value.values()
+    )
 
 
 def calibration_problem(data: Any) -> str | None:
@@ -49,13 +50,16 @@ def calibration_problem(data: Any) -> str | None:
         return "'disks' is not an object of bandwidths per filesystem"
     if not _numbers(h2d):
         return "'h2d_bps' is not an object of bandwidths per device"
-    if not isinstance(compute, dict) or not all(isinstance(v, dict) and all(_numbers(t) for t in v.values())
-                                                for v in compute.values()):
+    if not isinstance(compute, dict) or not all(
+        isinstance(v, dict) and all(_numbers(t) for t in v.values()) for v in compute.values()
+    ):
         return "'compute' is not an object of times per model and shape"
     probes = data.get("probe", {})
-    if not isinstance(probes, dict) or not all(isinstance(v, dict) and all(
-            isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf") for t in v.values())
-            for v in probes.values()):
+    if not isinstance(probes, dict) or not all(
+        isinstance(v, dict)
+        and all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf") for t in v.values())
+        for v in probes.values()
+    ):
         return "'probe' is not an object of times per configuration"
     return None
 
@@ -116,11 +120,14 @@ def disk_bandwidth(folder: Path) -> dict[str, float]:
 
 
 def h2d_bandwidth(device: torch.device) -> float:
-    """Bytes/s copying pinned host memory to ``device`` (64 MiB, best of three)."""
+    """Bytes/s copying pinned host memory to ``device`` (64 MiB, or a quarter of the device's free memory where
+    that is less, at least 1 MiB; best of three)."""
     accelerator = devices.for_device(device)
-    host = accelerator.pinned_arena(PROBE_BYTES)
+    free, _ = accelerator.mem_get_info(device.index or 0)
+    nbytes = max(2**20, min(PROBE_BYTES, free // 4 // 2**20 * 2**20))
+    host = accelerator.pinned_arena(nbytes)
     try:
-        target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+        target = torch.empty(nbytes, dtype=torch.uint8, device=device)
         best = float("inf")
         for _ in range(3):
             accelerator.synchronize(device)
@@ -130,7 +137,7 @@ def h2d_bandwidth(device: torch.device) -> float:
             best = min(best, time.perf_counter() - started)
     finally:
         accelerator.free_arena(host)
-    return PROBE_BYTES / best
+    return nbytes / best
 
 
 def first_block(model: nn.Module, no_split: list[str]) -> nn.Module | None:
@@ -182,8 +189,9 @@ def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -
 HEAD_ROWS = 8
 
 
-def compute_times(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device, rows: int,
-                  tokens: int) -> dict[str, float]:
+def compute_times(
+    model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device, rows: int, tokens: int
+) -> dict[str, float]:
     """Seconds one block of ``model`` (copies with random weights, cycled through as a run's blocks are) takes on
     ``device`` over ``rows`` sequences of ``tokens`` tokens (``block_s``), and the output embedding over the last position of each row, laid out as
     generation slices it (``head_s``); the model's rotary embedding gives the positions when it has one."""
@@ -192,7 +200,9 @@ def compute_times(model: nn.Module, no_split: list[str], dtype: torch.dtype, dev
         return {}
     block = _materialized(meta_block, dtype, device)
     size = sum(p.numel() * p.element_size() for p in block.parameters()) or 1
-    blocks = [block] + [_materialized(meta_block, dtype, device) for _ in range(min(ROTATION_COPIES, ROTATION_BYTES // size) - 1)]
+    blocks = [block] + [
+        _materialized(meta_block, dtype, device) for _ in range(min(ROTATION_COPIES, ROTATION_BYTES // size) - 1)
+    ]
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if rotary is not None:
         with torch.device(device):
@@ -225,7 +235,9 @@ def _probe(measure: Callable[[dict[str, float]], dict[str, float]], blocks: dict
     try:
         return measure(blocks)
     except Exception as exc:  # noqa: BLE001 - any architecture, store or policy: the term is left out, the run goes on
-        print(f"  the dispatched probe could not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        print(
+            f"  the dispatched probe could not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        )
         return {}
 
 
@@ -237,9 +249,16 @@ def existing_folder(path: Path) -> Path:
     return path
 
 
-def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device,
-              folders: dict[str, Path], shapes: dict[str, tuple[int, int]], refresh: bool = False,
-              probe: tuple[str, Callable[[dict[str, float]], dict[str, float]]] | None = None) -> dict[str, Any]:
+def calibrate(
+    model: nn.Module,
+    no_split: list[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    folders: dict[str, Path],
+    shapes: dict[str, tuple[int, int]],
+    refresh: bool = False,
+    probe: tuple[str, Callable[[dict[str, float]], dict[str, float]]] | None = None,
+) -> dict[str, Any]:
     """The calibration for this machine and model: per ``folders`` entry (``offload_folder``, ``checkpoint``) its
     filesystem's bandwidths, ``h2d_bps`` on a GPU run, and per named ``(rows, tokens)`` shape in ``shapes`` the
     :func:`compute_times` under ``compute``; with ``probe`` (a key naming the store, the policy and the shape, and
@@ -272,7 +291,11 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
         if refresh or key not in timed:
             try:
                 timed[key] = compute_times(model, no_split, dtype, device, rows, tokens)
-            except (TypeError, ValueError, RuntimeError):  # a block whose forward wants more than hidden states and positions
+            except (
+                TypeError,
+                ValueError,
+                RuntimeError,
+            ):  # a block whose forward wants more than hidden states and positions
                 timed[key] = {}
             changed = True
         found["compute"][name] = timed[key]
@@ -285,8 +308,10 @@ def calibrate(model: nn.Module, no_split: list[str], dtype: torch.dtype, device:
             changed = found["probed_here"] = True
         found["probe"] = probes[key]
         if not probes[key]:
-            print("  no dispatched probe for this store and policy (it could not run when calibrated; calibrate=true "
-                  "tries again): the prediction leaves out the per-tensor and outside-the-blocks costs")
+            print(
+                "  no dispatched probe for this store and policy (it could not run when calibrated; calibrate=true "
+                "tries again): the prediction leaves out the per-tensor and outside-the-blocks costs"
+            )
     if changed:
         _write_cached(data)
     return found
