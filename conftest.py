@@ -65,13 +65,21 @@ def run_bash(example) -> None:
         try:
             done = subprocess.run(
                 ["bash", "-e", "-o", "pipefail", "-c", example.parsed],
-                cwd=folder, env=env, capture_output=True, text=True, timeout=BASH_TIMEOUT_S,
+                cwd=folder,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=BASH_TIMEOUT_S,
             )
         except subprocess.TimeoutExpired as expired:
-            raise AssertionError(f"the block ran past {BASH_TIMEOUT_S} s:\n{example.parsed}\n{expired.stdout or ''}") from None
+            raise AssertionError(
+                f"the block ran past {BASH_TIMEOUT_S} s:\n{example.parsed}\n{expired.stdout or ''}"
+            ) from None
     if done.returncode != 0:
         output = (done.stdout + done.stderr)[-3000:]
-        raise AssertionError(f"the block exited with {done.returncode}:\n{example.parsed}\n--- output (end) ---\n{output}")
+        raise AssertionError(
+            f"the block exited with {done.returncode}:\n{example.parsed}\n--- output (end) ---\n{output}"
+        )
 
 
 def run_python(example) -> None:

@@ -50,39 +50,58 @@ def targets(table: dict, systems: list[str], batches: list[int], budget: int) ->
         one, sixteen = (table.get(f"{system}@{b}", {}).get("aggregate_tokens_per_s") for b in (1, 16))
         if one and sixteen:
             ratio = sixteen / one
-            lines.append(f"{system}: batch 16 / batch 1 = {ratio:.1f}x (target >= 8x: {'met' if ratio >= 8 else 'NOT met'})")
+            lines.append(
+                f"{system}: batch 16 / batch 1 = {ratio:.1f}x (target >= 8x: {'met' if ratio >= 8 else 'NOT met'})"
+            )
         for batch in batches:
             row, acc = table[f"{system}@{batch}"], table.get(f"accelerate@{batch}", {})
             if row["aggregate_tokens_per_s"] and acc.get("aggregate_tokens_per_s"):
                 ratio = row["aggregate_tokens_per_s"] / acc["aggregate_tokens_per_s"]
-                lines.append(f"{system} batch {batch}: {ratio:.2f}x accelerate (target >= 2x: {'met' if ratio >= 2 else 'NOT met'})")
+                lines.append(
+                    f"{system} batch {batch}: {ratio:.2f}x accelerate (target >= 2x: {'met' if ratio >= 2 else 'NOT met'})"
+                )
             if row["peak_anon_rss_bytes"] is not None:
                 within = row["peak_anon_rss_bytes"] <= budget
-                lines.append(f"{system} batch {batch}: peak anonymous RSS {row['peak_anon_rss_bytes'] / 1e9:.2f} GB against the "
-                             f"{budget / 1e9:.2f} GB budget (planned batch memory {(row['planned_batch_bytes'] or 0) / 1e6:.0f} MB "
-                             f"inside it): {'met' if within else 'NOT met'}")
-    errors = [abs(r["predicted_step_s"] - r["step_s"]) / r["step_s"] for k, r in table.items()
-              if k.startswith("ours") and r["predicted_step_s"] and r["step_s"]]
+                lines.append(
+                    f"{system} batch {batch}: peak anonymous RSS {row['peak_anon_rss_bytes'] / 1e9:.2f} GB against the "
+                    f"{budget / 1e9:.2f} GB budget (planned batch memory {(row['planned_batch_bytes'] or 0) / 1e6:.0f} MB "
+                    f"inside it): {'met' if within else 'NOT met'}"
+                )
+    errors = [
+        abs(r["predicted_step_s"] - r["step_s"]) / r["step_s"]
+        for k, r in table.items()
+        if k.startswith("ours") and r["predicted_step_s"] and r["step_s"]
+    ]
     if errors:
-        lines.append(f"prediction: median |predicted - measured| / measured time per decoding step = {100 * median(errors):.0f}% "
-                     f"over {len(errors)} system x batch cells")
+        lines.append(
+            f"prediction: median |predicted - measured| / measured time per decoding step = {100 * median(errors):.0f}% "
+            f"over {len(errors)} system x batch cells"
+        )
     return lines
 
 
 def write_reports(data: dict, stem: Path) -> None:
     table, systems, batches = data["medians"], data["systems"], data["batches"]
-    lines = [f"# Throughput against batch size: {data['checkpoint']}", "", f"Command: `{data['command']}`", "",
-             f"Machine: {data['machine']['cpu']}, {data['machine']['nproc']} cores, torch {data['machine']['torch']}, "
-             f"offload_core {data['machine']['commit']}; load average {data['loadavg_start']} -> {data.get('loadavg_end', '')}", "",
-             "| system | batch | aggregate tok/s | s per step | predicted s per step | peak anon RSS (GB) | runs |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Throughput against batch size: {data['checkpoint']}",
+        "",
+        f"Command: `{data['command']}`",
+        "",
+        f"Machine: {data['machine']['cpu']}, {data['machine']['nproc']} cores, torch {data['machine']['torch']}, "
+        f"offload_core {data['machine']['commit']}; load average {data['loadavg_start']} -> {data.get('loadavg_end', '')}",
+        "",
+        "| system | batch | aggregate tok/s | s per step | predicted s per step | peak anon RSS (GB) | runs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for system in systems:
         for batch in batches:
             r = table[f"{system}@{batch}"]
             fmt = lambda v, d=3: "" if v is None else f"{v:.{d}f}"  # noqa: E731
             rss = None if r["peak_anon_rss_bytes"] is None else r["peak_anon_rss_bytes"] / 1e9
-            lines.append(f"| {system} | {batch} | {fmt(r['aggregate_tokens_per_s'])} | {fmt(r['step_s'])} | "
-                         f"{fmt(r['predicted_step_s'])} | {fmt(rss, 2)} | {r['runs']} |")
+            lines.append(
+                f"| {system} | {batch} | {fmt(r['aggregate_tokens_per_s'])} | {fmt(r['step_s'])} | "
+                f"{fmt(r['predicted_step_s'])} | {fmt(rss, 2)} | {r['runs']} |"
+            )
     lines += ["", "## Targets", ""] + [f"- {line}" for line in data["targets"]]
     Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
     import matplotlib
@@ -100,7 +119,10 @@ def write_reports(data: dict, stem: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
     ax.set_ylabel("aggregate generated tokens/s")
-    ax.set_title(f"{Path(data['checkpoint']).name}, max_memory.cpu={data['args']['budget']}" + (", cold" if data["args"]["cold"] else ""))
+    ax.set_title(
+        f"{Path(data['checkpoint']).name}, max_memory.cpu={data['args']['budget']}"
+        + (", cold" if data["args"]["cold"] else "")
+    )
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -142,25 +164,47 @@ def main() -> None:
     log_dir.mkdir(parents=True)
     env, code = code_snapshot("worktree", log_dir)
     stem = Path(args.out) / f"batch-{tag}"
-    data = {"args": vars(args), "command": "python " + " ".join(shlex.quote(a) for a in ["bench/batch.py", *sys.argv[1:]]),
-            "machine": {**machine(), "commit": code}, "checkpoint": str(checkpoint), "systems": systems, "batches": batches,
-            "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()), "runs": []}
+    data = {
+        "args": vars(args),
+        "command": "python " + " ".join(shlex.quote(a) for a in ["bench/batch.py", *sys.argv[1:]]),
+        "machine": {**machine(), "commit": code},
+        "checkpoint": str(checkpoint),
+        "systems": systems,
+        "batches": batches,
+        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "runs": [],
+    }
     pagecache.warm(shard_files)
     for rep in range(args.reps):
         for batch in batches:
-            order = systems[(rep + batch) % len(systems):] + systems[: (rep + batch) % len(systems)]
+            order = systems[(rep + batch) % len(systems) :] + systems[: (rep + batch) % len(systems)]
             for system in order:
-                spec = {**parse_system(system), "preset": args.preset, "checkpoint": str(checkpoint), "dtype": args.dtype,
-                        "budget": args.budget, "tokens": args.tokens, "cold": args.cold, "prompt": args.prompt, "rep": rep,
-                        "batch": batch, "device": "cpu", "cpu_budget": budget, "threads": None,
-                        "tag": f"{system.replace(':', '_')}-b{batch}-{rep}"}
+                spec = {
+                    **parse_system(system),
+                    "preset": args.preset,
+                    "checkpoint": str(checkpoint),
+                    "dtype": args.dtype,
+                    "budget": args.budget,
+                    "tokens": args.tokens,
+                    "cold": args.cold,
+                    "prompt": args.prompt,
+                    "rep": rep,
+                    "batch": batch,
+                    "device": "cpu",
+                    "cpu_budget": budget,
+                    "threads": None,
+                    "tag": f"{system.replace(':', '_')}-b{batch}-{rep}",
+                }
                 spec.setdefault("overrides", [])
                 result = run_one(spec, log_dir, args.timeout, env)
                 data["runs"].append(result)
                 if "error" not in result:
-                    print(f"  rep {rep} batch {batch:>3} {system:<28} {result['aggregate_tokens_per_s']:8.3f} tok/s  step "
-                          f"{result['decode_token_mean_s']:.2f} s (predicted {result.get('predicted_step_s', float('nan')):.2f})  "
-                          f"anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB", flush=True)
+                    print(
+                        f"  rep {rep} batch {batch:>3} {system:<28} {result['aggregate_tokens_per_s']:8.3f} tok/s  step "
+                        f"{result['decode_token_mean_s']:.2f} s (predicted {result.get('predicted_step_s', float('nan')):.2f})  "
+                        f"anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB",
+                        flush=True,
+                    )
                 data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
                 data["medians"] = medians(data["runs"], systems, batches)
                 data["targets"] = targets(data["medians"], systems, batches, budget)

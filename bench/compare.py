@@ -30,22 +30,52 @@ from report import _with, write_reports  # noqa: E402 (a sibling script, found t
 
 POLICIES = ("align_per_call", "chained", "functional_call", "prefetch")
 STORES = ("memmap", "safetensors")
-DEFAULT_SYSTEMS = ["inmem", "accelerate", *(f"ours:{p}:{s}" for p in POLICIES for s in STORES),
-                   "ours:align_per_call:pinned_cpu", "ours:prefetch:safetensors:fit"]
+DEFAULT_SYSTEMS = [
+    "inmem",
+    "accelerate",
+    *(f"ours:{p}:{s}" for p in POLICIES for s in STORES),
+    "ours:align_per_call:pinned_cpu",
+    "ours:prefetch:safetensors:fit",
+]
 COLD_SYSTEMS = ["inmem", "accelerate", *(f"ours:{p}:{s}" for p in POLICIES for s in STORES)]
 #: --device cuda: --budget is GPU 0's; the rest sits in (pinned) host memory and is streamed to the GPU
-GPU_SYSTEMS = ["inmem", "accelerate", "ours:prefetch:pinned_cpu", "ours:functional_call:pinned_cpu",
-               "ours:align_per_call:pinned_cpu", "ours:prefetch:memmap", "ours:prefetch:safetensors",
-               "ours:prefetch:pinned_cpu:fit"]
+GPU_SYSTEMS = [
+    "inmem",
+    "accelerate",
+    "ours:prefetch:pinned_cpu",
+    "ours:functional_call:pinned_cpu",
+    "ours:align_per_call:pinned_cpu",
+    "ours:prefetch:memmap",
+    "ours:prefetch:safetensors",
+    "ours:prefetch:pinned_cpu:fit",
+]
 
 #: figures a run reports that we take medians of
 FIGURES = [
-    "load_s", "time_to_first_token_s", "load_to_first_token_s", "decode_tokens_per_s", "decode_token_mean_s",
-    "peak_anon_rss_bytes", "peak_file_rss_bytes", "anon_rss_after_load_bytes", "bytes_read_per_token",
-    "read_bandwidth_bytes_per_s", "disk_read_bytes_per_token", "disk_read_bytes_per_decode_token", "offloaded_bytes", "store_bytes_written",
-    "sequential_read_bytes_per_s", "ideal_read_s_per_token", "cold_token_over_ideal",
-    "disk_read_bandwidth_bytes_per_s", "cached_fraction_after_drop_max",
-    "peak_gpu_bytes", "h2d_bytes_per_s", "ideal_h2d_s_per_token", "h2d_token_over_ideal", "prefetch_wait_s_per_token",
+    "load_s",
+    "time_to_first_token_s",
+    "load_to_first_token_s",
+    "decode_tokens_per_s",
+    "decode_token_mean_s",
+    "peak_anon_rss_bytes",
+    "peak_file_rss_bytes",
+    "anon_rss_after_load_bytes",
+    "bytes_read_per_token",
+    "read_bandwidth_bytes_per_s",
+    "disk_read_bytes_per_token",
+    "disk_read_bytes_per_decode_token",
+    "offloaded_bytes",
+    "store_bytes_written",
+    "sequential_read_bytes_per_s",
+    "ideal_read_s_per_token",
+    "cold_token_over_ideal",
+    "disk_read_bandwidth_bytes_per_s",
+    "cached_fraction_after_drop_max",
+    "peak_gpu_bytes",
+    "h2d_bytes_per_s",
+    "ideal_h2d_s_per_token",
+    "h2d_token_over_ideal",
+    "prefetch_wait_s_per_token",
 ]
 
 
@@ -57,8 +87,14 @@ def parse_system(text: str) -> dict:
     if parts[0] != "ours" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "fit"):
         raise SystemExit(f"--systems: {text!r} is not inmem, accelerate or ours:<policy>[+key=value]:<store>[:fit]")
     policy, *options = parts[1].split("+")
-    return {"system": text, "kind": "ours", "policy": policy, "store": parts[2], "fit": len(parts) == 4,
-            "overrides": [f"hook.{o}" for o in options]}
+    return {
+        "system": text,
+        "kind": "ours",
+        "policy": policy,
+        "store": parts[2],
+        "fit": len(parts) == 4,
+        "overrides": [f"hook.{o}" for o in options],
+    }
 
 
 def machine() -> dict:
@@ -78,12 +114,22 @@ def machine() -> dict:
         acc = accelerate.__version__
     except ImportError:
         acc = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total, "cpu": cpu,
-            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "accelerate": acc, "commit": commit,
-            "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "nproc": os.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": acc,
+        "commit": commit,
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
 def checkpoint_for(args) -> tuple[Path, int, list[str]]:
@@ -106,6 +152,7 @@ def code_snapshot(mode: str, log_dir: Path) -> tuple[dict, str]:
     measurement: ``head`` extracts the committed HEAD into ``log_dir``; ``worktree`` copies the working
     tree's ``offload_core``, ``plugins`` and ``conf`` as they are at the start. Returns (environment
     for the workers, a description of the code)."""
+
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -140,8 +187,14 @@ def run_one(spec: dict, log_dir: Path, timeout: float, env: dict) -> dict:
     with open(log, "w") as handle:
         try:
             # cwd is the log folder: a checkout in the cwd would shadow the code snapshot on sys.path
-            proc = subprocess.run([sys.executable, str(HERE / "worker.py"), json.dumps(spec), str(out)], cwd=log_dir,
-                                  stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, env=env)
+            proc = subprocess.run(
+                [sys.executable, str(HERE / "worker.py"), json.dumps(spec), str(out)],
+                cwd=log_dir,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                env=env,
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -160,7 +213,9 @@ def median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def aggregate(runs: list[dict], systems: list[str], budget_bytes: int, cold: bool, gpu: bool = False) -> tuple[dict, dict]:
+def aggregate(
+    runs: list[dict], systems: list[str], budget_bytes: int, cold: bool, gpu: bool = False
+) -> tuple[dict, dict]:
     reference = next((r["token_ids"] for r in runs if r.get("system") == "inmem" and "error" not in r), None)
     medians: dict[str, dict] = {}
     for system in systems:
@@ -171,7 +226,9 @@ def aggregate(runs: list[dict], systems: list[str], budget_bytes: int, cold: boo
             values = [r.get(key) for r in ok if isinstance(r.get(key), (int, float))]
             if values and key in ("decode_tokens_per_s", "load_to_first_token_s", "peak_anon_rss_bytes"):
                 row[key + "_min"], row[key + "_max"] = min(values), max(values)
-        row["matches_in_memory"] = (all(r["token_ids"] == reference for r in ok) if reference is not None and ok else None)
+        row["matches_in_memory"] = (
+            all(r["token_ids"] == reference for r in ok) if reference is not None and ok else None
+        )
         if ok:
             row["device_bytes"] = ok[0].get("device_bytes")
         medians[system] = row
@@ -204,8 +261,13 @@ def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = F
         if gpu and system != "inmem":
             # The GPU bound: streaming the offloaded bytes at the pinned H2D bandwidth of the same run.
             if not system.endswith(":fit"):
-                put("GPU: per-token time <= 1.18 x offloaded bytes / pinned H2D bandwidth", system,
-                    row["h2d_token_over_ideal"], 1.18, "<=")
+                put(
+                    "GPU: per-token time <= 1.18 x offloaded bytes / pinned H2D bandwidth",
+                    system,
+                    row["h2d_token_over_ideal"],
+                    1.18,
+                    "<=",
+                )
                 put("GPU: peak GPU memory <= budget", system, row["peak_gpu_bytes"], budget_bytes, "<=")
         if not system.startswith("ours:"):
             if system == "accelerate" and not gpu:
@@ -220,12 +282,19 @@ def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = F
             continue
         put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
         if cold:
-            put("cold: per-token time <= 1.25 x offloaded bytes / sequential bandwidth", system,
-                row["cold_token_over_ideal"], 1.25, "<=")
+            put(
+                "cold: per-token time <= 1.25 x offloaded bytes / sequential bandwidth",
+                system,
+                row["cold_token_over_ideal"],
+                1.25,
+                "<=",
+            )
         else:
             put("warm decode >= 0.9 x in-memory", system, row["decode_vs_inmem"], 0.9, ">=")
             put("warm decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
-            put("load to first token <= 0.25 x accelerate", system, row["load_to_first_token_vs_accelerate"], 0.25, "<=")
+            put(
+                "load to first token <= 0.25 x accelerate", system, row["load_to_first_token_vs_accelerate"], 0.25, "<="
+            )
     return targets
 
 
@@ -236,20 +305,38 @@ def main() -> None:
     parser.add_argument("--budget", default="1GB", help="max_memory.cpu for ours and accelerate")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per run (greedy, EOS suppressed)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--cold", action="store_true", help="drop offloaded files from the page cache before each token")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: run on GPU 0 with --budget as its budget, the rest in host memory")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop offloaded files from the page cache before each token"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: run on GPU 0 with --budget as its budget, the rest in host memory",
+    )
     parser.add_argument("--systems", help="comma-separated: inmem, accelerate, ours:<policy>[+key=value]:<store>[:fit]")
     parser.add_argument("--dtype", default="bfloat16", help="the run's dtype (all systems)")
-    parser.add_argument("--threads", type=int, help="torch compute threads in every run (default: torch's own, one per core)")
+    parser.add_argument(
+        "--threads", type=int, help="torch compute threads in every run (default: torch's own, one per core)"
+    )
     parser.add_argument("--prompt", default="What is the capital of France?")
-    parser.add_argument("--tag", help="results file suffix (default: preset, plus -cold and -<dtype> when not bfloat16)")
+    parser.add_argument(
+        "--tag", help="results file suffix (default: preset, plus -cold and -<dtype> when not bfloat16)"
+    )
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    parser.add_argument("--code", choices=("head", "worktree"), default="head",
-                        help="head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start")
+    parser.add_argument(
+        "--code",
+        choices=("head", "worktree"),
+        default="head",
+        help="head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start",
+    )
     parser.add_argument("--report", help="only rewrite .md and .png from this results .json")
-    parser.add_argument("--note", action="append", help="a line for the report's Notes section (repeatable; with --report, replaces them)")
+    parser.add_argument(
+        "--note",
+        action="append",
+        help="a line for the report's Notes section (repeatable; with --report, replaces them)",
+    )
     args = parser.parse_args()
 
     if args.report:
@@ -269,7 +356,9 @@ def main() -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: this machine has no CUDA device (run without --device for the CPU benchmark)")
+            raise SystemExit(
+                "--device cuda: this machine has no CUDA device (run without --device for the CPU benchmark)"
+            )
         if args.cold:
             raise SystemExit("--device cuda measures streaming from host memory: leave out --cold")
     default = GPU_SYSTEMS if gpu else COLD_SYSTEMS if args.cold else DEFAULT_SYSTEMS
@@ -277,39 +366,72 @@ def main() -> None:
     parsed = [parse_system(s) for s in systems]
     if args.checkpoint:
         args.preset = None
-    tag = args.tag or "-".join(filter(None, [args.preset or Path(args.checkpoint).name, "cold" if args.cold else None,
-                                            "cuda" if gpu else None, None if args.dtype == "bfloat16" else args.dtype]))
+    tag = args.tag or "-".join(
+        filter(
+            None,
+            [
+                args.preset or Path(args.checkpoint).name,
+                "cold" if args.cold else None,
+                "cuda" if gpu else None,
+                None if args.dtype == "bfloat16" else args.dtype,
+            ],
+        )
+    )
     checkpoint, total_bytes, shard_files = checkpoint_for(args)
     budget_bytes = parse_size(args.budget, what="--budget")
     log_dir = Path("/tmp") / f"offload-bench-{tag}-{int(time.time())}"
     log_dir.mkdir(parents=True)
     stem = Path(args.out) / f"compare-{tag}"
-    command = "OFFLOAD_CORE_CACHE=" + os.environ.get("OFFLOAD_CORE_CACHE", "~/.cache/offload_core") + " python " + \
-        " ".join(shlex.quote(a) for a in ["bench/compare.py", *sys.argv[1:]])
+    command = (
+        "OFFLOAD_CORE_CACHE="
+        + os.environ.get("OFFLOAD_CORE_CACHE", "~/.cache/offload_core")
+        + " python "
+        + " ".join(shlex.quote(a) for a in ["bench/compare.py", *sys.argv[1:]])
+    )
     env, code = code_snapshot(args.code, log_dir)
     print(f"checkpoint {checkpoint} ({total_bytes / 1e9:.2f} GB); offload_core {code}; logs in {log_dir}", flush=True)
     pagecache.warm(shard_files)
     data = {
-        "args": vars(args), "command": command, "machine": {**machine(), "commit": code}, "checkpoint": str(checkpoint),
-        "checkpoint_bytes": total_bytes, "budget_bytes": budget_bytes, "systems": systems,
-        "prompt_tokens": len(args.prompt.encode()), "notes": args.note or [], "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "args": vars(args),
+        "command": command,
+        "machine": {**machine(), "commit": code},
+        "checkpoint": str(checkpoint),
+        "checkpoint_bytes": total_bytes,
+        "budget_bytes": budget_bytes,
+        "systems": systems,
+        "prompt_tokens": len(args.prompt.encode()),
+        "notes": args.note or [],
+        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "runs": [],
     }
     for rep in range(args.reps):
-        order = parsed[rep % len(parsed):] + parsed[: rep % len(parsed)]  # rotate: no system always runs first
+        order = parsed[rep % len(parsed) :] + parsed[: rep % len(parsed)]  # rotate: no system always runs first
         for system in order:
-            spec = {**system, "preset": args.preset, "checkpoint": str(checkpoint), "dtype": args.dtype,
-                    "budget": str(2 * total_bytes) if system.get("fit") else args.budget, "tokens": args.tokens,
-                    "cold": args.cold, "prompt": args.prompt, "rep": rep, "threads": args.threads,
-                    "device": args.device, "cpu_budget": 2 * total_bytes,
-                    "tag": f"{system['system'].replace(':', '_').replace('+', '_').replace('=', '-')}-{rep}"}
+            spec = {
+                **system,
+                "preset": args.preset,
+                "checkpoint": str(checkpoint),
+                "dtype": args.dtype,
+                "budget": str(2 * total_bytes) if system.get("fit") else args.budget,
+                "tokens": args.tokens,
+                "cold": args.cold,
+                "prompt": args.prompt,
+                "rep": rep,
+                "threads": args.threads,
+                "device": args.device,
+                "cpu_budget": 2 * total_bytes,
+                "tag": f"{system['system'].replace(':', '_').replace('+', '_').replace('=', '-')}-{rep}",
+            }
             spec.setdefault("overrides", [])
             result = run_one(spec, log_dir, args.timeout, env)
             data["runs"].append(result)
             if "error" not in result:
-                print(f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first {result['time_to_first_token_s']:6.2f} s  "
-                      f"decode {result['decode_tokens_per_s']:6.3f} tok/s  anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  "
-                      f"file +{result['peak_file_rss_bytes'] / 1e9:.2f} GB", flush=True)
+                print(
+                    f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first {result['time_to_first_token_s']:6.2f} s  "
+                    f"decode {result['decode_tokens_per_s']:6.3f} tok/s  anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  "
+                    f"file +{result['peak_file_rss_bytes'] / 1e9:.2f} GB",
+                    flush=True,
+                )
             data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
             data["medians"], data["targets"] = aggregate(data["runs"], systems, budget_bytes, args.cold, gpu)
             stem.parent.mkdir(parents=True, exist_ok=True)

@@ -34,19 +34,47 @@ def build(folder: Path, width: int) -> int:
     if (folder / "model_index.json").is_file():
         return sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(block_out_channels=(width, 2 * width, 2 * width), layers_per_block=2, sample_size=16,
-                                cross_attention_dim=2 * width, attention_head_dim=8, norm_num_groups=32,
-                                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"))
-    vae = AutoencoderKL(block_out_channels=(width // 2, width), latent_channels=4, norm_num_groups=32,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+    unet = UNet2DConditionModel(
+        block_out_channels=(width, 2 * width, 2 * width),
+        layers_per_block=2,
+        sample_size=16,
+        cross_attention_dim=2 * width,
+        attention_head_dim=8,
+        norm_num_groups=32,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(width // 2, width),
+        latent_channels=4,
+        norm_num_groups=32,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+    )
     tokenizer = _tiny_clip_tokenizer(folder / "_tokenizer")
-    text = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=2 * width, intermediate_size=8 * width,
-                                        num_hidden_layers=6, num_attention_heads=8, max_position_embeddings=16,
-                                        bos_token_id=0, eos_token_id=1, pad_token_id=1))
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet,
-                                   scheduler=DDIMScheduler(clip_sample=False), safety_checker=None,
-                                   feature_extractor=None, requires_safety_checker=False)
+    text = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=2 * width,
+            intermediate_size=8 * width,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=DDIMScheduler(clip_sample=False),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.save_pretrained(folder)
     import shutil
 
@@ -73,8 +101,13 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str)
     started = time.perf_counter()
     moved = None
     if config.startswith("ours_"):
-        pipe = offload_core.from_pretrained(path, max_memory={"cpu": budget}, storage="safetensors",
-                                            policy=config.removeprefix("ours_"), execution_device="cpu")
+        pipe = offload_core.from_pretrained(
+            path,
+            max_memory={"cpu": budget},
+            storage="safetensors",
+            policy=config.removeprefix("ours_"),
+            execution_device="cpu",
+        )
         moved = pipe.offload_state.stats
     else:
         from diffusers import DiffusionPipeline
@@ -83,8 +116,12 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str)
         if config == "diffusers_sequential":
             pipe.enable_sequential_cpu_offload(device="cpu")
         elif config == "diffusers_group_disk":
-            pipe.enable_group_offload(onload_device=torch.device("cpu"), offload_type="block_level",
-                                      num_blocks_per_group=1, offload_to_disk_path=tempfile.mkdtemp(dir=out))
+            pipe.enable_group_offload(
+                onload_device=torch.device("cpu"),
+                offload_type="block_level",
+                num_blocks_per_group=1,
+                offload_to_disk_path=tempfile.mkdtemp(dir=out),
+            )
     load_s = time.perf_counter() - started
     pipe.set_progress_bar_config(disable=True)
     step_times: list[float] = []
@@ -109,10 +146,19 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str)
     elapsed = time.perf_counter() - began
     memory.__exit__(None, None, None)
     torch.save(image, Path(out) / f"{config}.pt")
-    print(json.dumps({"config": config, "load_s": load_s, "s_per_image": elapsed,
-                      "s_per_step": sum(step_times[1:]) / max(len(step_times) - 1, 1),
-                      "peak_anon_rss_bytes": memory.anon_delta, "bytes_moved_per_image": moved.bytes if moved else None,
-                      "disk_bytes_read_per_step": sum(step_reads[1:]) // max(len(step_reads) - 1, 1)}))
+    print(
+        json.dumps(
+            {
+                "config": config,
+                "load_s": load_s,
+                "s_per_image": elapsed,
+                "s_per_step": sum(step_times[1:]) / max(len(step_times) - 1, 1),
+                "peak_anon_rss_bytes": memory.anon_delta,
+                "bytes_moved_per_image": moved.bytes if moved else None,
+                "disk_bytes_read_per_step": sum(step_reads[1:]) // max(len(step_reads) - 1, 1),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -134,12 +180,35 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for config in args.configs:
-            command = [sys.executable, __file__, "--worker", config, "--folder", str(folder), "--budget", str(budget),
-                       "--steps", str(args.steps), "--size", str(args.size), "--out", out]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=3600,
-                                  env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                config,
+                "--folder",
+                str(folder),
+                "--budget",
+                str(budget),
+                "--steps",
+                str(args.steps),
+                "--size",
+                str(args.size),
+                "--out",
+                out,
+            ]
+            done = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=3600,
+                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            )
             if done.returncode != 0:
-                lines = [line for line in done.stderr.strip().splitlines() if "Error" in line] or done.stderr.strip().splitlines() or ["?"]
+                lines = (
+                    [line for line in done.stderr.strip().splitlines() if "Error" in line]
+                    or done.stderr.strip().splitlines()
+                    or ["?"]
+                )
                 rows.append({"config": config, "error": lines[-1][:300]})
             else:
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -158,22 +227,34 @@ def write(rows: list[dict], args: argparse.Namespace, total: int, budget: int) -
     results = REPO / "bench" / "results"
     results.mkdir(exist_ok=True)
     name = f"diffusion-{args.width}"
-    meta = {"pipeline_bytes": total, "cpu_budget_bytes": budget, "steps": args.steps, "size": args.size,
-            "load_average": os.getloadavg(), "cpus": os.cpu_count()}
+    meta = {
+        "pipeline_bytes": total,
+        "cpu_budget_bytes": budget,
+        "steps": args.steps,
+        "size": args.size,
+        "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(),
+    }
     (results / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Diffusion pipeline offload, {total / 1e9:.2f} GB float32, cpu budget {budget / 1e9:.2f} GB (CPU only)",
-             "", f"{args.steps} steps of a {args.size}x{args.size} image, warm page cache, fresh process per row; "
-             f"load average {meta['load_average'][0]:.1f} on {meta['cpus']} cores (a shared machine: indicative only).",
-             "", "| config | s/image | s/step | peak anon RSS | moved/image | disk read/step | same image |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Diffusion pipeline offload, {total / 1e9:.2f} GB float32, cpu budget {budget / 1e9:.2f} GB (CPU only)",
+        "",
+        f"{args.steps} steps of a {args.size}x{args.size} image, warm page cache, fresh process per row; "
+        f"load average {meta['load_average'][0]:.1f} on {meta['cpus']} cores (a shared machine: indicative only).",
+        "",
+        "| config | s/image | s/step | peak anon RSS | moved/image | disk read/step | same image |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['config']} | failed: {row['error']} | | | | | |")
             continue
         moved = row["bytes_moved_per_image"]
-        lines.append(f"| {row['config']} | {row['s_per_image']:.2f} | {row['s_per_step']:.2f} | "
-                     f"{row['peak_anon_rss_bytes'] / 1e6:.0f} MB | {'' if moved is None else f'{moved / 1e6:.0f} MB'} | "
-                     f"{row['disk_bytes_read_per_step'] / 1e6:.1f} MB | {row.get('same_image_as_in_memory', '')} |")
+        lines.append(
+            f"| {row['config']} | {row['s_per_image']:.2f} | {row['s_per_step']:.2f} | "
+            f"{row['peak_anon_rss_bytes'] / 1e6:.0f} MB | {'' if moved is None else f'{moved / 1e6:.0f} MB'} | "
+            f"{row['disk_bytes_read_per_step'] / 1e6:.1f} MB | {row.get('same_image_as_in_memory', '')} |"
+        )
     (results / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -23,15 +23,37 @@ CACHE = Path(os.environ.get("OFFLOAD_CORE_CACHE", Path.home() / ".cache" / "offl
 
 #: preset -> Mixtral config fields (bf16): about 2.6 GB, 8 experts, top-2
 PRESETS = {
-    "mixtral-2.6g": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
-                         num_key_value_heads=4, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
-    "mixtral-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=1000, num_local_experts=8, num_experts_per_tok=2),
+    "mixtral-2.6g": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "mixtral-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
 }
 #: every policy on both stores that read files, beside in memory and accelerate
-SYSTEMS = ["inmem", "accelerate", *(f"ours:{policy}:{store}" for policy in ("experts", "experts+guess=none", "prefetch",
-                                                                            "align_per_call", "chained", "functional_call")
-                                    for store in ("safetensors", "memmap"))]
+SYSTEMS = [
+    "inmem",
+    "accelerate",
+    *(
+        f"ours:{policy}:{store}"
+        for policy in ("experts", "experts+guess=none", "prefetch", "align_per_call", "chained", "functional_call")
+        for store in ("safetensors", "memmap")
+    ),
+]
 
 
 def build(preset: str) -> Path:
@@ -70,9 +92,26 @@ def layer_split(config: dict) -> tuple[int, int]:
 
 def run(args, path: Path, cold: bool) -> Path:
     tag = f"moe-{args.preset}" + ("-cold" if cold else "")
-    command = [sys.executable, str(HERE / "compare.py"), "--checkpoint", str(path), "--budget", str(args.budget),
-               "--tokens", str(args.tokens), "--reps", str(args.reps), "--systems", ",".join(args.systems),
-               "--tag", tag, "--code", "worktree", "--timeout", str(args.timeout)]
+    command = [
+        sys.executable,
+        str(HERE / "compare.py"),
+        "--checkpoint",
+        str(path),
+        "--budget",
+        str(args.budget),
+        "--tokens",
+        str(args.tokens),
+        "--reps",
+        str(args.reps),
+        "--systems",
+        ",".join(args.systems),
+        "--tag",
+        tag,
+        "--code",
+        "worktree",
+        "--timeout",
+        str(args.timeout),
+    ]
     if cold:
         command.append("--cold")
     subprocess.run(command, check=True)
@@ -91,10 +130,14 @@ def report(preset: str, files: list[Path]) -> None:
     """Issue 27's figures and targets: warm ≥ 1.5 x accelerate and ≥ 0.6 x in memory; cold ≥ 3 x accelerate,
     disk bytes per decode token ≤ 1.2 x the ideal, per-token time ≤ 1.25 x ideal bytes ÷ sequential bandwidth."""
     config = PRESETS[preset]
-    lines = [f"# MoE offload, {preset} ({config['num_local_experts']} experts, top-{config['num_experts_per_tok']}, bf16)", "",
-             "Ideal = disk bytes a decode token needs: offloaded non-expert bytes + the routed experts of offloaded "
-             "layers. Disk = `/proc/self/io` read_bytes between the first and last token (decode only). "
-             "Ratios are of medians measured side by side in one alternated run.", ""]
+    lines = [
+        f"# MoE offload, {preset} ({config['num_local_experts']} experts, top-{config['num_experts_per_tok']}, bf16)",
+        "",
+        "Ideal = disk bytes a decode token needs: offloaded non-expert bytes + the routed experts of offloaded "
+        "layers. Disk = `/proc/self/io` read_bytes between the first and last token (decode only). "
+        "Ratios are of medians measured side by side in one alternated run.",
+        "",
+    ]
     rows_for_plot, targets = [], []
     for file in files:
         if not file.exists():
@@ -104,11 +147,15 @@ def report(preset: str, files: list[Path]) -> None:
         regime = "cold" if cold else "warm"
         inmem = medians.get("inmem", {}).get("decode_tokens_per_s")
         acc = medians.get("accelerate", {}).get("decode_tokens_per_s")
-        lines += [f"## {regime} page cache ({file.name})", "",
-                  f"Load average {data.get('loadavg_start', '?')} at start, {data.get('loadavg_end', '?')} at end.", "",
-                  "| system | decode tok/s | × in memory | × accelerate | disk/decode token | ideal | ratio | "
-                  "token s ÷ (ideal ÷ seq. bandwidth) | peak anon RSS | guess accuracy (guessing) | same tokens |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {regime} page cache ({file.name})",
+            "",
+            f"Load average {data.get('loadavg_start', '?')} at start, {data.get('loadavg_end', '?')} at end.",
+            "",
+            "| system | decode tok/s | × in memory | × accelerate | disk/decode token | ideal | ratio | "
+            "token s ÷ (ideal ÷ seq. bandwidth) | peak anon RSS | guess accuracy (guessing) | same tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         runs = [r for r in data["runs"] if "error" not in r]
         for system, row in medians.items():
             mine = [r for r in runs if r.get("system") == system]
@@ -120,20 +167,34 @@ def report(preset: str, files: list[Path]) -> None:
             bound = (1 / tps) / (ideal / seq) if cold and tps and seq and ideal else None
             guess = _median([r.get("experts_expert_guess_accuracy") for r in mine])
             guessing = _median([r.get("experts_expert_guessing") for r in mine])
-            lines.append(f"| {system} | {_f(tps)} | {_f(tps / inmem if tps and inmem else None)} | "
-                         f"{_f(tps / acc if tps and acc else None)} | {_gb(disk)} | {_gb(ideal or None)} | {_f(ratio)} | "
-                         f"{_f(bound)} | {_gb(row.get('peak_anon_rss_bytes'))} | {_f(guess)}"
-                         f"{'' if guessing is None else ' (on)' if guessing else ' (paused)'} | {row.get('matches_in_memory')} |")
+            lines.append(
+                f"| {system} | {_f(tps)} | {_f(tps / inmem if tps and inmem else None)} | "
+                f"{_f(tps / acc if tps and acc else None)} | {_gb(disk)} | {_gb(ideal or None)} | {_f(ratio)} | "
+                f"{_f(bound)} | {_gb(row.get('peak_anon_rss_bytes'))} | {_f(guess)}"
+                f"{'' if guessing is None else ' (on)' if guessing else ' (paused)'} | {row.get('matches_in_memory')} |"
+            )
             rows_for_plot.append((f"{regime} {system}", tps or 0, disk or 0))
             if not system.startswith("ours") or not tps:
                 continue
             if not cold and acc:
-                targets.append(f"- warm {system}: {tps / acc:.2f} × accelerate (≥ 1.5: {'met' if tps / acc >= 1.5 else 'not met'})"
-                               + (f", {tps / inmem:.2f} × in memory (≥ 0.6: {'met' if tps / inmem >= 0.6 else 'not met'})" if inmem else ""))
+                targets.append(
+                    f"- warm {system}: {tps / acc:.2f} × accelerate (≥ 1.5: {'met' if tps / acc >= 1.5 else 'not met'})"
+                    + (
+                        f", {tps / inmem:.2f} × in memory (≥ 0.6: {'met' if tps / inmem >= 0.6 else 'not met'})"
+                        if inmem
+                        else ""
+                    )
+                )
             if cold and acc:
-                targets.append(f"- cold {system}: {tps / acc:.2f} × accelerate (≥ 3: {'met' if tps / acc >= 3 else 'not met'})"
-                               + (f", disk {ratio:.2f} × ideal (≤ 1.2: {'met' if ratio <= 1.2 else 'not met'})" if ratio else "")
-                               + (f", token {bound:.2f} × ideal time (≤ 1.25: {'met' if bound <= 1.25 else 'not met'})" if bound else ""))
+                targets.append(
+                    f"- cold {system}: {tps / acc:.2f} × accelerate (≥ 3: {'met' if tps / acc >= 3 else 'not met'})"
+                    + (f", disk {ratio:.2f} × ideal (≤ 1.2: {'met' if ratio <= 1.2 else 'not met'})" if ratio else "")
+                    + (
+                        f", token {bound:.2f} × ideal time (≤ 1.25: {'met' if bound <= 1.25 else 'not met'})"
+                        if bound
+                        else ""
+                    )
+                )
         lines.append("")
     lines += ["## Targets", "", *targets, ""]
     out = HERE / "results" / f"moe-{preset}.md"

@@ -35,17 +35,28 @@ def load_all(checkpoint: str, budget: int, scratch: Path, ours: list[str]) -> di
     from offload_core.module_hooks.experts import Experts, ExpertsConfig
 
     models = {"inmem": transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()}
-    spec = {"checkpoint": checkpoint, "dtype": "bfloat16", "budget": str(budget), "scratch": str(scratch / "acc"),
-            "device": "cpu", "cpu_budget": budget}
+    spec = {
+        "checkpoint": checkpoint,
+        "dtype": "bfloat16",
+        "budget": str(budget),
+        "scratch": str(scratch / "acc"),
+        "device": "cpu",
+        "cpu_budget": budget,
+    }
     models["accelerate"] = load_accelerate(spec)[0]
     for system in ours:
         policy, store = system.split(":")
         name, *options = policy.split("+")
         if name == "experts":
             policy = Experts(ExpertsConfig(**dict(o.split("=") for o in options)))
-        models[f"ours:{system}"] = offload_core.from_pretrained(checkpoint, max_memory={"cpu": budget}, storage=store,
-                                                                policy=policy if name == "experts" else name,
-                                                                offload_folder=scratch / system, dtype=torch.bfloat16)
+        models[f"ours:{system}"] = offload_core.from_pretrained(
+            checkpoint,
+            max_memory={"cpu": budget},
+            storage=store,
+            policy=policy if name == "experts" else name,
+            offload_folder=scratch / system,
+            dtype=torch.bfloat16,
+        )
     return models
 
 
@@ -71,7 +82,7 @@ def main() -> None:
         tokens: dict[str, list[int]] = {name: [] for name in models}
         order = list(models)
         for step in range(args.steps):
-            for name in order[step % len(order):] + order[:step % len(order)]:  # each system first in turn
+            for name in order[step % len(order) :] + order[: step % len(order)]:  # each system first in turn
                 cache, token = state[name]
                 started = time.perf_counter()
                 out = models[name](input_ids=token, past_key_values=cache, use_cache=True)
@@ -80,18 +91,36 @@ def main() -> None:
                 tokens[name].append(int(state[name][1]))
         load.append(os.getloadavg())
     median = {name: statistics.median(t[2:]) for name, t in times.items()}  # the first two steps: warming up
-    rows = [f"# Warm MoE decoding, interleaved: {args.preset}, max_memory.cpu {budget / 1e9:.2f} GB", "",
-            f"{args.steps} greedy decode steps after a 30-token prompt, every system taking one step in turn (the first "
-            f"two steps left out of the medians); load average {load[0][0]:.2f} {load[0][1]:.2f} at start, "
-            f"{load[1][0]:.2f} {load[1][1]:.2f} at end. Command: `python bench/moe_interleaved.py --steps {args.steps}`.", "",
-            "| system | median s/step | tok/s | × in memory | × accelerate | same tokens as in memory |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"# Warm MoE decoding, interleaved: {args.preset}, max_memory.cpu {budget / 1e9:.2f} GB",
+        "",
+        f"{args.steps} greedy decode steps after a 30-token prompt, every system taking one step in turn (the first "
+        f"two steps left out of the medians); load average {load[0][0]:.2f} {load[0][1]:.2f} at start, "
+        f"{load[1][0]:.2f} {load[1][1]:.2f} at end. Command: `python bench/moe_interleaved.py --steps {args.steps}`.",
+        "",
+        "| system | median s/step | tok/s | × in memory | × accelerate | same tokens as in memory |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in models:
-        rows.append(f"| {name} | {median[name]:.4f} | {1 / median[name]:.2f} | {median['inmem'] / median[name]:.2f} | "
-                    f"{median['accelerate'] / median[name]:.2f} | {tokens[name] == tokens['inmem']} |")
+        rows.append(
+            f"| {name} | {median[name]:.4f} | {1 / median[name]:.2f} | {median['inmem'] / median[name]:.2f} | "
+            f"{median['accelerate'] / median[name]:.2f} | {tokens[name] == tokens['inmem']} |"
+        )
     out = HERE / "results" / f"moe-interleaved-{args.preset}"
     Path(f"{out}.md").write_text("\n".join(rows) + "\n")
-    Path(f"{out}.json").write_text(json.dumps({"budget": budget, "steps": args.steps, "loadavg": load, "times": times,
-                                                    "tokens": tokens, "median_s": median}, indent=1))
+    Path(f"{out}.json").write_text(
+        json.dumps(
+            {
+                "budget": budget,
+                "steps": args.steps,
+                "loadavg": load,
+                "times": times,
+                "tokens": tokens,
+                "median_s": median,
+            },
+            indent=1,
+        )
+    )
     print("\n".join(rows))
 
 

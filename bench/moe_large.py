@@ -24,8 +24,16 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("OFFLOAD_CORE_CACHE", Path.home() / ".cache" / "offload_core"))
 
 #: about 31 GB in bf16: 38 layers of 8 experts (top-2) of 2048 x 8192
-CONFIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=38, num_attention_heads=16,
-              num_key_value_heads=4, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2)
+CONFIG = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=38,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+)
 NAME = "moe-mixtral-31g"
 
 
@@ -37,10 +45,15 @@ def saved_entries(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     entries = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        entries += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                    (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
-                    (p + "block_sparse_moe.gate.weight", (e, h))]
+        entries += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "block_sparse_moe.gate.weight", (e, h)),
+        ]
         for x in range(e):
             q = f"{p}block_sparse_moe.experts.{x}."
             entries += [(q + "w1.weight", (f, h)), (q + "w2.weight", (h, f)), (q + "w3.weight", (f, h))]
@@ -87,11 +100,17 @@ def report(data: dict, out: Path) -> None:
     layer = sum(2 * math.prod(s) for n, s in entries if n.startswith("model.layers.0."))
     medians, runs = data["medians"], [r for r in data["runs"] if "error" not in r]
     tokens = {r["system"]: r.get("token_ids") for r in runs}
-    lines = [f"# MoE larger than RAM: {NAME} ({data['checkpoint_bytes'] / 1e9:.1f} GB bf16, {e} experts, top-{k})", "",
-             f"Reproduce: `{data['command']}` (via `python bench/moe_large.py`)", "",
-             f"Machine: {data['machine']}; load average {data['loadavg_start']} at the start, {data['loadavg_end']} at the end.",
-             "", "| system | s/decode token | GB read from disk/token | needed GB/token | bound s (1.25 × that ÷ bw) "
-             "| within | peak anon RSS GB | budget GB | same tokens as block-granular |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# MoE larger than RAM: {NAME} ({data['checkpoint_bytes'] / 1e9:.1f} GB bf16, {e} experts, top-{k})",
+        "",
+        f"Reproduce: `{data['command']}` (via `python bench/moe_large.py`)",
+        "",
+        f"Machine: {data['machine']}; load average {data['loadavg_start']} at the start, {data['loadavg_end']} at the end.",
+        "",
+        "| system | s/decode token | GB read from disk/token | needed GB/token | bound s (1.25 × that ÷ bw) "
+        "| within | peak anon RSS GB | budget GB | same tokens as block-granular |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     block = tokens.get("ours:prefetch:safetensors")
     for system, row in medians.items():
         layers = (row.get("offloaded_bytes") or 0) / layer
@@ -105,18 +124,26 @@ def report(data: dict, out: Path) -> None:
             needed = row.get("offloaded_bytes") or 0
         bound = 1.25 * needed / bandwidth if bandwidth else None
         seconds = 1 / row["decode_tokens_per_s"] if row.get("decode_tokens_per_s") else None
-        lines.append(f"| {system} | {_f(seconds)} | {_f((row.get('disk_read_bytes_per_token') or 0) / 1e9)} | "
-                     f"{_f(needed / 1e9)} | {_f(bound)} | {seconds is not None and bound is not None and seconds <= bound} | "
-                     f"{_f((row.get('peak_anon_rss_bytes') or 0) / 1e9)} | {_f(data['budget_bytes'] / 1e9)} | "
-                     f"{tokens.get(system) == block} |")
+        lines.append(
+            f"| {system} | {_f(seconds)} | {_f((row.get('disk_read_bytes_per_token') or 0) / 1e9)} | "
+            f"{_f(needed / 1e9)} | {_f(bound)} | {seconds is not None and bound is not None and seconds <= bound} | "
+            f"{_f((row.get('peak_anon_rss_bytes') or 0) / 1e9)} | {_f(data['budget_bytes'] / 1e9)} | "
+            f"{tokens.get(system) == block} |"
+        )
     experts = next((row for system, row in medians.items() if system.startswith("ours:experts")), {})
     blockrow = medians.get("ours:prefetch:safetensors", {})
     if experts.get("decode_tokens_per_s") and blockrow.get("decode_tokens_per_s"):
-        lines += ["", f"Expert-granular against block-granular: "
-                      f"{experts['decode_tokens_per_s'] / blockrow['decode_tokens_per_s']:.2f} × the decode speed."]
-    lines += ["", "The bound counts, per decode token, the offloaded layers' non-expert bytes and their routed experts "
-                  "(top-k of each layer) less the experts served from the cache (block-granular: every offloaded byte), "
-                  "over the disk's sequential read bandwidth measured by the same run."]
+        lines += [
+            "",
+            f"Expert-granular against block-granular: "
+            f"{experts['decode_tokens_per_s'] / blockrow['decode_tokens_per_s']:.2f} × the decode speed.",
+        ]
+    lines += [
+        "",
+        "The bound counts, per decode token, the offloaded layers' non-expert bytes and their routed experts "
+        "(top-k of each layer) less the experts served from the cache (block-granular: every offloaded byte), "
+        "over the disk's sequential read bandwidth measured by the same run.",
+    ]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
 
@@ -135,9 +162,30 @@ def main() -> None:
     if not args.report_only:
         path = build()
         budget = sum(p.stat().st_size for p in path.glob("*.safetensors")) // 4
-        subprocess.run([sys.executable, str(HERE / "compare.py"), "--checkpoint", str(path), "--budget", str(budget),
-                        "--tokens", str(args.tokens), "--reps", "1", "--systems", args.systems, "--tag", "moe-large-cold",
-                        "--code", "worktree", "--timeout", "1800", "--cold"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "compare.py"),
+                "--checkpoint",
+                str(path),
+                "--budget",
+                str(budget),
+                "--tokens",
+                str(args.tokens),
+                "--reps",
+                "1",
+                "--systems",
+                args.systems,
+                "--tag",
+                "moe-large-cold",
+                "--code",
+                "worktree",
+                "--timeout",
+                "1800",
+                "--cold",
+            ],
+            check=True,
+        )
     report(json.loads((results / "compare-moe-large-cold.json").read_text()), results / "moe-large.md")
 
 

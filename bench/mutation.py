@@ -25,9 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 GROUPS: dict[str, list[str]] = {
-    "planning": ["offload_core/planning/device_map.py", "offload_core/planning/fill.py",
-                 "offload_core/planning/budgets.py", "offload_core/planning/reservation.py",
-                 "offload_core/planning/batch_memory.py", "offload_core/planning/request.py"],
+    "planning": [
+        "offload_core/planning/device_map.py",
+        "offload_core/planning/fill.py",
+        "offload_core/planning/budgets.py",
+        "offload_core/planning/reservation.py",
+        "offload_core/planning/batch_memory.py",
+        "offload_core/planning/request.py",
+    ],
     "integrity": ["offload_core/storage/folder.py", "offload_core/storage/folder_guard.py"],
     "sizes": ["offload_core/planning/sizing.py", "offload_core/values.py"],
     "prefetch": ["offload_core/module_hooks/prefetch/pool.py", "offload_core/module_hooks/prefetch/prefetcher.py"],
@@ -62,8 +67,9 @@ KILLED, SURVIVED = {1, 3, 36, 24, -24}, {0}
 
 def scratch_copy(into: Path) -> Path:
     """This working tree without its virtualenv, caches and earlier mutants."""
-    ignore = shutil.ignore_patterns(".venv", "mutants", "__pycache__", ".git", "*.egg-info", ".pytest_cache",
-                                    ".hypothesis", "outputs", "multirun")
+    ignore = shutil.ignore_patterns(
+        ".venv", "mutants", "__pycache__", ".git", "*.egg-info", ".pytest_cache", ".hypothesis", "outputs", "multirun"
+    )
     shutil.copytree(ROOT, into, ignore=ignore)
     return into
 
@@ -71,13 +77,15 @@ def scratch_copy(into: Path) -> Path:
 def configure(tree: Path, paths: list[str], pytest_args: list[str]) -> None:
     pyproject = tree / "pyproject.toml"
     text = pyproject.read_text()
-    text += ("\n[tool.mutmut]\n"
-             'source_paths = ["offload_core"]\n'
-             f"only_mutate = {json.dumps(paths)}\n"
-             'pytest_add_cli_args_test_selection = ["tests/"]\n'
-             'also_copy = [".ci/", "conf/", "plugins/", "run.py", "examples/", "bench/", "README.md", "conftest.py", "docs/", '
-             '"mkdocs.yml"]\n'
-             f"pytest_add_cli_args = {json.dumps(pytest_args)}\n")
+    text += (
+        "\n[tool.mutmut]\n"
+        'source_paths = ["offload_core"]\n'
+        f"only_mutate = {json.dumps(paths)}\n"
+        'pytest_add_cli_args_test_selection = ["tests/"]\n'
+        'also_copy = [".ci/", "conf/", "plugins/", "run.py", "examples/", "bench/", "README.md", "conftest.py", "docs/", '
+        '"mkdocs.yml"]\n'
+        f"pytest_add_cli_args = {json.dumps(pytest_args)}\n"
+    )
     pyproject.write_text(text)
 
 
@@ -85,12 +93,21 @@ def counts(tree: Path) -> dict[str, Counter]:
     """Killed / survived / other per mutated file, from mutmut's ``.meta`` files."""
     out: dict[str, Counter] = {}
     for meta in sorted((tree / "mutants").rglob("*.py.meta")):
-        name = str(meta.relative_to(tree / "mutants"))[:-len(".meta")]
+        name = str(meta.relative_to(tree / "mutants"))[: -len(".meta")]
         codes = json.loads(meta.read_text()).get("exit_code_by_key", {})
         tally = Counter()
         for code in codes.values():
-            tally["killed" if code in KILLED else "survived" if code in SURVIVED else
-                  "no tests" if code == 33 else "not run" if code is None else f"exit {code}"] += 1
+            tally[
+                "killed"
+                if code in KILLED
+                else "survived"
+                if code in SURVIVED
+                else "no tests"
+                if code == 33
+                else "not run"
+                if code is None
+                else f"exit {code}"
+            ] += 1
         out[name] = tally
     return out
 
@@ -99,29 +116,52 @@ def run_group(name: str, children: int, keep: Path | None, minutes: float) -> tu
     with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as scratch:
         tree = scratch_copy(Path(scratch) / "tree")
         # mutmut's trampolines make a mutated file longer than the line limit the layering test holds sources to
-        configure(tree, GROUPS[name], ["-n", "0", "-m", "not slow", "-p", "no:cacheprovider", "-x", "-q",
-                                       "--deselect", "tests/test_layering.py::test_no_python_file_is_over_the_line_limit"])
+        configure(
+            tree,
+            GROUPS[name],
+            [
+                "-n",
+                "0",
+                "-m",
+                "not slow",
+                "-p",
+                "no:cacheprovider",
+                "-x",
+                "-q",
+                "--deselect",
+                "tests/test_layering.py::test_no_python_file_is_over_the_line_limit",
+            ],
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         start = time.monotonic()
         log = open(Path(scratch) / "mutmut.log", "w")
-        proc = subprocess.Popen([sys.executable, "-c", _MUTMUT, "run", "--max-children", str(children)], cwd=tree,
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MUTMUT, "run", "--max-children", str(children)],
+            cwd=tree,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=minutes * 60)
         except subprocess.TimeoutExpired:  # bounded: what ran is reported, the rest counts as "not run"
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
         took = time.monotonic() - start
-        survivors = subprocess.run([sys.executable, "-m", "mutmut", "results"], cwd=tree, env=env,
-                                   capture_output=True, text=True, timeout=600).stdout
+        survivors = subprocess.run(
+            [sys.executable, "-m", "mutmut", "results"], cwd=tree, env=env, capture_output=True, text=True, timeout=600
+        ).stdout
         if keep is not None:
             shutil.copytree(tree / "mutants", keep / name, dirs_exist_ok=True)
         log.close()
         if keep is not None:
             shutil.copy(Path(scratch) / "mutmut.log", keep / f"{name}.log")
         if not counts(tree) or not any(t["killed"] + t["survived"] for t in counts(tree).values()):
-            raise SystemExit(f"mutmut failed for {name} (exit {proc.returncode}): "
-                             f"{(Path(scratch) / 'mutmut.log').read_text()[-3000:]}")
+            raise SystemExit(
+                f"mutmut failed for {name} (exit {proc.returncode}): "
+                f"{(Path(scratch) / 'mutmut.log').read_text()[-3000:]}"
+            )
         return counts(tree), took, survivors
 
 
@@ -145,8 +185,11 @@ def main() -> None:
             print(f"| {group} | {name} | {tally['killed']} | {tally['survived']} | {other} | {share} |", flush=True)
         judged = total["killed"] + total["survived"]
         share = f"{100 * total['killed'] / judged:.0f}%" if judged else "-"
-        print(f"| **{group}** | all | {total['killed']} | {total['survived']} | "
-              f"{sum(total.values()) - judged} | **{share}** |", flush=True)
+        print(
+            f"| **{group}** | all | {total['killed']} | {total['survived']} | "
+            f"{sum(total.values()) - judged} | **{share}** |",
+            flush=True,
+        )
         notes.append(f"### {group} ({took / 60:.0f} min): survivors\n\n```\n{survivors.strip()}\n```\n")
     print("\n" + "\n".join(notes))
 

@@ -73,7 +73,9 @@ def cached_fraction(files: Iterable[str | os.PathLike]) -> float:
     return resident / total if total else 0.0
 
 
-def sequential_read_bandwidth(ranges: Iterable[tuple[str, int, int]], chunk: int = 16 << 20) -> tuple[float, int, float]:
+def sequential_read_bandwidth(
+    ranges: Iterable[tuple[str, int, int]], chunk: int = 16 << 20
+) -> tuple[float, int, float]:
     """Drop the files from the cache, then read each ``(path, start, end)`` byte range front to back
     with ``chunk``-byte reads (ranges of one file merged where they touch).
 
@@ -130,7 +132,7 @@ def mapped_read_bandwidth(ranges: Iterable[tuple[str, int, int]], chunk: int = 6
         try:
             whole = torch.frombuffer(mapped, dtype=torch.uint8)
             for offset in range(start, end, chunk):
-                piece = whole[offset:min(offset + chunk, end)]
+                piece = whole[offset : min(offset + chunk, end)]
                 populate(piece)
                 drop(piece, path, offset)
                 total += piece.numel()

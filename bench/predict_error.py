@@ -13,8 +13,11 @@ import statistics
 from pathlib import Path
 
 #: measured column -> predicted column of the sweep summary
-PAIRS = {"load_s": "predicted_load_s", "time_to_first_token_s": "predicted_ttft_s",
-         "time_per_decode_step_s": "predicted_step_s"}
+PAIRS = {
+    "load_s": "predicted_load_s",
+    "time_to_first_token_s": "predicted_ttft_s",
+    "time_per_decode_step_s": "predicted_step_s",
+}
 
 
 def errors(rows: list[dict]) -> dict[str, list[float]]:
@@ -37,7 +40,9 @@ def main() -> None:
     print(f"{len(rows)} runs, {len(rows) - len(failed)} ok" + (f" (failed: {', '.join(failed)})" if failed else ""))
     for row in rows:
         if row.get("status") == "ok":
-            cells = " | ".join(f"{m} {float(row[m]):.2f}/{float(row[p]):.2f}" for m, p in PAIRS.items() if row.get(m) and row.get(p))
+            cells = " | ".join(
+                f"{m} {float(row[m]):.2f}/{float(row[p]):.2f}" for m, p in PAIRS.items() if row.get(m) and row.get(p)
+            )
             print(f"  {row['job']:>3} {row['overrides']}: measured/predicted {cells}")
     every = []
     for measured, values in errors(rows).items():

@@ -27,11 +27,25 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FIGURES = {"load": ("load_s", "predicted_load_s"), "ttft": ("time_to_first_token_s", "predicted_ttft_s"),
-           "step": ("time_per_decode_step_s", "predicted_step_s")}
+FIGURES = {
+    "load": ("load_s", "predicted_load_s"),
+    "ttft": ("time_to_first_token_s", "predicted_ttft_s"),
+    "step": ("time_per_decode_step_s", "predicted_step_s"),
+}
 POLICIES = "align_per_call,functional_call,chained,prefetch"
-COLUMNS = ["model", "budget", "batch", "storage", "hook", "run", "status", "prediction_runs",
-           *[c for name in FIGURES for c in (FIGURES[name][0], FIGURES[name][1], f"{name}_error")], "total_s", "error"]
+COLUMNS = [
+    "model",
+    "budget",
+    "batch",
+    "storage",
+    "hook",
+    "run",
+    "status",
+    "prediction_runs",
+    *[c for name in FIGURES for c in (FIGURES[name][0], FIGURES[name][1], f"{name}_error")],
+    "total_s",
+    "error",
+]
 
 
 def model_args(spec: str) -> list[str]:
@@ -44,8 +58,14 @@ def model_args(spec: str) -> list[str]:
 
 def run_py(args: list[str], folder: Path, env: dict[str, str], timeout: int) -> dict:
     """``run.py args`` in a fresh process writing into ``folder``: its metrics.json (an ``error`` when it failed)."""
-    proc = subprocess.run([sys.executable, "run.py", "progress=false", f"hydra.run.dir={folder}", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "run.py", "progress=false", f"hydra.run.dir={folder}", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     metrics = folder / "metrics.json"
     if proc.returncode != 0 or not metrics.exists():
         return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
@@ -54,8 +74,12 @@ def run_py(args: list[str], folder: Path, env: dict[str, str], timeout: int) -> 
 
 def model_bytes(spec: str, env: dict[str, str], work: Path, timeout: int) -> int:
     """The model's bytes, from a plan-only run with room for all of it."""
-    found = run_py([*model_args(spec), "plan_only=true", "max_memory.cpu=1TB"], work / f"size-{spec.replace(':', '-')}",
-                   env, timeout)
+    found = run_py(
+        [*model_args(spec), "plan_only=true", "max_memory.cpu=1TB"],
+        work / f"size-{spec.replace(':', '-')}",
+        env,
+        timeout,
+    )
     if "error" in found:
         raise SystemExit(f"{spec}: {found['error']}")
     return sum(info["bytes"] for info in found["devices"].values())
@@ -78,38 +102,70 @@ def sweep(args: argparse.Namespace, env: dict[str, str], work: Path) -> tuple[li
             for batch in [int(b) for b in args.batches.split(",")]:
                 prompts = work / f"prompts-{batch}.txt"
                 prompts.write_text("".join(f"Tell me about the number {i}.\n" for i in range(batch)))
-                common = [*model_args(spec), budget, f"prompts={prompts}", f"batch_size={batch}",
-                          f"max_new_tokens={args.tokens}", "page_cache=auto"]
+                common = [
+                    *model_args(spec),
+                    budget,
+                    f"prompts={prompts}",
+                    f"batch_size={batch}",
+                    f"max_new_tokens={args.tokens}",
+                    "page_cache=auto",
+                ]
                 cell = {"model": spec, "budget": fraction, "batch": batch}
                 configs = [(s, h) for s in args.stores.split(",") for h in args.policies.split(",")]
                 for run in (1, 2):  # every configuration once, then each again with its correction
                     for storage, hook in configs:
                         folder = work / f"{len(rows):04d}"
                         found = run_py([*common, f"storage={storage}", f"hook={hook}"], folder, env, args.timeout)
-                        row = {**cell, "storage": storage, "hook": hook, "run": run,
-                               "status": "error" if "error" in found else "ok", "error": found.get("error", ""),
-                               "prediction_runs": found.get("prediction_runs", "")}
+                        row = {
+                            **cell,
+                            "storage": storage,
+                            "hook": hook,
+                            "run": run,
+                            "status": "error" if "error" in found else "ok",
+                            "error": found.get("error", ""),
+                            "prediction_runs": found.get("prediction_runs", ""),
+                        }
                         for name, (measured, predicted) in FIGURES.items():
                             row[measured], row[predicted] = found.get(measured), found.get(predicted)
                             ok = isinstance(row[measured], (int, float)) and row[measured] > 0 and row[predicted]
                             row[f"{name}_error"] = (row[predicted] - row[measured]) / row[measured] if ok else None
                         row["total_s"] = total_s(row, args.tokens)
                         rows.append(row)
-                        print(f"{spec} {fraction} b{batch} {storage} {hook} run {run}: " + (row["error"] or " | ".join(
-                            f"{n} {row[m] or float('nan'):.3g}/{row[p] or float('nan'):.3g}" for n, (m, p) in FIGURES.items())),
-                            flush=True)
+                        print(
+                            f"{spec} {fraction} b{batch} {storage} {hook} run {run}: "
+                            + (
+                                row["error"]
+                                or " | ".join(
+                                    f"{n} {row[m] or float('nan'):.3g}/{row[p] or float('nan'):.3g}"
+                                    for n, (m, p) in FIGURES.items()
+                                )
+                            ),
+                            flush=True,
+                        )
                 picks.append(auto_pick(cell, common, configs, rows, env, work, args))
     return rows, picks
 
 
-def auto_pick(cell: dict, common: list[str], configs: list[tuple[str, str]], rows: list[dict], env: dict[str, str],
-              work: Path, args: argparse.Namespace) -> dict:
+def auto_pick(
+    cell: dict,
+    common: list[str],
+    configs: list[tuple[str, str]],
+    rows: list[dict],
+    env: dict[str, str],
+    work: Path,
+    args: argparse.Namespace,
+) -> dict:
     """auto=true's pick among the measured configurations against the fastest measured (second runs: the pick is
     made with the corrections the sweep left, as a user's second plan would be)."""
     folder = work / f"auto-{cell['model'].replace(':', '-')}-{cell['budget']}-{cell['batch']}"
-    found = run_py([*common, "plan_only=true", "auto=true", "batch_size=" + str(cell["batch"])], folder, env, args.timeout)
-    measured = {(r["storage"], r["hook"]): r["total_s"] for r in rows
-                if all(r[k] == cell[k] for k in cell) and r["run"] == 2 and r["total_s"]}
+    found = run_py(
+        [*common, "plan_only=true", "auto=true", "batch_size=" + str(cell["batch"])], folder, env, args.timeout
+    )
+    measured = {
+        (r["storage"], r["hook"]): r["total_s"]
+        for r in rows
+        if all(r[k] == cell[k] for k in cell) and r["run"] == 2 and r["total_s"]
+    }
     pick = None
     if "error" not in found and (folder / "auto.json").exists():
         for entry in json.loads((folder / "auto.json").read_text()):
@@ -121,9 +177,12 @@ def auto_pick(cell: dict, common: list[str], configs: list[tuple[str, str]], row
                 break
     fastest = min(measured, key=measured.get) if measured else None
     ratio = measured[pick] / measured[fastest] if pick and fastest else None
-    return {**cell, "auto_pick": " ".join(pick) if pick else found.get("error", "none"),
-            "measured_fastest": " ".join(fastest) if fastest else "none",
-            "pick_over_fastest": ratio}
+    return {
+        **cell,
+        "auto_pick": " ".join(pick) if pick else found.get("error", "none"),
+        "measured_fastest": " ".join(fastest) if fastest else "none",
+        "pick_over_fastest": ratio,
+    }
 
 
 def summary_lines(rows: list[dict], picks: list[dict]) -> list[str]:
@@ -132,8 +191,10 @@ def summary_lines(rows: list[dict], picks: list[dict]) -> list[str]:
         for name in FIGURES:
             errors = [abs(r[f"{name}_error"]) for r in rows if r["run"] == run and r[f"{name}_error"] is not None]
             if errors:
-                lines.append(f"- run {run} {name}: median |error| {100 * statistics.median(errors):.0f}%, worst "
-                             f"{100 * max(errors):.0f}% over {len(errors)} runs")
+                lines.append(
+                    f"- run {run} {name}: median |error| {100 * statistics.median(errors):.0f}%, worst "
+                    f"{100 * max(errors):.0f}% over {len(errors)} runs"
+                )
     within = [p for p in picks if p["pick_over_fastest"] is not None]
     if within:
         good = sum(p["pick_over_fastest"] <= 1.10 for p in within)
@@ -150,13 +211,31 @@ def write(rows: list[dict], picks: list[dict], out: Path, header: list[str]) -> 
     def fmt(v: object) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v if v is not None else "")
 
-    md = [*header, "", "## Errors ((predicted - measured) / measured)", "", *summary_lines(rows, picks), "",
-          "## Runs", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    md = [
+        *header,
+        "",
+        "## Errors ((predicted - measured) / measured)",
+        "",
+        *summary_lines(rows, picks),
+        "",
+        "## Runs",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     md += ["| " + " | ".join(fmt(r.get(c)).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
-    md += ["", "## auto=true against the measured fastest (second runs)", "",
-           "| model | budget | batch | auto's pick | measured fastest | pick / fastest |", "|---|---|---|---|---|---|"]
-    md += [f"| {p['model']} | {p['budget']} | {p['batch']} | {p['auto_pick']} | {p['measured_fastest']} | "
-           f"{fmt(p['pick_over_fastest'])} |" for p in picks]
+    md += [
+        "",
+        "## auto=true against the measured fastest (second runs)",
+        "",
+        "| model | budget | batch | auto's pick | measured fastest | pick / fastest |",
+        "|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {p['model']} | {p['budget']} | {p['batch']} | {p['auto_pick']} | {p['measured_fastest']} | "
+        f"{fmt(p['pick_over_fastest'])} |"
+        for p in picks
+    ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     plot(rows, out.with_suffix(".png"))
 
@@ -172,7 +251,9 @@ def plot(rows: list[dict], path: Path) -> None:
         for run, marker in ((1, "o"), (2, "x")):
             pts = [(r[measured], r[predicted]) for r in rows if r["run"] == run and r[f"{name}_error"] is not None]
             if pts:
-                ax.scatter(*zip(*pts), marker=marker, label=f"run {run}" + (" (cost model)" if run == 1 else " (corrected)"))
+                ax.scatter(
+                    *zip(*pts), marker=marker, label=f"run {run}" + (" (cost model)" if run == 1 else " (corrected)")
+                )
         values = [v for r in rows for v in (r[measured], r[predicted]) if isinstance(v, (int, float)) and v > 0]
         if values:
             low, high = min(values) * 0.8, max(values) * 1.25
@@ -208,9 +289,12 @@ def main() -> None:
         env = {**os.environ, "OFFLOAD_CORE_CORRECTIONS": str(work / "corrections.json")}
         started = time.time()
         rows, picks = sweep(args, env, work)
-    header = [f"# Predicted against measured: {args.tag}", "",
-              f"`python bench/predict_sweep.py {shlex.join(sys.argv[1:])}` ({time.time() - started:.0f} s, "
-              f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')})"] + (["", args.note] if args.note else [])
+    header = [
+        f"# Predicted against measured: {args.tag}",
+        "",
+        f"`python bench/predict_sweep.py {shlex.join(sys.argv[1:])}` ({time.time() - started:.0f} s, "
+        f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')})",
+    ] + (["", args.note] if args.note else [])
     write(rows, picks, out, header)
     print("\n".join(summary_lines(rows, picks)))
     print(f"wrote {out}.csv, .md and .png")

@@ -110,7 +110,9 @@ def pread(path: Path, blocks: list, direct: bool, chunk: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="30b")
-    parser.add_argument("--blocks", type=int, default=2, help="decoder blocks read per method (the last ones of a late shard)")
+    parser.add_argument(
+        "--blocks", type=int, default=2, help="decoder blocks read per method (the last ones of a late shard)"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     files = checkpoint_files(args.preset)
@@ -119,7 +121,9 @@ def main() -> None:
     methods = {
         "mapped, populate + drop (today)": lambda: mapped(path, blocks, willneed=False),
         "mapped, WILLNEED a block ahead + populate + drop": lambda: mapped(path, blocks, willneed=True),
-        "mapped, WILLNEED each tensor's range + populate + drop": lambda: mapped(path, blocks, willneed=False, exact=True),
+        "mapped, WILLNEED each tensor's range + populate + drop": lambda: mapped(
+            path, blocks, willneed=False, exact=True
+        ),
         "buffered preadv 8 MiB + FADV_DONTNEED": lambda: pread(path, blocks, direct=False, chunk=8 * MIB),
         "O_DIRECT preadv 8 MiB": lambda: pread(path, blocks, direct=True, chunk=8 * MIB),
         "O_DIRECT preadv 64 MiB": lambda: pread(path, blocks, direct=True, chunk=64 * MIB),
@@ -133,20 +137,37 @@ def main() -> None:
             wall, cpu1, read = time.perf_counter() - wall0, os.times(), _read_bytes() - read0
             cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
             left = cached_fraction([path])
-            rows.append({"method": name, "repeat": repeat, "bytes": total, "seconds": wall, "gb_per_s": total / wall / GB,
-                         "cpu_s_per_gb": cpu / (total / GB), "disk_read_per_byte": read / total,
-                         "cached_after": left})
+            rows.append(
+                {
+                    "method": name,
+                    "repeat": repeat,
+                    "bytes": total,
+                    "seconds": wall,
+                    "gb_per_s": total / wall / GB,
+                    "cpu_s_per_gb": cpu / (total / GB),
+                    "disk_read_per_byte": read / total,
+                    "cached_after": left,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     results = REPO / "bench" / "results"
     stem = f"readpath-{args.preset}"
     (results / f"{stem}.json").write_text(json.dumps({"args": vars(args), "file": path.name, "rows": rows}, indent=1))
     cache = f"OFFLOAD_CORE_CACHE={os.environ['OFFLOAD_CORE_CACHE']} " if os.environ.get("OFFLOAD_CORE_CACHE") else ""
-    lines = [f"# Read path of streamed blocks: `{args.preset}`, the last {args.blocks} blocks of {path.name} "
-             f"({rows[0]['bytes'] / GB:.2f} GB), cache dropped before each", "",
-             f"Reproduce: `{cache}flock /tmp/bench.lock python bench/readpath.py {' '.join(sys.argv[1:])}`", "",
-             "| method | repeat | GB/s | CPU s per GB | disk bytes read per byte wanted | cached after |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['repeat']} | {r['gb_per_s']:.2f} | {r['cpu_s_per_gb']:.2f} | {r['disk_read_per_byte']:.3f} | "
-              f"{r['cached_after']:.3f} |" for r in rows]
+    lines = [
+        f"# Read path of streamed blocks: `{args.preset}`, the last {args.blocks} blocks of {path.name} "
+        f"({rows[0]['bytes'] / GB:.2f} GB), cache dropped before each",
+        "",
+        f"Reproduce: `{cache}flock /tmp/bench.lock python bench/readpath.py {' '.join(sys.argv[1:])}`",
+        "",
+        "| method | repeat | GB/s | CPU s per GB | disk bytes read per byte wanted | cached after |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['method']} | {r['repeat']} | {r['gb_per_s']:.2f} | {r['cpu_s_per_gb']:.2f} | {r['disk_read_per_byte']:.3f} | "
+        f"{r['cached_after']:.3f} |"
+        for r in rows
+    ]
     (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {results / stem}.md")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+
 def _gb(value) -> str:
     return "–" if value is None else f"{value / 1e9:.2f}"
 
@@ -17,8 +18,11 @@ def write_markdown(data: dict, path: Path) -> None:
     med, args, m = data["medians"], data["args"], data["machine"]
     cold = args["cold"]
     gpu = args.get("device") == "cuda"
-    setting = (f"max_memory.0={args['budget']} on {m.get('gpu')}, the rest in host memory" if gpu else
-               f"max_memory.cpu={args['budget']}{', cold page cache' if cold else ', warm page cache'}")
+    setting = (
+        f"max_memory.0={args['budget']} on {m.get('gpu')}, the rest in host memory"
+        if gpu
+        else f"max_memory.cpu={args['budget']}{', cold page cache' if cold else ', warm page cache'}"
+    )
     lines = [
         f"# offload benchmark: synthetic {args['preset'] or args['checkpoint']}, {setting}",
         "",
@@ -120,8 +124,14 @@ def write_plot(data: dict, path: Path) -> None:
 
     med = {s: r for s, r in data["medians"].items() if r["runs"]}
     names = list(med)
-    short = [n.replace("ours:", "").replace("align_per_call", "align").replace("functional_call", "functional")
-             .replace("safetensors", "st").replace("pinned_cpu", "pinned") for n in names]
+    short = [
+        n.replace("ours:", "")
+        .replace("align_per_call", "align")
+        .replace("functional_call", "functional")
+        .replace("safetensors", "st")
+        .replace("pinned_cpu", "pinned")
+        for n in names
+    ]
     cold = data["args"]["cold"]
     panels = 4 if cold else 3
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 5.5))
@@ -170,8 +180,10 @@ def write_plot(data: dict, path: Path) -> None:
         ax.legend(loc="lower right")
 
     args = data["args"]
-    fig.suptitle(f"synthetic {args['preset']} ({args['dtype']}), max_memory.cpu={args['budget']}, "
-                 f"{'cold' if cold else 'warm'} page cache, {args['reps']} reps, {data['machine']['nproc']} CPUs")
+    fig.suptitle(
+        f"synthetic {args['preset']} ({args['dtype']}), max_memory.cpu={args['budget']}, "
+        f"{'cold' if cold else 'warm'} page cache, {args['reps']} reps, {data['machine']['nproc']} CPUs"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -47,10 +47,16 @@ def soak_one(policy: str, preset: str, calls: int, warmup: int, seq: int) -> dic
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
-    device_map = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "cpu"}
-    load_checkpoint_and_dispatch(model, checkpoint, device_map, storage="memmap", policy=policy,
-                                 execution_device="cpu", progress=False)
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    load_checkpoint_and_dispatch(
+        model, checkpoint, device_map, storage="memmap", policy=policy, execution_device="cpu", progress=False
+    )
     ids = torch.arange(1, seq + 1).unsqueeze(0) % config.vocab_size
     with torch.inference_mode():
         for _ in range(warmup):
@@ -65,11 +71,17 @@ def soak_one(policy: str, preset: str, calls: int, warmup: int, seq: int) -> dic
         after = {"anon_rss_bytes": anon_rss(), "open_fds": open_fds()}
     model.offload_state.remove()
     return {
-        "policy": policy, "preset": preset, "calls": calls, "warmup_calls": warmup, "sequence_length": seq,
-        "before": before, "after": after,
+        "policy": policy,
+        "preset": preset,
+        "calls": calls,
+        "warmup_calls": warmup,
+        "sequence_length": seq,
+        "before": before,
+        "after": after,
         "anon_rss_growth_bytes": after["anon_rss_bytes"] - before["anon_rss_bytes"],
         "open_fds_growth": after["open_fds"] - before["open_fds"],
-        "seconds": seconds, "ms_per_call": 1000 * seconds / calls,
+        "seconds": seconds,
+        "ms_per_call": 1000 * seconds / calls,
     }
 
 
@@ -89,19 +101,36 @@ def main() -> None:
     runs = []
     for policy in args.policies.split(","):
         proc = subprocess.run(
-            [sys.executable, __file__, "--one", policy, "--preset", args.preset, "--calls", str(args.calls),
-             "--warmup", str(args.warmup), "--seq", str(args.seq)],
-            capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                policy,
+                "--preset",
+                args.preset,
+                "--calls",
+                str(args.calls),
+                "--warmup",
+                str(args.warmup),
+                "--seq",
+                str(args.seq),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         run = json.loads(proc.stdout.strip().splitlines()[-1])
         runs.append(run)
-        print(f"{policy:>16}: {run['calls']} calls, {run['ms_per_call']:.2f} ms/call, anon RSS "
-              f"{run['before']['anon_rss_bytes'] / 2**20:.1f} -> {run['after']['anon_rss_bytes'] / 2**20:.1f} MiB "
-              f"({run['anon_rss_growth_bytes'] / 2**10:+.0f} KiB), fds {run['before']['open_fds']} -> {run['after']['open_fds']}")
+        print(
+            f"{policy:>16}: {run['calls']} calls, {run['ms_per_call']:.2f} ms/call, anon RSS "
+            f"{run['before']['anon_rss_bytes'] / 2**20:.1f} -> {run['after']['anon_rss_bytes'] / 2**20:.1f} MiB "
+            f"({run['anon_rss_growth_bytes'] / 2**10:+.0f} KiB), fds {run['before']['open_fds']} -> {run['after']['open_fds']}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(), "runs": runs},
-                              indent=1) + "\n")
+    out.write_text(
+        json.dumps({"machine": platform.platform(), "python": platform.python_version(), "runs": runs}, indent=1) + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -25,17 +25,22 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from pagecache import drop_cache  # noqa: E402
 
-PASSAGE = ("The lighthouse stood on a narrow spit of rock at the mouth of the harbour. Every evening the keeper climbed "
-           "the one hundred and twelve steps, trimmed the wick, polished the great lens and lit the lamp, and every "
-           "morning he wrote the weather, the ships he had seen and the hours the light had burned in a leather book.")
+PASSAGE = (
+    "The lighthouse stood on a narrow spit of rock at the mouth of the harbour. Every evening the keeper climbed "
+    "the one hundred and twelve steps, trimmed the wick, polished the great lens and lit the lamp, and every "
+    "morning he wrote the weather, the ships he had seen and the hours the light had burned in a leather book."
+)
 PROMPTS = {
     "repeat": f"Repeat the following passage exactly, changing 'keeper' to 'warden':\n\n{PASSAGE}",
     "summarise": f"Summarise the following passage in two sentences:\n\n{PASSAGE}",
     "chat": "What are some good ways to spend a rainy weekend at home?",
 }
 BUDGETS = {"half": "300MiB", "small": "200MiB"}  # SmolLM2 is 513 MiB in float32; 48 MiB headroom comes off each
-MODES = {"none": [], "prompt_lookup": ["speculative=prompt_lookup"],  # its preset: up to 20 tokens, adaptive
-         "self": ["speculative=self", "speculative.layers=6", "speculative.tokens=5"]}
+MODES = {
+    "none": [],
+    "prompt_lookup": ["speculative=prompt_lookup"],  # its preset: up to 20 tokens, adaptive
+    "self": ["speculative=self", "speculative.layers=6", "speculative.tokens=5"],
+}
 #: the order rows are reported in
 ORDER = {"none": 0, "prompt_lookup": 1, "self": 2}
 
@@ -49,22 +54,55 @@ def checkpoint_files() -> list[Path]:
 def one_run(prompt: str, mode: str, budget: str, cold: bool, tokens: int, out: Path, compare: bool) -> dict:
     if cold:
         drop_cache(checkpoint_files())
-    command = [sys.executable, str(REPO / "run.py"), "model=smollm2", "storage=safetensors", "hook=align_per_call",
-               f"max_memory.cpu={BUDGETS[budget]}", f"max_new_tokens={tokens}", f"prompt={json.dumps(PROMPTS[prompt])}",
-               f"page_cache={'0' if cold else 'lru'}", "progress=false", f"compare_in_memory={str(compare).lower()}",
-               f"hydra.run.dir={out}", *MODES[mode]]
+    command = [
+        sys.executable,
+        str(REPO / "run.py"),
+        "model=smollm2",
+        "storage=safetensors",
+        "hook=align_per_call",
+        f"max_memory.cpu={BUDGETS[budget]}",
+        f"max_new_tokens={tokens}",
+        f"prompt={json.dumps(PROMPTS[prompt])}",
+        f"page_cache={'0' if cold else 'lru'}",
+        "progress=false",
+        f"compare_in_memory={str(compare).lower()}",
+        f"hydra.run.dir={out}",
+        *MODES[mode],
+    ]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
-    row = {"prompt": prompt, "mode": mode, "budget": budget, "cache": "cold" if cold else "warm",
-           "wall_s": time.perf_counter() - started, "load_average": os.getloadavg()}
+    row = {
+        "prompt": prompt,
+        "mode": mode,
+        "budget": budget,
+        "cache": "cold" if cold else "warm",
+        "wall_s": time.perf_counter() - started,
+        "load_average": os.getloadavg(),
+    }
     if done.returncode != 0:
         lines = (done.stdout + done.stderr).strip().splitlines()
         return {**row, "error": lines[-1] if lines else f"exit {done.returncode}"}
     metrics = json.loads((out / "metrics.json").read_text())
-    keep = ("decode_tokens_per_s", "time_to_first_token_s", "generated_tokens", "tokens_per_pass", "target_passes",
-            "acceptance_rate", "drafted_tokens", "accepted_tokens", "bytes_moved_per_token", "predicted_s_per_token",
-            "predicted_step_s", "matches_in_memory", "matches_in_memory_speculative", "tokens_differing_from_plain",
-            "disk_read_bytes_per_generated_token", "read_bandwidth_bytes_per_s", "token_ids", "text")
+    keep = (
+        "decode_tokens_per_s",
+        "time_to_first_token_s",
+        "generated_tokens",
+        "tokens_per_pass",
+        "target_passes",
+        "acceptance_rate",
+        "drafted_tokens",
+        "accepted_tokens",
+        "bytes_moved_per_token",
+        "predicted_s_per_token",
+        "predicted_step_s",
+        "matches_in_memory",
+        "matches_in_memory_speculative",
+        "tokens_differing_from_plain",
+        "disk_read_bytes_per_generated_token",
+        "read_bandwidth_bytes_per_s",
+        "token_ids",
+        "text",
+    )
     return {**row, **{k: metrics[k] for k in keep if k in metrics}}
 
 
@@ -79,8 +117,11 @@ def medians(rows: list[dict]) -> list[dict]:
         rates = [r["decode_tokens_per_s"] for r in runs if r.get("decode_tokens_per_s")]
         row = dict(runs[0])
         if rates:
-            row.update(decode_tokens_per_s=statistics.median(rates), runs=len(rates),
-                       rate_range=f"{min(rates):.2f}-{max(rates):.2f}")
+            row.update(
+                decode_tokens_per_s=statistics.median(rates),
+                runs=len(rates),
+                rate_range=f"{min(rates):.2f}-{max(rates):.2f}",
+            )
         out.append(row)
     return out
 
@@ -107,32 +148,55 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
     rows = medians(rows)
     speedups(rows)
     rows = sorted(rows, key=lambda r: (r["cache"], r["budget"], r["prompt"], ORDER[r["mode"]]))
-    lines = [f"# Speculative decoding under offload: SmolLM2-135M-Instruct ({meta['tokens']} new tokens, greedy)", "",
-             f"`{meta['command']}`, {meta['date']}. Store safetensors, policy align_per_call, float32. "
-             f"**Taken on a loaded shared machine** ({os.cpu_count()} cores; load average before "
-             f"{', '.join(f'{x:.1f}' for x in meta['load_before'])}, after {', '.join(f'{x:.1f}' for x in meta['load_after'])}): "
-             "the figures are indicative: decode tokens/s is the median of the runs (alternating modes), range beside it.", "",
-             "Budgets: half = max_memory.cpu=300MiB (about half the 513 MiB model streamed), small = 200MiB. Cold: the "
-             "checkpoint dropped from the page cache before the run and page_cache=0 (every offloaded block read from "
-             "the disk on every pass); warm: page_cache=lru. The plan's s/token is its predicted step divided by the "
-             "expected tokens per pass at an assumed acceptance of 0.6 (an estimate). No draft checkpoint sharing "
-             "SmolLM2's tokenizer exists on this machine, so speculative=draft is not measured.", "",
-             "| prompt | budget | cache | mode | decode tok/s (median) | runs: range | x none | tokens/pass | acceptance | drafted | moved/token MiB "
-             "| disk read/token MiB | disk MB/s | plan s/token | same as plain greedy in memory | same as in memory, same speculation |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Speculative decoding under offload: SmolLM2-135M-Instruct ({meta['tokens']} new tokens, greedy)",
+        "",
+        f"`{meta['command']}`, {meta['date']}. Store safetensors, policy align_per_call, float32. "
+        f"**Taken on a loaded shared machine** ({os.cpu_count()} cores; load average before "
+        f"{', '.join(f'{x:.1f}' for x in meta['load_before'])}, after {', '.join(f'{x:.1f}' for x in meta['load_after'])}): "
+        "the figures are indicative: decode tokens/s is the median of the runs (alternating modes), range beside it.",
+        "",
+        "Budgets: half = max_memory.cpu=300MiB (about half the 513 MiB model streamed), small = 200MiB. Cold: the "
+        "checkpoint dropped from the page cache before the run and page_cache=0 (every offloaded block read from "
+        "the disk on every pass); warm: page_cache=lru. The plan's s/token is its predicted step divided by the "
+        "expected tokens per pass at an assumed acceptance of 0.6 (an estimate). No draft checkpoint sharing "
+        "SmolLM2's tokenizer exists on this machine, so speculative=draft is not measured.",
+        "",
+        "| prompt | budget | cache | mode | decode tok/s (median) | runs: range | x none | tokens/pass | acceptance | drafted | moved/token MiB "
+        "| disk read/token MiB | disk MB/s | plan s/token | same as plain greedy in memory | same as in memory, same speculation |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['prompt']} | {r['budget']} | {r['cache']} | {r['mode']} | refused: {r['error']} ||||||||||||")
+            lines.append(
+                f"| {r['prompt']} | {r['budget']} | {r['cache']} | {r['mode']} | refused: {r['error']} ||||||||||||"
+            )
             continue
         moved = r.get("bytes_moved_per_token")
-        lines.append(" | ".join(["", r["prompt"], r["budget"], r["cache"], r["mode"], fmt(r.get("decode_tokens_per_s")),
-                                 f"{r.get('runs', '')}: {r.get('rate_range', '')}",
-                                 fmt(r.get("speedup_vs_none")), fmt(r.get("tokens_per_pass")), fmt(r.get("acceptance_rate")),
-                                 fmt(r.get("drafted_tokens")), fmt(moved / 2**20 if moved is not None else None, 1),
-                                 fmt(mib(r.get("disk_read_bytes_per_generated_token")), 1),
-                                 fmt(r["read_bandwidth_bytes_per_s"] / 1e6 if r.get("read_bandwidth_bytes_per_s") else None, 0),
-                                 fmt(r.get("predicted_s_per_token"), 3), fmt(r.get("matches_in_memory")),
-                                 fmt(r.get("matches_in_memory_speculative")), ""]).strip())
+        lines.append(
+            " | ".join(
+                [
+                    "",
+                    r["prompt"],
+                    r["budget"],
+                    r["cache"],
+                    r["mode"],
+                    fmt(r.get("decode_tokens_per_s")),
+                    f"{r.get('runs', '')}: {r.get('rate_range', '')}",
+                    fmt(r.get("speedup_vs_none")),
+                    fmt(r.get("tokens_per_pass")),
+                    fmt(r.get("acceptance_rate")),
+                    fmt(r.get("drafted_tokens")),
+                    fmt(moved / 2**20 if moved is not None else None, 1),
+                    fmt(mib(r.get("disk_read_bytes_per_generated_token")), 1),
+                    fmt(r["read_bandwidth_bytes_per_s"] / 1e6 if r.get("read_bandwidth_bytes_per_s") else None, 0),
+                    fmt(r.get("predicted_s_per_token"), 3),
+                    fmt(r.get("matches_in_memory")),
+                    fmt(r.get("matches_in_memory_speculative")),
+                    "",
+                ]
+            ).strip()
+        )
     lines += ["", "## Targets (cold page cache)", ""]
     for r in rows:
         if r["cache"] != "cold" or "error" in r or r["mode"] == "none":
@@ -144,8 +208,10 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
             ok, goal = (r.get("tokens_per_pass") or 0) >= 1.5, ">= 1.5 tokens/pass"
         else:
             ok, goal = (r.get("speedup_vs_none") or 0) >= 0.95, ">= 0.95x none"
-        lines.append(f"- {r['prompt']}, {r['budget']}, {r['mode']}: {goal}: {'met' if ok else 'NOT met'} "
-                     f"({fmt(r.get('tokens_per_pass'))} tokens/pass, {fmt(r.get('speedup_vs_none'))}x)")
+        lines.append(
+            f"- {r['prompt']}, {r['budget']}, {r['mode']}: {goal}: {'met' if ok else 'NOT met'} "
+            f"({fmt(r.get('tokens_per_pass'))} tokens/pass, {fmt(r.get('speedup_vs_none'))}x)"
+        )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(path.with_suffix(".png"), rows)
 
@@ -189,9 +255,13 @@ def main() -> None:
         data = json.loads(args.report.read_text())
         write_report(args.report, data["meta"], data["rows"])
         return
-    meta = {"command": "python bench/speculative.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "reps": args.reps,
-            "tokens": args.tokens, "load_before": os.getloadavg()}
+    meta = {
+        "command": "python bench/speculative.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "reps": args.reps,
+        "tokens": args.tokens,
+        "load_before": os.getloadavg(),
+    }
     rows = []
     group = 0
     for cold in [cache == "cold" for cache in args.caches]:
@@ -210,8 +280,11 @@ def main() -> None:
                     out = args.work / f"{prompt}-{budget}-{'cold' if cold else 'warm'}-{mode}"
                     rows.append(one_run(prompt, mode, budget, cold, args.tokens, out, compare))
                     r = rows[-1]
-                    print(f"{prompt:9} {budget:5} {r['cache']:4} {mode:13} {fmt(r.get('decode_tokens_per_s'))} tok/s "
-                          f"{fmt(r.get('tokens_per_pass'))} tok/pass {r.get('error', '')}", flush=True)
+                    print(
+                        f"{prompt:9} {budget:5} {r['cache']:4} {mode:13} {fmt(r.get('decode_tokens_per_s'))} tok/s "
+                        f"{fmt(r.get('tokens_per_pass'))} tok/pass {r.get('error', '')}",
+                        flush=True,
+                    )
     meta["load_after"] = os.getloadavg()
     meta["median_load"] = statistics.median(r["load_average"][0] for r in rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)

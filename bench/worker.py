@@ -50,7 +50,9 @@ class Timer(StoppingCriteria):
     def __init__(self, cold_files: list[str] | None = None) -> None:
         self.cold_files = cold_files or []
         self.stamps: list[float] = []
-        self.io: list[int] = []  # /proc/self/io read_bytes at each stamp: decode tokens' disk reads, the prompt's left out
+        self.io: list[
+            int
+        ] = []  # /proc/self/io read_bytes at each stamp: decode tokens' disk reads, the prompt's left out
         self.excluded = 0.0
         self.cached_after_drop: list[float] = []
         self.start = time.perf_counter()
@@ -88,13 +90,20 @@ def generate(model, input_ids: torch.Tensor, tokens: int, cold_files: list[str])
         timer.excluded = 0.0
     timer.start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=tokens,
-                             min_new_tokens=tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([timer]),
-                             pad_token_id=model.config.eos_token_id)
-    return out[0, input_ids.shape[1]:].tolist(), timer
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([timer]),
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, input_ids.shape[1] :].tolist(), timer
 
 
 # -- the three systems -----------------------------------------------------------------------------
+
 
 def on_gpu(spec: dict) -> bool:
     """``--device cuda``: every system runs on GPU 0."""
@@ -110,7 +119,9 @@ def max_memory_of(spec: dict) -> dict:
     if on_gpu(spec):
         return {0: spec["budget"], "cpu": int(spec["cpu_budget"])}  # bytes as an int: accelerate takes no digit strings
     budget = spec["budget"]
-    return {"cpu": int(budget) if str(budget).isdigit() else budget}  # bytes as an int: accelerate takes no digit strings
+    return {
+        "cpu": int(budget) if str(budget).isdigit() else budget
+    }  # bytes as an int: accelerate takes no digit strings
 
 
 def prepare_ours(spec: dict):
@@ -181,8 +192,11 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     ranges = pagecache.whole_files(files)
     if spec["store"] == "safetensors" and store is not None:
         # the offloaded tensors' own bytes within the shards (the shards also hold resident tensors)
-        ranges = [(str(ckpt.file_of(k)), *ckpt.safetensors_file(ckpt.file_of(k)).byte_range(k))
-                  for k in state.routes.store_keys if k in ckpt]
+        ranges = [
+            (str(ckpt.file_of(k)), *ckpt.safetensors_file(ckpt.file_of(k)).byte_range(k))
+            for k in state.routes.store_keys
+            if k in ckpt
+        ]
     devices = plan.summary["devices"]
     info = {
         "dispatch_s": dispatch_s,
@@ -195,8 +209,9 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         "_release": release,
         "_policy": strategies.names["hook"],
         "planned_batch_bytes": need.total,
-        "_predict": lambda: calibrate_and_predict(settings, strategies, run_model, plan, batch, len(ids),
-                                                  cold=spec["cold"]),
+        "_predict": lambda: calibrate_and_predict(
+            settings, strategies, run_model, plan, batch, len(ids), cold=spec["cold"]
+        ),
     }
     return model, info
 
@@ -210,14 +225,21 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     no_split = list(getattr(model, "_no_split_modules", None) or ["LlamaDecoderLayer"])
-    device_map = infer_auto_device_map(model, max_memory=max_memory_of(spec), no_split_module_classes=no_split,
-                                       dtype=dtype)
+    device_map = infer_auto_device_map(
+        model, max_memory=max_memory_of(spec), no_split_module_classes=no_split, dtype=dtype
+    )
     folder = Path(spec["scratch"]) / "offload"
     started = time.perf_counter()
     shards = sorted(str(p) for p in Path(spec["checkpoint"]).glob("*.safetensors"))
     if _names_match(model, shards):
-        model = load_checkpoint_and_dispatch(model, spec["checkpoint"], device_map=device_map, offload_folder=str(folder),
-                                             dtype=dtype, no_split_module_classes=no_split)
+        model = load_checkpoint_and_dispatch(
+            model,
+            spec["checkpoint"],
+            device_map=device_map,
+            offload_folder=str(folder),
+            dtype=dtype,
+            no_split_module_classes=no_split,
+        )
         files = []
     else:
         # The checkpoint's names are not the model's (a transformers-5 MoE: per-expert tensors, fused
@@ -225,8 +247,9 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
         # device map and accelerate's disk offload (converted tensors written to the folder, the others
         # read from the shards in place).
         del model
-        model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=dtype, device_map=device_map,
-                                                     offload_folder=str(folder))
+        model = AutoModelForCausalLM.from_pretrained(
+            spec["checkpoint"], dtype=dtype, device_map=device_map, offload_folder=str(folder)
+        )
         files = shards
     dispatch_s = time.perf_counter() - started
     model.eval()
@@ -235,8 +258,10 @@ def load_accelerate(spec: dict) -> tuple[torch.nn.Module, dict]:
     files = written_files + files
     per_device: dict[str, int] = {}
     for name, dev in device_map.items():
-        size = sum(t.numel() * t.element_size() for t in
-                   (model.get_submodule(name).state_dict().values() if name else model.state_dict().values()))
+        size = sum(
+            t.numel() * t.element_size()
+            for t in (model.get_submodule(name).state_dict().values() if name else model.state_dict().values())
+        )
         per_device[str(dev)] = per_device.get(str(dev), 0) + size
     # On a GPU run accelerate streams both its cpu and its disk weights to the GPU on every forward.
     offloaded = per_device.get("disk", 0) + (per_device.get("cpu", 0) if on_gpu(spec) else 0)
@@ -314,7 +339,9 @@ def main() -> None:
             # token's reads: every system's writes reach the disk first (not counted anywhere).
             os.sync()
             # The disk's sequential bandwidth on the offloaded bytes, before and after decoding.
-            bandwidths += [pagecache.sequential_read_bandwidth(info["offload_ranges"]) for _ in range(BANDWIDTH_SAMPLES - 2)]
+            bandwidths += [
+                pagecache.sequential_read_bandwidth(info["offload_ranges"]) for _ in range(BANDWIDTH_SAMPLES - 2)
+            ]
         warmup_s = None
         if cuda:
             # CUDA's first kernels, cuBLAS's workspace and autotuning cost seconds spread over the first tokens
@@ -355,7 +382,9 @@ def main() -> None:
         "anon_rss_after_load_bytes": after_load_anon,
         "bytes_read_per_token": moved / max(len(tokens), 1),
         "disk_read_bytes_per_token": io_read / max(len(tokens), 1),
-        "disk_read_bytes_per_decode_token": (timer.io[-1] - timer.io[0]) / (len(timer.io) - 1) if len(timer.io) > 1 else None,
+        "disk_read_bytes_per_decode_token": (timer.io[-1] - timer.io[0]) / (len(timer.io) - 1)
+        if len(timer.io) > 1
+        else None,
         "offloaded_bytes": info["offloaded_bytes"],
         "store_bytes_written": info["store_bytes_written"],
         "device_bytes": info["device_bytes"],
@@ -387,7 +416,12 @@ def main() -> None:
         from offload_core.runner.modes.results import per_token_counters
 
         policy = info["_policy"]
-        result.update({f"{policy}_{name}": value for name, value in per_token_counters(state.handle.counters(), len(tokens)).items()})
+        result.update(
+            {
+                f"{policy}_{name}": value
+                for name, value in per_token_counters(state.handle.counters(), len(tokens)).items()
+            }
+        )
         info["_release"].close()
     out.write_text(json.dumps(result, indent=1, default=str))
 

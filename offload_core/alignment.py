@@ -78,24 +78,32 @@ def _probe(dtype: torch.dtype) -> bool:
             x = torch.randn(tokens, cols, generator=generator).to(dtype)
             want = torch.nn.functional.linear(x, weight)
             for offset in range(dtype.itemsize, ALIGNMENT, dtype.itemsize):
-                if not torch.equal(torch.nn.functional.linear(x, empty_at(weight.shape, dtype, offset).copy_(weight)), want):
+                if not torch.equal(
+                    torch.nn.functional.linear(x, empty_at(weight.shape, dtype, offset).copy_(weight)), want
+                ):
                     return True
     return False
 
 
-def empty_at(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, offset: int, pin_memory: bool = False) -> torch.Tensor:
+def empty_at(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, offset: int, pin_memory: bool = False
+) -> torch.Tensor:
     """A new CPU tensor whose address is ``offset`` modulo :data:`ALIGNMENT` (a multiple of the item size)."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
     start = (offset - address_offset(raw)) % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def misplaced(tensor: torch.Tensor, offset: int) -> bool:
     """Whether ``tensor`` must move to start at ``offset`` (modulo :data:`ALIGNMENT`) for this machine's kernels to
     compute with it as with the tensor at its reference offset."""
-    return (tensor.device.type == "cpu" and tensor.numel() > 0 and address_offset(tensor) != offset % ALIGNMENT
-            and kernels_depend_on_alignment(tensor.dtype))
+    return (
+        tensor.device.type == "cpu"
+        and tensor.numel() > 0
+        and address_offset(tensor) != offset % ALIGNMENT
+        and kernels_depend_on_alignment(tensor.dtype)
+    )
 
 
 def placed(tensor: torch.Tensor, offset: int) -> torch.Tensor:

@@ -20,8 +20,14 @@ def fsync_path(path: str | os.PathLike | Path, follow: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(target: str | os.PathLike | Path, *, folder: bool = False, sync: bool = True,
-                 merge: bool = False, last: Collection[str] = ()) -> Iterator[Path]:
+def atomic_write(
+    target: str | os.PathLike | Path,
+    *,
+    folder: bool = False,
+    sync: bool = True,
+    merge: bool = False,
+    last: Collection[str] = (),
+) -> Iterator[Path]:
     """Yield a temporary path beside ``target`` to write; when the block ends without error it takes ``target``'s place.
 
     A file's temporary is ``<name>.tmp`` (one writer per target at a time: callers hold a lock or own

@@ -80,7 +80,9 @@ def _assert_same(store: Any, tensors: dict[str, torch.Tensor], how: str) -> None
         got = store[name]
         assert got.device.type == "cpu", f"{how}: {name!r} came back on {got.device}, expected cpu"
         assert got.dtype == expected.dtype, f"{how}: {name!r} came back as {got.dtype}, expected {expected.dtype}"
-        assert got.shape == expected.shape, f"{how}: {name!r} came back with shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        assert got.shape == expected.shape, (
+            f"{how}: {name!r} came back with shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        )
         assert torch.equal(got, expected), f"{how}: {name!r} came back with other values"
 
 
@@ -105,8 +107,12 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     write_sharded_safetensors({k: v.contiguous() for k, v in tensors.items()}, ckpt_dir, max_shard_size=512)
     with Checkpoint.open(ckpt_dir) as checkpoint:
-        context = StoreContext(names=list(tensors), offload_folder=tmp_path / "from_checkpoint", checkpoint=checkpoint,
-                               fingerprint={"check": "from_checkpoint"})
+        context = StoreContext(
+            names=list(tensors),
+            offload_folder=tmp_path / "from_checkpoint",
+            checkpoint=checkpoint,
+            fingerprint={"check": "from_checkpoint"},
+        )
         store = opener(context)
         try:
             for name in tensors:
@@ -116,8 +122,9 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
         finally:
             store.close()
 
-        context = StoreContext(names=list(tensors), offload_folder=tmp_path / "put", checkpoint=checkpoint,
-                               fingerprint={"check": "put"})
+        context = StoreContext(
+            names=list(tensors), offload_folder=tmp_path / "put", checkpoint=checkpoint, fingerprint={"check": "put"}
+        )
         store = opener(context)
         try:
             try:
@@ -139,8 +146,15 @@ def tiny_tied_llama(directory: str | Path):
 
     from offload_core.loading.writer import write_sharded_safetensors
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     directory = Path(directory)
@@ -171,10 +185,17 @@ def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: A
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(model, tmp_path / "tiny_tied_llama", device_map="sequential",
-                                 max_memory={"cpu": total // 2}, storage=_resolve("storage", storage),
-                                 policy=_resolve("policy", policy), offload_folder=tmp_path / "offload",
-                                 execution_device="cpu", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "tiny_tied_llama",
+        device_map="sequential",
+        max_memory={"cpu": total // 2},
+        storage=_resolve("storage", storage),
+        policy=_resolve("policy", policy),
+        offload_folder=tmp_path / "offload",
+        execution_device="cpu",
+        progress=False,
+    )
     state = model.offload_state
     assert "disk" in set(model.hf_device_map.values()), f"nothing was offloaded: {model.hf_device_map}"
     try:
@@ -207,18 +228,27 @@ def check_policy_reservation(policy: Any) -> list[dict]:
     for device in (torch.device("cpu"), torch.device("cuda", 1)):
         for converts in (False, True):
             for pinned in (False, True):
-                need = InFlight(device, block_bytes=3000, module_bytes=700, store_converts=converts, store_pinned=pinned)
+                need = InFlight(
+                    device, block_bytes=3000, module_bytes=700, store_converts=converts, store_pinned=pinned
+                )
                 reserve = dict(reserve_of(need))
                 where = f"{device} run, store_converts={converts}, store_pinned={pinned}"
-                assert isinstance(reserve, dict), f"reserve() gave {type(reserve).__name__} for a {where}: return a dict"
+                assert isinstance(reserve, dict), (
+                    f"reserve() gave {type(reserve).__name__} for a {where}: return a dict"
+                )
                 for key, size in reserve.items():
-                    assert key == "cpu" or (isinstance(key, int) and key >= 0), f"reserve() gave device {key!r} for a {where}"
-                    assert isinstance(size, int) and size >= 0, f"reserve() gave {size!r} bytes on {key!r} for a {where}"
+                    assert key == "cpu" or (isinstance(key, int) and key >= 0), (
+                        f"reserve() gave device {key!r} for a {where}"
+                    )
+                    assert isinstance(size, int) and size >= 0, (
+                        f"reserve() gave {size!r} bytes on {key!r} for a {where}"
+                    )
                 main = "cpu" if device.type == "cpu" else device.index
                 assert main in reserve, f"reserve() says nothing about the execution device {main!r} for a {where}"
                 if device.type == "cuda":
                     assert reserve[main] >= min(need.block_bytes, need.module_bytes), (
-                        f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: the unit that runs must fit there")
+                        f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: the unit that runs must fit there"
+                    )
                 answers.append(reserve)
     return answers
 
@@ -246,29 +276,69 @@ def tiny_pipeline(directory: str | Path, scheduler: str = "ddim") -> Any:
     """A seeded Stable Diffusion pipeline small enough for a test (UNet of 2 blocks of 8/16 channels, a 2-layer CLIP
     text encoder of width 32, an AutoencoderKL of 8/16 channels) saved to ``directory`` with diffusers'
     ``save_pretrained``; returns the in-memory pipeline. Needs the ``diffusion`` extra."""
-    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, StableDiffusionPipeline,
-                           UNet2DConditionModel)
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        EulerDiscreteScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel
 
     directory = Path(directory)
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
-                                out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                                attention_head_dim=2, norm_num_groups=4)
-    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4, sample_size=16)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=2,
+        norm_num_groups=4,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16),
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        norm_num_groups=4,
+        sample_size=16,
+    )
     tokenizer = _tiny_clip_tokenizer(directory / "_tokenizer_source")
-    text_config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                                 num_attention_heads=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
-                                 pad_token_id=1, projection_dim=32)
+    text_config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        projection_dim=32,
+    )
     text_encoder = CLIPTextModel(text_config)
     kinds = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
-    sched = kinds[scheduler](beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False) \
-        if scheduler == "ddim" else kinds[scheduler](beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=sched,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    sched = (
+        kinds[scheduler](beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False)
+        if scheduler == "ddim"
+        else kinds[scheduler](beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=sched,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.set_progress_bar_config(disable=True)
     pipe.save_pretrained(directory, safe_serialization=True)
     import shutil

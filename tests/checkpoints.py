@@ -25,29 +25,76 @@ MODELS = {
     "llama": (_llama_like(transformers.LlamaConfig), "AutoModelForCausalLM", "causal"),
     "qwen2": (_llama_like(transformers.Qwen2Config), "AutoModelForCausalLM", "causal"),
     "gemma": (_llama_like(transformers.GemmaConfig, head_dim=8), "AutoModelForCausalLM", "causal"),
-    "gemma3": (_llama_like(transformers.Gemma3TextConfig, head_dim=8, sliding_window=4), "AutoModelForCausalLM", "causal"),
+    "gemma3": (
+        _llama_like(transformers.Gemma3TextConfig, head_dim=8, sliding_window=4),
+        "AutoModelForCausalLM",
+        "causal",
+    ),
     "phi3": (_llama_like(transformers.Phi3Config, pad_token_id=0), "AutoModelForCausalLM", "causal"),
-    "opt": (lambda: transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=3, num_attention_heads=4,
-                                           vocab_size=128, word_embed_proj_dim=32, max_position_embeddings=64),
-            "AutoModelForCausalLM", "causal"),
-    "falcon": (lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, vocab_size=128),
-               "AutoModelForCausalLM", "causal"),
-    "gpt2": (lambda: transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=128, n_positions=64),
-             "AutoModelForCausalLM", "causal"),
-    "gpt_neox": (lambda: transformers.GPTNeoXConfig(**TINY, max_position_embeddings=64, tie_word_embeddings=False),
-                 "AutoModelForCausalLM", "causal"),
-    "t5": (lambda: transformers.T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=128),
-           "AutoModelForSeq2SeqLM", "seq2seq"),
+    "opt": (
+        lambda: transformers.OPTConfig(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            vocab_size=128,
+            word_embed_proj_dim=32,
+            max_position_embeddings=64,
+        ),
+        "AutoModelForCausalLM",
+        "causal",
+    ),
+    "falcon": (
+        lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, vocab_size=128),
+        "AutoModelForCausalLM",
+        "causal",
+    ),
+    "gpt2": (
+        lambda: transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=128, n_positions=64),
+        "AutoModelForCausalLM",
+        "causal",
+    ),
+    "gpt_neox": (
+        lambda: transformers.GPTNeoXConfig(**TINY, max_position_embeddings=64, tie_word_embeddings=False),
+        "AutoModelForCausalLM",
+        "causal",
+    ),
+    "t5": (
+        lambda: transformers.T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=128),
+        "AutoModelForSeq2SeqLM",
+        "seq2seq",
+    ),
     "bert": (lambda: transformers.BertConfig(**TINY, max_position_embeddings=64), "AutoModelForMaskedLM", "encoder"),
-    "albert": (lambda: transformers.AlbertConfig(**TINY, embedding_size=16, max_position_embeddings=64),
-               "AutoModelForMaskedLM", "encoder"),
-    "mixtral": (_llama_like(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
-                "AutoModelForCausalLM", "causal"),
-    "qwen2_moe": (_llama_like(transformers.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                              shared_expert_intermediate_size=32), "AutoModelForCausalLM", "causal"),
+    "albert": (
+        lambda: transformers.AlbertConfig(**TINY, embedding_size=16, max_position_embeddings=64),
+        "AutoModelForMaskedLM",
+        "encoder",
+    ),
+    "mixtral": (
+        _llama_like(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+        "AutoModelForCausalLM",
+        "causal",
+    ),
+    "qwen2_moe": (
+        _llama_like(
+            transformers.Qwen2MoeConfig,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+        "AutoModelForCausalLM",
+        "causal",
+    ),
 }
-FAST = [("gpt_neox", "memmap"), ("mixtral", "safetensors"), ("qwen2_moe", "memmap"), ("gpt2", "safetensors"),
-        ("t5", "pinned_cpu"), ("bert", "safetensors")]
+FAST = [
+    ("gpt_neox", "memmap"),
+    ("mixtral", "safetensors"),
+    ("qwen2_moe", "memmap"),
+    ("gpt2", "safetensors"),
+    ("t5", "pinned_cpu"),
+    ("bert", "safetensors"),
+]
 
 
 def _inputs(kind):

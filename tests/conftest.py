@@ -80,10 +80,16 @@ def _no_leftover_log_files():
     """A Hydra run in this process leaves a FileHandler on a logger for a log file under the test's tmp_path; once
     pytest removes that folder, a later test's warning fails reopening it (FileNotFoundError from logging). Each
     test's new file handlers go, closed, when it ends."""
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
     before = {id(logger): list(logger.handlers) for logger in loggers}
     yield
-    for logger in [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]:
+    for logger in [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]:
         for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
             if handler not in before.get(id(logger), []):
                 logger.removeHandler(handler)

@@ -49,13 +49,18 @@ def _code_names(path) -> set[str]:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.add(node.name)
         elif isinstance(node, ast.Call):  # a plugin built from the name: _plugin("offload_…", …)
-            names.update(arg.value for arg in ast.walk(node) if isinstance(arg, ast.Constant) and isinstance(arg.value, str))
+            names.update(
+                arg.value for arg in ast.walk(node) if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+            )
     return names
 
 
 #: the hook that registers each kind of strategy
-REGISTERS = {"placement": "offload_register_placements", "storage": "offload_register_storages",
-             "policy": "offload_register_module_hook_policies"}
+REGISTERS = {
+    "placement": "offload_register_placements",
+    "storage": "offload_register_storages",
+    "policy": "offload_register_module_hook_policies",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTERS))
@@ -68,10 +73,15 @@ def test_each_contract_member_is_documented_where_declared_and_named_by_its_hook
     members = sorted(name for name in vars(contract) if not name.startswith("_"))
     source = ROOT / contract.__module__.replace(".", "/")
     text = source.with_suffix(".py").read_text()
-    undocumented = [name for name in members if not (getattr(getattr(contract, name), "__doc__", None)
-                                                     and callable(getattr(contract, name)))
-                    and not re.search(rf"#:.*\n(    #:.*\n)*    {name}\b", text)]
+    undocumented = [
+        name
+        for name in members
+        if not (getattr(getattr(contract, name), "__doc__", None) and callable(getattr(contract, name)))
+        and not re.search(rf"#:.*\n(    #:.*\n)*    {name}\b", text)
+    ]
     assert not undocumented, f"{contract.__name__} declares {undocumented} with no docstring or #: comment"
     doc = SPECS[REGISTERS[kind]].function.__doc__
     named = set(re.findall(r"``([a-z_]+)``", doc)) & (set(members) | {m for c in CONTRACTS.values() for m in vars(c)})
-    assert named == set(members), f"{REGISTERS[kind]}'s docstring names {sorted(named)}; {contract.__name__} declares {members}"
+    assert named == set(members), (
+        f"{REGISTERS[kind]}'s docstring names {sorted(named)}; {contract.__name__} declares {members}"
+    )

@@ -13,10 +13,15 @@ CONFIG = str(ROOT / "pyproject.toml")
 CONTRACTS = [contract["id"] for contract in read_configuration(CONFIG)["contracts_options"]]
 
 
-
 def test_every_contract_has_an_id():
-    assert {"layers", "storage-planning-below", "planning-acyclic", "no-accelerate", "runner-stages",
-            "runner-acyclic"} <= set(CONTRACTS)
+    assert {
+        "layers",
+        "storage-planning-below",
+        "planning-acyclic",
+        "no-accelerate",
+        "runner-stages",
+        "runner-acyclic",
+    } <= set(CONTRACTS)
 
 
 @pytest.mark.parametrize("contract", CONTRACTS)
@@ -32,5 +37,7 @@ MAX_LINES = 400
 def test_no_python_file_is_over_the_line_limit():
     folders = ("offload_core", "plugins", "tests", "bench", "docs", "examples")
     files = [p for folder in folders for p in (ROOT / folder).rglob("*.py")] + [ROOT / "run.py", ROOT / "conftest.py"]
-    long = {str(p.relative_to(ROOT)): n for p in files if p.exists() and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n for p in files if p.exists() and (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"over {MAX_LINES} lines: {long}"

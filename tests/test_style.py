@@ -1,5 +1,5 @@
-"""The tree keeps the linter's rules (``[tool.ruff]`` in pyproject.toml): ``ruff check`` from the repository root
-reports nothing. Skipped only where ruff is not installed (it is in the ``test`` extra)."""
+"""The tree keeps the linter's and the formatter's rules (``[tool.ruff]`` in pyproject.toml): ``ruff check`` and
+``ruff format --check`` from the repository root report nothing. Skipped only where ruff is not installed (it is in the ``test`` extra)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,20 @@ def test_ruff_check_passes():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_ruff_format_leaves_the_tree_as_it_is():
+    done = subprocess.run(
+        [*_ruff(), "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, "run `ruff format .`: " + done.stdout + done.stderr
+
+
 def test_nothing_below_the_runners_edge_reads_the_raw_config():
     runner = ROOT / "offload_core" / "runner"
-    found = [f"{path.relative_to(ROOT)}:{number}" for folder in ("plan", "modes")
-             for path in sorted((runner / folder).glob("*.py"))
-             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if re.search(r"\bcfg\b", line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("plan", "modes")
+        for path in sorted((runner / folder).glob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bcfg\b", line)
+    ]
     assert not found, f"read typed values from Settings (offload_core/runner/settings.py) instead: {found}"

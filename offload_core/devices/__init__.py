@@ -9,8 +9,27 @@ hides the machine's accelerator; tests install a fake one with :func:`use`
 
 from offload_core.devices.arena import PinnedArena
 from offload_core.devices.base import HOST, Accelerator
-from offload_core.devices.select import (ENV, active, default_execution_device, for_device, gpu, gpu_count, is_accelerator,
-                                         use)
+from offload_core.devices.select import (
+    ENV,
+    active,
+    default_execution_device,
+    for_device,
+    gpu,
+    gpu_count,
+    is_accelerator,
+    use,
+)
 
-__all__ = ["ENV", "HOST", "Accelerator", "PinnedArena", "active", "default_execution_device", "for_device", "gpu",
-           "gpu_count", "is_accelerator", "use"]
+__all__ = [
+    "ENV",
+    "HOST",
+    "Accelerator",
+    "PinnedArena",
+    "active",
+    "default_execution_device",
+    "for_device",
+    "gpu",
+    "gpu_count",
+    "is_accelerator",
+    "use",
+]

@@ -55,7 +55,7 @@ class PinnedArena:
             start = self.used
             self.used += nbytes
             self.taken += nbytes
-        raw = arena[start:start + torch.Size(shape).numel() * dtype.itemsize]
+        raw = arena[start : start + torch.Size(shape).numel() * dtype.itemsize]
         return raw.view(dtype).view(shape)
 
     def close(self) -> None:

@@ -73,7 +73,9 @@ class Accelerator:
     def reset_peak_memory_stats(self, index: int) -> None:
         return None
 
-    def empty(self, shape: tuple[int, ...] | torch.Size | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def empty(
+        self, shape: tuple[int, ...] | torch.Size | int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """A new uninitialized tensor on ``device`` (any thread may call it)."""
         return torch.empty(shape, dtype=dtype, device=device)
 

@@ -86,13 +86,15 @@ class TorchAccelerator(Accelerator):
             pages = -(-nbytes // PAGE) * PAGE
             raw = torch.empty(pages + PAGE, dtype=torch.uint8)
             start = -raw.data_ptr() % PAGE
-            arena = raw[start:start + nbytes]  # its pages lie inside this allocation: no page is shared
+            arena = raw[start : start + nbytes]  # its pages lie inside this allocation: no page is shared
             try:
                 error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), pages, 0)
                 if int(error) == 0:
                     self._count(arena, pages, registered=True)
                     return arena
-                log.info("cudaHostRegister of %d bytes failed (error %s): using torch's pinned allocator", nbytes, int(error))
+                log.info(
+                    "cudaHostRegister of %d bytes failed (error %s): using torch's pinned allocator", nbytes, int(error)
+                )
                 clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
                 if clear is not None:  # the failure must not surface at the next kernel launch check
                     clear()

@@ -16,8 +16,11 @@ CHECKSUMS = ".checksums"
 
 
 def _files(folder: Path, skip: set[str]) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and not p.is_symlink() and p.name not in skip)
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name not in skip
+    )
 
 
 def write_checksums(folder: Path, skip: set[str]) -> None:
@@ -37,9 +40,14 @@ def _read(folder: Path) -> dict[str, dict[str, Any]] | None:
     except (OSError, ValueError):
         return None
     files = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(files, dict) or not files or not all(
+    if (
+        not isinstance(files, dict)
+        or not files
+        or not all(
             isinstance(v, dict) and isinstance(v.get("xxh3_128"), str) and isinstance(v.get("stamp"), list)
-            for v in files.values()):
+            for v in files.values()
+        )
+    ):
         return None
     return files
 

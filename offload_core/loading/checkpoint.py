@@ -32,7 +32,9 @@ def _header_digest(file: Path) -> str:
             length = int.from_bytes(head, "little") if file.suffix == ".safetensors" and len(head) == 8 else 65536 - 8
             head += handle.read(min(length, MAX_HEADER_BYTES))
     except OSError as error:
-        raise CheckpointError(f"cannot read {file}: {error.strerror or error}; check the path and its permissions") from None
+        raise CheckpointError(
+            f"cannot read {file}: {error.strerror or error}; check the path and its permissions"
+        ) from None
     return xxhash.xxh3_128_hexdigest(head)
 
 
@@ -62,8 +64,10 @@ def _is_pickle(shard: Path, error: pickle.UnpicklingError) -> bool:
 
 
 def _not_weights(shard: Path) -> CheckpointError:
-    return CheckpointError(f"{shard} is not a PyTorch weights file (neither a torch zip archive nor a pickle); "
-                           "re-download or re-convert the checkpoint")
+    return CheckpointError(
+        f"{shard} is not a PyTorch weights file (neither a torch zip archive nor a pickle); "
+        "re-download or re-convert the checkpoint"
+    )
 
 
 class Checkpoint:
@@ -72,8 +76,15 @@ class Checkpoint:
     Opening reads only headers / indexes, never tensor data. Build one with :meth:`open`.
     """
 
-    def __init__(self, path: Path, root: Path, files: list[Path], key_files: dict[str, Path],
-                 index_file: Path | None, is_safetensors: bool) -> None:
+    def __init__(
+        self,
+        path: Path,
+        root: Path,
+        files: list[Path],
+        key_files: dict[str, Path],
+        index_file: Path | None,
+        is_safetensors: bool,
+    ) -> None:
         self.path = path
         self.root = root
         self.files = files
@@ -90,18 +101,24 @@ class Checkpoint:
         """Open a checkpoint directory, a ``.safetensors`` file, a ``.bin`` file or an index ``.json``."""
         path = Path(path).expanduser()
         if not path.exists():
-            raise CheckpointError(f"checkpoint {path} does not exist; give a checkpoint directory or a .safetensors/.bin file")
+            raise CheckpointError(
+                f"checkpoint {path} does not exist; give a checkpoint directory or a .safetensors/.bin file"
+            )
         if path.is_dir():
             return cls._open_dir(path)
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {path} is neither a directory nor a regular file; give a checkpoint directory or weights file")
+            raise CheckpointError(
+                f"checkpoint {path} is neither a directory nor a regular file; give a checkpoint directory or weights file"
+            )
         if path.name.endswith(".index.json"):
             return cls._from_index(path, path, path.parent, safetensors=path.name.endswith(".safetensors.index.json"))
         if path.suffix == ".safetensors":
             return cls._from_safetensors_files(path, path.parent, [path])
         if path.suffix in (".bin", ".pt", ".pth"):
             return cls._from_bin_files(path, path.parent, [path])
-        raise CheckpointError(f"checkpoint file {path} is not a .safetensors, .bin or *.index.json file; give one of those or a directory")
+        raise CheckpointError(
+            f"checkpoint file {path} is not a .safetensors, .bin or *.index.json file; give one of those or a directory"
+        )
 
     @classmethod
     def _open_dir(cls, root: Path) -> Checkpoint:
@@ -207,7 +224,9 @@ class Checkpoint:
                 raise _not_weights(shard) from None
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise CheckpointError(f"cannot read {shard}: {message}; re-download or re-convert the checkpoint") from None
-        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
             raise CheckpointError(
                 f"{shard} is not a flat state dict of tensors (got {type(state).__name__}); "
                 "save model.state_dict() or convert the checkpoint to safetensors"
@@ -295,8 +314,16 @@ class Checkpoint:
                 name = file.relative_to(self.root).as_posix()
             except ValueError:
                 name = str(file)
-            entries.append({"name": name, "size": stat.st_size, "inode": stat.st_ino, "mtime_ns": stat.st_mtime_ns,
-                            "ctime_ns": stat.st_ctime_ns, "header": _header_digest(file)})
+            entries.append(
+                {
+                    "name": name,
+                    "size": stat.st_size,
+                    "inode": stat.st_ino,
+                    "mtime_ns": stat.st_mtime_ns,
+                    "ctime_ns": stat.st_ctime_ns,
+                    "header": _header_digest(file),
+                }
+            )
         return {"path": str(self.root.resolve()), "files": entries}
 
     def worked_out(self, what: str, model: Any, make: Callable[[], T]) -> T:

@@ -17,8 +17,15 @@ from torch import nn
 from offload_core.errors import CheckpointError
 from offload_core.values import format_size
 
-__all__ = ["ConversionMismatchError", "ConvertedTensor", "ConversionSummary", "KeyConversion", "ConvertedCheckpoint", "key_conversion",
-           "convert_checkpoint"]
+__all__ = [
+    "ConversionMismatchError",
+    "ConvertedTensor",
+    "ConversionSummary",
+    "KeyConversion",
+    "ConvertedCheckpoint",
+    "key_conversion",
+    "convert_checkpoint",
+]
 
 #: An index into a target tensor: one int or slice per dimension.
 Index = tuple
@@ -110,11 +117,15 @@ def _transforms(model: nn.Module, key_mapping: dict[str, str] | None) -> tuple[l
     if not isinstance(model, PreTrainedModel):
         return [], []
     mapping = get_model_conversion_mapping(model, key_mapping)
-    return ([t for t in mapping if isinstance(t, WeightRenaming)], [t for t in mapping if isinstance(t, WeightConverter)])
+    return (
+        [t for t in mapping if isinstance(t, WeightRenaming)],
+        [t for t in mapping if isinstance(t, WeightConverter)],
+    )
 
 
-def _run_converter(converter: Any, target: str, sources: dict[str, list[str]], tensor: Any,
-                   model: nn.Module | None) -> dict:
+def _run_converter(
+    converter: Any, target: str, sources: dict[str, list[str]], tensor: Any, model: nn.Module | None
+) -> dict:
     """Run a fresh copy of transformers' converter on ``tensor(key)`` for each source key: ``{model name: tensor}``."""
     job = copy.deepcopy(converter)
     for pattern, keys in sources.items():
@@ -124,8 +135,9 @@ def _run_converter(converter: Any, target: str, sources: dict[str, list[str]], t
     return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
 
 
-def _layout(operations: list[Any], sources: dict[str, list[str]], shapes: dict[str, tuple[int, ...]]
-            ) -> list[tuple[str, Index]] | None:
+def _layout(
+    operations: list[Any], sources: dict[str, list[str]], shapes: dict[str, tuple[int, ...]]
+) -> list[tuple[str, Index]] | None:
     """Where each source lands in the target when the operations are a stack and/or a concatenation; else None."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
@@ -151,11 +163,16 @@ def _layout(operations: list[Any], sources: dict[str, list[str]], shapes: dict[s
             for shape, ps in items:
                 for key, idx in ps:
                     entry = idx[dim]
-                    shifted = entry + offset if isinstance(entry, int) else slice(
-                        (entry.start or 0) + offset, (entry.stop if entry.stop is not None else shape[dim]) + offset)
-                    parts.append((key, idx[:dim] + [shifted] + idx[dim + 1:]))
+                    shifted = (
+                        entry + offset
+                        if isinstance(entry, int)
+                        else slice(
+                            (entry.start or 0) + offset, (entry.stop if entry.stop is not None else shape[dim]) + offset
+                        )
+                    )
+                    parts.append((key, idx[:dim] + [shifted] + idx[dim + 1 :]))
                 offset += shape[dim]
-            current = {"": [(items[0][0][:dim] + [offset] + items[0][0][dim + 1:], parts)]}
+            current = {"": [(items[0][0][:dim] + [offset] + items[0][0][dim + 1 :], parts)]}
         else:
             return None
     (only,) = [item for items in current.values() for item in items]
@@ -181,7 +198,7 @@ def _missing_source(converter: Any, sources: dict[str, list[str]], expected: tup
             if n not in numbers and numbers:
                 sample_n, sample = next(iter(numbers.items()))
                 match = regex.search(sample)
-                return sample[:match.start(1)] + str(n) + sample[match.end(1):]
+                return sample[: match.start(1)] + str(n) + sample[match.end(1) :]
     return None
 
 
@@ -246,15 +263,17 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
         dtype = dtypes.pop() if len(dtypes) == 1 else meta[name].dtype
         absent = [pattern for pattern in converter.source_patterns if pattern not in sources]
         try:
-            built = _run_converter(converter, name, sources,
-                                   lambda key: torch.empty(shapes[key], dtype=dtype, device="meta"), model)
+            built = _run_converter(
+                converter, name, sources, lambda key: torch.empty(shapes[key], dtype=dtype, device="meta"), model
+            )
         except (ValueError, RuntimeError, IndexError) as error:
             if absent:
                 built = {}
             else:
                 raise ConversionMismatchError(
                     f"cannot build {name!r} from {len(shapes)} checkpoint tensor(s) such as {next(iter(shapes))!r}: "
-                    f"{str(error).splitlines()[0]}; check that the checkpoint matches the model's config") from None
+                    f"{str(error).splitlines()[0]}; check that the checkpoint matches the model's config"
+                ) from None
         if absent and tuple(getattr(built.get(name), "shape", ())) != expected:
             raise ConversionMismatchError(
                 f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; re-download the checkpoint or add the missing shard"
@@ -263,8 +282,15 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
             ordered = [key for keys_ in sources.values() for key in keys_]
             parts = _layout(converter.operations, sources, shapes) if len(built) == 1 else None
             conversion.converted[target] = ConvertedTensor(
-                target, ordered, [type(op).__name__ for op in converter.operations], tuple(value.shape), value.dtype,
-                parts, converter, sources)
+                target,
+                ordered,
+                [type(op).__name__ for op in converter.operations],
+                tuple(value.shape),
+                value.dtype,
+                parts,
+                converter,
+                sources,
+            )
     return conversion
 
 
@@ -330,8 +356,11 @@ class ConvertedCheckpoint:
         return [name for _, names in self.shards() for name in names]
 
     def __contains__(self, name: object) -> bool:
-        return name in self.conversion.converted or name in self._source or (
-            name in self.checkpoint and name not in self._consumed)
+        return (
+            name in self.conversion.converted
+            or name in self._source
+            or (name in self.checkpoint and name not in self._consumed)
+        )
 
     def __len__(self) -> int:
         return len(self.keys())
@@ -382,8 +411,11 @@ class ConvertedCheckpoint:
         return _run_converter(item.converter, name, item.by_pattern, self.checkpoint.get, self._model())[name]
 
     def fingerprint(self) -> dict[str, Any]:
-        return {**self.checkpoint.fingerprint(), "converted": sorted(self.conversion.converted),
-                "renamed": sorted(self.conversion.renamed.items())}
+        return {
+            **self.checkpoint.fingerprint(),
+            "converted": sorted(self.conversion.converted),
+            "renamed": sorted(self.conversion.renamed.items()),
+        }
 
     def __getattr__(self, attribute: str) -> Any:
         if attribute in ("checkpoint", "conversion", "conversion_targets", "_model", "_source", "_consumed", "_shards"):

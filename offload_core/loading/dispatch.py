@@ -22,15 +22,28 @@ from offload_core.storage import Store, StoreContext, convert_dtype
 from offload_core.storage.residency import Residency
 from offload_core.loading.model_device import report_execution_device, restore_device_report
 from offload_core.loading.execution_device import default_execution_device, resolve_execution_device  # noqa: F401 (public here too)
-from offload_core.loading.routes import (TensorRoutes, get_tensor, move_leftover_buffers, retie, route_tensors, set_tensor,
-                                         store_bytes)
+from offload_core.loading.routes import (
+    TensorRoutes,
+    get_tensor,
+    move_leftover_buffers,
+    retie,
+    route_tensors,
+    set_tensor,
+    store_bytes,
+)
 
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRoutes, store: Store | None,
-                             dtype: torch.dtype | None = None, progress: bool = True,
-                             strict: bool = False) -> dict[str, list[str]]:
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: Any,
+    routes: TensorRoutes,
+    store: Store | None,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    strict: bool = False,
+) -> dict[str, list[str]]:
     """Stream ``checkpoint`` shard by shard into ``model`` (resident tensors) and ``store`` (offloaded ones).
 
     Resident tensors are copied once from the mapped shard to their device; offloaded ones go to the
@@ -59,7 +72,11 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: Any, routes: TensorRo
             "load it with strict=False to ignore them, or use the checkpoint that matches the model"
         )
     if unexpected:
-        log.warning("checkpoint has %d tensor(s) the model does not use (ignored): %s", len(unexpected), ", ".join(unexpected[:5]))
+        log.warning(
+            "checkpoint has %d tensor(s) the model does not use (ignored): %s",
+            len(unexpected),
+            ", ".join(unexpected[:5]),
+        )
     state = model.state_dict(keep_vars=True)
     expected = {name: tuple(t.shape) for name, t in state.items()}
     kinds = {name: _dtype_kind(t.dtype) for name, t in state.items()}
@@ -173,15 +190,21 @@ def resolve_strategy(kind: str, value: Any, config: Any = None) -> Any:
     return value
 
 
-def _prepare_device_map(model: nn.Module, device_map: Any, max_memory: Any, no_split: list[str],
-                        dtype: torch.dtype | None, reserve: Any) -> dict[str, int | str]:
+def _prepare_device_map(
+    model: nn.Module, device_map: Any, max_memory: Any, no_split: list[str], dtype: torch.dtype | None, reserve: Any
+) -> dict[str, int | str]:
     from offload_core.planning import PlacementRequest, check_device_map, get_max_memory, normalize_device_map
 
     if isinstance(device_map, str):
         # A placement name ("auto" is balanced, as in transformers); an unknown one lists those there are.
         strategy = "balanced" if device_map == "auto" else device_map
-        request = PlacementRequest(model=model, max_memory=get_max_memory(max_memory), no_split_module_classes=no_split,
-                                   dtype=dtype, reserve=reserve)
+        request = PlacementRequest(
+            model=model,
+            max_memory=get_max_memory(max_memory),
+            no_split_module_classes=no_split,
+            dtype=dtype,
+            reserve=reserve,
+        )
         device_map = resolve_strategy("placement", strategy).make_device_map(request)
     device_map = normalize_device_map(device_map)
     check_device_map(model, device_map)
@@ -217,12 +240,25 @@ def _encoder_io_hook(model: nn.Module) -> list:
     return [handle]
 
 
-def _attach(model: nn.Module, device_map: dict, routes: TensorRoutes, store: Store | None, policy: Any,
-            execution_device: torch.device, no_split: list[str], residency: Residency | None = None) -> OffloadState:
-    context = PolicyContext(device_map=device_map, execution_device=execution_device, store=store,
-                            offloaded=dict(routes.offloaded), no_split_module_classes=list(no_split),
-                            non_blocking=bool(store is not None and store.pinned and devices.is_accelerator(execution_device)),
-                            residency=residency)
+def _attach(
+    model: nn.Module,
+    device_map: dict,
+    routes: TensorRoutes,
+    store: Store | None,
+    policy: Any,
+    execution_device: torch.device,
+    no_split: list[str],
+    residency: Residency | None = None,
+) -> OffloadState:
+    context = PolicyContext(
+        device_map=device_map,
+        execution_device=execution_device,
+        store=store,
+        offloaded=dict(routes.offloaded),
+        no_split_module_classes=list(no_split),
+        non_blocking=bool(store is not None and store.pinned and devices.is_accelerator(execution_device)),
+        residency=residency,
+    )
     handle = policy.attach(model, context)
     state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
     model.hf_device_map = dict(device_map)
@@ -283,8 +319,15 @@ def load_checkpoint_and_dispatch(
     if isinstance(device_map, str) and reserve is None:  # the placement holds back what the policy keeps in flight
         from offload_core.loading.reserve import reserve_for
 
-        reserve = reserve_for(model, ckpt, policy, storage, resolve_execution_device(execution_device, None),
-                              [*no_split, *(preload_module_classes or [])], dtype)
+        reserve = reserve_for(
+            model,
+            ckpt,
+            policy,
+            storage,
+            resolve_execution_device(execution_device, None),
+            [*no_split, *(preload_module_classes or [])],
+            dtype,
+        )
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     execution_device = resolve_execution_device(execution_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
@@ -298,10 +341,16 @@ def load_checkpoint_and_dispatch(
             "tensors": sorted(routes.store_keys),
         }
         fingerprint = json.loads(json.dumps(fingerprint, default=str))
-        context = StoreContext(names=routes.store_keys, dtype=dtype, checkpoint=ckpt, fingerprint=fingerprint,
-                               offload_folder=Path(offload_folder) if offload_folder else None,
-                               pin_memory=devices.is_accelerator(execution_device), maps_checkpoint=maps_checkpoint(model),
-                               nbytes=store_bytes(model, routes, ckpt, dtype))
+        context = StoreContext(
+            names=routes.store_keys,
+            dtype=dtype,
+            checkpoint=ckpt,
+            fingerprint=fingerprint,
+            offload_folder=Path(offload_folder) if offload_folder else None,
+            pin_memory=devices.is_accelerator(execution_device),
+            maps_checkpoint=maps_checkpoint(model),
+            nbytes=store_bytes(model, routes, ckpt, dtype),
+        )
         store = storage.open(context)
     try:
         load_checkpoint_in_model(model, ckpt, routes, store, dtype, progress, strict)
@@ -310,8 +359,16 @@ def load_checkpoint_and_dispatch(
             store.close()
         raise
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, routes, store, policy, execution_device, [*no_split, *(preload_module_classes or [])],
-            residency)
+    _attach(
+        model,
+        device_map,
+        routes,
+        store,
+        policy,
+        execution_device,
+        [*no_split, *(preload_module_classes or [])],
+        residency,
+    )
     return model
 
 
@@ -360,28 +417,46 @@ def dispatch_model(
         from offload_core.planning import largest_block_size
 
         blocks = [*no_split, *(preload_module_classes or [])]
-        reserve = reservation(policy, storage, resolve_execution_device(main_device, None),
-                              largest_block_size(model, blocks), largest_block_size(model, []), False, model)
+        reserve = reservation(
+            policy,
+            storage,
+            resolve_execution_device(main_device, None),
+            largest_block_size(model, blocks),
+            largest_block_size(model, []),
+            False,
+            model,
+        )
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, reserve)
     execution_device = resolve_execution_device(main_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)
     index = read_offload_index(offload_dir, offload_index) if offload_index is not None else {}
     store = None
     if routes.offloaded:
-        context = StoreContext(names=routes.store_keys, offload_folder=Path(offload_dir) if offload_dir else None,
-                               # never matches an earlier folder: an in-memory model's weights are always written
-                               fingerprint={"in_memory_model": uuid.uuid4().hex}, pin_memory=devices.is_accelerator(execution_device),
-                               nbytes=store_bytes(model, routes))
+        context = StoreContext(
+            names=routes.store_keys,
+            offload_folder=Path(offload_dir) if offload_dir else None,
+            # never matches an earlier folder: an in-memory model's weights are always written
+            fingerprint={"in_memory_model": uuid.uuid4().hex},
+            pin_memory=devices.is_accelerator(execution_device),
+            nbytes=store_bytes(model, routes),
+        )
         store = storage.open(context)
         placeholders: dict[str, torch.Tensor] = {}
         for name, key in routes.offloaded.items():
             if key not in placeholders:
                 tensor = get_tensor(model, key)
-                value = (load_offloaded_tensor(offload_dir, key, index[key]) if key in index
-                         else state_dict[key] if state_dict is not None and key in state_dict else tensor)
+                value = (
+                    load_offloaded_tensor(offload_dir, key, index[key])
+                    if key in index
+                    else state_dict[key]
+                    if state_dict is not None and key in state_dict
+                    else tensor
+                )
                 store.put(key, value.detach(), owned=value is not tensor)
                 meta = tensor.detach().to("meta")
-                placeholders[key] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if routes.is_param[name] else meta
+                placeholders[key] = (
+                    nn.Parameter(meta, requires_grad=tensor.requires_grad) if routes.is_param[name] else meta
+                )
         for name, key in routes.offloaded.items():
             set_tensor(model, name, placeholders[key], routes.is_param[name])
         store.finalize()
@@ -392,7 +467,14 @@ def dispatch_model(
                 set_tensor(model, name, tensor.detach().to(device), routes.is_param[name])
     retie(model, routes)
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(model, device_map, routes, store, policy, execution_device, [*no_split, *(preload_module_classes or [])],
-            residency)
+    _attach(
+        model,
+        device_map,
+        routes,
+        store,
+        policy,
+        execution_device,
+        [*no_split, *(preload_module_classes or [])],
+        residency,
+    )
     return model
-

@@ -19,7 +19,9 @@ def default_execution_device(device_map: Mapping[str, int | str] | None = None) 
     return devices.default_execution_device()
 
 
-def resolve_execution_device(value: torch.device | str | int | None, device_map: Mapping[str, int | str] | None) -> torch.device:
+def resolve_execution_device(
+    value: torch.device | str | int | None, device_map: Mapping[str, int | str] | None
+) -> torch.device:
     """An explicit ``execution_device`` as a torch device (an int is a GPU index), else the default for the map."""
     if value is None:
         return default_execution_device(device_map)

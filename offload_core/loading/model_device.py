@@ -42,6 +42,13 @@ def _reporting_class(cls: type) -> type:
         first = next(self.parameters()).device
         return self._offload_core_execution_device if first.type in ("meta", "cpu") else first
 
-    return type(cls.__name__, (cls,), {"device": property(device, doc=cls.device.__doc__),
-                                       "_offload_core_reports_device": True,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "device": property(device, doc=cls.device.__doc__),
+            "_offload_core_reports_device": True,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )

@@ -18,15 +18,22 @@ def read_offload_index(folder: str | Path, index: Mapping[str, Any] | None = Non
         return dict(index)
     path = Path(folder) / "index.json"
     if not path.is_file():
-        raise StorageError(f"offload folder {folder} has no index.json: give offload_index or the folder it was written to")
+        raise StorageError(
+            f"offload folder {folder} has no index.json: give offload_index or the folder it was written to"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise StorageError(f"{path} cannot be read as JSON ({exc}); give the index.json the offload folder was written with") from None
-    if not isinstance(data, dict) or not all(isinstance(v, dict) and "dtype" in v and isinstance(v.get("shape"), list)
-                                             for v in data.values()):
-        raise StorageError(f"{path} is not an offload index (an object of tensor name -> {{\"dtype\", \"shape\"}}); "
-                           "give the index.json the offload folder was written with")
+        raise StorageError(
+            f"{path} cannot be read as JSON ({exc}); give the index.json the offload folder was written with"
+        ) from None
+    if not isinstance(data, dict) or not all(
+        isinstance(v, dict) and "dtype" in v and isinstance(v.get("shape"), list) for v in data.values()
+    ):
+        raise StorageError(
+            f'{path} is not an offload index (an object of tensor name -> {{"dtype", "shape"}}); '
+            "give the index.json the offload folder was written with"
+        )
     return data
 
 
@@ -38,8 +45,9 @@ def load_offloaded_tensor(folder: str | Path, name: str, info: Mapping[str, Any]
     shape = tuple(info["shape"]) or (1,)
     dtype = str(info["dtype"]).removeprefix("torch.")
     # an offload_core folder puts a tensor with an "offset" that many bytes into its file (storage/folder.py)
-    array = np.memmap(path, dtype="int16" if dtype == "bfloat16" else dtype, mode="r", shape=shape,
-                      offset=int(info.get("offset", 0)))
+    array = np.memmap(
+        path, dtype="int16" if dtype == "bfloat16" else dtype, mode="r", shape=shape, offset=int(info.get("offset", 0))
+    )
     tensor = torch.from_numpy(np.array(array))
     if dtype == "bfloat16":
         tensor = tensor.view(torch.bfloat16)

@@ -30,8 +30,10 @@ def _import_diffusers() -> Any:
     try:
         return importlib.import_module("diffusers")
     except ImportError:
-        raise ConfigError("this folder is a diffusers pipeline (it has model_index.json) and diffusers is not installed: "
-                          "pip install 'offload_core[diffusion]'") from None
+        raise ConfigError(
+            "this folder is a diffusers pipeline (it has model_index.json) and diffusers is not installed: "
+            "pip install 'offload_core[diffusion]'"
+        ) from None
 
 
 def read_index(path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
@@ -43,8 +45,10 @@ def read_index(path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
         if not isinstance(name, str):
             raise TypeError
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{file} is not a diffusers model index (JSON naming _class_name and each component); "
-                              "re-save the pipeline with save_pretrained") from None
+        raise CheckpointError(
+            f"{file} is not a diffusers model index (JSON naming _class_name and each component); "
+            "re-save the pipeline with save_pretrained"
+        ) from None
     components = {}
     for key, value in index.items():
         if key.startswith("_") or not isinstance(value, list) or len(value) != 2 or None in value:
@@ -57,8 +61,10 @@ def _component_class(path: Path, name: str, library: str, class_name: str) -> ty
     try:
         return getattr(importlib.import_module(library), class_name)
     except (ImportError, AttributeError):
-        raise CheckpointError(f"{path / PIPELINE_INDEX} names component {name!r} as {library}.{class_name}, which is not "
-                              "installed; install that library or fix the index") from None
+        raise CheckpointError(
+            f"{path / PIPELINE_INDEX} names component {name!r} as {library}.{class_name}, which is not "
+            "installed; install that library or fix the index"
+        ) from None
 
 
 def _call_order(name: str) -> int:
@@ -93,8 +99,16 @@ def _routed_class(cls: type) -> type:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         return self.offload_modules(*args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "_offload_core_pipeline": True,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": __call__,
+            "_offload_core_pipeline": True,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
 
 
 @dataclass
@@ -130,8 +144,10 @@ def build_empty_pipeline(path: str | Path, dtype: torch.dtype | None = None) -> 
     class_name, entries = read_index(path)
     pipeline_cls = getattr(diffusers, class_name, None)
     if pipeline_cls is None:
-        raise CheckpointError(f"{path / PIPELINE_INDEX} names pipeline {class_name!r}, which diffusers "
-                              f"{diffusers.__version__} does not have; upgrade diffusers or fix the index")
+        raise CheckpointError(
+            f"{path / PIPELINE_INDEX} names pipeline {class_name!r}, which diffusers "
+            f"{diffusers.__version__} does not have; upgrade diffusers or fix the index"
+        )
     classes = {name: _component_class(path, name, lib, cls) for name, (lib, cls) in entries.items()}
     names = sorted((n for n, c in classes.items() if isinstance(c, type) and issubclass(c, nn.Module)), key=_call_order)
     dtype = dtype or _default_dtype(path, names)

@@ -10,8 +10,12 @@ import torch
 from offload_core.loading.checkpoint import Checkpoint
 
 #: a component's weight files, most specific first (a folder may also hold variants such as ``*.fp16.safetensors``)
-WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json",
-                "diffusion_pytorch_model.safetensors", "model.safetensors")
+WEIGHT_NAMES = (
+    "diffusion_pytorch_model.safetensors.index.json",
+    "model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors",
+    "model.safetensors",
+)
 
 
 def open_component(folder: Path) -> Checkpoint:
@@ -30,19 +34,19 @@ class _PrefixedFile:
         self._cut = len(prefix) + 1
 
     def byte_range(self, name: str) -> tuple[int, int]:
-        return self._file.byte_range(name[self._cut:])
+        return self._file.byte_range(name[self._cut :])
 
     def get(self, name: str) -> torch.Tensor:
-        return self._file.get(name[self._cut:])
+        return self._file.get(name[self._cut :])
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._file.dtype(name[self._cut:])
+        return self._file.dtype(name[self._cut :])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._file.shape(name[self._cut:])
+        return self._file.shape(name[self._cut :])
 
     def nbytes(self, name: str) -> int:
-        return self._file.nbytes(name[self._cut:])
+        return self._file.nbytes(name[self._cut :])
 
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self._file, attribute)
@@ -79,7 +83,11 @@ class PipelineCheckpoint(Checkpoint):
         return part, raw
 
     def shards(self) -> list[tuple[Path, list[str]]]:
-        return [(file, [f"{name}.{key}" for key in keys]) for name, part in self.parts.items() for file, keys in part.shards()]
+        return [
+            (file, [f"{name}.{key}" for key in keys])
+            for name, part in self.parts.items()
+            for file, keys in part.shards()
+        ]
 
     def safetensors_file(self, path: Any) -> Any:
         name = self._owner[Path(path)]
@@ -106,7 +114,10 @@ class PipelineCheckpoint(Checkpoint):
         return part.nbytes(raw)
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"path": str(self.root.resolve()), "components": {name: part.fingerprint() for name, part in self.parts.items()}}
+        return {
+            "path": str(self.root.resolve()),
+            "components": {name: part.fingerprint() for name, part in self.parts.items()},
+        }
 
     def close(self) -> None:
         for part in self.parts.values():

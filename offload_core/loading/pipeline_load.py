@@ -18,8 +18,9 @@ def whole_limit(budgets: Mapping[Any, int], device: torch.device) -> int | None:
     return None if budget is None else budget // 2
 
 
-def open_pipeline(path: str | Path, dtype: torch.dtype | None, limit: int | None,
-                  no_split: list[str] | None = None) -> tuple[EmptyPipeline, Any, list[str]]:
+def open_pipeline(
+    path: str | Path, dtype: torch.dtype | None, limit: int | None, no_split: list[str] | None = None
+) -> tuple[EmptyPipeline, Any, list[str]]:
     """The empty pipeline, its components' weights as one checkpoint, and the no-split classes its plan uses
     (``no_split`` when given, else each component of at most ``limit`` bytes whole: :func:`component_no_split`)."""
     from offload_core.loading.pipeline_checkpoint import PipelineCheckpoint
@@ -37,11 +38,21 @@ def finish_dispatch(empty: EmptyPipeline, device: torch.device) -> Any:
     return empty.pipeline
 
 
-def pipeline_from_pretrained(path: str | Path, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
-                             storage: str | Any, policy: str | Any, offload_folder: str | Path | None,
-                             dtype: torch.dtype | str | None, *, device_map: Mapping[str, int | str] | None = None,
-                             execution_device: torch.device | str | None = None, progress: bool = False,
-                             page_cache: int | str | None = None, no_split_module_classes: list[str] | None = None) -> Any:
+def pipeline_from_pretrained(
+    path: str | Path,
+    max_memory: Mapping[Any, int | str] | None,
+    placement: str | Any,
+    storage: str | Any,
+    policy: str | Any,
+    offload_folder: str | Path | None,
+    dtype: torch.dtype | str | None,
+    *,
+    device_map: Mapping[str, int | str] | None = None,
+    execution_device: torch.device | str | None = None,
+    progress: bool = False,
+    page_cache: int | str | None = None,
+    no_split_module_classes: list[str] | None = None,
+) -> Any:
     """The diffusers pipeline of ``path``, its components planned in one device map within ``max_memory`` and
     dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a model's."""
     from offload_core.loading.dispatch import default_execution_device
@@ -51,8 +62,22 @@ def pipeline_from_pretrained(path: str | Path, max_memory: Mapping[Any, int | st
 
     device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     budgets = get_max_memory(max_memory)
-    empty, checkpoint, no_split = open_pipeline(path, parse_dtype(dtype), whole_limit(budgets, device), no_split_module_classes)
-    plan_and_dispatch(empty.modules, checkpoint, max_memory=max_memory, placement=placement, storage=storage,
-                      policy=policy, offload_folder=offload_folder, dtype=empty.dtype, device_map=device_map,
-                      device=device, no_split=no_split, progress=progress, page_cache=page_cache)
+    empty, checkpoint, no_split = open_pipeline(
+        path, parse_dtype(dtype), whole_limit(budgets, device), no_split_module_classes
+    )
+    plan_and_dispatch(
+        empty.modules,
+        checkpoint,
+        max_memory=max_memory,
+        placement=placement,
+        storage=storage,
+        policy=policy,
+        offload_folder=offload_folder,
+        dtype=empty.dtype,
+        device_map=device_map,
+        device=device,
+        no_split=no_split,
+        progress=progress,
+        page_cache=page_cache,
+    )
     return finish_dispatch(empty, device)

@@ -38,11 +38,16 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
-        return {"reserve": {str(k): v for k, v in self.reserve.items()}, "headroom": self.headroom,
-                "largest_block": self.largest_block, "predicted_bytes_per_token": self.predicted_bytes_per_token,
-                "predicted_loads_per_token": self.predicted_loads_per_token,
-                "conversion": list(self.conversion), "page_cache": self.page_cache,
-                **self.predicted_time}
+        return {
+            "reserve": {str(k): v for k, v in self.reserve.items()},
+            "headroom": self.headroom,
+            "largest_block": self.largest_block,
+            "predicted_bytes_per_token": self.predicted_bytes_per_token,
+            "predicted_loads_per_token": self.predicted_loads_per_token,
+            "conversion": list(self.conversion),
+            "page_cache": self.page_cache,
+            **self.predicted_time,
+        }
 
     def residency(self) -> Any:
         """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or None."""
@@ -51,19 +56,37 @@ class Plan:
         return make_residency(self.page_cache)
 
 
-def make_plan(model: nn.Module, checkpoint: Any, *, placement: Placement, storage: Storage, policy: Policy,
-              execution_device: torch.device, budgets: Mapping[Any, int], no_split: list[str],
-              dtype: torch.dtype | None, max_memory: Mapping[Any, int] | None = None, headroom: int = 0,
-              device_map: Mapping[str, int | str] | None = None, page_cache: int | str | None = None,
-              policy_name: str = "?", strict: bool = True) -> Plan:
+def make_plan(
+    model: nn.Module,
+    checkpoint: Any,
+    *,
+    placement: Placement,
+    storage: Storage,
+    policy: Policy,
+    execution_device: torch.device,
+    budgets: Mapping[Any, int],
+    no_split: list[str],
+    dtype: torch.dtype | None,
+    max_memory: Mapping[Any, int] | None = None,
+    headroom: int = 0,
+    device_map: Mapping[str, int | str] | None = None,
+    page_cache: int | str | None = None,
+    policy_name: str = "?",
+    strict: bool = True,
+) -> Plan:
     """The plan of the empty ``model`` loaded from the opened ``checkpoint``: ``device_map`` when given, else the
     policy's own (checked against ``budgets``), else the placement's within ``budgets`` less what the policy keeps
     in flight. ``max_memory``: the budgets as the user gave them (``budgets`` is that less ``headroom`` on the
     device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it. ``page_cache`` None plans no kept set."""
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.reserve import reserve_for
-    from offload_core.planning import (PlacementRequest, check_device_map, largest_block_size, normalize_device_map,
-                                       summarize_device_map)
+    from offload_core.planning import (
+        PlacementRequest,
+        check_device_map,
+        largest_block_size,
+        normalize_device_map,
+        summarize_device_map,
+    )
     from offload_core.storage.residency import page_cache_plan
 
     budgets = dict(budgets)
@@ -72,8 +95,14 @@ def make_plan(model: nn.Module, checkpoint: Any, *, placement: Placement, storag
     reserve = reserve_for(model, checkpoint, policy, storage, execution_device, no_split, dtype, budgets.get("cpu"))
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
     if device_map is None:
-        request = PlacementRequest(model=model, max_memory=budgets, no_split_module_classes=no_split, dtype=dtype,
-                                   special_dtypes=None, reserve=reserve)
+        request = PlacementRequest(
+            model=model,
+            max_memory=budgets,
+            no_split_module_classes=no_split,
+            dtype=dtype,
+            special_dtypes=None,
+            reserve=reserve,
+        )
         device_map = placement.make_device_map(request)
     device_map = normalize_device_map(dict(device_map))
     check_device_map(model, device_map, strict=strict)
@@ -88,8 +117,13 @@ def make_plan(model: nn.Module, checkpoint: Any, *, placement: Placement, storag
     if conversion.converted:
         names = sorted(conversion.converted)
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
-    kept = {} if page_cache is None else page_cache_plan(page_cache, summary, execution_device, policy.keeps_page_cache,
-                                                         max_memory.get("cpu", 0), block)
+    kept = (
+        {}
+        if page_cache is None
+        else page_cache_plan(
+            page_cache, summary, execution_device, policy.keeps_page_cache, max_memory.get("cpu", 0), block
+        )
+    )
     return Plan(device_map, summary, reserve, headroom, block, predicted, lines, kept, loads)
 
 
@@ -149,7 +183,10 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
         return
     short = on_disk - allowed
     needed = summary["devices"].get("cpu", {}).get("bytes", 0) + short + headroom
-    memory = ", ".join(f"max_memory.{k}={format_size(v)}" for k, v in max_memory.items() if k != "disk") or "no memory budget"
+    memory = (
+        ", ".join(f"max_memory.{k}={format_size(v)}" for k, v in max_memory.items() if k != "disk")
+        or "no memory budget"
+    )
     if headroom:
         memory += f" less headroom {format_size(headroom)}"
     raise ConfigError(
@@ -159,9 +196,16 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
     )
 
 
-def check_own_map_budgets(summary: dict, budgets: Mapping[Any, int], max_memory: Mapping[Any, int],
-                          reserve: Mapping[Any, int], policy: Policy, policy_name: str, model: nn.Module,
-                          execution_device: torch.device) -> None:
+def check_own_map_budgets(
+    summary: dict,
+    budgets: Mapping[Any, int],
+    max_memory: Mapping[Any, int],
+    reserve: Mapping[Any, int],
+    policy: Policy,
+    policy_name: str,
+    model: nn.Module,
+    execution_device: torch.device,
+) -> None:
     """A map the policy made itself keeps every budget as the placement's does (with the units in flight and, on
     a CPU run, the headroom held back), or the run is refused in one line naming the option to change."""
     for dev, info in summary["devices"].items():
@@ -174,10 +218,14 @@ def check_own_map_budgets(summary: dict, budgets: Mapping[Any, int], max_memory:
         held = budgets[dev] != max_memory[dev]
         key = f"max_memory.{dev}"
         room = f"{format_size(budgets[dev])} budget" + (
-            f" ({key}={format_size(max_memory[dev])} less headroom {format_size(max_memory[dev] - budgets[dev])})" if held else "")
+            f" ({key}={format_size(max_memory[dev])} less headroom {format_size(max_memory[dev] - budgets[dev])})"
+            if held
+            else ""
+        )
         in_flight = f" ({format_size(reserve[dev])} of it held back for units in flight)" if reserve.get(dev) else ""
         remedy = policy.own_map_remedy(model, execution_device, dev, short)
         raise ConfigError(
             f"hook={policy_name}'s own device map puts {format_size(used)} on {dev}{in_flight}, over "
             f"its {room}: {remedy + ', or ' if remedy else ''}raise {key} to at least {max_memory[dev] + short} "
-            f"({format_size(max_memory[dev] + short)})")
+            f"({format_size(max_memory[dev] + short)})"
+        )

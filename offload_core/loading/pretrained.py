@@ -62,9 +62,19 @@ def from_pretrained(
 
             raise ConfigError(f"speculative={speculative!r} decodes tokens; {path} is a diffusers pipeline: drop it")
 
-        return pipeline_from_pretrained(path, max_memory, placement, storage, policy or "prefetch", offload_folder, dtype,
-                                        device_map=device_map, execution_device=execution_device, progress=progress,
-                                        page_cache=page_cache)
+        return pipeline_from_pretrained(
+            path,
+            max_memory,
+            placement,
+            storage,
+            policy or "prefetch",
+            offload_folder,
+            dtype,
+            device_map=device_map,
+            execution_device=execution_device,
+            progress=progress,
+            page_cache=page_cache,
+        )
     policy = policy or "align_per_call"
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.execution_device import default_execution_device
@@ -92,16 +102,41 @@ def from_pretrained(
     except BaseException:
         checkpoint.close()
         raise
-    return plan_and_dispatch(model, checkpoint, max_memory=max_memory, placement=placement, storage=storage,
-                             policy=policy, offload_folder=offload_folder, dtype=dtype, device_map=device_map,
-                             device=device, no_split=no_split, progress=progress, page_cache=page_cache,
-                             speculative=speculative)
+    return plan_and_dispatch(
+        model,
+        checkpoint,
+        max_memory=max_memory,
+        placement=placement,
+        storage=storage,
+        policy=policy,
+        offload_folder=offload_folder,
+        dtype=dtype,
+        device_map=device_map,
+        device=device,
+        no_split=no_split,
+        progress=progress,
+        page_cache=page_cache,
+        speculative=speculative,
+    )
 
 
-def plan_and_dispatch(model: nn.Module, checkpoint: Any, *, max_memory: Mapping[Any, int | str] | None, placement: str | Any,
-                      storage: str | Any, policy: str | Any, offload_folder: str | Path | None, dtype: torch.dtype | None,
-                      device_map: Mapping[str, int | str] | None, device: torch.device, no_split: list[str],
-                      progress: bool, page_cache: int | str | None, speculative: Any = None) -> nn.Module:
+def plan_and_dispatch(
+    model: nn.Module,
+    checkpoint: Any,
+    *,
+    max_memory: Mapping[Any, int | str] | None,
+    placement: str | Any,
+    storage: str | Any,
+    policy: str | Any,
+    offload_folder: str | Path | None,
+    dtype: torch.dtype | None,
+    device_map: Mapping[str, int | str] | None,
+    device: torch.device,
+    no_split: list[str],
+    progress: bool,
+    page_cache: int | str | None,
+    speculative: Any = None,
+) -> nn.Module:
     """Plan ``model`` (empty) within ``max_memory`` unless ``device_map`` is given, and load the opened ``checkpoint``
     into it with ``storage`` and ``policy`` (closing the checkpoint if that fails), prepared for ``speculative``
     decoding: what :func:`from_pretrained` does once the model is built."""
@@ -119,18 +154,47 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Any, *, max_memory: Mapping[
         if spec.name == "draft" and budgets:  # its weights; the lengths its KV cache needs are not known here
             key = "cpu" if device.type == "cpu" else (device.index or 0)
             held = {"weights": draft_bytes(spec.path, dtype), "kv_cache": 0}
-            budgets = hold_draft(budgets, key, held, f"speculative='draft': the draft {spec.path!r}", f"max_memory[{key!r}]")
-        plan = make_plan(model, checkpoint, placement=resolve_strategy("placement", "balanced" if placement == "auto" else placement),
-                         storage=storage, policy=policy, execution_device=device, budgets=budgets, no_split=no_split,
-                         dtype=dtype, device_map=device_map, page_cache=page_cache, policy_name=policy_name,
-                         strict=device_map is None)
+            budgets = hold_draft(
+                budgets, key, held, f"speculative='draft': the draft {spec.path!r}", f"max_memory[{key!r}]"
+            )
+        plan = make_plan(
+            model,
+            checkpoint,
+            placement=resolve_strategy("placement", "balanced" if placement == "auto" else placement),
+            storage=storage,
+            policy=policy,
+            execution_device=device,
+            budgets=budgets,
+            no_split=no_split,
+            dtype=dtype,
+            device_map=device_map,
+            page_cache=page_cache,
+            policy_name=policy_name,
+            strict=device_map is None,
+        )
         if spec.name == "self":
-            check_self_resident(model, spec.layers, plan.device_map, device, "speculative='self'",
-                                "raise max_memory or lower the layers")
-        model = load_checkpoint_and_dispatch(model, checkpoint, plan.device_map, no_split_module_classes=no_split,
-                                             offload_folder=offload_folder, dtype=dtype, storage=storage, policy=policy,
-                                             execution_device=device, progress=progress,
-                                             offload_buffers=policy.offload_buffers, residency=plan.residency())
+            check_self_resident(
+                model,
+                spec.layers,
+                plan.device_map,
+                device,
+                "speculative='self'",
+                "raise max_memory or lower the layers",
+            )
+        model = load_checkpoint_and_dispatch(
+            model,
+            checkpoint,
+            plan.device_map,
+            no_split_module_classes=no_split,
+            offload_folder=offload_folder,
+            dtype=dtype,
+            storage=storage,
+            policy=policy,
+            execution_device=device,
+            progress=progress,
+            offload_buffers=policy.offload_buffers,
+            residency=plan.residency(),
+        )
         model.speculation = prepare(spec, model, dtype, device)
         model.offload_plan = plan
         return model

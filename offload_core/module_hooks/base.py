@@ -150,7 +150,9 @@ def remove_hook_from_module(module: nn.Module, name: str | None = None, recurse:
     return module
 
 
-def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False, skip_keys: frozenset = frozenset()) -> Any:
+def send_to_device(
+    obj: Any, device: torch.device, non_blocking: bool = False, skip_keys: frozenset = frozenset()
+) -> Any:
     """Move every tensor inside tuples, lists and dicts to ``device``; other objects are left as they are."""
     if isinstance(obj, torch.Tensor):
         return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)

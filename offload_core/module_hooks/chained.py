@@ -22,8 +22,15 @@ class ChainedHook(ModuleHook):
 
     name = "chained_offload"
 
-    def __init__(self, unit: Unit, store: Mapping[str, torch.Tensor], execution_device: torch.device,
-                 stats: TransferStats, non_blocking: bool = False, chain: "Chain | None" = None) -> None:
+    def __init__(
+        self,
+        unit: Unit,
+        store: Mapping[str, torch.Tensor],
+        execution_device: torch.device,
+        stats: TransferStats,
+        non_blocking: bool = False,
+        chain: "Chain | None" = None,
+    ) -> None:
         self.unit = unit
         self.store = store
         self.execution_device = execution_device
@@ -68,7 +75,9 @@ class Chain:
 class ChainHandle:
     """Returned by :func:`chain_model`: ``offload()`` drops the model's weights, ``remove()`` restores it."""
 
-    def __init__(self, model: nn.Module, hook: ChainedHook, module_handle: ModuleHookHandle, policy: PolicyHandle) -> None:
+    def __init__(
+        self, model: nn.Module, hook: ChainedHook, module_handle: ModuleHookHandle, policy: PolicyHandle
+    ) -> None:
         self.model = model
         self.hook = hook
         self.module_handle = module_handle
@@ -85,8 +94,9 @@ class ChainHandle:
         return self.policy.remove()
 
 
-def chain_model(model: nn.Module, store: Any, device: torch.device,
-                prev_module_hook: ChainHandle | None = None) -> tuple[nn.Module, ChainHandle]:
+def chain_model(
+    model: nn.Module, store: Any, device: torch.device, prev_module_hook: ChainHandle | None = None
+) -> tuple[nn.Module, ChainHandle]:
     """Move ``model``'s tensors into the empty ``store`` (a :class:`~offload_core.storage.Store`); the
     model moves to ``device`` when called and stays there until the next model of the chain (whose
     ``prev_module_hook`` is this handle) is called. Between calls the weights rest on the cpu, in the
@@ -114,8 +124,13 @@ def chain_model(model: nn.Module, store: Any, device: torch.device,
     for slot in slots:
         slot.set(slot.original)
     non_blocking = bool(store.pinned and devices.is_accelerator(device))
-    context = PolicyContext(device_map={"": "cpu"}, execution_device=device, store=store,
-                            offloaded={s.full: s.key for s in slots}, non_blocking=non_blocking)
+    context = PolicyContext(
+        device_map={"": "cpu"},
+        execution_device=device,
+        store=store,
+        offloaded={s.full: s.key for s in slots},
+        non_blocking=non_blocking,
+    )
     hook = ChainedHook(unit, store, device, context.stats, non_blocking=non_blocking)
     hook.prev = prev_module_hook
     module_handle = add_hook_to_module(model, hook)
@@ -148,16 +163,29 @@ class Chained(Policy):
         units = find_units(model, context.offloaded, context.no_split_module_classes, self.granularity)
         handles = attach_io_hooks(model, context, True, self.config.skip_keys)
         chain = Chain()
-        nested = {u.name for u in units if any(o.name.startswith(u.name + ".") or (u.name == "" and o.name) for o in units if o is not u)}
+        nested = {
+            u.name
+            for u in units
+            if any(o.name.startswith(u.name + ".") or (u.name == "" and o.name) for o in units if o is not u)
+        }
         for unit in units:
             if unit.name in nested:
                 # A container whose own tensors are offloaded runs around its children: keep it per call.
                 from offload_core.module_hooks.align import AlignDevicesHook
 
-                hook: ModuleHook = AlignDevicesHook(context.execution_device, offload=True, unit=unit, store=context.store,
-                                                    stats=context.stats, non_blocking=context.non_blocking, name="align_offload")
+                hook: ModuleHook = AlignDevicesHook(
+                    context.execution_device,
+                    offload=True,
+                    unit=unit,
+                    store=context.store,
+                    stats=context.stats,
+                    non_blocking=context.non_blocking,
+                    name="align_offload",
+                )
             else:
-                hook = ChainedHook(unit, context.store, context.execution_device, context.stats, context.non_blocking, chain)
+                hook = ChainedHook(
+                    unit, context.store, context.execution_device, context.stats, context.non_blocking, chain
+                )
             handles.append(add_hook_to_module(unit.module, hook))
         handles += keep_page_cache(model, context.store, context.residency, units)
         return PolicyHandle(model, context, units, handles)

@@ -23,15 +23,21 @@ class FunctionalCallHook(ModuleHook):
 
     name = "functional_call_offload"
 
-    def __init__(self, unit: Unit, store: Mapping[str, torch.Tensor], execution_device: torch.device,
-                 stats: TransferStats, non_blocking: bool = False) -> None:
+    def __init__(
+        self,
+        unit: Unit,
+        store: Mapping[str, torch.Tensor],
+        execution_device: torch.device,
+        stats: TransferStats,
+        non_blocking: bool = False,
+    ) -> None:
         self.unit = unit
         self.store = store
         self.execution_device = execution_device
         self.stats = stats
         self.non_blocking = non_blocking
         prefix = unit.name + "." if unit.name else ""
-        self._names = [(s.full[len(prefix):], s.key) for s in unit.slots]
+        self._names = [(s.full[len(prefix) :], s.key) for s in unit.slots]
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
@@ -44,7 +50,9 @@ class FunctionalCallHook(ModuleHook):
         # functional_call calls the module it is given: give it a bare one around the inner forward, so
         # the block's own forward hooks and pre-hooks run once, around this call, as in memory.
         try:
-            return torch.func.functional_call(_InnerCall(module, forward), tensors, args, kwargs, tie_weights=False, strict=False)
+            return torch.func.functional_call(
+                _InnerCall(module, forward), tensors, args, kwargs, tie_weights=False, strict=False
+            )
         finally:
             self.unit.used()
 
@@ -156,7 +164,9 @@ class FunctionalCall(Policy):
         units = find_units(model, context.offloaded, context.no_split_module_classes, self.config.granularity)
         handles = attach_io_hooks(model, context, True, ())
         for unit in units:
-            hook = FunctionalCallHook(unit, context.store, context.execution_device, context.stats, context.non_blocking)
+            hook = FunctionalCallHook(
+                unit, context.store, context.execution_device, context.stats, context.non_blocking
+            )
             handles.append(add_hook_to_module(unit.module, hook))
         handles += keep_page_cache(model, context.store, context.residency, units)
         return PolicyHandle(model, context, units, handles)

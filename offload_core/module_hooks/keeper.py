@@ -23,8 +23,14 @@ class PageCacheKeeper:
     computes; off where a reader thread has brought them in already.
     """
 
-    def __init__(self, residency: Residency, store: Mapping[str, torch.Tensor], units: list[Unit],
-                 unit_bytes: Callable[[Unit], int], warm: bool) -> None:
+    def __init__(
+        self,
+        residency: Residency,
+        store: Mapping[str, torch.Tensor],
+        units: list[Unit],
+        unit_bytes: Callable[[Unit], int],
+        warm: bool,
+    ) -> None:
         self.residency = residency
         self.store = store
         self.units = units
@@ -64,8 +70,9 @@ class PageCacheKeeper:
                 self.residency.dropped += tensor_nbytes(self.store, key)
 
 
-def keep_page_cache(model: nn.Module, store: Mapping[str, torch.Tensor] | None, residency: Residency | None,
-                    units: list[Unit]) -> list[Any]:
+def keep_page_cache(
+    model: nn.Module, store: Mapping[str, torch.Tensor] | None, residency: Residency | None, units: list[Unit]
+) -> list[Any]:
     """For a policy that fetches units on call: apply ``residency`` (the plan's kept set, None for none) to
     ``units``, reading each unit's pages in as it is fetched; returns the module-hook handles to remove."""
     if residency is None or store is None or not units:

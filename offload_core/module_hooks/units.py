@@ -102,7 +102,9 @@ class Unit:
     def nbytes(self, store: Mapping[str, torch.Tensor]) -> int:
         return sum(tensor_nbytes(store, key) for key in self.keys)
 
-    def fetch(self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False) -> dict[str, torch.Tensor]:
+    def fetch(
+        self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The unit's tensors on ``device``, one per store key (tied names share one tensor).
 
         Read with inference mode off, even inside a forward run under it: a tensor made under it (a store's lazy
@@ -124,11 +126,19 @@ class Unit:
         params: dict[str, nn.Parameter] = {}
         for slot in self.slots:
             if slot.is_param and slot.key not in params:
-                params[slot.key] = as_param(fetched[slot.key], bool(slot.original is not None and slot.original.requires_grad))
+                params[slot.key] = as_param(
+                    fetched[slot.key], bool(slot.original is not None and slot.original.requires_grad)
+                )
         return params
 
-    def load(self, store: Mapping[str, torch.Tensor], device: torch.device, stats: TransferStats | None,
-             non_blocking: bool = False, fetched: dict[str, torch.Tensor] | None = None) -> None:
+    def load(
+        self,
+        store: Mapping[str, torch.Tensor],
+        device: torch.device,
+        stats: TransferStats | None,
+        non_blocking: bool = False,
+        fetched: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """Put the unit's tensors in place on ``device`` (no-op when already loaded)."""
         if self.loaded:
             return
@@ -188,8 +198,12 @@ def _is_block(module: nn.Module, no_split: Iterable[str]) -> bool:
     return type(module).__name__ in set(no_split) or not any(True for _ in module.children())
 
 
-def find_units(model: nn.Module, offloaded: Mapping[str, str], no_split_module_classes: Iterable[str] = (),
-               granularity: str = "module") -> list[Unit]:
+def find_units(
+    model: nn.Module,
+    offloaded: Mapping[str, str],
+    no_split_module_classes: Iterable[str] = (),
+    granularity: str = "module",
+) -> list[Unit]:
     """Group offloaded tensors into units, in module order.
 
     ``granularity="module"``: each module that owns offloaded tensors is a unit of its direct tensors

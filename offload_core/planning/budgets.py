@@ -41,7 +41,9 @@ def _machine_memory() -> dict[int | str, int]:
     return budgets
 
 
-def get_max_memory(max_memory: Mapping[Any, int | str] | None = None, *, check_devices: bool = True) -> dict[int | str, int]:
+def get_max_memory(
+    max_memory: Mapping[Any, int | str] | None = None, *, check_devices: bool = True
+) -> dict[int | str, int]:
     """Budgets in bytes by device, GPUs first (ascending ids), then ``"mps"``, ``"cpu"``, ``"disk"``.
 
     ``None`` reads the free memory of this machine (90% of every GPU's, and available RAM for ``"cpu"``).
@@ -78,8 +80,9 @@ def check_execution_device(value: str | torch.device) -> torch.device:
     if device.type == "cuda" or devices.active().owns(device):
         count = devices.gpu_count()
         if device.index >= count:
-            raise ConfigError(f"execution_device={str(value)!r} does not exist: this machine has {count} CUDA device(s); "
-                              "use cpu")
+            raise ConfigError(
+                f"execution_device={str(value)!r} does not exist: this machine has {count} CUDA device(s); use cpu"
+            )
         return devices.gpu(device.index)
     raise ConfigError(f"execution_device={str(value)!r} is not supported: use cpu or cuda:N")
 
@@ -93,7 +96,9 @@ def check_budgets(budgets: Mapping[Any, int], execution_device: torch.device) ->
             raise ConfigError(f"max_memory has an unknown device {str(key)!r}: use cpu, disk or a GPU index like 0")
         if isinstance(dev, int):
             if execution_device.type == "cpu":
-                raise ConfigError(f"max_memory.{key}: a GPU budget on a CPU run; remove it or set execution_device=cuda")
+                raise ConfigError(
+                    f"max_memory.{key}: a GPU budget on a CPU run; remove it or set execution_device=cuda"
+                )
             count = devices.gpu_count()
             if dev >= count:
                 raise ConfigError(f"max_memory.{key}: GPU {dev} does not exist (this machine has {count}); remove it")
@@ -104,7 +109,9 @@ def check_budgets(budgets: Mapping[Any, int], execution_device: torch.device) ->
 def _no_split_block(model: torch.nn.Module, sizes: Mapping[str, int], no_split: set[str]) -> int:
     if not no_split:
         return 0
-    return max((sizes.get(name, 0) for name, module in model.named_modules() if type(module).__name__ in no_split), default=0)
+    return max(
+        (sizes.get(name, 0) for name, module in model.named_modules() if type(module).__name__ in no_split), default=0
+    )
 
 
 def _mean_leaf_module(model: torch.nn.Module, sizes: Mapping[str, int]) -> int:
@@ -129,8 +136,11 @@ def get_balanced_memory(
     GPUs 1.. instead and gives the first GPU only what they leave (possibly 0). GPU ids need not be
     contiguous. With one GPU or none the budgets come back unchanged.
     """
-    request = model if isinstance(model, PlacementRequest) else PlacementRequest(
-        model, max_memory, list(no_split_module_classes or []), dtype, special_dtypes)
+    request = (
+        model
+        if isinstance(model, PlacementRequest)
+        else PlacementRequest(model, max_memory, list(no_split_module_classes or []), dtype, special_dtypes)
+    )
     budgets = get_max_memory(request.max_memory, check_devices=False)
     gpus = [d for d in budgets if isinstance(d, int) and budgets[d] > 0]
     if len(gpus) <= 1:
@@ -138,8 +148,13 @@ def get_balanced_memory(
     sizes = compute_module_sizes(request.model, dtype=request.dtype, special_dtypes=request.special_dtypes)
     total = sizes[""]
     spread = gpus[1:] if low_zero else gpus
-    buffer = int(1.25 * max(_no_split_block(request.model, sizes, set(request.no_split_module_classes or ())),
-                            _mean_leaf_module(request.model, sizes)))
+    buffer = int(
+        1.25
+        * max(
+            _no_split_block(request.model, sizes, set(request.no_split_module_classes or ())),
+            _mean_leaf_module(request.model, sizes),
+        )
+    )
     per_gpu = total // len(spread) + buffer
     for gpu in spread[:-1]:
         budgets[gpu] = min(per_gpu, budgets[gpu])

@@ -76,12 +76,16 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Any], *, strict:
         known.update(prefix + local for local in (*module._parameters, *module._buffers))
     unknown = [key for key in device_map if key not in known]
     if unknown:
-        message = (f"device map names {_short(unknown)}, which the model does not have: use module or tensor names "
-                   "from model.named_modules() / model.state_dict()")
+        message = (
+            f"device map names {_short(unknown)}, which the model does not have: use module or tensor names "
+            "from model.named_modules() / model.state_dict()"
+        )
         if strict:
             raise DeviceMapError(message)
-        warnings.warn(f"The following device_map keys do not match any submodules in the model: {unknown}; {message}",
-                      stacklevel=2)
+        warnings.warn(
+            f"The following device_map keys do not match any submodules in the model: {unknown}; {message}",
+            stacklevel=2,
+        )
         device_map = {key: device for key, device in device_map.items() if key not in unknown}
     clashes = []
     for key, device in device_map.items():

@@ -24,6 +24,7 @@ Unit = tuple[str, "nn.Module | torch.Tensor"]
 
 def _direct_units(module: nn.Module, prefix: str) -> list[Unit]:
     """A module's direct parameters, then its children, then its direct buffers, under full names."""
+
     def full(name: str) -> str:
         return f"{prefix}.{name}" if prefix else name
 
@@ -48,7 +49,9 @@ class _Filler:
     def __init__(self, request: PlacementRequest, budgets: dict[int | str, int]) -> None:
         self.model = request.model
         self.no_split = set(request.no_split_module_classes or ())
-        self.sizes = compute_module_sizes(request.model, dtype=parse_dtype(request.dtype), special_dtypes=request.special_dtypes)
+        self.sizes = compute_module_sizes(
+            request.model, dtype=parse_dtype(request.dtype), special_dtypes=request.special_dtypes
+        )
         self.budgets = budgets
         self.fallback = request.fallback_allocation
         self.fallen_back: set[int | str] = set()
@@ -61,7 +64,9 @@ class _Filler:
         self.execution = devices.gpu(self.gpus[0]) if self.gpus else torch.device("cpu")
         self.reserve = None
         if request.reserve is not None:
-            self.reserve = {budget_device(k, "reserve"): parse_size(v, what=f"reserve[{k!r}]") for k, v in request.reserve.items()}
+            self.reserve = {
+                budget_device(k, "reserve"): parse_size(v, what=f"reserve[{k!r}]") for k, v in request.reserve.items()
+            }
         self.used: defaultdict[int | str, int] = defaultdict(int)
         self.placed: dict[str, int | str] = {}
         self.offloaded: list[tuple[Unit, int | str]] = []
@@ -193,8 +198,11 @@ class _Filler:
                 self.put(group, "disk")
         if self.empty:
             needs = ", ".join(f"{device}: {nbytes} bytes required" for device, nbytes in self.empty.items())
-            log.info("no modules could be assigned to these devices due to insufficient memory (%s); give them at "
-                     "least that much, or plan with fallback_allocation=True", needs)
+            log.info(
+                "no modules could be assigned to these devices due to insufficient memory (%s); give them at "
+                "least that much, or plan with fallback_allocation=True",
+                needs,
+            )
         return self.placed
 
     def tensor_devices(self) -> dict[str, int | str]:
@@ -207,9 +215,12 @@ class _Filler:
         return devices
 
     def offloaded_buffer_bytes(self) -> int:
-        return sum(self.sizes.get(f"{u[0]}.{b}" if u[0] else b, 0)
-                   for u, _ in self.offloaded if isinstance(u[1], nn.Module)
-                   for b, _ in u[1].named_buffers())
+        return sum(
+            self.sizes.get(f"{u[0]}.{b}" if u[0] else b, 0)
+            for u, _ in self.offloaded
+            if isinstance(u[1], nn.Module)
+            for b, _ in u[1].named_buffers()
+        )
 
 
 def _fill(request: PlacementRequest, max_memory: Mapping[Any, int | str] | None) -> _Filler:
@@ -248,9 +259,15 @@ def infer_auto_device_map(
     ``reserve`` (ours) replaces the room held back on the main devices (see :class:`PlacementRequest`).
     Other placements (balanced, plugins) are chosen by name where a model is dispatched.
     """
-    request = PlacementRequest(model=model, max_memory=get_max_memory(max_memory),
-                               no_split_module_classes=list(no_split_module_classes or []), dtype=parse_dtype(dtype),
-                               special_dtypes=special_dtypes, reserve=reserve, fallback_allocation=fallback_allocation)
+    request = PlacementRequest(
+        model=model,
+        max_memory=get_max_memory(max_memory),
+        no_split_module_classes=list(no_split_module_classes or []),
+        dtype=parse_dtype(dtype),
+        special_dtypes=special_dtypes,
+        reserve=reserve,
+        fallback_allocation=fallback_allocation,
+    )
     filler = _fill(request, None)
     if verbose:
         for name, device in filler.placed.items():

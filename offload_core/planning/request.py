@@ -38,4 +38,3 @@ class Placement(StrategyBase):
     @abstractmethod
     def make_device_map(self, request: PlacementRequest) -> dict[str, int | str]:
         """The device map for ``request`` (the model, the budgets, the no-split classes, the reservation)."""
-

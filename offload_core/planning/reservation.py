@@ -24,7 +24,9 @@ class InFlight:
     dtype: Any = None  # the run's dtype (None: each tensor's own)
     cpu_budget: int | None = None  # the cpu budget the placement fills (None: not known)
     no_split_module_classes: tuple[str, ...] = ()  # the model's blocks, for policies that size by its units
-    store_maps: bool = False  # the store hands out views (mapped files, its own memory): a CPU run computes on them in place
+    store_maps: bool = (
+        False  # the store hands out views (mapped files, its own memory): a CPU run computes on them in place
+    )
 
 
 def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu: bool = False) -> dict[Any, int]:

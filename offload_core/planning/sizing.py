@@ -48,7 +48,9 @@ def compute_module_sizes(
     ``buffers_only`` counts buffers alone.
     """
     dtype = parse_dtype(dtype)
-    special = {name: parse_dtype(value, what=f"special_dtypes[{name!r}]") for name, value in (special_dtypes or {}).items()}
+    special = {
+        name: parse_dtype(value, what=f"special_dtypes[{name!r}]") for name, value in (special_dtypes or {}).items()
+    }
     sizes: defaultdict[str, int] = defaultdict(int)
     tensors = model.named_buffers() if buffers_only else named_module_tensors(model, recurse=True)
     for name, tensor in tensors:
@@ -136,7 +138,11 @@ def largest_block_size(
 ) -> int:
     """Bytes of the largest unit of ``model`` that a placement never splits (a no-split block, a leaf module or a direct tensor)."""
     sizes = compute_module_sizes(model, dtype=dtype)
-    units: list[Named] = [*model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
+    units: list[Named] = [
+        *model.named_parameters(recurse=False),
+        *model.named_children(),
+        *model.named_buffers(recurse=False),
+    ]
     return get_max_layer_size(units, sizes, no_split_module_classes)[0]
 
 

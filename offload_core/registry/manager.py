@@ -184,8 +184,11 @@ def as_contract(kind: str, name: str, factory: Any) -> type:
             f"{kind} {name!r}: {factory.__name__} lacks {', '.join(m + '()' for m in missing)}; "
             f"subclass offload_core.registry.contracts.{contract.__name__} and define it"
         )
-    return type(factory.__name__, (factory, contract), {"__module__": factory.__module__, "__qualname__": factory.__qualname__,
-                                                        "__doc__": factory.__doc__})
+    return type(
+        factory.__name__,
+        (factory, contract),
+        {"__module__": factory.__module__, "__qualname__": factory.__qualname__, "__doc__": factory.__doc__},
+    )
 
 
 def as_strategy(kind: str, strategy: Any) -> Any:

@@ -12,7 +12,6 @@ from pathlib import Path
 from offload_core.runner.console import print_line
 
 
-
 class Terminated(KeyboardInterrupt):
     """Raised in the main thread on SIGTERM, so a terminated run unwinds (and cleans up) as an interrupted one does."""
 
@@ -79,7 +78,9 @@ def hydra_main() -> None:
                 _fail(error)
             raise
 
-    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
+    previous = (
+        signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         main()
     except Terminated:

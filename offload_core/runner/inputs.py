@@ -22,7 +22,9 @@ def prompt_ids(tokenizer: Any, prompt: str, chat: bool, vocab_size: int) -> torc
     if tokenizer is None:
         return torch.tensor([byte_ids(prompt, vocab_size)], dtype=torch.long)
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
         return ids if torch.is_tensor(ids) else ids["input_ids"]
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
@@ -46,10 +48,14 @@ def read_prompts(path: str | Path) -> list[str]:
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise ConfigError(f"prompts={str(path)!r} cannot be read ({exc.strerror}); give a text file with one prompt per line") from None
+        raise ConfigError(
+            f"prompts={str(path)!r} cannot be read ({exc.strerror}); give a text file with one prompt per line"
+        ) from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"prompts={str(path)!r} is not UTF-8 text (byte {exc.start} cannot be decoded); give a text file "
-                          "with one prompt per line") from None
+        raise ConfigError(
+            f"prompts={str(path)!r} is not UTF-8 text (byte {exc.start} cannot be decoded); give a text file "
+            "with one prompt per line"
+        ) from None
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -60,7 +66,9 @@ def read_prompts(path: str | Path) -> list[str]:
             except ValueError:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ConfigError(f"prompts file {str(path)!r} line {number} is not a JSON object with a \"prompt\" string; fix that line")
+                raise ConfigError(
+                    f'prompts file {str(path)!r} line {number} is not a JSON object with a "prompt" string; fix that line'
+                )
             prompts.append(record["prompt"])
         else:
             prompts.append(line)
@@ -87,6 +95,6 @@ def encode_texts(run_model: Any, texts: list[str]) -> dict[str, torch.Tensor]:
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
     return {"input_ids": ids, "attention_mask": mask}

@@ -54,8 +54,11 @@ def choose_configuration(settings: Any, labels: dict) -> tuple[Any, dict]:
     from offload_core.runner.plan.auto import choose
 
     settings, table = choose(settings, list(labels.get("overrides", [])))
-    choices = {**labels.get("choices", {}), "storage": settings.sections["storage"]["name"],
-               "hook": settings.sections["hook"]["name"]}
+    choices = {
+        **labels.get("choices", {}),
+        "storage": settings.sections["storage"]["name"],
+        "hook": settings.sections["hook"]["name"],
+    }
     return settings, {**labels, "choices": choices, "auto": table[0]["configuration"] if table else None}
 
 
@@ -72,9 +75,13 @@ def plan_only(job: Prepared, labels: dict, plot: bool) -> RunResult:
     """Write the plan (``device_map.json``, with ``plot`` ``placement.png``) and its figures; nothing is loaded."""
     settings, plan = job.settings, job.plan
     write_plan(settings, job.run_model, plan, picture=plot)
-    figures = {"plan_only": True, "offloaded_bytes": offloaded_in_plan(plan.summary, settings.execution_device),
-               "headroom_bytes": plan.headroom, "predicted_bytes_per_token": plan.predicted_bytes_per_token,
-               **plan.predicted_time}
+    figures = {
+        "plan_only": True,
+        "offloaded_bytes": offloaded_in_plan(plan.summary, settings.execution_device),
+        "headroom_bytes": plan.headroom,
+        "predicted_bytes_per_token": plan.predicted_bytes_per_token,
+        **plan.predicted_time,
+    }
     result = RunResult.of_plan(plan, settings.output_dir, figures)
     write_outputs(result, settings.prompts_file or settings.prompt, labels)
     return result

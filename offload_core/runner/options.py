@@ -99,7 +99,9 @@ def _default(field: dataclasses.Field, instance: Any) -> str:
     return str(value)
 
 
-def dataclass_options(cls: type, prefix: str = "", skip: tuple[str, ...] = ("name",), instance: Any = None) -> list[Option]:
+def dataclass_options(
+    cls: type, prefix: str = "", skip: tuple[str, ...] = ("name",), instance: Any = None
+) -> list[Option]:
     """The keys of config dataclass ``cls`` (nested under ``prefix``), in the order they are declared."""
     comments = field_comments(cls)
     try:
@@ -138,7 +140,15 @@ def choices(registry: Registry | None = None) -> list[Choice]:
     for kind, group in GROUPS.items():
         for name in registry.names(kind):
             strategy = registry.get(kind, name)
-            found.append(Choice(group, name, _summary(strategy), strategy.plugin, tuple(dataclass_options(strategy.config, f"{group}."))))
+            found.append(
+                Choice(
+                    group,
+                    name,
+                    _summary(strategy),
+                    strategy.plugin,
+                    tuple(dataclass_options(strategy.config, f"{group}.")),
+                )
+            )
     model_keys = tuple(dataclass_options(ModelConfig, "model."))
     for name in MODEL_PRESETS:
         found.append(Choice("model", name, MODEL_OPTIONS.get(name, ""), "offload_core", model_keys))
@@ -163,17 +173,32 @@ def other_choices(known: set[str]) -> list[Choice]:
             summary = " ".join((cls.__doc__ or name).split()).split(". ")[0].rstrip(".")
             found.append(Choice(group, name, summary, cls.__module__, tuple(dataclass_options(cls, f"{group}."))))
     known = known | {c.group for c in found}
-    for folder in sorted(p for p in Path(run_config.CONF_DIR).iterdir() if p.is_dir() and p.name not in known and p.name != "hydra"):
+    for folder in sorted(
+        p for p in Path(run_config.CONF_DIR).iterdir() if p.is_dir() and p.name not in known and p.name != "hydra"
+    ):
         for path in sorted(folder.glob("*.yaml")):
             lines = path.read_text(encoding="utf-8").splitlines()
             summary = next((line.lstrip("# ").strip() for line in lines if line.startswith("#")), path.stem)
             values = OmegaConf.load(path)
-            options = tuple(
-                Option(f"{folder.name}.{key}", type(value).__name__, str(value).lower() if isinstance(value, bool) else str(value), "")
-                for key, value in OmegaConf.to_container(values).items()
-                if key not in ("name", "defaults")
-            ) if isinstance(values, DictConfig) else ()
-            found.append(Choice(folder.name, path.stem, summary, str(path.relative_to(Path(run_config.CONF_DIR).parent)), options))
+            options = (
+                tuple(
+                    Option(
+                        f"{folder.name}.{key}",
+                        type(value).__name__,
+                        str(value).lower() if isinstance(value, bool) else str(value),
+                        "",
+                    )
+                    for key, value in OmegaConf.to_container(values).items()
+                    if key not in ("name", "defaults")
+                )
+                if isinstance(values, DictConfig)
+                else ()
+            )
+            found.append(
+                Choice(
+                    folder.name, path.stem, summary, str(path.relative_to(Path(run_config.CONF_DIR).parent)), options
+                )
+            )
     return found
 
 

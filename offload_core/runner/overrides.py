@@ -12,13 +12,33 @@ from offload_core.errors import ConfigError
 from offload_core.runner.config import RunConfig
 
 #: what users type by mistake -> the key that does it
-INSTEAD = {"policy": "hook", "module_hook": "hook", "hooks": "hook", "store": "storage", "placements": "placement",
-           "max_new": "max_new_tokens", "budget": "max_memory", "device": "execution_device"}
+INSTEAD = {
+    "policy": "hook",
+    "module_hook": "hook",
+    "hooks": "hook",
+    "store": "storage",
+    "placements": "placement",
+    "max_new": "max_new_tokens",
+    "budget": "max_memory",
+    "device": "execution_device",
+}
 #: the devices conf/config.yaml declares under max_memory (another device's budget is added with Hydra's ``++``)
 DECLARED_BUDGETS = ("cpu", "disk")
 #: Hydra's own options that take the next argument as their value
-HYDRA_OPTIONS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c",
-                            "--package", "-p", "--info", "--experimental-rerun"}
+HYDRA_OPTIONS_WITH_VALUE = {
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--info",
+    "--experimental-rerun",
+}
 
 
 def run_keys() -> list[str]:
@@ -30,8 +50,11 @@ def unknown_key(key: str, given: str, value: str = "...") -> ConfigError:
     """The one line for a key the run does not know."""
     top = key.split(".")[0]
     if top in INSTEAD:
-        hint = f"use {INSTEAD[top]}{key[len(top):]}={value} instead" + (" (python -m offload_core plugins lists the names)"
-                                                     if INSTEAD[top] in ("hook", "storage", "placement") else "")
+        hint = f"use {INSTEAD[top]}{key[len(top) :]}={value} instead" + (
+            " (python -m offload_core plugins lists the names)"
+            if INSTEAD[top] in ("hook", "storage", "placement")
+            else ""
+        )
     else:
         hint = f"the run's keys are {', '.join(run_keys())}"
     return ConfigError(f"unknown key {top!r} in {given!r}: {hint}")
@@ -69,7 +92,7 @@ def prepare(args: list[str]) -> list[str]:
             continue
         prefix = re.match(r"\+\+|\+|~", arg)
         prefix_s = prefix.group(0) if prefix else ""
-        key, _, value = arg[len(prefix_s):].partition("=")
+        key, _, value = arg[len(prefix_s) :].partition("=")
         top = re.split(r"[./@]", key)[0]  # hydra.run.dir, hydra/launcher=..., model@pkg
         if top == "hydra":
             out.append(arg)
@@ -78,7 +101,9 @@ def prepare(args: list[str]) -> list[str]:
             raise unknown_key(key, arg, value)
         if key == "prompt" and not multirun and value[:1] not in ("'", '"'):
             arg = f"{prefix_s}prompt={quote(value)}"
-        elif top == "max_memory" and key.count(".") == 1 and key.split(".")[1] not in DECLARED_BUDGETS and prefix_s == "":
+        elif (
+            top == "max_memory" and key.count(".") == 1 and key.split(".")[1] not in DECLARED_BUDGETS and prefix_s == ""
+        ):
             arg = "++" + arg
         out.append(arg)
     return out
@@ -100,8 +125,10 @@ def check_parses(args: list[str]) -> None:
             key, _, value = arg.partition("=")
             hydra = f"{key}={quote(value)}" if "'" not in value else f'{key}="{value}"'.replace("${", "\\${")
             typed = '"' + re.sub(r'([\\"$`])', r"\\\1", hydra) + '"'  # as bash reads it inside double quotes
-            raise ConfigError(f"{arg!r} is not a value Hydra can read: quote the value for Hydra, and the whole for the "
-                              f"shell, e.g. {typed} (in a multirun a comma outside quotes sweeps)") from None
+            raise ConfigError(
+                f"{arg!r} is not a value Hydra can read: quote the value for Hydra, and the whole for the "
+                f"shell, e.g. {typed} (in a multirun a comma outside quotes sweeps)"
+            ) from None
 
 
 def check_composes(args: list[str], config_dir: str) -> None:
@@ -124,24 +151,44 @@ def check_composes(args: list[str], config_dir: str) -> None:
 def composition_error(error: BaseException) -> str:
     """Hydra's composition error (and its causes) as one line."""
     lines = [line.strip() for e in (error, error.__cause__) if e is not None for line in str(e).splitlines()]
-    missing = next((re.match(r"Key '([^']+)' not in '([^']+)'", line) for line in lines
-                    if line.startswith("Key '") and " not in " in line), None)
-    target = next((re.match(r"Could not override '([^']+)'", line) for line in lines
-                   if line.startswith("Could not override")), None)
+    missing = next(
+        (
+            re.match(r"Key '([^']+)' not in '([^']+)'", line)
+            for line in lines
+            if line.startswith("Key '") and " not in " in line
+        ),
+        None,
+    )
+    target = next(
+        (re.match(r"Could not override '([^']+)'", line) for line in lines if line.startswith("Could not override")),
+        None,
+    )
     if missing and target:
         group = target.group(1).rsplit(".", 1)[0]
-        return (f"unknown key {missing.group(1)!r} in {target.group(1)}: {group} ({missing.group(2)}) has no such key; "
-                f"python run.py --help lists each option's keys")
-    absent = next((re.match(r"In '[^']+': Could not find '([^'/]+)/([^']+)'", line) for line in lines
-                   if "Could not find '" in line), None)
+        return (
+            f"unknown key {missing.group(1)!r} in {target.group(1)}: {group} ({missing.group(2)}) has no such key; "
+            f"python run.py --help lists each option's keys"
+        )
+    absent = next(
+        (
+            re.match(r"In '[^']+': Could not find '([^'/]+)/([^']+)'", line)
+            for line in lines
+            if "Could not find '" in line
+        ),
+        None,
+    )
     if absent:
         group, option = absent.groups()
-        start = lines.index(f"Available options in '{group}':") + 1 if f"Available options in '{group}':" in lines else 0
+        start = (
+            lines.index(f"Available options in '{group}':") + 1 if f"Available options in '{group}':" in lines else 0
+        )
         options = [line for line in lines[start:] if start and re.fullmatch(r"[\w.-]+", line)]
         listed = f"use one of {', '.join(options)}" if options else "python -m offload_core plugins lists the options"
         return f"{group}={option} is not an option of {group}: {listed}"
-    merging = next((re.match(r"Error merging override (.+)", line) for line in lines
-                    if line.startswith("Error merging override")), None)
+    merging = next(
+        (re.match(r"Error merging override (.+)", line) for line in lines if line.startswith("Error merging override")),
+        None,
+    )
     if merging:
         reason = next((line for line in lines if not line.startswith(("Error merging", "full_key", "object_type"))), "")
         return f"{merging.group(1)}: {reason}"

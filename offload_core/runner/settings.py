@@ -145,8 +145,14 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         prompts_file=str(cfg.prompts) if cfg.get("prompts") else None,
         batch_size=int(cfg.batch_size),
         resume=str(cfg.resume) if cfg.get("resume") else None,
-        sampling=Sampling(int(cfg.max_new_tokens), bool(cfg.do_sample), float(cfg.temperature), int(cfg.top_k),
-                          float(cfg.top_p), int(cfg.seed)),
+        sampling=Sampling(
+            int(cfg.max_new_tokens),
+            bool(cfg.do_sample),
+            float(cfg.temperature),
+            int(cfg.top_k),
+            float(cfg.top_p),
+            int(cfg.seed),
+        ),
         speculative=run_speculative(cfg),
         offload_folder=cfg.offload_folder,
         device_map_file=cfg.device_map,
@@ -171,7 +177,10 @@ def run_speculative(cfg: Any) -> SpeculativeConfig:
 def build_strategies(settings: Settings, registry: Registry | None = None) -> Strategies:
     """Build the strategies the config's ``placement``, ``storage`` and ``hook`` sections name."""
     registry = registry or get_registry()
-    built = {kind: registry.create(kind, settings.sections[group]["name"], settings.sections[group]) for kind, group in GROUPS.items()}
+    built = {
+        kind: registry.create(kind, settings.sections[group]["name"], settings.sections[group])
+        for kind, group in GROUPS.items()
+    }
     names = {group: settings.sections[group]["name"] for group in GROUPS.values()}
     return Strategies(built["placement"], built["storage"], built["policy"], names)
 

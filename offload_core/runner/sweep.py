@@ -20,22 +20,70 @@ from hydra.experimental.callback import Callback
 log = logging.getLogger(__name__)
 
 COLUMNS = [
-    "job", "placement", "storage", "hook", "model", "overrides", "status", "matches_in_memory",
-    "batch_size", "load_s", "predicted_load_s", "time_to_first_token_s", "predicted_ttft_s", "decode_tokens_per_s",
-    "time_per_decode_step_s", "predicted_step_s", "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s",
-    "peak_anon_rss_mib", "peak_file_rss_mib", "peak_gpu_mib", "bytes_moved_per_token", "predicted_bytes_per_token",
-    "offloaded_mib", "speculative", "tokens_per_pass", "acceptance_rate", "drafted_tokens", "predicted_s_per_token", "error",
+    "job",
+    "placement",
+    "storage",
+    "hook",
+    "model",
+    "overrides",
+    "status",
+    "matches_in_memory",
+    "batch_size",
+    "load_s",
+    "predicted_load_s",
+    "time_to_first_token_s",
+    "predicted_ttft_s",
+    "decode_tokens_per_s",
+    "time_per_decode_step_s",
+    "predicted_step_s",
+    "aggregate_tokens_per_s",
+    "latency_median_s",
+    "latency_p90_s",
+    "peak_anon_rss_mib",
+    "peak_file_rss_mib",
+    "peak_gpu_mib",
+    "bytes_moved_per_token",
+    "predicted_bytes_per_token",
+    "offloaded_mib",
+    "speculative",
+    "tokens_per_pass",
+    "acceptance_rate",
+    "drafted_tokens",
+    "predicted_s_per_token",
+    "error",
 ]
 
 #: figures copied from metrics.json as they are (rounded); empty where a run has none (a run that did not record it, no batch)
-PLAIN = ("batch_size", "predicted_load_s", "predicted_ttft_s", "time_per_decode_step_s", "predicted_step_s",
-         "aggregate_tokens_per_s", "latency_median_s", "latency_p90_s", "speculative", "tokens_per_pass", "acceptance_rate",
-         "drafted_tokens", "predicted_s_per_token")
+PLAIN = (
+    "batch_size",
+    "predicted_load_s",
+    "predicted_ttft_s",
+    "time_per_decode_step_s",
+    "predicted_step_s",
+    "aggregate_tokens_per_s",
+    "latency_median_s",
+    "latency_p90_s",
+    "speculative",
+    "tokens_per_pass",
+    "acceptance_rate",
+    "drafted_tokens",
+    "predicted_s_per_token",
+)
 
 
 #: the numbers a summary row computes with
-FIGURES = {*(set(PLAIN) - {"speculative"}), "load_s", "time_to_first_token_s", "decode_tokens_per_s", "peak_anon_rss_bytes", "peak_file_rss_bytes",
-           "bytes_moved_per_token", "predicted_bytes_per_token", "offloaded_bytes", "peak_gpu_bytes"}
+FIGURES = {
+    *(set(PLAIN) - {"speculative"}),
+    "load_s",
+    "time_to_first_token_s",
+    "decode_tokens_per_s",
+    "peak_anon_rss_bytes",
+    "peak_file_rss_bytes",
+    "bytes_moved_per_token",
+    "predicted_bytes_per_token",
+    "offloaded_bytes",
+    "peak_gpu_bytes",
+}
 
 
 def _squashed(text: Any) -> str:
@@ -54,8 +102,13 @@ def _read(job_dir: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {"error": "metrics.json is not a JSON object; the job's figures are lost"}
     # a figure of another type is left empty, never trusted
-    return {k: v for k, v in data.items() if k not in FIGURES or (isinstance(v, (int, float)) and not isinstance(v, bool))
-            or (k == "peak_gpu_bytes" and isinstance(v, dict))}
+    return {
+        k: v
+        for k, v in data.items()
+        if k not in FIGURES
+        or (isinstance(v, (int, float)) and not isinstance(v, bool))
+        or (k == "peak_gpu_bytes" and isinstance(v, dict))
+    }
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
@@ -140,12 +193,18 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
-    panels = (("decode_tokens_per_s", "decode tokens/s"), ("load_s", "load time (s)"),
-              ("peak_anon_rss_mib", "peak anonymous RSS (MiB)"))
+    panels = (
+        ("decode_tokens_per_s", "decode tokens/s"),
+        ("load_s", "load time (s)"),
+        ("peak_anon_rss_mib", "peak anonymous RSS (MiB)"),
+    )
     if not ok:  # a plan-only sweep: compare the plans
         ok = [r for r in rows if r["status"] == "planned"]
-        panels = (("predicted_step_s", "predicted s per decoding step"), ("predicted_load_s", "predicted load time (s)"),
-                  ("offloaded_mib", "offloaded (MiB)"))
+        panels = (
+            ("predicted_step_s", "predicted s per decoding step"),
+            ("predicted_load_s", "predicted load time (s)"),
+            ("offloaded_mib", "offloaded (MiB)"),
+        )
     labels = _labels(rows, ok)
     fig, axes = plt.subplots(1, 3, figsize=(15, max(3, 0.35 * len(ok) + 1.5)), squeeze=False)
     axes = list(axes[0])
@@ -157,8 +216,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title)
         ax.invert_yaxis()
     failed = sum(r["status"] == "failed" for r in rows)
-    fig.suptitle(f"{len(ok)} runs" + (f", {failed} failed (see summary.md)" if failed else "")
-                 + "; red: tokens differ from the in-memory model")
+    fig.suptitle(
+        f"{len(ok)} runs"
+        + (f", {failed} failed (see summary.md)" if failed else "")
+        + "; red: tokens differ from the in-memory model"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -168,8 +230,14 @@ def _labels(rows: list[dict[str, Any]], shown: list[dict[str, Any]]) -> list[str
     """Each run's job number and the overrides that differ between runs of the sweep."""
     sets = [set(r["overrides"].split()) for r in rows]
     common = set.intersection(*sets) if sets else set()
-    return [f"{r['job']}: " + (" ".join(o for o in r["overrides"].split() if o not in common)
-                               or f"{r['placement']}/{r['storage']}/{r['hook']}") for r in shown]
+    return [
+        f"{r['job']}: "
+        + (
+            " ".join(o for o in r["overrides"].split() if o not in common)
+            or f"{r['placement']}/{r['storage']}/{r['hook']}"
+        )
+        for r in shown
+    ]
 
 
 class SweepSummary(Callback):
@@ -187,15 +255,20 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m offload_core.runner.sweep",
-                                     description="Write summary.csv, summary.md and summary.png for the jobs of a sweep "
-                                                 "folder (python run.py -m ... writes them itself when the sweep ends).")
+    parser = argparse.ArgumentParser(
+        prog="python -m offload_core.runner.sweep",
+        description="Write summary.csv, summary.md and summary.png for the jobs of a sweep "
+        "folder (python run.py -m ... writes them itself when the sweep ends).",
+    )
     parser.add_argument("sweep_dir", help="the sweep's folder (hydra.sweep.dir, e.g. multirun/2026-01-31/12-00-00)")
     args = parser.parse_args(argv)
     folder = Path(args.sweep_dir)
     if not folder.is_dir() or not _job_dirs(folder):
-        print(f"offload_core: error: {folder} is not a sweep's folder (no job folder with metrics.json or .hydra in it); "
-              "give the folder python run.py -m wrote", file=sys.stderr)
+        print(
+            f"offload_core: error: {folder} is not a sweep's folder (no job folder with metrics.json or .hydra in it); "
+            "give the folder python run.py -m wrote",
+            file=sys.stderr,
+        )
         return 2
     rows = summarize(folder)
     print(f"{len(rows)} runs -> {folder / 'summary.md'} (and .csv, .png)")

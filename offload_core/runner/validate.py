@@ -38,8 +38,10 @@ def check_headroom(max_memory: dict, headroom: int, execution_device: torch.devi
     key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
     budget = max_memory.get(key)
     if budget is not None and headroom >= budget:
-        raise ConfigError(f"headroom ({format_size(headroom)}) leaves nothing of max_memory.{key} ({format_size(budget)}): "
-                          f"lower headroom or raise max_memory.{key}")
+        raise ConfigError(
+            f"headroom ({format_size(headroom)}) leaves nothing of max_memory.{key} ({format_size(budget)}): "
+            f"lower headroom or raise max_memory.{key}"
+        )
 
 
 def check_device_map_devices(device_map: dict, execution_device: torch.device) -> None:
@@ -54,8 +56,10 @@ def check_device_map_devices(device_map: dict, execution_device: torch.device) -
         if isinstance(dev, int):
             count = devices.gpu_count()
             if not devices.is_accelerator(execution_device) or dev >= count:
-                raise DeviceMapError(f"{where} names GPU {dev}, but this run has {count} GPU(s) "
-                                     f"and executes on {execution_device}; use cpu or disk")
+                raise DeviceMapError(
+                    f"{where} names GPU {dev}, but this run has {count} GPU(s) "
+                    f"and executes on {execution_device}; use cpu or disk"
+                )
 
 
 def check_module_classes(model: torch.nn.Module, classes: list[str] | None) -> None:
@@ -65,5 +69,7 @@ def check_module_classes(model: torch.nn.Module, classes: list[str] | None) -> N
     present = {type(module).__name__ for module in model.modules()}
     unknown = [name for name in classes if name not in present]
     if unknown:
-        raise ConfigError(f"model.no_split_module_classes names {', '.join(map(repr, unknown))}, which the model "
-                          f"lacks; use classes it has, e.g. {', '.join(sorted(present)[:4])}")
+        raise ConfigError(
+            f"model.no_split_module_classes names {', '.join(map(repr, unknown))}, which the model "
+            f"lacks; use classes it has, e.g. {', '.join(sorted(present)[:4])}"
+        )

@@ -69,7 +69,9 @@ def read_speculative(value: Any) -> SpeculativeConfig:
         known = {f.name for f in fields(SpeculativeConfig)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"speculative has unknown key(s) {', '.join(unknown)}: known keys are {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"speculative has unknown key(s) {', '.join(unknown)}: known keys are {', '.join(sorted(known))}"
+            )
         raw = {**asdict(PRESETS[name]), **raw}
     config = SpeculativeConfig(**raw)
     check(config)
@@ -83,16 +85,26 @@ def check(config: SpeculativeConfig) -> None:
     if int(config.tokens) < 1:
         raise ConfigError(f"speculative.tokens={config.tokens} drafts nothing: give 1 or more (10 is a good start)")
     if int(config.ngram) < 1:
-        raise ConfigError(f"speculative.ngram={config.ngram} matches nothing: give 1 or more (2 is transformers' default)")
+        raise ConfigError(
+            f"speculative.ngram={config.ngram} matches nothing: give 1 or more (2 is transformers' default)"
+        )
     if int(config.layers) < 0:
-        raise ConfigError(f"speculative.layers={config.layers} is negative: give the number of first layers that draft (0: a quarter)")
+        raise ConfigError(
+            f"speculative.layers={config.layers} is negative: give the number of first layers that draft (0: a quarter)"
+        )
     if not 0.0 <= float(config.min_acceptance) <= 1.0 or int(config.probe) < 1:
-        raise ConfigError(f"speculative.min_acceptance={config.min_acceptance} must be in [0, 1] and speculative.probe="
-                          f"{config.probe} 1 or more")
+        raise ConfigError(
+            f"speculative.min_acceptance={config.min_acceptance} must be in [0, 1] and speculative.probe="
+            f"{config.probe} 1 or more"
+        )
     if not 0.0 <= float(config.expected_acceptance) < 1.0:
-        raise ConfigError(f"speculative.expected_acceptance={config.expected_acceptance} must be in [0, 1): it is a rate")
+        raise ConfigError(
+            f"speculative.expected_acceptance={config.expected_acceptance} must be in [0, 1): it is a rate"
+        )
     if config.name == "draft" and not config.path:
-        raise ConfigError("speculative=draft needs speculative.path=<a local checkpoint folder sharing the target's tokenizer>")
+        raise ConfigError(
+            "speculative=draft needs speculative.path=<a local checkpoint folder sharing the target's tokenizer>"
+        )
 
 
 def expected_tokens_per_pass(config: SpeculativeConfig) -> float:

@@ -29,7 +29,10 @@ class Speculation:
         """Arguments of ``generate`` that run this speculation (none for ``none``)."""
         name = self.config.name
         if name == "prompt_lookup":
-            return {"prompt_lookup_num_tokens": int(self.config.tokens), "max_matching_ngram_size": int(self.config.ngram)}
+            return {
+                "prompt_lookup_num_tokens": int(self.config.tokens),
+                "max_matching_ngram_size": int(self.config.ngram),
+            }
         if name in ("draft", "self"):
             return {"assistant_model": self.draft}
         return {}
@@ -41,7 +44,9 @@ class Speculation:
         self.lookup_tokens, self.stopped = int(self.config.tokens), False
         if self.draft is not None:  # transformers keeps the adapted count on the draft: each generate starts afresh
             self.draft.generation_config.num_assistant_tokens = int(self.config.tokens)
-            self.draft.generation_config.num_assistant_tokens_schedule = "heuristic" if self.config.adaptive else "constant"
+            self.draft.generation_config.num_assistant_tokens_schedule = (
+                "heuristic" if self.config.adaptive else "constant"
+            )
         handle = self.target.register_forward_pre_hook(self._count_pass)
         # transformers builds its candidate generator per generate call; the instance attribute wraps the one it builds
         self.target._get_candidate_generator = self._candidate_generator
@@ -110,7 +115,9 @@ def next_lookup_tokens(current: int, drafted: int, matched: int, most: int) -> i
     return min(current + 2, most) if matched >= drafted else max(1, current - 1)
 
 
-def prepare(value: Any, target: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Speculation:
+def prepare(
+    value: Any, target: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Speculation:
     """The :class:`Speculation` ``value`` (see :func:`read_speculative`) asks of ``target``: for ``draft`` the
     checkpoint loaded on ``device`` (default: where the target runs), for ``self`` the target's first layers shared."""
     from offload_core.speculative.drafts import load_draft, self_draft, self_layers

@@ -18,8 +18,10 @@ def self_layers(target: nn.Module, layers: int) -> int:
     total = int(target.config.get_text_config().num_hidden_layers)
     k = layers or max(1, total // 4)
     if k >= total:
-        raise ConfigError(f"speculative.layers={k} is not fewer than the target's {total} layers: a self draft runs "
-                          f"fewer (try {max(1, total // 4)})")
+        raise ConfigError(
+            f"speculative.layers={k} is not fewer than the target's {total} layers: a self draft runs "
+            f"fewer (try {max(1, total // 4)})"
+        )
     return k
 
 
@@ -28,35 +30,43 @@ def self_draft_modules(target: nn.Module, layers: int) -> list[str]:
     prefix = target.base_model_prefix
     base = getattr(target, prefix, None)
     if base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList):
-        raise ConfigError(f"speculative=self needs a decoder whose layers are {prefix}.layers ({type(target).__name__} has "
-                          "none): use speculative=prompt_lookup or a draft checkpoint")
+        raise ConfigError(
+            f"speculative=self needs a decoder whose layers are {prefix}.layers ({type(target).__name__} has "
+            "none): use speculative=prompt_lookup or a draft checkpoint"
+        )
     names = [f"{prefix}.{name}" for name, _ in base.named_children() if name != "layers"]
     names += [f"{prefix}.layers.{i}" for i in range(layers)]
     names += [name for name, _ in target.named_children() if name != prefix]
     return names
 
 
-def offloaded_draft_module(names: list[str], device_map: dict, execution_device: torch.device) -> tuple[str, Any] | None:
+def offloaded_draft_module(
+    names: list[str], device_map: dict, execution_device: torch.device
+) -> tuple[str, Any] | None:
     """The first entry of ``device_map`` that offloads one of the modules ``names`` (or a parent of one), or None."""
     from offload_core.values import is_offloaded
 
     for key, dev in device_map.items():
         if is_offloaded(dev, execution_device) and any(
-                key in ("", n) or key.startswith(n + ".") or n.startswith(key + ".") for n in names):
+            key in ("", n) or key.startswith(n + ".") or n.startswith(key + ".") for n in names
+        ):
             return key, dev
     return None
 
 
-def check_self_resident(target: nn.Module, layers: int, device_map: dict, execution_device: torch.device,
-                        option: str, remedy: str) -> None:
+def check_self_resident(
+    target: nn.Module, layers: int, device_map: dict, execution_device: torch.device, option: str, remedy: str
+) -> None:
     """A self draft runs the target's first ``layers`` layers, final norm and head between passes: none may be
     offloaded by ``device_map``, else one line naming the first offloaded one (``option``: how the caller spells the
     setting; ``remedy``: what to change)."""
     k = self_layers(target, layers)
     found = offloaded_draft_module(self_draft_modules(target, k), device_map, execution_device)
     if found:
-        raise ConfigError(f"{option} drafts with the first {k} layers, the final norm and the head, and the plan "
-                          f"offloads {found[0] or 'the model'} ({found[1]}): {remedy}")
+        raise ConfigError(
+            f"{option} drafts with the first {k} layers, the final norm and the head, and the plan "
+            f"offloads {found[0] or 'the model'} ({found[1]}): {remedy}"
+        )
 
 
 def hold_draft(budgets: dict, key: Any, held: dict[str, int], what: str, option: str, headroom: int = 0) -> dict:
@@ -70,9 +80,11 @@ def hold_draft(budgets: dict, key: Any, held: dict[str, int], what: str, option:
         return budgets
     need = held["weights"] + held["kv_cache"]
     if budgets[key] - need - headroom <= 0:
-        raise ConfigError(f"{what} needs {format_size(need)} resident (weights {format_size(held['weights'])}, KV cache "
-                          f"{format_size(held['kv_cache'])}), more than {option}={format_size(budgets[key])} holds beside "
-                          f"the target; raise {option} or set speculative=none")
+        raise ConfigError(
+            f"{what} needs {format_size(need)} resident (weights {format_size(held['weights'])}, KV cache "
+            f"{format_size(held['kv_cache'])}), more than {option}={format_size(budgets[key])} holds beside "
+            f"the target; raise {option} or set speculative=none"
+        )
     return {**budgets, key: budgets[key] - need}
 
 
@@ -97,8 +109,10 @@ def self_draft(target: nn.Module, layers: int) -> nn.Module:
             setattr(draft, name, module)
     left = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
     if left:
-        raise ConfigError(f"speculative=self cannot share {left[0]} of {type(target).__name__} with its draft: use "
-                          "speculative=prompt_lookup or a draft checkpoint")
+        raise ConfigError(
+            f"speculative=self cannot share {left[0]} of {type(target).__name__} with its draft: use "
+            "speculative=prompt_lookup or a draft checkpoint"
+        )
     # a dispatched target's class answers ``device`` from the execution device it is told: the draft runs there too
     for name, value in vars(target).items():
         if name.startswith("_offload_core_"):
@@ -114,8 +128,10 @@ def draft_config(path: str | Path) -> Any:
 
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
-        raise ConfigError(f"speculative.path={str(folder)!r} holds no config.json: give a local checkpoint folder of a "
-                          "small causal LM sharing the target's tokenizer")
+        raise ConfigError(
+            f"speculative.path={str(folder)!r} holds no config.json: give a local checkpoint folder of a "
+            "small causal LM sharing the target's tokenizer"
+        )
     return AutoConfig.from_pretrained(folder)
 
 
@@ -134,8 +150,10 @@ def check_vocab(target: nn.Module, draft: nn.Module, path: str | Path) -> None:
     """A draft must score the target's vocabulary: the same size (transformers' same-tokenizer assisted generation)."""
     ours, theirs = target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
     if ours != theirs:
-        raise ConfigError(f"speculative.path={str(path)!r} has a vocabulary of {theirs} tokens, the target {ours}: a draft "
-                          "must share the target's tokenizer")
+        raise ConfigError(
+            f"speculative.path={str(path)!r} has a vocabulary of {theirs} tokens, the target {ours}: a draft "
+            "must share the target's tokenizer"
+        )
 
 
 def load_draft(path: str | Path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -170,4 +170,3 @@ class Storage(StrategyBase):
     @abstractmethod
     def open(self, context: StoreContext) -> Store:
         """The store for the tensors ``context`` names."""
-

@@ -45,8 +45,11 @@ class FileSpan:
                 elif copy is _copy_range:
                     copy = _send
                 else:
-                    raise OSError(errno.EIO, f"checkpoint file {self.path} ends at byte {offset}, before the tensor's "
-                                             f"end at byte {self.end} (it changed after it was opened; re-download it)")
+                    raise OSError(
+                        errno.EIO,
+                        f"checkpoint file {self.path} ends at byte {offset}, before the tensor's "
+                        f"end at byte {self.end} (it changed after it was opened; re-download it)",
+                    )
 
 
 def _copy_range(source: int, target: int, offset: int, count: int) -> int:

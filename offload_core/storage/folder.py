@@ -35,8 +35,18 @@ from offload_core.errors import StorageError
 from offload_core.storage.base import FileMaps, Store, StoreContext, convert_dtype, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, Padded, write_file
 from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
-from offload_core.storage.folder_guard import (LOCK, FolderLock, checksum, dtype_from_name, dtype_name, entries, matches,
-                                               open_nofollow, safe_file_name, stamp)
+from offload_core.storage.folder_guard import (
+    LOCK,
+    FolderLock,
+    checksum,
+    dtype_from_name,
+    dtype_name,
+    entries,
+    matches,
+    open_nofollow,
+    safe_file_name,
+    stamp,
+)
 from offload_core.storage.pagecache import drop, populate
 
 log = logging.getLogger(__name__)
@@ -83,7 +93,9 @@ class FolderStore(FileMaps, Store):
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StorageError(f"cannot create offload_folder {folder}: {exc.strerror}; choose a writable folder") from None
+            raise StorageError(
+                f"cannot create offload_folder {folder}: {exc.strerror}; choose a writable folder"
+            ) from None
         if not os.access(folder, os.W_OK | os.X_OK):
             raise StorageError(f"offload_folder {folder} is not writable; choose a folder you can write to")
         self._refuse_foreign(entries(folder))  # before the lock: a foreign folder is left exactly as it was
@@ -97,8 +109,10 @@ class FolderStore(FileMaps, Store):
             if problem is not None and self._lock.shared:
                 gc.collect()  # a dropped model of this process may still hold the folder until collected
                 if self._lock.shared:
-                    raise StorageError(f"offload_folder {folder} is in use by another model of this process built "
-                                       "for different weights; delete that model or give another offload_folder")
+                    raise StorageError(
+                        f"offload_folder {folder} is in use by another model of this process built "
+                        "for different weights; delete that model or give another offload_folder"
+                    )
         except BaseException:
             self.close()
             raise
@@ -107,8 +121,11 @@ class FolderStore(FileMaps, Store):
             self.reused = True
             self._lock.reading()
             self._lock.end_build()
-            log.info("memmap: reusing complete offload folder %s (%s)", folder,
-                     "contents verified" if self.verify else "contents not verified: verify=false")
+            log.info(
+                "memmap: reusing complete offload folder %s (%s)",
+                folder,
+                "contents verified" if self.verify else "contents not verified: verify=false",
+            )
             return
         try:
             if TAG in present:
@@ -121,8 +138,10 @@ class FolderStore(FileMaps, Store):
             self._write_tag(list(self._tagged))  # every file this run will write, named once before any is written
         except OSError as exc:
             self.close()
-            raise StorageError(f"cannot prepare offload_folder {folder}: {exc.strerror or exc}; "
-                               "choose a writable folder with free space") from None
+            raise StorageError(
+                f"cannot prepare offload_folder {folder}: {exc.strerror or exc}; "
+                "choose a writable folder with free space"
+            ) from None
 
     def _refuse_foreign(self, present: set[str]) -> None:
         others = sorted(present - {LOCK, TAG + ".tmp"})  # what a start of ours leaves before its tag is in place
@@ -166,7 +185,9 @@ class FolderStore(FileMaps, Store):
             path = self.folder / file
             try:
                 info = index[file.removesuffix(".dat")]
-                expected = int(np.prod(info["shape"], dtype=np.int64)) * dtype_from_name(info["dtype"]).itemsize + int(info.get("offset", 0))
+                expected = int(np.prod(info["shape"], dtype=np.int64)) * dtype_from_name(info["dtype"]).itemsize + int(
+                    info.get("offset", 0)
+                )
                 if os.lstat(path).st_size != expected:
                     return f"verification ({file} has the wrong size)"
                 if self.verify:  # a file unchanged since it was hashed is not read again (folder_guard.matches)
@@ -176,14 +197,18 @@ class FolderStore(FileMaps, Store):
             except (OSError, KeyError, TypeError, ValueError, StorageError):
                 return f"verification ({file} is missing or damaged)"
         if any(now != recorded.get(file) for file, now in stamps.items()):
-            self._write_marker(sums, {**recorded, **stamps})  # copied or touched, the same bytes: not hashed again next time
+            self._write_marker(
+                sums, {**recorded, **stamps}
+            )  # copied or touched, the same bytes: not hashed again next time
         return None
 
     def _write_marker(self, sums: dict[str, str], stamps: dict[str, list[int]]) -> None:
         """Best effort: each file's checksum and stamp in the marker (else all are hashed again next time)."""
         try:
             with atomic_write(self.folder / COMPLETE) as tmp:
-                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode())
+                self.write_file(
+                    tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode()
+                )
         except OSError as exc:
             log.info("memmap: could not record the verified stamps in %s (%s)", self.folder, exc)
 
@@ -191,7 +216,9 @@ class FolderStore(FileMaps, Store):
         try:
             index = self._read_json(INDEX)
         except (OSError, ValueError) as exc:
-            raise StorageError(f"offload index {self.folder / INDEX} is unreadable ({exc}); delete the folder and run again") from None
+            raise StorageError(
+                f"offload index {self.folder / INDEX} is unreadable ({exc}); delete the folder and run again"
+            ) from None
         for name in index:
             safe_file_name(self.folder, name)
         return index
@@ -230,8 +257,11 @@ class FolderStore(FileMaps, Store):
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`);
         one that is converted, or comes from a ``.bin`` file, is written through :meth:`put`."""
-        if (not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False)) or converts(checkpoint.dtype(key), dtype)
-                or key in getattr(checkpoint, "conversion_targets", ())):
+        if (
+            not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False))
+            or converts(checkpoint.dtype(key), dtype)
+            or key in getattr(checkpoint, "conversion_targets", ())
+        ):
             value = convert_dtype(checkpoint.get(key), dtype)
             self._put(name, value, reference_offset(value, self.maps_checkpoint))
             return
@@ -241,7 +271,9 @@ class FolderStore(FileMaps, Store):
         offset = start % ALIGNMENT if self.maps_checkpoint and end > start else 0
         self._write(name, FileSpan(shard, start, end), checkpoint.dtype(key), checkpoint.shape(key), offset)
 
-    def _write(self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> None:
+    def _write(
+        self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...], offset: int
+    ) -> None:
         """Write one tensor's file atomically (a temp file, then a rename; named in the tag before it is written), its
         bytes after ``offset`` zero bytes: mapped from the file's page-aligned start, they lie at their reference offset."""
         path = safe_file_name(self.folder, name)
@@ -270,8 +302,10 @@ class FolderStore(FileMaps, Store):
                 f"no space left on the device of offload_folder {self.folder} while {doing}; free space or point "
                 "offload_folder at a larger disk (the partial offload folder was removed; your files are untouched)"
             )
-        return StorageError(f"cannot write offload_folder {self.folder} while {doing}: {exc.strerror or exc}; "
-                            "check the folder (the partial offload folder was removed)")
+        return StorageError(
+            f"cannot write offload_folder {self.folder} while {doing}: {exc.strerror or exc}; "
+            "check the folder (the partial offload folder was removed)"
+        )
 
     def _abort(self) -> None:
         """Best effort, never raising: our data files, index, marker and tag go; the folder too if we made it and it is empty."""
@@ -320,9 +354,13 @@ class FolderStore(FileMaps, Store):
                 sums[name] = checksum(self.folder / name)
                 fsync_path(self.folder / name, follow=False)
             with atomic_write(self.folder / COMPLETE) as tmp:  # flushed, renamed, the folder flushed
-                self.write_file(tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode())
+                self.write_file(
+                    tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode()
+                )
         except (OSError, StorageError) as exc:  # the folder stays unmarked: the next run rebuilds it
-            log.warning("memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc)
+            log.warning(
+                "memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc
+            )
         finally:
             if self._lock is not None:
                 self._lock.end_build()
@@ -354,7 +392,9 @@ class FolderStore(FileMaps, Store):
                 # file can never be changed through it; pages stay file-backed until written.
                 fd = open_nofollow(safe_file_name(self.folder, name))
                 with os.fdopen(fd, "rb") as handle:
-                    array = np.memmap(handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,), offset=self.offset(name))
+                    array = np.memmap(
+                        handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,), offset=self.offset(name)
+                    )
                 with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode this call runs in
                     tensor = torch.from_numpy(array).view(dtype).reshape(shape)
             self._maps[name] = tensor

@@ -37,8 +37,10 @@ def open_nofollow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> in
 
 
 def symlink_error(path: Path) -> StorageError:
-    return StorageError(f"offload_folder {path.parent} holds a symlink ({path.name}); offload_core never follows links "
-                        "in its folder: remove the link (nothing was read or written through it) and run again")
+    return StorageError(
+        f"offload_folder {path.parent} holds a symlink ({path.name}); offload_core never follows links "
+        "in its folder: remove the link (nothing was read or written through it) and run again"
+    )
 
 
 def entries(folder: Path) -> set[str]:
@@ -158,15 +160,19 @@ def _take(folder: Path) -> int:
     try:
         fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
     except OSError as exc:
-        raise StorageError(f"cannot create the lock file in offload_folder {folder}: {exc.strerror}; "
-                           "choose a writable folder") from None
+        raise StorageError(
+            f"cannot create the lock file in offload_folder {folder}: {exc.strerror}; choose a writable folder"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            print(f"offload_core: offload_folder {folder} is in use by another run (pid {holder}); "
-                  "waiting for it to finish (Ctrl-C to stop, or give another offload_folder)", file=sys.stderr)
+            print(
+                f"offload_core: offload_folder {folder} is in use by another run (pid {holder}); "
+                "waiting for it to finish (Ctrl-C to stop, or give another offload_folder)",
+                file=sys.stderr,
+            )
             fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

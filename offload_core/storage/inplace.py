@@ -71,7 +71,8 @@ class InPlaceStore(Store):
             log.info(
                 "safetensors: %d offloaded tensors are stored in another dtype than the run's %s; "
                 "they are converted on each read (storage=memmap converts once, at load)",
-                len(self.converting), self.dtype,
+                len(self.converting),
+                self.dtype,
             )
 
     def _view(self, name: str) -> torch.Tensor:
@@ -99,7 +100,9 @@ class InPlaceStore(Store):
             return None
         shape, dtype = self.spec(name)
         with torch.inference_mode(False):
-            spliced = Spliced.build(shape, dtype, [Part(index, Path(file), start, end) for index, file, start, end in ranges])
+            spliced = Spliced.build(
+                shape, dtype, [Part(index, Path(file), start, end) for index, file, start, end in ranges]
+            )
             if spliced is not None:
                 spliced.copy_edges([source for _, source in self.checkpoint.parts(self._refs[name])])
         return spliced

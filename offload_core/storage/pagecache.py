@@ -11,7 +11,18 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["advise_ranges", "coalesce", "drop", "drop_spans", "libc", "map_in", "populate", "read_in", "resident", "will_need"]
+__all__ = [
+    "advise_ranges",
+    "coalesce",
+    "drop",
+    "drop_spans",
+    "libc",
+    "map_in",
+    "populate",
+    "read_in",
+    "resident",
+    "will_need",
+]
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
@@ -204,4 +215,3 @@ def map_in(tensor: torch.Tensor) -> None:
     lib = libc()
     if lib is None or lib.madvise(*_page_span(tensor), _MADV_POPULATE_READ) != 0:
         populate(tensor)
-

@@ -21,8 +21,9 @@ def available_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def page_cache_budget(page_cache: int | None, available: Callable[[], int] = available_memory,
-                      margin: int = SAFETY_MARGIN) -> int:
+def page_cache_budget(
+    page_cache: int | None, available: Callable[[], int] = available_memory, margin: int = SAFETY_MARGIN
+) -> int:
     """Bytes of offloaded blocks that may stay cached: ``page_cache`` when given, else the memory
     available now less ``margin``."""
     if page_cache is not None:
@@ -146,10 +147,18 @@ class Residency:
     def counters(self) -> dict[str, int]:
         """The kept and streamed sets' sizes now, what was served from the kept set, dropped after use,
         given up under memory pressure and taken back once memory was available again."""
-        return {"kept_blocks": len(self.kept), "kept_bytes": self.kept_bytes, "streamed_blocks": len(self.streamed),
-                "streamed_bytes": self.streamed_bytes, "kept_served_bytes": self.kept_served,
-                "dropped_bytes": self.dropped, "kept_shrinks": self.shrinks, "kept_shrunk_bytes": self.shrunk_bytes,
-                "kept_grows": self.grows, "kept_grown_bytes": self.grown_bytes}
+        return {
+            "kept_blocks": len(self.kept),
+            "kept_bytes": self.kept_bytes,
+            "streamed_blocks": len(self.streamed),
+            "streamed_bytes": self.streamed_bytes,
+            "kept_served_bytes": self.kept_served,
+            "dropped_bytes": self.dropped,
+            "kept_shrinks": self.shrinks,
+            "kept_shrunk_bytes": self.shrunk_bytes,
+            "kept_grows": self.grows,
+            "kept_grown_bytes": self.grown_bytes,
+        }
 
 
 #: streamed blocks whose pages are in memory at once: the one running, two read ahead, one being dropped
@@ -166,8 +175,10 @@ def page_cache_setting(value: Any) -> int | None | str:
     try:
         return parse_size(value, what="page_cache")
     except ConfigError:
-        raise ConfigError(f"page_cache={value!r} is not auto, lru or a size: give e.g. page_cache=8GiB "
-                          "(0 streams every offloaded block)") from None
+        raise ConfigError(
+            f"page_cache={value!r} is not auto, lru or a size: give e.g. page_cache=8GiB "
+            "(0 streams every offloaded block)"
+        ) from None
 
 
 def offloaded_in_plan(summary: dict, execution_device: Any) -> int:
@@ -175,8 +186,15 @@ def offloaded_in_plan(summary: dict, execution_device: Any) -> int:
     return sum(info["bytes"] for dev, info in summary["devices"].items() if is_offloaded(dev, execution_device))
 
 
-def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps: bool, anon_budget: int = 0,
-                    largest_block: int = 0, available=available_memory) -> dict[str, Any]:
+def page_cache_plan(
+    page_cache: Any,
+    summary: dict,
+    execution_device: Any,
+    keeps: bool,
+    anon_budget: int = 0,
+    largest_block: int = 0,
+    available=available_memory,
+) -> dict[str, Any]:
     """The plan's kept and streamed bytes and the bytes predicted to be read from disk per token.
 
     ``keeps``: the policy honours a kept set. Without one (``page_cache=lru`` or a policy that does not
@@ -192,18 +210,26 @@ def page_cache_plan(page_cache: Any, summary: dict, execution_device: Any, keeps
     margin = SAFETY_MARGIN + STREAMED_AT_ONCE * largest_block
     budget = page_cache_budget(setting, lambda: available() - anon_budget, margin)
     kept = min(budget, offloaded)
-    return {"page_cache": "auto" if setting is None else setting, "page_cache_budget": budget, "page_cache_margin": margin,
-            "offloaded_bytes": offloaded,
-            "kept_bytes": kept, "streamed_bytes": offloaded - kept, "predicted_disk_bytes_per_token": offloaded - kept}
+    return {
+        "page_cache": "auto" if setting is None else setting,
+        "page_cache_budget": budget,
+        "page_cache_margin": margin,
+        "offloaded_bytes": offloaded,
+        "kept_bytes": kept,
+        "streamed_bytes": offloaded - kept,
+        "predicted_disk_bytes_per_token": offloaded - kept,
+    }
 
 
 def page_cache_text(plan: dict[str, Any], per: str = "generated token") -> str:
     """The page-cache plan as printed with the rest of the plan (``per``: what one forward makes)."""
     if plan.get("page_cache") == "lru":
         return "page cache: no kept set (the kernel's cache decides what stays between tokens)"
-    return (f"page cache: kept set {format_size(plan['kept_bytes'])} of {format_size(plan['offloaded_bytes'])} offloaded "
-            f"(budget {format_size(plan['page_cache_budget'])}), streamed {format_size(plan['streamed_bytes'])}; "
-            f"predicted disk reads per {per}: {format_size(plan['predicted_disk_bytes_per_token'])}")
+    return (
+        f"page cache: kept set {format_size(plan['kept_bytes'])} of {format_size(plan['offloaded_bytes'])} offloaded "
+        f"(budget {format_size(plan['page_cache_budget'])}), streamed {format_size(plan['streamed_bytes'])}; "
+        f"predicted disk reads per {per}: {format_size(plan['predicted_disk_bytes_per_token'])}"
+    )
 
 
 def make_residency(plan: dict[str, Any], available=available_memory) -> Residency | None:

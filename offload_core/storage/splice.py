@@ -128,11 +128,11 @@ class Spliced:
             data = source.reshape(-1).view(torch.uint8)
             size = piece.part.end - piece.part.start
             if piece.mapped is None:
-                flat[piece.at:piece.at + size].copy_(data)
+                flat[piece.at : piece.at + size].copy_(data)
                 continue
             lo, hi = piece.mapped
-            flat[piece.at:lo].copy_(data[:lo - piece.at])
-            flat[hi:piece.at + size].copy_(data[hi - piece.at:])
+            flat[piece.at : lo].copy_(data[: lo - piece.at])
+            flat[hi : piece.at + size].copy_(data[hi - piece.at :])
 
     def ranges(self, start: int, end: int) -> list[tuple[Path, int, int]]:
         """The file byte ranges that hold the tensor's bytes ``[start, end)``: (file, start, end) per part touched."""
@@ -146,5 +146,9 @@ class Spliced:
 
     def mapped_spans(self) -> list[tuple[int, int, Path, int]]:
         """The file-backed page ranges: (address, length, file, file offset) per mapped part."""
-        return [(self.address + lo, hi - lo, p.part.path, p.part.start + lo - p.at) for p in self.pieces
-                if (p.mapped is not None) for lo, hi in [p.mapped]]
+        return [
+            (self.address + lo, hi - lo, p.part.path, p.part.start + lo - p.at)
+            for p in self.pieces
+            if (p.mapped is not None)
+            for lo, hi in [p.mapped]
+        ]

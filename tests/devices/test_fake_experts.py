@@ -28,14 +28,25 @@ def test_experts_on_a_gpu_match_in_memory(saved, store, guess, tmp_path, fake_gp
     with init_empty_weights():
         model = moe.auto.from_config(moe.config).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(model, moe.path, device_map="sequential", max_memory={0: total // 4, "cpu": total // 4},
-                                 storage=store, policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
-                                 offload_folder=tmp_path / "off", execution_device=fake.device(0), progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        moe.path,
+        device_map="sequential",
+        max_memory={0: total // 4, "cpu": total // 4},
+        storage=store,
+        policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
+        offload_folder=tmp_path / "off",
+        execution_device=fake.device(0),
+        progress=False,
+    )
     handle = model.offload_state.handle
     assert handle.layers and all(isinstance(layer, ExpertLayer) for layer in handle.layers)  # the accelerator path
     with torch.no_grad():
-        got = [model(input_ids=ids).logits.cpu(), model(input_ids=ids[:, :1]).logits.cpu(),
-               model(input_ids=ids[:, :1]).logits.cpu()]
+        got = [
+            model(input_ids=ids).logits.cpu(),
+            model(input_ids=ids[:, :1]).logits.cpu(),
+            model(input_ids=ids[:, :1]).logits.cpu(),
+        ]
     counters = handle.counters()
     model.offload_state.remove()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[1])
@@ -49,9 +60,16 @@ def test_prefetch_without_the_pool_is_refused_on_a_gpu(saved, tmp_path, fake_gpu
     with init_empty_weights():
         model = moe.auto.from_config(moe.config).eval()
     with pytest.raises(ConfigError) as caught:
-        load_checkpoint_and_dispatch(model, moe.path, device_map={"": "disk"}, storage="memmap",
-                                     policy=Prefetch(PrefetchConfig(pool=False)), offload_folder=tmp_path / "off",
-                                     execution_device=fake.device(0), progress=False)
+        load_checkpoint_and_dispatch(
+            model,
+            moe.path,
+            device_map={"": "disk"},
+            storage="memmap",
+            policy=Prefetch(PrefetchConfig(pool=False)),
+            offload_folder=tmp_path / "off",
+            execution_device=fake.device(0),
+            progress=False,
+        )
     assert "\n" not in str(caught.value) and "hook.pool=false" in str(caught.value)
 
 
@@ -67,9 +85,15 @@ def test_a_whole_read_to_the_gpu_never_builds_a_whole_assembled_tensor(saved, tm
     del reference
     with init_empty_weights():
         model = moe.auto.from_config(moe.config).eval()
-    load_checkpoint_and_dispatch(model, moe.path, device_map={"": "disk"}, storage="safetensors",
-                                 policy=Experts(ExpertsConfig(cache_slots=0, whole_fraction=0.01)),
-                                 execution_device=fake.device(0), progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        moe.path,
+        device_map={"": "disk"},
+        storage="safetensors",
+        policy=Experts(ExpertsConfig(cache_slots=0, whole_fraction=0.01)),
+        execution_device=fake.device(0),
+        progress=False,
+    )
     store = model.offload_state.store
     assert store.assembled
     whole = []

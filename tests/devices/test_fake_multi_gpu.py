@@ -11,8 +11,15 @@ from offload_core import dispatch_model
 
 
 def _tied_llama(layers=4):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=320, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -30,8 +37,14 @@ def test_the_issue_map_rotary_and_norm_on_gpu_1_layers_and_head_on_gpu_0(fake_gp
     GPU 0, and norm's output reaches lm_head on GPU 0."""
     fake = fake_gpu(count=2)
     model = _tied_llama(layers=2)
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 1, "model.layers.0": 0, "model.layers.1": 1,
-                  "model.norm": 1, "lm_head": 0}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 1,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.norm": 1,
+        "lm_head": 0,
+    }
     dispatch_model(model, device_map)
     assert model.model.norm.weight.device == fake.device(1) and model.lm_head.weight.device == fake.device(0)
     with torch.no_grad():
@@ -52,8 +65,14 @@ def test_balanced_over_gpus_with_offloaded_blocks_matches_in_memory(count, polic
     # the main one)
     block = sum(t.numel() * t.element_size() for t in model.model.layers[0].state_dict().values())
     budgets = {i: sizes // count + block for i in range(count)} | {"cpu": 10 * sizes}
-    dispatch_model(model, "balanced", max_memory=budgets, policy=policy, offload_folder=tmp_path / "off",
-                   no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        "balanced",
+        max_memory=budgets,
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     used = {d for d in model.hf_device_map.values() if isinstance(d, int)}
     assert len(used) >= 2, model.hf_device_map
     expected = _expected()
@@ -70,8 +89,16 @@ def test_four_gpus_with_blocks_offloaded_between_them(policy, storage, tmp_path,
     """Blocks resident on three GPUs with offloaded ones between them (they run on GPU 0, the main one)."""
     fake = fake_gpu(count=4)
     model = _tied_llama()
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 3, "model.layers.0": 1, "model.layers.1": "cpu",
-                  "model.layers.2": 2, "model.layers.3": "disk", "model.norm": 3, "lm_head": 0}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 3,
+        "model.layers.0": 1,
+        "model.layers.1": "cpu",
+        "model.layers.2": 2,
+        "model.layers.3": "disk",
+        "model.norm": 3,
+        "lm_head": 0,
+    }
     dispatch_model(model, device_map, storage=storage, policy=policy, offload_folder=tmp_path / "off")
     expected = _expected()
     with torch.no_grad():

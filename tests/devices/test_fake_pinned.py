@@ -12,14 +12,26 @@ from offload_core import dispatch_model, init_empty_weights, load_checkpoint_and
 
 def _llama(hidden=96, seed=0):
     # 3 * 96 = 288-byte rows: tensors whose sizes are not powers of two
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=500, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=500,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-OFFLOAD_ALL_BLOCKS = {"model.embed_tokens": 0, "model.layers": "cpu", "model.norm": 0, "model.rotary_emb": 0,
-                      "lm_head": "cpu"}
+OFFLOAD_ALL_BLOCKS = {
+    "model.embed_tokens": 0,
+    "model.layers": "cpu",
+    "model.norm": 0,
+    "model.rotary_emb": 0,
+    "lm_head": "cpu",
+}
 IDS = torch.randint(0, 500, (1, 5), generator=torch.Generator().manual_seed(2))
 
 
@@ -58,8 +70,15 @@ def test_load_checkpoint_sizes_the_arena_from_the_checkpoint(dtype, tmp_path, fa
     reference.config.save_pretrained(tmp_path / "ckpt")
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(reference.config).eval()
-    load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=OFFLOAD_ALL_BLOCKS, storage="pinned_cpu",
-                                 policy="prefetch", dtype=dtype, progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map=OFFLOAD_ALL_BLOCKS,
+        storage="pinned_cpu",
+        policy="prefetch",
+        dtype=dtype,
+        progress=False,
+    )
     store = model.offload_state.store
     _check_arena(fake, store, None)
     if dtype is not None:

@@ -13,15 +13,29 @@ from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
 
 
 def _tied_llama(seed=0):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=320, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
 #: resident parts on GPU 0, the rest offloaded to host memory or disk
-MAP = {"model.embed_tokens": "disk", "model.layers.0": 0, "model.layers.1": "disk", "model.layers.2": "cpu",
-       "model.norm": 0, "model.rotary_emb": 0, "lm_head": "disk"}
+MAP = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": 0,
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.norm": 0,
+    "model.rotary_emb": 0,
+    "lm_head": "disk",
+}
 IDS = torch.randint(0, 320, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
@@ -73,8 +87,15 @@ def test_prefetch_pool_and_staging_on_a_gpu(depth, storage, tmp_path, fake_gpu):
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(reference.config).eval()
     policy = Prefetch(PrefetchConfig(depth=depth, staging_chunk="4KiB"))
-    load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=MAP, storage=storage, policy=policy,
-                                 offload_folder=tmp_path / "off", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map=MAP,
+        storage=storage,
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        progress=False,
+    )
     prefetcher = model.offload_state.handle.prefetcher
     _run_and_check(fake, model, expected, passes=4)
     assert prefetcher.hits > 0

@@ -33,11 +33,27 @@ def test_a_cpu_test_stays_on_the_cpu_on_a_gpu_machine(gpu_machine):
 
     assert devices.active() is devices.HOST
     assert default_execution_device() == torch.device("cpu")
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
-    dispatch_model(model, {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu",
-                           "model.rotary_emb": "cpu", "lm_head": "cpu"}, offload_folder=None, storage="pinned_cpu")
+    dispatch_model(
+        model,
+        {
+            "model.embed_tokens": "cpu",
+            "model.layers": "disk",
+            "model.norm": "cpu",
+            "model.rotary_emb": "cpu",
+            "lm_head": "cpu",
+        },
+        offload_folder=None,
+        storage="pinned_cpu",
+    )
     assert model.offload_state.execution_device == torch.device("cpu")
     assert not model.offload_state.store.pinned
     model.offload_state.remove()
@@ -70,7 +86,14 @@ def test_the_environment_hides_the_accelerator(value, hidden, monkeypatch, gpu_m
 def test_gpu_indices_name_the_active_accelerators_devices(fake_gpu):
     fake = fake_gpu(count=4)
     assert devices.gpu(3) == torch.device("fakegpu", 3)
-    assert [device_key(v) for v in (2, "2", "cuda:2", "fakegpu:2", torch.device("fakegpu", 2), "fakegpu")] == [2, 2, 2, 2, 2, 0]
+    assert [device_key(v) for v in (2, "2", "cuda:2", "fakegpu:2", torch.device("fakegpu", 2), "fakegpu")] == [
+        2,
+        2,
+        2,
+        2,
+        2,
+        0,
+    ]
     assert fake.normalize("fakegpu") == torch.device("fakegpu", 0)
     assert default_execution_device({"a": "cpu", "b": 3, "c": 1}) == torch.device("fakegpu", 3)
     assert default_execution_device({"a": "disk"}) == torch.device("fakegpu", 0)
@@ -80,11 +103,20 @@ def test_an_unindexed_accelerator_device_is_its_device_0(fake_gpu):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     fake = fake_gpu(count=2)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
-    dispatch_model(model, {"model.embed_tokens": 0, "model.layers": "cpu", "model.norm": 0, "model.rotary_emb": 0,
-                           "lm_head": 0}, execution_device="fakegpu")
+    dispatch_model(
+        model,
+        {"model.embed_tokens": 0, "model.layers": "cpu", "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0},
+        execution_device="fakegpu",
+    )
     assert model.offload_state.execution_device == fake.device(0)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():

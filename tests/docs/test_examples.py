@@ -38,7 +38,11 @@ def fences(text: str) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_block_runs_or_is_data(page):
-    bad = [f"line {line}: ```{language or '(no language)'}" for line, language in fences(page.read_text()) if language not in {"bash", "python"} | SHOWN]
+    bad = [
+        f"line {line}: ```{language or '(no language)'}"
+        for line, language in fences(page.read_text())
+        if language not in {"bash", "python"} | SHOWN
+    ]
     assert not bad, f"{page.name}: write ```bash or ```python (they run), or one of {sorted(SHOWN)} for data: {bad}"
 
 
@@ -47,9 +51,13 @@ def test_every_not_run_marker_gives_a_reason(page):
     text = page.read_text()
     for match in MARKER.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
-        assert re.match(r":\s*\S.{8,}", match.group(1)), f"{page.name}:{line}: write <!-- not-run: the reason it cannot run -->"
-        after = text[match.end():].lstrip(" \t\n")
-        assert after.startswith(("```bash", "```python")), f"{page.name}:{line}: a not-run marker goes right before a ```bash or ```python block"
+        assert re.match(r":\s*\S.{8,}", match.group(1)), (
+            f"{page.name}:{line}: write <!-- not-run: the reason it cannot run -->"
+        )
+        after = text[match.end() :].lstrip(" \t\n")
+        assert after.startswith(("```bash", "```python")), (
+            f"{page.name}:{line}: a not-run marker goes right before a ```bash or ```python block"
+        )
 
 
 def test_the_pages_run_many_examples_and_mark_few():
@@ -78,12 +86,17 @@ def sybil_run(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
         (tmp_path / name).symlink_to(ROOT / name)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs", "docs/page.md"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 def test_an_unmarked_block_that_fails_fails_the_run_and_a_marked_one_is_skipped(tmp_path):
-    done = sybil_run(tmp_path, """\
+    done = sybil_run(
+        tmp_path,
+        """\
         # A page
 
         ```bash
@@ -102,6 +115,7 @@ def test_an_unmarked_block_that_fails_fails_the_run_and_a_marked_one_is_skipped(
         ```bash
         exit 4
         ```
-        """)
+        """,
+    )
     assert "1 failed, 2 passed, 1 skipped" in done.stdout, done.stdout + done.stderr
     assert "exited with 4" in done.stdout and "not run: needs a cluster" in done.stdout

@@ -27,7 +27,8 @@ def snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` (hidden ones included) by relative path -> sha256 of its bytes."""
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*")) if p.is_file()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -73,6 +74,7 @@ def wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float = 90) -> s
     lines: queue.Queue[str | None] = queue.Queue()
     reader = getattr(proc, "_line_reader", None)
     if reader is None:
+
         def read() -> None:
             for line in proc.stdout:
                 lines.put(line)
@@ -121,9 +123,19 @@ def signal_after_load(tiny: Path, tmp_path: Path, sig: int) -> tuple[int, str, P
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-c", GENERATING_SCRIPT, *run_args(tiny), "max_new_tokens=1500", "progress=false",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**child_env(), "TMPDIR": str(scratch)},
+        [
+            sys.executable,
+            "-c",
+            GENERATING_SCRIPT,
+            *run_args(tiny),
+            "max_new_tokens=1500",
+            "progress=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**child_env(), "TMPDIR": str(scratch)},
         cwd=ROOT,
         # As a terminal's foreground job: a suite started in the background (`cmd &`) has SIGINT ignored, which
         # its children would inherit, and Python then never raises KeyboardInterrupt.

@@ -59,8 +59,16 @@ def mixtral(tmp_path_factory) -> Path:
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256)
+    config = MixtralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("mixtral") / "ckpt"
     MixtralForCausalLM(config).eval().save_pretrained(path)
@@ -69,8 +77,15 @@ def mixtral(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("model, hook, store", _matrix("smollm2"))
 def test_smollm2_run_exits_with_the_answer(model, hook, store, tmp_path):
-    args = [sys.executable, str(ROOT / "run.py"), f"hook={hook}", f"storage={store}", "max_new_tokens=8",
-            "max_memory.cpu=150MiB", f"hydra.run.dir={tmp_path}"]
+    args = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        f"hook={hook}",
+        f"storage={store}",
+        "max_new_tokens=8",
+        "max_memory.cpu=150MiB",
+        f"hydra.run.dir={tmp_path}",
+    ]
     code, out, err = run_as_user(args, tmp_path, tmp_path / "metrics.json")
     assert code == 0, err[-2000:]
     assert "Paris" in out and json.loads((tmp_path / "metrics.json").read_text())["devices"]["disk"]["bytes"] > 0
@@ -78,9 +93,18 @@ def test_smollm2_run_exits_with_the_answer(model, hook, store, tmp_path):
 
 @pytest.mark.parametrize("model, hook, store", _matrix("mixtral"))
 def test_moe_run_exits_with_the_in_memory_tokens(model, hook, store, mixtral, tmp_path):
-    args = [sys.executable, str(ROOT / "run.py"), "model=local", f"model.path={mixtral}", f"hook={hook}",
-            f"storage={store}", "max_new_tokens=4", "max_memory.cpu=500KiB", "compare_in_memory=true",
-            f"hydra.run.dir={tmp_path}"]
+    args = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "model=local",
+        f"model.path={mixtral}",
+        f"hook={hook}",
+        f"storage={store}",
+        "max_new_tokens=4",
+        "max_memory.cpu=500KiB",
+        "compare_in_memory=true",
+        f"hydra.run.dir={tmp_path}",
+    ]
     code, out, err = run_as_user(args, tmp_path, tmp_path / "metrics.json")
     assert code == 0, err[-2000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -89,15 +113,31 @@ def test_moe_run_exits_with_the_in_memory_tokens(model, hook, store, mixtral, tm
 
 
 def test_python_m_offload_core_run_exits_with_the_answer(tmp_path):
-    args = [sys.executable, "-m", "offload_core", "run", "max_new_tokens=8", "storage=safetensors",
-            f"hydra.run.dir={tmp_path}"]
+    args = [
+        sys.executable,
+        "-m",
+        "offload_core",
+        "run",
+        "max_new_tokens=8",
+        "storage=safetensors",
+        f"hydra.run.dir={tmp_path}",
+    ]
     code, out, err = run_as_user(args, ROOT, tmp_path / "metrics.json")
     assert code == 0 and "Paris" in out, err[-2000:]
 
 
 def test_a_two_job_sweep_exits_with_its_summary(tmp_path):
-    args = [sys.executable, str(ROOT / "run.py"), "-m", "model=synthetic", "hook=align_per_call,chained",
-            "storage=safetensors", "max_new_tokens=2", "compare_in_memory=true", f"hydra.sweep.dir={tmp_path}"]
+    args = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "-m",
+        "model=synthetic",
+        "hook=align_per_call,chained",
+        "storage=safetensors",
+        "max_new_tokens=2",
+        "compare_in_memory=true",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
     code, out, err = run_as_user(args, tmp_path, tmp_path / "summary.csv")
     assert code == 0, err[-2000:]
     rows = (tmp_path / "summary.csv").read_text().splitlines()[1:]
@@ -109,12 +149,25 @@ def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(tmp_path):
     sig, code = signal.SIGINT, 130
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"prompt {i}: tell me about number {i}\n" for i in range(16)))
-    args = [sys.executable, str(ROOT / "run.py"), "model=synthetic", "storage=safetensors", f"prompts={prompts}",
-            "batch_size=2", "max_new_tokens=80"]
+    args = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "model=synthetic",
+        "storage=safetensors",
+        f"prompts={prompts}",
+        "batch_size=2",
+        "max_new_tokens=80",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     first, journal = tmp_path / "first", tmp_path / "first" / "generations.jsonl"
-    proc = subprocess.Popen([*args, f"hydra.run.dir={first}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*args, f"hydra.run.dir={first}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         started = time.monotonic()
         while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
@@ -132,10 +185,16 @@ def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(tmp_path):
     kept = journal.read_text().splitlines()
     assert proc.returncode == code and 2 <= len(kept) < 16 and len(kept) % 2 == 0, err
     assert f"{len(kept)} finished prompts are in {journal}; go on with resume={first}" in err
-    resumed = subprocess.run([*args, f"resume={first}", f"hydra.run.dir={tmp_path / 'second'}"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=RUN_S)
+    resumed = subprocess.run(
+        [*args, f"resume={first}", f"hydra.run.dir={tmp_path / 'second'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming {first}: {len(kept)} of 16 prompts were generated" in resumed.stdout
     records = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [r["prompt"] for r in records] == prompts.read_text().splitlines()
-    assert [json.dumps(r) for r in records[:len(kept)]] == kept  # the finished prompts kept as they were
+    assert [json.dumps(r) for r in records[: len(kept)]] == kept  # the finished prompts kept as they were

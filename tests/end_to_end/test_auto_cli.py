@@ -16,9 +16,22 @@ TINY = ["model=synthetic", "progress=false", "max_new_tokens=3", "max_memory.cpu
 
 
 def test_plan_only_auto_prints_the_ranked_table_and_exits_0(tmp_path):
-    proc = subprocess.run([sys.executable, "run.py", *TINY, "plan_only=true", "auto=true", "storage=safetensors",
-                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            *TINY,
+            "plan_only=true",
+            "auto=true",
+            "storage=safetensors",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     table = json.loads((tmp_path / "auto.json").read_text())
     assert "kept as given: storage" in proc.stdout and "fastest first" in proc.stdout
@@ -30,8 +43,14 @@ def test_plan_only_auto_prints_the_ranked_table_and_exits_0(tmp_path):
 
 
 def test_auto_runs_the_first_row_and_records_its_prediction(tmp_path):
-    proc = subprocess.run([sys.executable, "run.py", *TINY, "auto=true", "hook=chained", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "run.py", *TINY, "auto=true", "hook=chained", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     table = json.loads((tmp_path / "auto.json").read_text())
     metrics = json.loads((tmp_path / "metrics.json").read_text())

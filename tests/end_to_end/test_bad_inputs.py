@@ -28,6 +28,7 @@ def _map(content) -> callable:
         path = user / "map.json"
         path.write_text(content if isinstance(content, str) else json.dumps(content))
         return ["model=synthetic", f"device_map={path}"]
+
     return make
 
 
@@ -38,6 +39,7 @@ def _ckpt(breakage) -> callable:
         shutil.copy(_tiny() / "config.json", ckpt / "config.json")  # the model is fine; its weights are not
         breakage(ckpt)
         return ["model=local", f"model.path={ckpt}"]
+
     return make
 
 
@@ -45,6 +47,7 @@ def _safetensors(header: dict, data_len: int) -> callable:
     def write(ckpt: Path) -> None:
         raw = json.dumps(header).encode()
         (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data_len))
+
     return write
 
 
@@ -52,6 +55,7 @@ def _index(weight_map) -> callable:
     def write(ckpt: Path) -> None:
         save_file({"w": torch.ones(2)}, ckpt / "a.safetensors")
         (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
     return write
 
 
@@ -60,6 +64,7 @@ def _folder(setup) -> callable:
         folder = user / "offload"
         setup(folder)
         return ["model=synthetic", "storage=memmap", f"offload_folder={folder}", "max_memory.cpu=1KiB", "headroom=0"]
+
     return make
 
 
@@ -123,7 +128,10 @@ CASES: dict[str, tuple[list[str] | callable, str]] = {
     "no room without disk": ([S, "max_memory.cpu=100KiB", "max_memory.disk=0", "headroom=0"], "does not fit"),
     # devices and dtypes
     "execution_device=cuda:7": ([S, "execution_device=cuda:7"], "does not exist"),
-    "execution_device=cuda": ([S, "execution_device=cuda"] if not torch.cuda.is_available() else [S, "execution_device=cuda:99"], "does not exist"),
+    "execution_device=cuda": (
+        [S, "execution_device=cuda"] if not torch.cuda.is_available() else [S, "execution_device=cuda:99"],
+        "does not exist",
+    ),
     "execution_device=toaster": ([S, "execution_device=toaster"], "is not a device"),
     "execution_device=mps": ([S, "execution_device=mps"], "is not supported"),
     "dtype=float8": ([S, "dtype=float8"], "dtype='float8' is unknown"),
@@ -135,8 +143,10 @@ CASES: dict[str, tuple[list[str] | callable, str]] = {
     "model.preset=huge": ([S, "model.preset=huge"], "synthetic preset 'huge' is unknown"),
     "model=local without path": (["model=local"], "model.path"),
     "model.path missing": (lambda user: ["model=local", f"model.path={user / 'nowhere'}"], "does not exist"),
-    "model.path empty folder": (lambda user: (user / "empty").mkdir() or ["model=local", f"model.path={user / 'empty'}"],
-                                "has no usable config.json"),
+    "model.path empty folder": (
+        lambda user: (user / "empty").mkdir() or ["model=local", f"model.path={user / 'empty'}"],
+        "has no usable config.json",
+    ),
     "model.path without weights": (_ckpt(lambda c: None), "no weights found"),
     "no_split unknown class": ([S, "model.no_split_module_classes=[NopeLayer]"], "'NopeLayer', which the model lacks"),
     "no_split one unknown of two": ([S, "model.no_split_module_classes=[LlamaDecoderLayer,Blk]"], "'Blk'"),
@@ -153,34 +163,73 @@ CASES: dict[str, tuple[list[str] | callable, str]] = {
     "map empty": (_map({}), "covers no device for"),
     "map missing file": (lambda user: [S, f"device_map={user / 'none.json'}"], "cannot be read"),
     # checkpoints
-    "safetensors overlap behind 0-byte": (_ckpt(_safetensors({
-        "a": {"dtype": F32, "shape": [25], "data_offsets": [0, 100]}, "z": {"dtype": F32, "shape": [0], "data_offsets": [50, 50]},
-        "b": {"dtype": F32, "shape": [25], "data_offsets": [50, 150]}}, 150)), "overlap"),
-    "safetensors nested": (_ckpt(_safetensors({
-        "a": {"dtype": F32, "shape": [50], "data_offsets": [0, 200]}, "b": {"dtype": F32, "shape": [5], "data_offsets": [10, 30]}},
-        200)), "overlap"),
-    "safetensors past the end": (_ckpt(_safetensors({"a": {"dtype": F32, "shape": [50], "data_offsets": [0, 200]}}, 20)),
-                                 "is truncated"),
-    "safetensors bad dtype": (_ckpt(_safetensors({"a": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}}, 1)),
-                              "which this torch build cannot read"),
-    "safetensors negative shape": (_ckpt(_safetensors({"a": {"dtype": F32, "shape": [-1], "data_offsets": [0, 4]}}, 4)),
-                                   "not a list of non-negative ints"),
-    "safetensors wrong span": (_ckpt(_safetensors({"a": {"dtype": F32, "shape": [2], "data_offsets": [0, 4]}}, 4)),
-                               "needs 8 bytes"),
-    "safetensors header garbage": (_ckpt(lambda c: (c / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{{{{{")),
-                                   "not valid JSON"),
+    "safetensors overlap behind 0-byte": (
+        _ckpt(
+            _safetensors(
+                {
+                    "a": {"dtype": F32, "shape": [25], "data_offsets": [0, 100]},
+                    "z": {"dtype": F32, "shape": [0], "data_offsets": [50, 50]},
+                    "b": {"dtype": F32, "shape": [25], "data_offsets": [50, 150]},
+                },
+                150,
+            )
+        ),
+        "overlap",
+    ),
+    "safetensors nested": (
+        _ckpt(
+            _safetensors(
+                {
+                    "a": {"dtype": F32, "shape": [50], "data_offsets": [0, 200]},
+                    "b": {"dtype": F32, "shape": [5], "data_offsets": [10, 30]},
+                },
+                200,
+            )
+        ),
+        "overlap",
+    ),
+    "safetensors past the end": (
+        _ckpt(_safetensors({"a": {"dtype": F32, "shape": [50], "data_offsets": [0, 200]}}, 20)),
+        "is truncated",
+    ),
+    "safetensors bad dtype": (
+        _ckpt(_safetensors({"a": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}}, 1)),
+        "which this torch build cannot read",
+    ),
+    "safetensors negative shape": (
+        _ckpt(_safetensors({"a": {"dtype": F32, "shape": [-1], "data_offsets": [0, 4]}}, 4)),
+        "not a list of non-negative ints",
+    ),
+    "safetensors wrong span": (
+        _ckpt(_safetensors({"a": {"dtype": F32, "shape": [2], "data_offsets": [0, 4]}}, 4)),
+        "needs 8 bytes",
+    ),
+    "safetensors header garbage": (
+        _ckpt(lambda c: (c / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{{{{{")),
+        "not valid JSON",
+    ),
     "safetensors too short": (_ckpt(lambda c: (c / "model.safetensors").write_bytes(b"\x01")), "is truncated"),
-    "safetensors header huge": (_ckpt(lambda c: (c / "model.safetensors").write_bytes((2**62).to_bytes(8, "little") + b"{}")),
-                                "header claims"),
+    "safetensors header huge": (
+        _ckpt(lambda c: (c / "model.safetensors").write_bytes((2**62).to_bytes(8, "little") + b"{}")),
+        "header claims",
+    ),
     "index escapes folder": (_ckpt(_index({"w": "../elsewhere.safetensors"})), "not a file inside that folder"),
     "index absolute shard": (_ckpt(_index({"w": "/etc/hostname"})), "not a file inside that folder"),
-    "index not json": (_ckpt(lambda c: (c / "model.safetensors.index.json").write_text("{nope")), "is not a valid index"),
+    "index not json": (
+        _ckpt(lambda c: (c / "model.safetensors.index.json").write_text("{nope")),
+        "is not a valid index",
+    ),
     "index missing shard": (_ckpt(_index({"w": "b.safetensors"})), "but the file is missing"),
     "index wrong shard": (_ckpt(_index({"v": "a.safetensors"})), "which has no such tensor"),
-    "bin random bytes": (_ckpt(lambda c: (c / "pytorch_model.bin").write_bytes(bytes(range(1, 128)) * 30)),
-                         "is not a PyTorch weights file"),
+    "bin random bytes": (
+        _ckpt(lambda c: (c / "pytorch_model.bin").write_bytes(bytes(range(1, 128)) * 30)),
+        "is not a PyTorch weights file",
+    ),
     "bin empty": (_ckpt(lambda c: (c / "pytorch_model.bin").write_bytes(b"")), "pytorch_model.bin"),
-    "bin not a dict": (_ckpt(lambda c: torch.save([torch.ones(2)], c / "pytorch_model.bin")), "is not a flat state dict"),
+    "bin not a dict": (
+        _ckpt(lambda c: torch.save([torch.ones(2)], c / "pytorch_model.bin")),
+        "is not a flat state dict",
+    ),
     # offload folders
     "offload folder foreign": (_folder(_foreign), "holds files offload_core did not create"),
     "offload folder symlinked .lock": (_folder(_symlinked_lock), "holds a symlink (.lock)"),
@@ -249,26 +298,46 @@ def test_the_catalogue_is_large_enough():
     assert len(CASES) >= 80
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["max_new_tokens=0"], "max_new_tokens=0 must be at least 1"),
-    (["max_memory.cpu=-5GB"], "is negative"),
-    (["prompt="], "prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["max_new_tokens=0"], "max_new_tokens=0 must be at least 1"),
+        (["max_memory.cpu=-5GB"], "is negative"),
+        (["prompt="], "prompt is empty"),
+    ],
+)
 def test_real_subprocesses_end_in_one_line(args, expected, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=synthetic", *args, f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HYDRA_FULL_ERROR": "0", "TQDM_DISABLE": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "model=synthetic", *args, f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0", "TQDM_DISABLE": "1"},
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr
 
 
 def test_a_garbage_bin_prints_no_progress_fragment_before_the_error(tmp_path):
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(sources.synthetic_checkpoint(**sources.synthetic_preset("tiny")), ckpt,
-                    ignore=shutil.ignore_patterns("*.safetensors*"))
+    shutil.copytree(
+        sources.synthetic_checkpoint(**sources.synthetic_preset("tiny")),
+        ckpt,
+        ignore=shutil.ignore_patterns("*.safetensors*"),
+    )
     (ckpt / "pytorch_model.bin").write_bytes(bytes(range(1, 128)) * 30)
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=local", f"model.path={ckpt}",
-                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HYDRA_FULL_ERROR": "0", "TQDM_DISABLE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "model=local",
+            f"model.path={ckpt}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0", "TQDM_DISABLE": "1"},
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("offload_core: error: ") and proc.stderr.count("\n") == 1, proc.stderr

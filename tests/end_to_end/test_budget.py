@@ -11,7 +11,10 @@ import textwrap
 import pytest
 
 from tests import ROOT
-BUDGET_MIB = 32  # the "small" synthetic model is 42 MiB in bf16; less the planned KV cache, activations and runtime slack
+
+BUDGET_MIB = (
+    32  # the "small" synthetic model is 42 MiB in bf16; less the planned KV cache, activations and runtime slack
+)
 # (9 MiB) this keeps ~half of it on disk
 
 
@@ -49,11 +52,27 @@ LIBRARY_PAGES = 16 * 2**20
 @pytest.mark.parametrize("storage", ["memmap", "safetensors"])
 def test_peak_anonymous_rss_stays_within_the_cpu_budget(storage, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-c", _RUN_WITH_KERNEL_PEAK, "model=synthetic", "model.preset=small", f"storage={storage}",
-         f"max_memory.cpu={BUDGET_MIB}MiB", "max_new_tokens=8", "progress=false", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "OFFLOAD_TEST_PEAK": str(tmp_path / "peak.json"),
-             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        [
+            sys.executable,
+            "-c",
+            _RUN_WITH_KERNEL_PEAK,
+            "model=synthetic",
+            "model.preset=small",
+            f"storage={storage}",
+            f"max_memory.cpu={BUDGET_MIB}MiB",
+            "max_new_tokens=8",
+            "progress=false",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "OFFLOAD_TEST_PEAK": str(tmp_path / "peak.json"),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -66,10 +85,14 @@ def test_peak_anonymous_rss_stays_within_the_cpu_budget(storage, tmp_path):
     # is held to the budget plus those mapped bytes: the checkpoint (read once) and, for memmap, the offload folder,
     # plus the code pages of torch's libraries that the first decoding steps touch after the baseline (file pages too).
     rise = json.loads((tmp_path / "peak.json").read_text())["rise"]
-    mapped = devices["cpu"]["bytes"] + devices["disk"]["bytes"] + (devices["disk"]["bytes"] if storage == "memmap" else 0)
+    mapped = (
+        devices["cpu"]["bytes"] + devices["disk"]["bytes"] + (devices["disk"]["bytes"] if storage == "memmap" else 0)
+    )
     assert rise <= BUDGET_MIB * 2**20 + mapped + LIBRARY_PAGES, f"{rise / 2**20:.0f} MiB at the kernel's peak"
-    print(f"kernel peak rise {rise / 2**20:.0f} MiB; sampled anon {metrics['peak_anon_rss_bytes'] / 2**20:.0f} MiB; "
-          f"disk {devices['disk']['bytes'] / 2**20:.0f} MiB")
+    print(
+        f"kernel peak rise {rise / 2**20:.0f} MiB; sampled anon {metrics['peak_anon_rss_bytes'] / 2**20:.0f} MiB; "
+        f"disk {devices['disk']['bytes'] / 2**20:.0f} MiB"
+    )
     # The offloaded bytes are read through mappings: they show up as file-backed pages, not as ours.
     assert metrics["peak_file_rss_bytes"] >= devices["disk"]["bytes"] * 0.9
     if storage == "safetensors":

@@ -41,26 +41,36 @@ def user_ckpt(tiny, tmp_path) -> Path:
 # unknown options, misspelled keys and wrong types: tests/end_to_end/test_bad_inputs.py (HYDRA_CASES)
 
 
-@pytest.mark.parametrize("args,parts", [
-    (["max_memory.cpu=-5"], ["max_memory.cpu=-5 is negative"]),
-    (["max_memory.cpu=0"], ["max_memory.cpu=0 leaves nothing to run with"]),
-    (["max_memory.cpu=lots"], ["max_memory.cpu='lots' is not a size", "GiB"]),
-    (["max_memory.cpu=10G"], ["max_memory.cpu='10G' is not a size", "KiB, MiB, GiB, TiB"]),
-    (["max_memory.cpu=2parsecs"], ["is not a size"]),
-    (["headroom=-1MiB"], ["headroom='-1MiB' is negative"]),
-    (["+max_memory.0=1GiB"], ["max_memory.0: a GPU budget on a CPU run"]),
-    (["max_memory.0=1GiB"], ["max_memory.0: a GPU budget on a CPU run"]),
-    (["promt=hi"], ["unknown key 'promt' in 'promt=hi'", "prompt"]),
-    (["+max_memory.tpu=1GiB"], ["max_memory has an unknown device 'tpu'"]),
-    (["execution_device=cuda:7"], ["execution_device='cuda:7' does not exist", "use cpu"]),
-    (["execution_device=toaster"], ["execution_device='toaster' is not a device"]),
-    (["dtype=float8"], ["dtype='float8' is unknown", "bfloat16"]),
-    (["hook=functional_call", "hook.cpu_offload=half"], ["hook.cpu_offload='half' is not a size"]),
-    (["model.preset=huge"], ["synthetic preset 'huge' is unknown", "tiny"]),
-    (["max_memory.cpu=100KiB", "max_memory.disk=0", "headroom=0"],
-     ["does not fit in max_memory.cpu=100.00 KiB", "largest unsplittable layer", "more bytes are needed",
-      "set max_memory.cpu to at least", "allow disk"]),
-])
+@pytest.mark.parametrize(
+    "args,parts",
+    [
+        (["max_memory.cpu=-5"], ["max_memory.cpu=-5 is negative"]),
+        (["max_memory.cpu=0"], ["max_memory.cpu=0 leaves nothing to run with"]),
+        (["max_memory.cpu=lots"], ["max_memory.cpu='lots' is not a size", "GiB"]),
+        (["max_memory.cpu=10G"], ["max_memory.cpu='10G' is not a size", "KiB, MiB, GiB, TiB"]),
+        (["max_memory.cpu=2parsecs"], ["is not a size"]),
+        (["headroom=-1MiB"], ["headroom='-1MiB' is negative"]),
+        (["+max_memory.0=1GiB"], ["max_memory.0: a GPU budget on a CPU run"]),
+        (["max_memory.0=1GiB"], ["max_memory.0: a GPU budget on a CPU run"]),
+        (["promt=hi"], ["unknown key 'promt' in 'promt=hi'", "prompt"]),
+        (["+max_memory.tpu=1GiB"], ["max_memory has an unknown device 'tpu'"]),
+        (["execution_device=cuda:7"], ["execution_device='cuda:7' does not exist", "use cpu"]),
+        (["execution_device=toaster"], ["execution_device='toaster' is not a device"]),
+        (["dtype=float8"], ["dtype='float8' is unknown", "bfloat16"]),
+        (["hook=functional_call", "hook.cpu_offload=half"], ["hook.cpu_offload='half' is not a size"]),
+        (["model.preset=huge"], ["synthetic preset 'huge' is unknown", "tiny"]),
+        (
+            ["max_memory.cpu=100KiB", "max_memory.disk=0", "headroom=0"],
+            [
+                "does not fit in max_memory.cpu=100.00 KiB",
+                "largest unsplittable layer",
+                "more bytes are needed",
+                "set max_memory.cpu to at least",
+                "allow disk",
+            ],
+        ),
+    ],
+)
 def test_bad_config_values_fail_with_one_line(args, parts, tmp_path, capsys, monkeypatch):
     if any(a.startswith("execution_device=cuda") for a in args) and torch.cuda.device_count() > 7:
         pytest.skip("this machine has that GPU")
@@ -87,26 +97,37 @@ def test_hydra_full_error_gives_the_traceback(tmp_path, capsys, monkeypatch):
 def test_real_subprocess_exit_code_and_single_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), "model=synthetic", "dtype=float8", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "offload_core: error: dtype='float8' is unknown: use one of auto, bf16, bfloat16, " \
+    assert (
+        proc.stderr.strip() == "offload_core: error: dtype='float8' is unknown: use one of auto, bf16, bfloat16, "
         "float, float16, float32, float64, fp16, fp32, half"
+    )
 
 
 # -- device maps given by the user --------------------------------------------------------------
 
-@pytest.mark.parametrize("content,parts", [
-    ({"": "cpu", "model.layers.9": "cpu"}, ["'model.layers.9', which the model does not have"]),
-    ({"model.embed_tokens": "cpu", "model.layers": "disk"}, ["covers no device for", "'lm_head.weight'"]),
-    ({"model": "cpu", "model.layers.0": "disk", "lm_head": "cpu"}, ["keys overlap with different devices",
-                                                                     "'model.layers.0' (disk) inside 'model' (cpu)"]),
-    ({"": "tpu"}, ["unknown device(s) '': 'tpu'"]),
-    ({"": True}, ["unknown device(s) '': True"]),
-    (["cpu"], ["must hold a JSON object"]),
-    ("{not json", ["is not valid JSON"]),
-    (None, ["cannot be read"]),
-])
+
+@pytest.mark.parametrize(
+    "content,parts",
+    [
+        ({"": "cpu", "model.layers.9": "cpu"}, ["'model.layers.9', which the model does not have"]),
+        ({"model.embed_tokens": "cpu", "model.layers": "disk"}, ["covers no device for", "'lm_head.weight'"]),
+        (
+            {"model": "cpu", "model.layers.0": "disk", "lm_head": "cpu"},
+            ["keys overlap with different devices", "'model.layers.0' (disk) inside 'model' (cpu)"],
+        ),
+        ({"": "tpu"}, ["unknown device(s) '': 'tpu'"]),
+        ({"": True}, ["unknown device(s) '': True"]),
+        (["cpu"], ["must hold a JSON object"]),
+        ("{not json", ["is not valid JSON"]),
+        (None, ["cannot be read"]),
+    ],
+)
 def test_bad_device_map_files(content, parts, tmp_path, capsys):
     path = tmp_path / "map.json"
     if content is not None:
@@ -121,6 +142,7 @@ def test_bad_device_map_files(content, parts, tmp_path, capsys):
 
 
 # -- checkpoints --------------------------------------------------------------------------------
+
 
 def _shard(ckpt: Path, i: int) -> Path:
     return ckpt / f"model-0000{i}-of-00004.safetensors"
@@ -176,15 +198,18 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-@pytest.mark.parametrize("breakage,parts", [
-    (_truncate, ["model-00002-of-00004.safetensors is", "re-download or re-convert"]),
-    (_absurd_header, ["is not a valid safetensors file: its header claims 4611686018427387904 bytes"]),
-    (_missing_shard, ["names shard model-00004-of-00004.safetensors", "but the file is missing"]),
-    (_duplicate, ["tensor 'model.norm.weight' is in both", "extra.safetensors"]),
-    (_no_weights, ["no weights found in"]),
-    (_wrong_shape, ["'model.embed_tokens.weight'", "has shape [1024, 64] but the model expects [1024, 128]"]),
-    (_wrong_kind, ["'model.embed_tokens.weight'", "is int16 but the model expects a floating-point tensor"]),
-])
+@pytest.mark.parametrize(
+    "breakage,parts",
+    [
+        (_truncate, ["model-00002-of-00004.safetensors is", "re-download or re-convert"]),
+        (_absurd_header, ["is not a valid safetensors file: its header claims 4611686018427387904 bytes"]),
+        (_missing_shard, ["names shard model-00004-of-00004.safetensors", "but the file is missing"]),
+        (_duplicate, ["tensor 'model.norm.weight' is in both", "extra.safetensors"]),
+        (_no_weights, ["no weights found in"]),
+        (_wrong_shape, ["'model.embed_tokens.weight'", "has shape [1024, 64] but the model expects [1024, 128]"]),
+        (_wrong_kind, ["'model.embed_tokens.weight'", "is int16 but the model expects a floating-point tensor"]),
+    ],
+)
 def test_broken_checkpoints_fail_with_one_line_and_stay_unchanged(breakage, parts, user_ckpt, tmp_path, capsys):
     breakage(user_ckpt)
     before = snapshot(user_ckpt)
@@ -221,8 +246,16 @@ def test_a_pickle_that_would_run_code_is_refused_never_executed(tiny, tmp_path, 
 
 # -- offload folders ----------------------------------------------------------------------------
 
+
 def _offload_args(tiny: Path, folder: Path) -> list[str]:
-    return ["model=local", "storage=memmap", f"model.path={tiny}", "max_memory.cpu=1MiB", "headroom=0", f"offload_folder={folder}"]
+    return [
+        "model=local",
+        "storage=memmap",
+        f"model.path={tiny}",
+        "max_memory.cpu=1MiB",
+        "headroom=0",
+        f"offload_folder={folder}",
+    ]
 
 
 def test_offload_folder_holding_foreign_files_is_refused_and_untouched(tiny, tmp_path, capsys):
@@ -251,8 +284,12 @@ def test_offload_folder_not_writable(tiny, tmp_path, capsys):
     folder.mkdir()
     if os.geteuid() == 0:
         # root ignores permission bits: a read-only mount is the only way to say no to it.
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                          capture_output=True).returncode != 0:
+        if (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True
+            ).returncode
+            != 0
+        ):
             pytest.skip("running as root and mounting is not permitted")
     else:
         folder.chmod(0o555)

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests import ROOT
+
 EXAMPLE = ROOT / "examples" / "interleaved_placement"
 RUN = [sys.executable, str(ROOT / "run.py"), "model=synthetic", "progress=false", "max_new_tokens=4"]
 
@@ -25,8 +26,23 @@ def env(tmp_path_factory):
     source = tmp / "source"  # build from a copy: pip leaves build/ and *.egg-info next to the sources
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = tmp / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "0"}
@@ -40,8 +56,11 @@ def _run(args, env, cwd):
 
 def test_placement_interleaved_runs(env, tmp_path):
     out = tmp_path / "run"
-    proc = _run([*RUN, "placement=interleaved", "placement.k=2", "compare_in_memory=true", f"hydra.run.dir={out}"],
-                env, tmp_path)
+    proc = _run(
+        [*RUN, "placement=interleaved", "placement.k=2", "compare_in_memory=true", f"hydra.run.dir={out}"],
+        env,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     device_map = json.loads((out / "device_map.json").read_text())
     layers = [device_map.get(f"model.layers.{i}") for i in range(4)]

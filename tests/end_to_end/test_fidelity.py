@@ -14,8 +14,14 @@ from offload_core.planning import compute_module_sizes
 
 PLACEMENTS = ["sequential", "balanced", "balanced_low_0"]
 STORES = ["pinned_cpu", "memmap", "safetensors"]
-POLICIES = [("align_per_call", {}), ("align_per_call", {"granularity": "block"}), ("chained", {}), ("functional_call", {}),
-            ("prefetch", {}), ("prefetch", {"pool": True})]
+POLICIES = [
+    ("align_per_call", {}),
+    ("align_per_call", {"granularity": "block"}),
+    ("chained", {}),
+    ("functional_call", {}),
+    ("prefetch", {}),
+    ("prefetch", {"pool": True}),
+]
 MATRIX = list(itertools.product(PLACEMENTS, STORES, POLICIES))
 
 
@@ -40,8 +46,15 @@ def _save(model, config, directory, shard=200_000):
 
 @pytest.fixture(scope="module")
 def tied_llama(tmp_path_factory):
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -58,9 +71,16 @@ def _offloaded_llama(path, config, placement, store, policy, tmp_path):
         model = AutoModelForCausalLM.from_config(config).eval()
     total = compute_module_sizes(model)[""]
     # A CPU budget of about half the model: the rest goes to disk.
-    load_checkpoint_and_dispatch(model, path, device_map=placement, max_memory={"cpu": total // 2},
-                                 storage=store, policy=_policy(policy), offload_folder=tmp_path / "offload",
-                                 progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        path,
+        device_map=placement,
+        max_memory={"cpu": total // 2},
+        storage=store,
+        policy=_policy(policy),
+        offload_folder=tmp_path / "offload",
+        progress=False,
+    )
     return model
 
 
@@ -87,8 +107,14 @@ def test_tied_llama_matrix(tied_llama, placement, store, policy, tmp_path):
 @pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("policy", POLICIES, ids=_ids)
 def test_bert_encoder_hidden_states(store, policy, tmp_path):
-    config = BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                        vocab_size=400, max_position_embeddings=64)
+    config = BertConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        vocab_size=400,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     ref = AutoModel.from_config(config).eval()
     path = _save(ref, config, tmp_path / "bert")
@@ -98,9 +124,17 @@ def test_bert_encoder_hidden_states(store, policy, tmp_path):
     with init_empty_weights():
         model = AutoModel.from_config(config).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(model, path, device_map="sequential", max_memory={"cpu": total // 3},
-                                 no_split_module_classes=["BertLayer"], storage=store, policy=_policy(policy),
-                                 offload_folder=tmp_path / "off", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        path,
+        device_map="sequential",
+        max_memory={"cpu": total // 3},
+        no_split_module_classes=["BertLayer"],
+        storage=store,
+        policy=_policy(policy),
+        offload_folder=tmp_path / "off",
+        progress=False,
+    )
     assert "disk" in set(model.hf_device_map.values())
     with torch.no_grad():
         got = model(ids).last_hidden_state

@@ -21,16 +21,23 @@ BUDGET = {"cpu": 160 * 2**20}  # the model is 513 MiB in float32
 def _generate(model, ids):
     """Three greedy tokens and the logits of every step (the prompt's last position, then each decoding step)."""
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=3,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
 
 
 @pytest.fixture(scope="module")
 def reference():
     path = smollm2_checkpoint()
     tok = load_tokenizer(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids if torch.is_tensor(ids) else ids["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = _generate(model, ids)
@@ -48,9 +55,17 @@ def test_smollm2_matrix(reference, folders, placement, store, policy):
     path, ids, ref_logits, ref_tokens = reference
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32).eval()
-    load_checkpoint_and_dispatch(model, path, device_map=placement, max_memory=BUDGET, storage=store,
-                                 policy=get_registry().create("policy", policy), offload_folder=folders / "memmap",
-                                 reserve={"cpu": 0}, progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        path,
+        device_map=placement,
+        max_memory=BUDGET,
+        storage=store,
+        policy=get_registry().create("policy", policy),
+        offload_folder=folders / "memmap",
+        reserve={"cpu": 0},
+        progress=False,
+    )
     state = model.offload_state
     try:
         assert state.offloaded_bytes() > 200 * 2**20

@@ -34,8 +34,17 @@ def test_main_job_writes_its_files(main_job):
     device_map = json.loads((out / "device_map.json").read_text())
     assert device_map == result.device_map
     metrics = json.loads((out / "metrics.json").read_text())
-    for key in ("prompt", "text", "token_ids", "load_s", "time_to_first_token_s", "decode_tokens_per_s",
-                "peak_anon_rss_bytes", "peak_file_rss_bytes", "bytes_moved_per_token"):
+    for key in (
+        "prompt",
+        "text",
+        "token_ids",
+        "load_s",
+        "time_to_first_token_s",
+        "decode_tokens_per_s",
+        "peak_anon_rss_bytes",
+        "peak_file_rss_bytes",
+        "bytes_moved_per_token",
+    ):
         assert key in metrics, key
     assert metrics["token_ids"] == result.token_ids
     assert metrics["text"] == result.text
@@ -57,7 +66,10 @@ def test_run_py_main_job_subprocess(tmp_path):
     """`python run.py` as a user runs it: exit 0, the answer printed, files in Hydra's run folder."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path}", "progress=false", "max_new_tokens=10"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
@@ -70,9 +82,22 @@ def test_run_py_with_reader_threads_exits(hook, tmp_path):
     """A run whose module hooks start reader threads exits once it is done (Python joins non-daemon threads at
     exit: a reader left waiting hangs the process, which the timeout turns into a failure)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "model=synthetic", f"hook={hook}", "max_memory.cpu=1KiB", "headroom=0",
-         "page_cache=0", "max_new_tokens=3", "progress=false", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "model=synthetic",
+            f"hook={hook}",
+            "max_memory.cpu=1KiB",
+            "headroom=0",
+            "page_cache=0",
+            "max_new_tokens=3",
+            "progress=false",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())

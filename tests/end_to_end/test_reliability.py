@@ -20,8 +20,16 @@ from offload_core.loading import sources
 from offload_core.storage import StoreContext
 from offload_core.errors import StorageError
 from offload_core.storage.folder import COMPLETE, FolderStore
-from tests.end_to_end.helpers import (assert_one_line, child_env, cli, run_args, run_metrics, signal_after_load, snapshot,
-                                      wait_for_line)
+from tests.end_to_end.helpers import (
+    assert_one_line,
+    child_env,
+    cli,
+    run_args,
+    run_metrics,
+    signal_after_load,
+    snapshot,
+    wait_for_line,
+)
 
 from tests.waits import wait_until
 
@@ -56,9 +64,20 @@ _KILLED_WRITER = textwrap.dedent("""
 
 def test_kill_9_mid_write_is_detected_and_rebuilt(tiny, tmp_path, capsys):
     folder = tmp_path / "off"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, *run_args(tiny, folder), "progress=false",
-                             f"hydra.run.dir={tmp_path / 'killed'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _KILLED_WRITER,
+            *run_args(tiny, folder),
+            "progress=false",
+            f"hydra.run.dir={tmp_path / 'killed'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     wait_for_line(proc, "HALF-WRITTEN")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -90,18 +109,27 @@ def test_an_unfinished_folder_is_never_read(tmp_path):
 
 # -- disk full ----------------------------------------------------------------------------------
 
+
 def _mount_small_tmpfs(where: Path, size: str) -> bool:
     where.mkdir()
     if os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, timeout=60).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, timeout=60
+        ).returncode
+        == 0
+    )
 
 
 def _assert_disk_full_handled(code: int, err: str, disk: Path, ckpt_before: dict, tiny: Path) -> None:
     assert code == 2, err
-    assert_one_line(err, "no space left on the device of offload_folder", "free space or point offload_folder at a larger disk",
-                    "the partial offload folder was removed")
+    assert_one_line(
+        err,
+        "no space left on the device of offload_folder",
+        "free space or point offload_folder at a larger disk",
+        "the partial offload folder was removed",
+    )
     assert not (disk / "off").exists()  # the folder we made is gone with everything in it
     assert (disk / "mine.txt").read_text() == "the user's file"
     assert snapshot(tiny) == ckpt_before
@@ -162,6 +190,7 @@ def test_disk_full_in_an_existing_folder_keeps_the_users_files(tmp_path, monkeyp
 
 # -- Ctrl-C -------------------------------------------------------------------------------------
 
+
 def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny, tmp_path):
     returncode, err, scratch = signal_after_load(tiny, tmp_path, signal.SIGINT)
     assert returncode == 130, err
@@ -209,17 +238,28 @@ _HOLDER = textwrap.dedent("""
 
 def test_a_second_run_on_the_same_folder_waits_and_says_why(tmp_path, capsys):
     folder = tmp_path / "shared"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     try:
         wait_for_line(holder, "HOLDING")
         opened: list[FolderStore] = []
-        second = threading.Thread(target=lambda: opened.append(
-            FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))))
+        second = threading.Thread(
+            target=lambda: opened.append(
+                FolderStore(StoreContext(names=["w"], offload_folder=folder, fingerprint={"v": 1}))
+            )
+        )
         second.start()
         said = []  # what this process printed to stderr meanwhile (the second run says why it waits)
-        wait_until(lambda: said.append(capsys.readouterr().err) or "waiting for it to finish" in "".join(said),
-                   "the second run saying it waits")
+        wait_until(
+            lambda: said.append(capsys.readouterr().err) or "waiting for it to finish" in "".join(said),
+            "the second run saying it waits",
+        )
         assert second.is_alive() and not opened  # waiting for the first run, not writing under it
         holder.stdin.write("go\n")
         holder.stdin.flush()
@@ -236,6 +276,7 @@ def test_a_second_run_on_the_same_folder_waits_and_says_why(tmp_path, capsys):
 
 
 # -- 2,000 forward calls per module-hook policy -------------------------------------------------
+
 
 class Block(nn.Module):
     def __init__(self) -> None:
@@ -284,9 +325,17 @@ def test_2000_forward_calls_keep_memory_and_file_descriptors_flat(policy, tmp_pa
     x = torch.randn(2, 16)
     with torch.inference_mode():
         expected = model(x)
-    device_map = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "disk", "blocks.3": "disk", "head": "cpu"}
-    dispatch_model(model, device_map, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
-                   execution_device="cpu")
+    device_map = {
+        "embed": "cpu",
+        "blocks.0": "cpu",
+        "blocks.1": "disk",
+        "blocks.2": "disk",
+        "blocks.3": "disk",
+        "head": "cpu",
+    }
+    dispatch_model(
+        model, device_map, storage="memmap", policy=policy, offload_folder=tmp_path / "off", execution_device="cpu"
+    )
     with torch.inference_mode():
         for _ in range(100):  # warm up: caches, maps and threads settle
             model(x)

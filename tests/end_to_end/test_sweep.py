@@ -14,11 +14,28 @@ import pytest
 from offload_core.runner.sweep import COLUMNS, summarize
 
 from tests import ROOT
-BASE = ["model=synthetic", "model.preset=tiny", "compare_in_memory=true", "progress=false", "max_new_tokens=4",
-        "headroom=0"]
+
+BASE = [
+    "model=synthetic",
+    "model.preset=tiny",
+    "compare_in_memory=true",
+    "progress=false",
+    "max_new_tokens=4",
+    "headroom=0",
+]
 #: columns that do not depend on timing or on the machine's memory
-STABLE = ["job", "placement", "storage", "hook", "model", "overrides", "status", "matches_in_memory",
-          "bytes_moved_per_token", "error"]
+STABLE = [
+    "job",
+    "placement",
+    "storage",
+    "hook",
+    "model",
+    "overrides",
+    "status",
+    "matches_in_memory",
+    "bytes_moved_per_token",
+    "error",
+]
 
 
 def _sweep(tmp_path: Path, *overrides: str, launcher: str | None = None) -> tuple[subprocess.CompletedProcess, Path]:
@@ -37,8 +54,13 @@ def _csv(sweep_dir: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def basic_sweep(tmp_path_factory):
-    return _sweep(tmp_path_factory.mktemp("basic"), "storage=memmap,safetensors", "hook=align_per_call,chained",
-                  "max_memory.cpu=1MiB,abc", "headroom=0")
+    return _sweep(
+        tmp_path_factory.mktemp("basic"),
+        "storage=memmap,safetensors",
+        "hook=align_per_call,chained",
+        "max_memory.cpu=1MiB,abc",
+        "headroom=0",
+    )
 
 
 def test_every_combination_is_a_row(basic_sweep):
@@ -86,8 +108,9 @@ def test_a_job_that_wrote_no_metrics_is_a_failed_row(tmp_path):
     (job / "overrides.yaml").write_text("- storage=memmap\n")
     (job / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      storage: memmap\n")
     (tmp_path / "1").mkdir()
-    (tmp_path / "1" / "metrics.json").write_text(json.dumps({"choices": {"storage": "safetensors"}, "load_s": 0.5,
-                                                             "matches_in_memory": None}))
+    (tmp_path / "1" / "metrics.json").write_text(
+        json.dumps({"choices": {"storage": "safetensors"}, "load_s": 0.5, "matches_in_memory": None})
+    )
     rows = summarize(tmp_path)
     assert [r["status"] for r in rows] == ["failed", "ok"]
     assert rows[0]["storage"] == "memmap" and rows[0]["overrides"] == "storage=memmap"
@@ -100,13 +123,16 @@ def _launcher_installed(module: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher,module", [("joblib", "hydra_plugins.hydra_joblib_launcher"),
-                                             ("submitit_local", "hydra_plugins.hydra_submitit_launcher")])
+@pytest.mark.parametrize(
+    "launcher,module",
+    [("joblib", "hydra_plugins.hydra_joblib_launcher"), ("submitit_local", "hydra_plugins.hydra_submitit_launcher")],
+)
 def test_hydra_launchers_give_the_same_summary(launcher, module, basic_sweep, tmp_path):
     if not _launcher_installed(module):
         pytest.skip(f"{module} is not installed (pip install -e '.[sweep]')")
-    proc, sweep_dir = _sweep(tmp_path, "storage=safetensors", "hook=chained", "max_memory.cpu=1MiB,abc", "headroom=0",
-                             launcher=launcher)
+    proc, sweep_dir = _sweep(
+        tmp_path, "storage=safetensors", "hook=chained", "max_memory.cpu=1MiB,abc", "headroom=0", launcher=launcher
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _csv(sweep_dir)
     assert list(rows[0]) == COLUMNS
@@ -114,6 +140,7 @@ def test_hydra_launchers_give_the_same_summary(launcher, module, basic_sweep, tm
     _, basic_dir = basic_sweep
     stable = [c for c in STABLE if c != "job"]
     got = sorted(tuple(r[c] for c in stable) for r in rows)
-    want = sorted(tuple(r[c] for c in stable) for r in _csv(basic_dir)
-                  if r["hook"] == "chained" and r["storage"] == "safetensors")
+    want = sorted(
+        tuple(r[c] for c in stable) for r in _csv(basic_dir) if r["hook"] == "chained" and r["storage"] == "safetensors"
+    )
     assert got == want and len(got) == 2

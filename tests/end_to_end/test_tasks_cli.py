@@ -37,12 +37,18 @@ def test_local_folder_of_each_kind_runs_offloaded_and_matches_in_memory(saved, n
 
 
 def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys):
-    config = transformers.BertConfig(**TINY, max_position_embeddings=64, num_labels=3,
-                                     id2label={0: "negative", 1: "neutral", 2: "positive"},
-                                     label2id={"negative": 0, "neutral": 1, "positive": 2})
+    config = transformers.BertConfig(
+        **TINY,
+        max_position_embeddings=64,
+        num_labels=3,
+        id2label={0: "negative", 1: "neutral", 2: "positive"},
+        label2id={"negative": 0, "neutral": 1, "positive": 2},
+    )
     torch.manual_seed(0)
     transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "cls", max_shard_size="20KB")
-    code, err = cli(["model=local", f"model.path={tmp_path / 'cls'}", *BUDGET, "texts=[good,bad,so so]"], tmp_path, capsys)
+    code, err = cli(
+        ["model=local", f"model.path={tmp_path / 'cls'}", *BUDGET, "texts=[good,bad,so so]"], tmp_path, capsys
+    )
     assert code == 0, err
     metrics = run_metrics(tmp_path)
     assert metrics["task"] == "sequence_classification" and metrics["matches_in_memory"] is True
@@ -53,8 +59,18 @@ def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys)
 def test_embeddings_of_several_texts_print_and_write_cosines(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     texts = "texts=[the cat sits on the mat,a cat is sitting on a mat,stock markets fell sharply]"
-    code, err = cli(["model=local", f"model.path={minilm_folder()}", "max_memory.cpu=40MiB", "headroom=1KiB",
-                     "compare_in_memory=true", texts], tmp_path, capsys)
+    code, err = cli(
+        [
+            "model=local",
+            f"model.path={minilm_folder()}",
+            "max_memory.cpu=40MiB",
+            "headroom=1KiB",
+            "compare_in_memory=true",
+            texts,
+        ],
+        tmp_path,
+        capsys,
+    )
     assert code == 0, err
     metrics = run_metrics(tmp_path)
     assert metrics["matches_in_memory"] is True and metrics["embedding_shape"] == [3, 384]
@@ -64,7 +80,9 @@ def test_embeddings_of_several_texts_print_and_write_cosines(tmp_path, capsys, m
 
 
 def test_task_that_does_not_fit_is_one_line_naming_it(saved, tmp_path, capsys):
-    code, err = cli(["model=local", f"model.path={saved('bert').path}", "model.task=sequence_classification"], tmp_path, capsys)
+    code, err = cli(
+        ["model=local", f"model.path={saved('bert').path}", "model.task=sequence_classification"], tmp_path, capsys
+    )
     assert code == 2
     assert_one_line(err, "model.task='sequence_classification' does not fit", "model.task=masked_lm")
     code, err = cli(["model=local", f"model.path={saved('bert').path}", "model.task=seq2seq_lm"], tmp_path, capsys)
@@ -98,8 +116,19 @@ def test_prompts_on_a_run_that_reads_texts_is_one_line(saved, tmp_path, capsys):
 def test_a_seq2seq_model_generates_a_prompts_file_in_batches_as_in_memory(saved, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a short one\nthe longest prompt of the three\nmid length\n")
-    code, err = cli(["model=local", f"model.path={saved('t5').path}", f"prompts={prompts}", "batch_size=2",
-                     "max_memory.cpu=300KiB", "compare_in_memory=true", "max_new_tokens=4"], tmp_path, capsys)
+    code, err = cli(
+        [
+            "model=local",
+            f"model.path={saved('t5').path}",
+            f"prompts={prompts}",
+            "batch_size=2",
+            "max_memory.cpu=300KiB",
+            "compare_in_memory=true",
+            "max_new_tokens=4",
+        ],
+        tmp_path,
+        capsys,
+    )
     assert code == 0, err
     metrics = run_metrics(tmp_path)
     assert metrics["matches_in_memory"] is True and metrics["devices"]["disk"]["bytes"] > 0

@@ -41,7 +41,14 @@ def _copy(tiny: Path, target: Path) -> Path:
 def test_a_stale_checkpoint_with_the_same_size_and_mtime_is_not_reused(tiny, tmp_path, capsys):
     ckpt = _copy(tiny, tmp_path / "ckpt")
     folder = tmp_path / "off"
-    args = ["model=local", "storage=memmap", f"model.path={ckpt}", "max_memory.cpu=1KiB", "headroom=0", f"offload_folder={folder}"]
+    args = [
+        "model=local",
+        "storage=memmap",
+        f"model.path={ckpt}",
+        "max_memory.cpu=1KiB",
+        "headroom=0",
+        f"offload_folder={folder}",
+    ]
     assert cli(args, tmp_path, capsys)[0] == 0
     first = run_metrics(tmp_path)
     shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
@@ -71,8 +78,11 @@ def test_a_tampered_folder_gives_the_same_tokens_as_a_fresh_one(tamper, tiny, tm
         data[len(data) // 2] ^= 0x55
         dats[-1].write_bytes(bytes(data))
     elif tamper == "swap":
-        same = next((a, b) for a, b in zip(dats, dats[1:]) if a.stat().st_size == b.stat().st_size
-                    and a.read_bytes() != b.read_bytes())
+        same = next(
+            (a, b)
+            for a, b in zip(dats, dats[1:])
+            if a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+        )
         a, b = same[0].read_bytes(), same[1].read_bytes()
         same[0].write_bytes(b)
         same[1].write_bytes(a)
@@ -96,8 +106,15 @@ def _dispatch(tiny: Path, folder: Path):
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).eval()
-    return load_checkpoint_and_dispatch(model, tiny, device_map="sequential", max_memory={"cpu": 1024},
-                                        offload_folder=folder, execution_device="cpu", progress=False)
+    return load_checkpoint_and_dispatch(
+        model,
+        tiny,
+        device_map="sequential",
+        max_memory={"cpu": 1024},
+        offload_folder=folder,
+        execution_device="cpu",
+        progress=False,
+    )
 
 
 def _logits(model) -> torch.Tensor:

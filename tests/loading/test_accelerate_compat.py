@@ -31,14 +31,46 @@ from tests.logs import records_of
 
 # accelerate 1.x's positional parameters, in order, for the functions we share a name with
 ACCELERATE = {
-    infer_auto_device_map: ["model", "max_memory", "no_split_module_classes", "dtype", "special_dtypes", "verbose",
-                            "clean_result", "offload_buffers", "fallback_allocation"],
-    dispatch_model: ["model", "device_map", "main_device", "state_dict", "offload_dir", "offload_index",
-                     "offload_buffers", "skip_keys", "preload_module_classes", "force_hooks"],
-    load_checkpoint_and_dispatch: ["model", "checkpoint", "device_map", "max_memory", "no_split_module_classes",
-                                   "offload_folder", "offload_buffers", "dtype", "offload_state_dict", "skip_keys",
-                                   "preload_module_classes", "force_hooks", "strict", "full_state_dict",
-                                   "broadcast_from_rank0"],
+    infer_auto_device_map: [
+        "model",
+        "max_memory",
+        "no_split_module_classes",
+        "dtype",
+        "special_dtypes",
+        "verbose",
+        "clean_result",
+        "offload_buffers",
+        "fallback_allocation",
+    ],
+    dispatch_model: [
+        "model",
+        "device_map",
+        "main_device",
+        "state_dict",
+        "offload_dir",
+        "offload_index",
+        "offload_buffers",
+        "skip_keys",
+        "preload_module_classes",
+        "force_hooks",
+    ],
+    load_checkpoint_and_dispatch: [
+        "model",
+        "checkpoint",
+        "device_map",
+        "max_memory",
+        "no_split_module_classes",
+        "offload_folder",
+        "offload_buffers",
+        "dtype",
+        "offload_state_dict",
+        "skip_keys",
+        "preload_module_classes",
+        "force_hooks",
+        "strict",
+        "full_state_dict",
+        "broadcast_from_rank0",
+    ],
     get_balanced_memory: ["model", "max_memory", "no_split_module_classes", "dtype", "special_dtypes", "low_zero"],
     get_max_memory: ["max_memory"],
     check_device_map: ["model", "device_map"],
@@ -211,14 +243,28 @@ def test_dispatch_model_reads_an_accelerate_offload_index(tmp_path):
     (tmp_path / "index.json").write_text(json.dumps(index))
     with torch.no_grad():
         model[1].weight.zero_()  # the folder, not the model, holds the offloaded values
-    dispatch_model(model, {"0": "cpu", "1": "disk"}, main_device="cpu", offload_dir=tmp_path, offload_index=index,
-                   storage="pinned_cpu")
+    dispatch_model(
+        model,
+        {"0": "cpu", "1": "disk"},
+        main_device="cpu",
+        offload_dir=tmp_path,
+        offload_index=index,
+        storage="pinned_cpu",
+    )
     assert torch.equal(model(torch.ones(1, 4)), reference)
 
 
 def test_the_package_exports_accelerates_names():
-    for name in ("dispatch_model", "load_checkpoint_and_dispatch", "infer_auto_device_map", "init_empty_weights",
-                 "cpu_offload_with_hook", "find_tied_parameters", "check_device_map", "get_max_memory"):
+    for name in (
+        "dispatch_model",
+        "load_checkpoint_and_dispatch",
+        "infer_auto_device_map",
+        "init_empty_weights",
+        "cpu_offload_with_hook",
+        "find_tied_parameters",
+        "check_device_map",
+        "get_max_memory",
+    ):
         assert callable(getattr(offload_core, name))
 
 
@@ -235,8 +281,9 @@ class Pair(nn.Module):
 def test_preload_module_classes_loads_those_modules_whole_and_skip_keys_reach_the_policy():
     model = nn.Sequential(Pair(), Pair())
     reference = model(torch.ones(1, 4))
-    dispatch_model(model, {"": "disk"}, main_device="cpu", preload_module_classes=["Pair"], skip_keys="mask",
-                   storage="pinned_cpu")
+    dispatch_model(
+        model, {"": "disk"}, main_device="cpu", preload_module_classes=["Pair"], skip_keys="mask", storage="pinned_cpu"
+    )
     assert [unit.name for unit in model.offload_state.handle.units] == ["0", "1"]
     assert all(hook.skip_keys == {"mask"} for hook in module_hooks(model[0]) if hasattr(hook, "skip_keys"))
     assert any(hasattr(hook, "skip_keys") for hook in module_hooks(model[0]))

@@ -16,8 +16,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import offload_core
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
-from offload_core.alignment import (ALIGNMENT, address_offset, assume_kernels_depend_on_alignment, empty_at,
-                                    kernels_depend_on_alignment, misplaced, placed)
+from offload_core.alignment import (
+    ALIGNMENT,
+    address_offset,
+    assume_kernels_depend_on_alignment,
+    empty_at,
+    kernels_depend_on_alignment,
+    misplaced,
+    placed,
+)
 from offload_core.storage.base import StoreContext
 from offload_core.storage.folder import FolderStore
 from offload_core.storage.memory import HostMemoryStore
@@ -53,8 +60,14 @@ def llama(tmp_path_factory):
     """A float32 llama saved by transformers in shards, some tensors 8 bytes off a 16-byte boundary; its logits
     for one token as ``from_pretrained`` computes them."""
     folder = tmp_path_factory.mktemp("aligned") / "ckpt"
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="40KB")
     offsets = [o for shard in folder.glob("*.safetensors") for o in _file_offsets(shard)]
@@ -70,8 +83,14 @@ def llama(tmp_path_factory):
 @pytest.mark.parametrize("store,policy", list(itertools.product(STORES, POLICIES)))
 def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_path):
     folder, ids, want, _ = llama
-    model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
-                                         offload_folder=tmp_path / "off", execution_device="cpu")
+    model = offload_core.from_pretrained(
+        folder,
+        max_memory={"cpu": 60_000},
+        storage=store,
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        execution_device="cpu",
+    )
     try:
         assert {"cpu", "disk"} <= set(model.hf_device_map.values())
         with torch.no_grad():
@@ -87,8 +106,14 @@ def test_weights_reach_the_kernels_at_their_reference_offsets(llama, store, poli
     resident weight is handed to ``linear`` at the address offset ``from_pretrained`` gives it."""
     folder, ids, want, reference = llama
     with assume_kernels_depend_on_alignment(True):
-        model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
-                                             offload_folder=tmp_path / "off", execution_device="cpu")
+        model = offload_core.from_pretrained(
+            folder,
+            max_memory={"cpu": 60_000},
+            storage=store,
+            policy=policy,
+            offload_folder=tmp_path / "off",
+            execution_device="cpu",
+        )
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
                 got = model(ids).logits
@@ -103,9 +128,14 @@ def test_where_the_kernels_do_not_care_a_memmap_folder_still_lies_at_the_referen
     tensor at its reference offset, so the kernels see what ``from_pretrained`` gives them on any machine."""
     folder, ids, want, reference = llama
     with assume_kernels_depend_on_alignment(False):
-        model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage="memmap",
-                                             policy="align_per_call", offload_folder=tmp_path / "off",
-                                             execution_device="cpu")
+        model = offload_core.from_pretrained(
+            folder,
+            max_memory={"cpu": 60_000},
+            storage="memmap",
+            policy="align_per_call",
+            offload_folder=tmp_path / "off",
+            execution_device="cpu",
+        )
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
                 got = model(ids).logits
@@ -120,7 +150,9 @@ def test_the_probes_answer_can_be_assumed_for_a_block_in_every_thread():
     for answer in (True, False):
         with assume_kernels_depend_on_alignment(answer):
             seen = []
-            worker = __import__("threading").Thread(target=lambda: seen.append(kernels_depend_on_alignment(torch.float32)))
+            worker = __import__("threading").Thread(
+                target=lambda: seen.append(kernels_depend_on_alignment(torch.float32))
+            )
             worker.start()
             worker.join(timeout=30)
             assert seen == [answer] and kernels_depend_on_alignment(torch.bfloat16) is answer
@@ -145,9 +177,18 @@ def test_a_plain_module_loaded_from_a_file_matches_its_load_state_dict(tmp_path)
         want = reference(x)
     for store in STORES:
         with init_empty_weights():
-            model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24), torch.nn.Linear(24, 40)).eval()
-        load_checkpoint_and_dispatch(model, tmp_path, device_map={"0": "cpu", "1": "disk", "2": "disk"}, storage=store,
-                                     offload_folder=tmp_path / f"off-{store}", execution_device="cpu", progress=False)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(24, 40), torch.nn.Linear(40, 24), torch.nn.Linear(24, 40)
+            ).eval()
+        load_checkpoint_and_dispatch(
+            model,
+            tmp_path,
+            device_map={"0": "cpu", "1": "disk", "2": "disk"},
+            storage=store,
+            offload_folder=tmp_path / f"off-{store}",
+            execution_device="cpu",
+            progress=False,
+        )
         with torch.no_grad():
             got = model(x)
         model.offload_state.remove()
@@ -164,7 +205,7 @@ def test_empty_at_starts_where_asked():
 @pytest.mark.parametrize("kernels_care", [True, False])
 def test_placed_copies_only_where_the_kernels_care(kernels_care):
     raw = torch.randn(200)
-    view = raw[2:2 + 64].view(8, 8)  # 8 bytes past an aligned start
+    view = raw[2 : 2 + 64].view(8, 8)  # 8 bytes past an aligned start
     assert address_offset(view) == (address_offset(raw) + 8) % ALIGNMENT
     with assume_kernels_depend_on_alignment(kernels_care):
         for target in (0, 24, address_offset(view) + ALIGNMENT):
@@ -185,7 +226,7 @@ def test_placed_copies_only_where_the_kernels_care(kernels_care):
 def test_stores_hand_out_a_put_tensor_at_its_own_offset(kind, tmp_path):
     """An in-memory model's tensor keeps its address offset (its in-memory reference) through a store."""
     raw = torch.randn(600)
-    weight = raw[2:2 + 48 * 10].view(48, 10)  # 8 bytes off
+    weight = raw[2 : 2 + 48 * 10].view(48, 10)  # 8 bytes off
     context = StoreContext(names=["w"], offload_folder=tmp_path / "off", fingerprint={"t": 1})
     store = FolderStore(context) if kind == "memmap" else HostMemoryStore(context)
     store.put("w", weight)
@@ -201,8 +242,15 @@ def test_stores_hand_out_a_put_tensor_at_its_own_offset(kind, tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("store,policy", [("memmap", "align_per_call"), ("safetensors", "prefetch"),
-                                          ("pinned_cpu", "functional_call"), ("memmap", "chained")])
+@pytest.mark.parametrize(
+    "store,policy",
+    [
+        ("memmap", "align_per_call"),
+        ("safetensors", "prefetch"),
+        ("pinned_cpu", "functional_call"),
+        ("memmap", "chained"),
+    ],
+)
 def test_remove_restores_the_address_offsets_from_pretrained_gives(llama, store, policy, tmp_path):
     """After ``offload_state.remove()`` every weight sits at the address offset ``from_pretrained`` gives it and
     the model computes as that one does, bit for bit."""
@@ -210,8 +258,14 @@ def test_remove_restores_the_address_offsets_from_pretrained_gives(llama, store,
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
     assert len(set(offsets.values())) > 1, "the checkpoint must put weights at several offsets"
-    model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage=store, policy=policy,
-                                         offload_folder=tmp_path / "off", execution_device="cpu")
+    model = offload_core.from_pretrained(
+        folder,
+        max_memory={"cpu": 60_000},
+        storage=store,
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        execution_device="cpu",
+    )
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
     assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
@@ -223,13 +277,21 @@ def test_remove_restores_a_bert_encoder_as_from_pretrained_loads_it(tmp_path):
     """The same for an encoder (no tied head, layer norms with biases), saved in shards by transformers."""
     from transformers import AutoModel, BertConfig
 
-    config = BertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=200)
+    config = BertConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=200
+    )
     torch.manual_seed(0)
     AutoModel.from_config(config).save_pretrained(tmp_path / "bert", max_shard_size="40KB")
     reference = AutoModel.from_pretrained(tmp_path / "bert").eval()
     offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
-    model = offload_core.from_pretrained(tmp_path / "bert", max_memory={"cpu": 60_000}, storage="memmap",
-                                         policy="align_per_call", offload_folder=tmp_path / "off", execution_device="cpu")
+    model = offload_core.from_pretrained(
+        tmp_path / "bert",
+        max_memory={"cpu": 60_000},
+        storage="memmap",
+        policy="align_per_call",
+        offload_folder=tmp_path / "off",
+        execution_device="cpu",
+    )
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
     assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
@@ -245,8 +307,13 @@ def test_a_memmap_folder_maps_each_tensor_at_its_reference_offset_without_a_copy
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     want = {name: address_offset(p) for name, p in reference.state_dict().items()}
     for build in ("new", "reused"):
-        model = offload_core.from_pretrained(folder, max_memory={"cpu": 60_000}, storage="memmap",
-                                             offload_folder=tmp_path / "off", execution_device="cpu")
+        model = offload_core.from_pretrained(
+            folder,
+            max_memory={"cpu": 60_000},
+            storage="memmap",
+            offload_folder=tmp_path / "off",
+            execution_device="cpu",
+        )
         store = model.offload_state.store
         assert store.reused == (build == "reused") and len(store) > 4
         assert {store.offset(n) for n in store} - {0}, "the checkpoint must put offloaded weights off 64 bytes"

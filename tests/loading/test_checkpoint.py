@@ -41,8 +41,8 @@ def all_dtype_tensors() -> dict[str, torch.Tensor]:
         "i8": torch.randint(-128, 127, (9,), generator=gen, dtype=torch.int8),
         "u8": torch.randint(0, 255, (4, 2), generator=gen, dtype=torch.uint8),
         "i16": torch.randint(-1000, 1000, (5,), generator=gen, dtype=torch.int16),
-        "i32": torch.randint(-10**6, 10**6, (6,), generator=gen, dtype=torch.int32),
-        "i64": torch.randint(-10**12, 10**12, (3, 1), generator=gen, dtype=torch.int64),
+        "i32": torch.randint(-(10**6), 10**6, (6,), generator=gen, dtype=torch.int32),
+        "i64": torch.randint(-(10**12), 10**12, (3, 1), generator=gen, dtype=torch.int64),
         "bool": torch.tensor([[True, False, True], [False, False, True]]),
         "scalar": torch.tensor(3.5),
         "scalar_i64": torch.tensor(-7, dtype=torch.int64),
@@ -56,6 +56,7 @@ def all_dtype_tensors() -> dict[str, torch.Tensor]:
 
 
 # -- SafetensorsFile -----------------------------------------------------------------------------
+
 
 def test_round_trip_every_dtype_matches_safetensors(tmp_path):
     tensors = all_dtype_tensors()
@@ -78,9 +79,11 @@ def test_round_trip_every_dtype_matches_safetensors(tmp_path):
 def test_every_safetensors_dtype_name_is_readable(tmp_path):
     for name, dtype in SAFETENSORS_DTYPES.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
-        path = raw_safetensors(tmp_path / f"{name}.safetensors",
-                               {"t": {"dtype": name, "shape": [2], "data_offsets": [0, 2 * itemsize]}},
-                               bytes(2 * itemsize))
+        path = raw_safetensors(
+            tmp_path / f"{name}.safetensors",
+            {"t": {"dtype": name, "shape": [2], "data_offsets": [0, 2 * itemsize]}},
+            bytes(2 * itemsize),
+        )
         with SafetensorsFile(path) as sf:
             assert sf.get("t").dtype == dtype
 
@@ -155,22 +158,42 @@ MALFORMED = {
     "header_past_end": (lambda p: raw_safetensors(p, {}, header_len=500), "header claims"),
     "bad_json": (lambda p: p.write_bytes(struct.pack("<Q", 5) + b"{nope"), "not valid JSON"),
     "not_object": (lambda p: raw_safetensors(p, [1, 2]), "not a JSON object"),
-    "truncated": (lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8)),
-                  "is truncated: tensor 'x' ends at byte"),
-    "offsets_reversed": (lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, bytes(8)),
-                         "data_offsets"),
-    "offsets_negative": (lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, bytes(8)),
-                         "data_offsets"),
-    "overlap": (lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                                              "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12)),
-                "overlap"),
-    "unknown_dtype": (lambda p: raw_safetensors(p, {"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)),
-                      "'C64'"),
-    "size_mismatch": (lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)),
-                      "needs 12 bytes"),
+    "truncated": (
+        lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8)),
+        "is truncated: tensor 'x' ends at byte",
+    ),
+    "offsets_reversed": (
+        lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, bytes(8)),
+        "data_offsets",
+    ),
+    "offsets_negative": (
+        lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, bytes(8)),
+        "data_offsets",
+    ),
+    "overlap": (
+        lambda p: raw_safetensors(
+            p,
+            {
+                "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            bytes(12),
+        ),
+        "overlap",
+    ),
+    "unknown_dtype": (
+        lambda p: raw_safetensors(p, {"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)),
+        "'C64'",
+    ),
+    "size_mismatch": (
+        lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)),
+        "needs 12 bytes",
+    ),
     "missing_fields": (lambda p: raw_safetensors(p, {"x": {"dtype": "F32"}}, bytes(8)), "lacks"),
-    "bad_shape": (lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4)),
-                  "shape"),
+    "bad_shape": (
+        lambda p: raw_safetensors(p, {"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4)),
+        "shape",
+    ),
 }
 
 
@@ -193,6 +216,7 @@ def test_malformed_files_fail_with_one_clear_line_and_stay_unchanged(tmp_path, c
 
 
 # -- Checkpoint ----------------------------------------------------------------------------------
+
 
 def small_state(prefix: str = "", n: int = 4) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(len(prefix))
@@ -298,7 +322,10 @@ def test_bin_single_and_indexed(tmp_path):
     weight_map.update({k: "pytorch_model-00002-of-00002.bin" for k in second})
     (indexed / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     with Checkpoint.open(indexed) as ckpt:
-        assert [p.name for p, _ in ckpt.shards()] == ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
+        assert [p.name for p, _ in ckpt.shards()] == [
+            "pytorch_model-00001-of-00002.bin",
+            "pytorch_model-00002-of-00002.bin",
+        ]
         assert torch.equal(ckpt.get("b.layer1.weight"), second["b.layer1.weight"])
         assert ckpt.fingerprint()["files"][-1]["name"] == "pytorch_model.bin.index.json"
 
@@ -351,7 +378,10 @@ def test_fingerprint_changes_when_a_file_changes(tmp_path):
     with Checkpoint.open(tmp_path / "c") as ckpt:
         first = ckpt.fingerprint()
         assert [f["name"] for f in first["files"]] == [
-            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+        ]
         assert ckpt.fingerprint() == first
     shard = tmp_path / "c" / "model-00002-of-00002.safetensors"
     stat = shard.stat()

@@ -16,20 +16,27 @@ from offload_core.loading.checkpoint import Checkpoint
 
 
 def raw_safetensors(path: Path, entries: dict[str, tuple[str, list[int], list[int]]], data_len: int) -> Path:
-    header = {key: {"dtype": dtype, "shape": shape, "data_offsets": offsets} for key, (dtype, shape, offsets) in entries.items()}
+    header = {
+        key: {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+        for key, (dtype, shape, offsets) in entries.items()
+    }
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data_len))
     return path
 
 
-@pytest.mark.parametrize("entries", [
-    # overlap hidden behind a 0-byte tensor between the two ranges (neighbours alone look fine)
-    {"a": ("F32", [25], [0, 100]), "z": ("F32", [0], [50, 50]), "b": ("F32", [25], [50, 150])},
-    # a range inside another, with a third in between in sorted order
-    {"a": ("F32", [50], [0, 200]), "b": ("F32", [5], [10, 30]), "c": ("F32", [5], [40, 60])},
-    # same start
-    {"a": ("F32", [4], [0, 16]), "b": ("F32", [4], [0, 16])},
-], ids=["hidden-behind-0-byte", "nested", "same-start"])
+@pytest.mark.parametrize(
+    "entries",
+    [
+        # overlap hidden behind a 0-byte tensor between the two ranges (neighbours alone look fine)
+        {"a": ("F32", [25], [0, 100]), "z": ("F32", [0], [50, 50]), "b": ("F32", [25], [50, 150])},
+        # a range inside another, with a third in between in sorted order
+        {"a": ("F32", [50], [0, 200]), "b": ("F32", [5], [10, 30]), "c": ("F32", [5], [40, 60])},
+        # same start
+        {"a": ("F32", [4], [0, 16]), "b": ("F32", [4], [0, 16])},
+    ],
+    ids=["hidden-behind-0-byte", "nested", "same-start"],
+)
 def test_overlapping_ranges_are_refused(entries, tmp_path):
     path = raw_safetensors(tmp_path / "model.safetensors", entries, 200)
     with pytest.raises(CheckpointError, match="overlap"):
@@ -37,7 +44,9 @@ def test_overlapping_ranges_are_refused(entries, tmp_path):
 
 
 def test_a_0_byte_tensor_past_the_end_is_refused(tmp_path):
-    path = raw_safetensors(tmp_path / "model.safetensors", {"a": ("F32", [4], [0, 16]), "z": ("F32", [0], [99, 99])}, 16)
+    path = raw_safetensors(
+        tmp_path / "model.safetensors", {"a": ("F32", [4], [0, 16]), "z": ("F32", [0], [99, 99])}, 16
+    )
     with pytest.raises(CheckpointError, match="truncated"):
         Checkpoint.open(path)
 

@@ -27,12 +27,17 @@ def small_state(prefix: str = "", n: int = 4) -> dict[str, torch.Tensor]:
 
 # -- writing -------------------------------------------------------------------------------------
 
+
 def test_write_sharded_layout_and_index(tmp_path):
     state = {**small_state("a."), **small_state("b."), **small_state("c.")}
     out = write_sharded_safetensors(state, tmp_path / "out", max_shard_size=1100, metadata={"who": "test"})
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-                     "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    assert names == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 12 * 256
     assert set(index["weight_map"]) == set(state)
@@ -57,7 +62,9 @@ def test_tied_tensors_are_written_once(tmp_path):
     out = write_sharded_safetensors(state, tmp_path / "one", max_shard_size=10**9)
     with Checkpoint.open(out) as ckpt:
         assert sorted(ckpt.keys()) == ["embed.weight", "mid.weight"]
-        assert json.loads(ckpt.safetensors_file(ckpt.files[0]).metadata["offload_core.tied"]) == {"lm_head.weight": "embed.weight"}
+        assert json.loads(ckpt.safetensors_file(ckpt.files[0]).metadata["offload_core.tied"]) == {
+            "lm_head.weight": "embed.weight"
+        }
     out = write_sharded_safetensors(state, tmp_path / "many", max_shard_size=64)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"]

@@ -18,10 +18,23 @@ from offload_core.storage.inplace import InPlaceStore
 
 from offload_core.testing import round_trip_tensors as sample_tensors
 
-CONFIG = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)
-MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
-       "model.rotary_emb": "cpu", "lm_head": "disk"}
+CONFIG = LlamaConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    tie_word_embeddings=True,
+)
+MAP = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
 
 
 def _reference():
@@ -46,8 +59,17 @@ def _write(kind: str, model, directory):
     return directory
 
 
-@pytest.mark.parametrize("kind,storage", [("sharded", "safetensors"), ("single", "safetensors"), ("sharded", "memmap"),
-                                         ("single", "pinned_cpu"), ("bin", "memmap"), ("bin", "pinned_cpu")])
+@pytest.mark.parametrize(
+    "kind,storage",
+    [
+        ("sharded", "safetensors"),
+        ("single", "safetensors"),
+        ("sharded", "memmap"),
+        ("single", "pinned_cpu"),
+        ("bin", "memmap"),
+        ("bin", "pinned_cpu"),
+    ],
+)
 def test_checkpoint_kinds_load_and_match(kind, storage, tmp_path):
     reference = _reference()
     path = _write(kind, reference, tmp_path / "ckpt")

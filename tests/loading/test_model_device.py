@@ -18,13 +18,24 @@ from tests.checkpoints import POLICIES, STORES, Saved
 def _generate(model: nn.Module, moe: Saved) -> tuple[torch.Tensor, list[torch.Tensor], set[str]]:
     """Greedy tokens, each step's logits, and the experts implementations the experts modules ran with."""
     seen: set[str] = set()
-    handles = [module.register_forward_pre_hook(lambda mod, args: seen.add(mod.config._experts_implementation))
-               for name, module in model.named_modules() if name.endswith("mlp.experts")]
+    handles = [
+        module.register_forward_pre_hook(lambda mod, args: seen.add(mod.config._experts_implementation))
+        for name, module in model.named_modules()
+        if name.endswith("mlp.experts")
+    ]
     ids = moe.inputs["input_ids"]
     start = {"decoder_start_token_id": 0} if model.config.is_encoder_decoder else {}
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True, **start)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **start,
+        )
     for handle in handles:
         handle.remove()
     return out.sequences, list(out.logits), seen
@@ -48,8 +59,14 @@ def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_pa
     """Every step's logits bit for bit, under ``inference_mode`` as ``generate`` runs; then a plain call."""
     moe = saved("mixtral")
     cls, want_tokens, want_logits, want_impl = _reference(moe)
-    model = offload_core.from_pretrained(moe.path, device_map={"": "disk"}, storage=store, policy=policy,
-                                         offload_folder=tmp_path / "off", execution_device="cpu")
+    model = offload_core.from_pretrained(
+        moe.path,
+        device_map={"": "disk"},
+        storage=store,
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        execution_device="cpu",
+    )
     assert next(model.parameters()).device.type == "meta"
     assert model.device == torch.device("cpu")
     tokens, logits, impl = _generate(model, moe)
@@ -68,8 +85,9 @@ def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_pa
 def test_generation_steps_are_bit_identical(saved, name, policy, tmp_path):
     moe = saved(name)
     _, want_tokens, want_logits, _ = _reference(moe)
-    model = offload_core.from_pretrained(moe.path, device_map={"": "disk"}, storage="safetensors", policy=policy,
-                                         execution_device="cpu")
+    model = offload_core.from_pretrained(
+        moe.path, device_map={"": "disk"}, storage="safetensors", policy=policy, execution_device="cpu"
+    )
     tokens, logits, _ = _generate(model, moe)
     model.offload_state.remove()
     assert torch.equal(tokens, want_tokens)
@@ -79,9 +97,13 @@ def test_generation_steps_are_bit_identical(saved, name, policy, tmp_path):
 
 def test_a_model_with_a_resident_first_weight_reports_that_weight_s_device(saved, tmp_path):
     moe = saved("mixtral")
-    model = offload_core.from_pretrained(moe.path, device_map={"model.embed_tokens": "cpu", "model.layers": "disk",
-                                                               "model.norm": "disk", "lm_head": "disk"},
-                                         storage="memmap", offload_folder=tmp_path / "off", execution_device="cpu")
+    model = offload_core.from_pretrained(
+        moe.path,
+        device_map={"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "disk", "lm_head": "disk"},
+        storage="memmap",
+        offload_folder=tmp_path / "off",
+        execution_device="cpu",
+    )
     assert model.device == torch.device("cpu")
     model.offload_state.remove()
 
@@ -91,8 +113,9 @@ def test_a_plain_module_keeps_its_class(tmp_path):
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
-    load_checkpoint_and_dispatch(model, tmp_path, device_map={"": "disk"}, storage="safetensors",
-                                 execution_device="cpu", progress=False)
+    load_checkpoint_and_dispatch(
+        model, tmp_path, device_map={"": "disk"}, storage="safetensors", execution_device="cpu", progress=False
+    )
     assert type(model) is nn.Sequential
     assert model(torch.ones(1, 4)).shape == (1, 2)
     model.offload_state.remove()
@@ -102,7 +125,9 @@ def test_weights_resting_on_the_cpu_report_the_device_they_run_on(saved, fake_gp
     """A fake GPU stands in for a real one on every machine (``-m gpu`` runs a real one in tests/gpu)."""
     moe = saved("mixtral")
     device = fake_gpu().device(0)
-    model = offload_core.from_pretrained(moe.path, device_map={"": "cpu"}, storage="pinned_cpu", execution_device=device)
+    model = offload_core.from_pretrained(
+        moe.path, device_map={"": "cpu"}, storage="pinned_cpu", execution_device=device
+    )
     try:
         assert model.device == device
         assert {p.device.type for p in model.parameters()} <= {"cpu", "meta"}  # resting off the GPU, not moved ahead

@@ -33,6 +33,7 @@ def weight_digests(directory: Path) -> dict[str, str]:
 
 # -- synthetic -----------------------------------------------------------------------------------
 
+
 def test_synthetic_tiny_is_a_sharded_llama_checkpoint(tmp_path):
     path = synthetic_checkpoint(tmp_path / "m", **TINY)
     assert (path / "config.json").is_file() and (path / "model.safetensors.index.json").is_file()
@@ -171,7 +172,13 @@ def smollm2_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_smollm2_conversion_layout(smollm2_dir):
     path = smollm2_dir
-    for name in ("config.json", "tokenizer.json", "generation_config.json", "model.safetensors.index.json", COMPLETE_MARKER):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        COMPLETE_MARKER,
+    ):
         assert (path / name).is_file(), name
     with Checkpoint.open(path) as ckpt:
         assert len(ckpt.files) >= 2
@@ -201,5 +208,5 @@ def test_smollm2_answers_the_reference_question(smollm2_dir):
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answer.strip() == "The capital of France is Paris."

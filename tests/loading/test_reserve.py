@@ -12,8 +12,10 @@ from offload_core.loading.reserve import reserve_for
 from offload_core.registry.manager import get_registry
 
 
-@pytest.mark.parametrize("name,store,holds_back", [("mixtral", "safetensors", True), ("mixtral", "memmap", False),
-                                                   ("llama", "safetensors", False)])
+@pytest.mark.parametrize(
+    "name,store,holds_back",
+    [("mixtral", "safetensors", True), ("mixtral", "memmap", False), ("llama", "safetensors", False)],
+)
 def test_copies_made_on_read_are_held_back(saved, name, store, holds_back):
     model_source = saved(name)
     with init_empty_weights():
@@ -22,6 +24,7 @@ def test_copies_made_on_read_are_held_back(saved, name, store, holds_back):
     policy, storage = registry.create("policy", "prefetch"), registry.create("storage", store)
     dtype = next(model.parameters()).dtype
     with Checkpoint.open(model_source.path) as checkpoint:
-        reserve = reserve_for(model, checkpoint, policy, storage, torch.device("cpu"), list(model._no_split_modules),
-                              dtype, None)
+        reserve = reserve_for(
+            model, checkpoint, policy, storage, torch.device("cpu"), list(model._no_split_modules), dtype, None
+        )
     assert (reserve.get("cpu", 0) > 0) == holds_back

@@ -17,12 +17,18 @@ from offload_core.planning import compute_module_sizes
 from tests.checkpoints import minilm_folder
 
 
-@pytest.mark.parametrize("model_type,architecture,task", [
-    ("llama", "LlamaForCausalLM", "causal_lm"), ("gpt2", "GPT2LMHeadModel", "causal_lm"),
-    ("mixtral", "MixtralForCausalLM", "causal_lm"), ("t5", "T5ForConditionalGeneration", "seq2seq_lm"),
-    ("bert", "BertForMaskedLM", "masked_lm"), ("bert", "BertForSequenceClassification", "sequence_classification"),
-    ("bert", "BertModel", "embeddings"),
-])
+@pytest.mark.parametrize(
+    "model_type,architecture,task",
+    [
+        ("llama", "LlamaForCausalLM", "causal_lm"),
+        ("gpt2", "GPT2LMHeadModel", "causal_lm"),
+        ("mixtral", "MixtralForCausalLM", "causal_lm"),
+        ("t5", "T5ForConditionalGeneration", "seq2seq_lm"),
+        ("bert", "BertForMaskedLM", "masked_lm"),
+        ("bert", "BertForSequenceClassification", "sequence_classification"),
+        ("bert", "BertModel", "embeddings"),
+    ],
+)
 def test_task_follows_config_architectures(model_type, architecture, task):
     config = transformers.AutoConfig.for_model(model_type, architectures=[architecture])
     assert infer_task(config) == task
@@ -35,13 +41,24 @@ def test_task_without_architectures_follows_model_type():
 
 
 # Mixtral's per-expert tensors are assembled on each read in place: the budget holds three blocks' copies too.
-@pytest.mark.parametrize("name,cls,budget", [("t5", "T5ForConditionalGeneration", "60KiB"),
-                                             ("bert", "BertForMaskedLM", "60KiB"),
-                                             ("mixtral", "MixtralForCausalLM", "400KiB")])
+@pytest.mark.parametrize(
+    "name,cls,budget",
+    [
+        ("t5", "T5ForConditionalGeneration", "60KiB"),
+        ("bert", "BertForMaskedLM", "60KiB"),
+        ("mixtral", "MixtralForCausalLM", "400KiB"),
+    ],
+)
 def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, name, cls, budget, tmp_path):
     model_saved = saved(name)
-    model = from_pretrained(model_saved.path, max_memory={"cpu": budget}, offload_folder=tmp_path / "off",
-                            execution_device="cpu", storage="safetensors", policy="prefetch")
+    model = from_pretrained(
+        model_saved.path,
+        max_memory={"cpu": budget},
+        offload_folder=tmp_path / "off",
+        execution_device="cpu",
+        storage="safetensors",
+        policy="prefetch",
+    )
     assert type(model).__name__ == cls
     assert {"cpu", "disk"} <= set(model.hf_device_map.values()), model.hf_device_map
     with torch.no_grad():
@@ -52,7 +69,9 @@ def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, 
 
 def test_from_pretrained_seq2seq_generates_as_in_memory(saved, tmp_path):
     t5 = saved("t5")
-    model = from_pretrained(t5.path, max_memory={"cpu": "60KiB"}, offload_folder=tmp_path / "off", execution_device="cpu")
+    model = from_pretrained(
+        t5.path, max_memory={"cpu": "60KiB"}, offload_folder=tmp_path / "off", execution_device="cpu"
+    )
     reference = t5.auto.from_pretrained(t5.path).eval()
     ids = t5.inputs["input_ids"][:1]
     kwargs = dict(max_new_tokens=4, do_sample=False, decoder_start_token_id=0)
@@ -69,8 +88,15 @@ def test_from_pretrained_reserves_as_the_runner_so_an_embedding_leaves_room_on_c
     half = {"cpu": compute_module_sizes(empty)[""] // 2}
     # the placement's own rule would hold back the largest unit (the word embedding) on cpu, leaving nothing else
     # room there; a placement name given to load_checkpoint_and_dispatch holds back what the policy keeps in flight
-    load_checkpoint_and_dispatch(empty, folder, device_map="sequential", max_memory=half, offload_folder=tmp_path / "a",
-                                 execution_device="cpu", progress=False)
+    load_checkpoint_and_dispatch(
+        empty,
+        folder,
+        device_map="sequential",
+        max_memory=half,
+        offload_folder=tmp_path / "a",
+        execution_device="cpu",
+        progress=False,
+    )
     assert {"cpu", "disk"} <= set(empty.hf_device_map.values()), empty.hf_device_map
     empty.offload_state.remove()
     model = from_pretrained(folder, max_memory=half, offload_folder=tmp_path / "b", execution_device="cpu")
@@ -80,7 +106,9 @@ def test_from_pretrained_reserves_as_the_runner_so_an_embedding_leaves_room_on_c
 
 
 def test_unknown_architecture_is_one_line_naming_model_type(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "brand_new_arch", "architectures": ["BrandNewForCausalLM"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "brand_new_arch", "architectures": ["BrandNewForCausalLM"]})
+    )
     with pytest.raises(OffloadError) as caught:
         from_pretrained(tmp_path)
     message = str(caught.value)

@@ -22,13 +22,22 @@ from offload_core.planning import compute_module_sizes
 
 from tests.checkpoints import FAST, MODELS, PLACEMENTS, POLICIES, STORES, Saved, minilm_folder
 
+
 def _dispatch(saved: Saved, placement, store, policy, folder, fraction=2):
     with init_empty_weights():
         model = saved.auto.from_config(saved.config).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(model, saved.path, device_map=placement, max_memory={"cpu": total // fraction},
-                                 storage=store, policy=policy, offload_folder=folder, execution_device="cpu",
-                                 progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        saved.path,
+        device_map=placement,
+        max_memory={"cpu": total // fraction},
+        storage=store,
+        policy=policy,
+        offload_folder=folder,
+        execution_device="cpu",
+        progress=False,
+    )
     return model
 
 
@@ -171,8 +180,13 @@ def minilm():
         patch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing may be fetched from a model hub
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         reference = transformers.AutoModel.from_pretrained(folder).eval()
-    batch = dict(tokenizer(["offloading keeps only memory changing", "a second, longer sentence to embed here"],
-                           padding=True, return_tensors="pt"))
+    batch = dict(
+        tokenizer(
+            ["offloading keeps only memory changing", "a second, longer sentence to embed here"],
+            padding=True,
+            return_tensors="pt",
+        )
+    )
     return folder, batch, _embed(reference, batch)
 
 
@@ -182,8 +196,17 @@ def _minilm_check(minilm, placement, store, policy, tmp_path):
     with init_empty_weights():
         model = transformers.AutoModel.from_config(config).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(model, folder, device_map=placement, max_memory={"cpu": total // 2}, storage=store,
-                                 policy=policy, offload_folder=tmp_path / "off", execution_device="cpu", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        folder,
+        device_map=placement,
+        max_memory={"cpu": total // 2},
+        storage=store,
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        execution_device="cpu",
+        progress=False,
+    )
     assert "disk" in set(model.hf_device_map.values())
     got = _embed(model, batch)
     model.offload_state.remove()
@@ -209,14 +232,27 @@ def test_checkpoint_whose_names_match_is_not_wrapped(saved):
         model = llama.auto.from_config(llama.config)
     checkpoint = Checkpoint.open(llama.path)
     assert convert_checkpoint(model, checkpoint) is checkpoint
-    assert key_conversion(model, checkpoint).summary().lines() == ["checkpoint names match the model: nothing converted"]
+    assert key_conversion(model, checkpoint).summary().lines() == [
+        "checkpoint names match the model: nothing converted"
+    ]
 
 
 def test_gpt2_tied_head_split_across_tiers(saved, tmp_path):
     gpt2 = saved("gpt2")
-    model = _dispatch(gpt2, {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                             "transformer.h": "cpu", "transformer.ln_f": "cpu", "lm_head": "cpu"},
-                      "memmap", "align_per_call", tmp_path / "off")
+    model = _dispatch(
+        gpt2,
+        {
+            "transformer.wte": "disk",
+            "transformer.wpe": "cpu",
+            "transformer.drop": "cpu",
+            "transformer.h": "cpu",
+            "transformer.ln_f": "cpu",
+            "lm_head": "cpu",
+        },
+        "memmap",
+        "align_per_call",
+        tmp_path / "off",
+    )
     assert model.hf_device_map["transformer.wte"] == "disk" and model.hf_device_map["lm_head"] == "cpu"
     with torch.no_grad():
         got = model(**gpt2.inputs).logits
@@ -227,9 +263,15 @@ def test_gpt2_tied_head_split_across_tiers(saved, tmp_path):
 
 def test_layer_without_one_kind_of_expert_tensor_is_one_line(saved, tmp_path):
     qwen = saved("qwen2_moe")
-    path = _rewrite(qwen.path, tmp_path / "ckpt", lambda state: [state.pop(k) for k in list(state)
-                                                                  if k.startswith("model.layers.2.") and ".up_proj." in k
-                                                                  and ".experts." in k])
+    path = _rewrite(
+        qwen.path,
+        tmp_path / "ckpt",
+        lambda state: [
+            state.pop(k)
+            for k in list(state)
+            if k.startswith("model.layers.2.") and ".up_proj." in k and ".experts." in k
+        ],
+    )
     with init_empty_weights():
         model = qwen.auto.from_config(qwen.config)
     with pytest.raises(OffloadError, match=r"up_proj.*model\.layers\.2\.mlp\.experts\.gate_up_proj") as info:

@@ -7,12 +7,27 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 
 def tiny_llama():
-    config = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
 #: blocks 0, 1 and 3 on disk, the rest on the cpu
-DISK = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "disk", "model.layers.2": "cpu",
-        "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+DISK = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "disk",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.layers.3": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}

@@ -21,9 +21,17 @@ def _dispatch(saved: Saved, path: Path, store: str, folder: Path, **config) -> t
     with init_empty_weights():
         model = saved.auto.from_config(saved.config).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(model, path, device_map="sequential", max_memory={"cpu": total // 8}, storage=store,
-                                 policy=Experts(ExpertsConfig(**config)), offload_folder=folder,
-                                 execution_device="cpu", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        path,
+        device_map="sequential",
+        max_memory={"cpu": total // 8},
+        storage=store,
+        policy=Experts(ExpertsConfig(**config)),
+        offload_folder=folder,
+        execution_device="cpu",
+        progress=False,
+    )
     return model
 
 
@@ -37,6 +45,7 @@ def _routing(model: torch.nn.Module, inputs: dict) -> dict[int, set[int]]:
 
             def record(mod, args, kwargs, layer=layer):
                 routed.setdefault(layer, set()).update(torch.unique(args[1]).tolist())
+
             handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     with torch.no_grad():
         model(**inputs)
@@ -58,8 +67,10 @@ def test_experts_policy_bit_identical(saved, name, store, tmp_path):
     assert counters["expert_misses"] + counters["expert_whole_reads"] > 0
 
 
-@pytest.mark.parametrize("store,cache_slots,guess", [("safetensors", 0, "none"), ("memmap", 0, "none"),
-                                                     ("safetensors", 2, "router"), ("memmap", 8, "previous")])
+@pytest.mark.parametrize(
+    "store,cache_slots,guess",
+    [("safetensors", 0, "none"), ("memmap", 0, "none"), ("safetensors", 2, "router"), ("memmap", 8, "previous")],
+)
 def test_never_routed_experts_are_never_read(saved, store, cache_slots, guess, tmp_path):
     """Per-expert tensors of the experts no token is routed to are NaN in the checkpoint: the logits are still
     the in-memory model's, and (with no cache or guess) exactly the routed experts' bytes were read. A
@@ -166,9 +177,15 @@ def test_cached_experts_are_used_in_place_with_no_read(saved, tmp_path):
     model = _dispatch(moe, moe.path, "safetensors", tmp_path / "off", cache_slots=8, guess="none")
     seen: dict[str, set[int]] = {}
     # The activation runs inside the experts' forward, while their weights are in place.
-    handles = [module.act_fn.register_forward_pre_hook(
-        lambda mod, args, name=name, experts=module: seen.setdefault(name, set()).add(experts.gate_up_proj.data_ptr()))
-        for name, module in model.named_modules() if is_fused_experts(module)]
+    handles = [
+        module.act_fn.register_forward_pre_hook(
+            lambda mod, args, name=name, experts=module: seen.setdefault(name, set()).add(
+                experts.gate_up_proj.data_ptr()
+            )
+        )
+        for name, module in model.named_modules()
+        if is_fused_experts(module)
+    ]
     ids = moe.inputs["input_ids"][:1, :1]
     read = []
     with torch.no_grad():
@@ -220,9 +237,15 @@ def test_the_store_is_told_which_experts_are_about_to_be_read(saved, tmp_path):
     moe = saved("mixtral")
     with init_empty_weights():
         model = moe.auto.from_config(moe.config).eval()
-    load_checkpoint_and_dispatch(model, moe.path, device_map={"": "disk"}, storage=RecordingStorage(SafetensorsConfig()),
-                                 policy=Experts(ExpertsConfig(cache_slots=0, guess="router")), execution_device="cpu",
-                                 progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        moe.path,
+        device_map={"": "disk"},
+        storage=RecordingStorage(SafetensorsConfig()),
+        policy=Experts(ExpertsConfig(cache_slots=0, guess="router")),
+        execution_device="cpu",
+        progress=False,
+    )
     with torch.no_grad():
         got = model(input_ids=moe.inputs["input_ids"][:1, :1]).logits
     model.offload_state.remove()
@@ -266,14 +289,17 @@ def test_the_cache_takes_as_many_slots_as_the_cpu_budget_holds(saved, spare_slot
     row = sum(p[0].numel() * p.element_size() for p in experts[0].parameters(recurse=False) if p.dim() == 3)
     reading = (experts[0].num_experts + moe.config.num_experts_per_tok) * row
     budget = reading + spare_slots * len(experts) * row + row // 2  # room for spare_slots slots, not one more
-    need = InFlight(execution_device=torch.device("cpu"), block_bytes=1 << 20, module_bytes=1 << 20, model=model,
-                    cpu_budget=budget)
+    need = InFlight(
+        execution_device=torch.device("cpu"), block_bytes=1 << 20, module_bytes=1 << 20, model=model, cpu_budget=budget
+    )
     policy = Experts(ExpertsConfig())
     held = policy.reserve(need)["cpu"] - Prefetch(PrefetchConfig()).reserve(need).get("cpu", 0)
     slots = min(spare_slots, AUTO_SLOTS)
     assert held == reading + slots * len(experts) * row <= budget
     assert f"expert cache: {slots} slots per layer (as many as the cpu budget holds)" in policy.plan_lines()[0]
-    assert Experts(ExpertsConfig(cache_slots=4)).reserve(need)["cpu"] >= 4 * len(experts) * row  # a number given is kept
+    assert (
+        Experts(ExpertsConfig(cache_slots=4)).reserve(need)["cpu"] >= 4 * len(experts) * row
+    )  # a number given is kept
 
 
 def test_without_a_cache_a_cpu_run_reads_each_routed_expert_once_into_its_row(saved, tmp_path):
@@ -293,7 +319,13 @@ def test_without_a_cache_a_cpu_run_reads_each_routed_expert_once_into_its_row(sa
     model.offload_state.remove()
     assert torch.equal(got, want)
     assert counters["expert_hits"] == 0 and counters["expert_whole_reads"] == 0
+
     def placed(name: str) -> str:  # the device of the map's nearest entry at or above ``name``
-        return next(device_map[p] for p in (name.rsplit(".", k)[0] for k in range(name.count(".") + 1)) if p in device_map)
-    assert {placed(f"model.layers.{i}.mlp.experts") for i in routed} == {"disk"}  # every layer's experts come from the store
+        return next(
+            device_map[p] for p in (name.rsplit(".", k)[0] for k in range(name.count(".") + 1)) if p in device_map
+        )
+
+    assert {placed(f"model.layers.{i}.mlp.experts") for i in routed} == {
+        "disk"
+    }  # every layer's experts come from the store
     assert counters["expert_misses"] == sum(len(experts) for experts in routed.values()) == 2 * len(routed) > 0  # top 2

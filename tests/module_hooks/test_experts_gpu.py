@@ -10,6 +10,7 @@ from offload_core import init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.module_hooks.experts import Experts, ExpertsConfig
 from offload_core.planning import compute_module_sizes
 from tests.checkpoints import Saved
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
@@ -26,9 +27,18 @@ def test_experts_policy_on_gpu_bit_identical(store, guess, dtype, tmp_path):
     with init_empty_weights():
         model = moe.auto.from_config(moe.config, dtype=dtype).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(model, moe.path, device_map="sequential", max_memory={0: total // 4, "cpu": total // 4},
-                                 storage=store, policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
-                                 offload_folder=tmp_path / "off", execution_device="cuda:0", dtype=dtype, progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        moe.path,
+        device_map="sequential",
+        max_memory={0: total // 4, "cpu": total // 4},
+        storage=store,
+        policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
+        offload_folder=tmp_path / "off",
+        execution_device="cuda:0",
+        dtype=dtype,
+        progress=False,
+    )
     with torch.no_grad():
         got = [model(input_ids=ids).logits, model(input_ids=ids[:, :1]).logits, model(input_ids=ids[:, :1]).logits]
     counters = model.offload_state.handle.counters()

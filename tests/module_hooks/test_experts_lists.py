@@ -69,8 +69,11 @@ class TinyMoe(nn.Module):
 
 def _routed(model: TinyMoe, ids: torch.Tensor) -> dict[int, set[int]]:
     called: dict[int, set[int]] = {}
-    handles = [expert.register_forward_pre_hook(lambda m, a, i=i, e=e: called.setdefault(i, set()).add(e))
-               for i, layer in enumerate(model.layers) for e, expert in enumerate(layer.moe.experts)]
+    handles = [
+        expert.register_forward_pre_hook(lambda m, a, i=i, e=e: called.setdefault(i, set()).add(e))
+        for i, layer in enumerate(model.layers)
+        for e, expert in enumerate(layer.moe.experts)
+    ]
     with torch.no_grad():
         model(ids)
     for handle in handles:
@@ -80,10 +83,17 @@ def _routed(model: TinyMoe, ids: torch.Tensor) -> dict[int, set[int]]:
 
 def _dispatch(path, store: str, folder, cache_slots: int) -> TinyMoe:
     model = TinyMoe()
-    load_checkpoint_and_dispatch(model, path, device_map={"embed": "cpu", "layers": "disk", "head": "cpu"},
-                                 storage=store, offload_folder=folder, no_split_module_classes=["Block"],
-                                 policy=Experts(ExpertsConfig(cache_slots=cache_slots, guess="none")),
-                                 execution_device="cpu", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        path,
+        device_map={"embed": "cpu", "layers": "disk", "head": "cpu"},
+        storage=store,
+        offload_folder=folder,
+        no_split_module_classes=["Block"],
+        policy=Experts(ExpertsConfig(cache_slots=cache_slots, guess="none")),
+        execution_device="cpu",
+        progress=False,
+    )
     return model
 
 

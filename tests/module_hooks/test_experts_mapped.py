@@ -24,8 +24,16 @@ from offload_core.storage import pagecache
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def mixtral(request, tmp_path_factory):
     """A Mixtral whose per-expert tensors span whole pages (16 KiB and more), saved by transformers in ``dtype``."""
-    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128)
+    config = MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -37,7 +45,9 @@ def mixtral(request, tmp_path_factory):
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=request.param).eval()
     ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        tokens = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        tokens = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
     return path, ids, tokens, compute_module_sizes(reference)[""], reference, request.param
 
 
@@ -76,15 +86,22 @@ def test_fused_experts_are_spliced_from_the_shard_and_survive_a_drop(mixtral):
 @pytest.mark.parametrize("guess", ["router", "none"])
 def test_experts_on_mapped_views_give_the_in_memory_tokens(mixtral, store, guess, tmp_path):
     path, ids, want, total, _, dtype = mixtral
-    model = offload_core.from_pretrained(path, max_memory={"cpu": total // 4}, storage=store, dtype=dtype,
-                                         policy=Experts(ExpertsConfig(guess=guess, cache_slots=0)),
-                                         offload_folder=tmp_path / "off")
+    model = offload_core.from_pretrained(
+        path,
+        max_memory={"cpu": total // 4},
+        storage=store,
+        dtype=dtype,
+        policy=Experts(ExpertsConfig(guess=guess, cache_slots=0)),
+        offload_folder=tmp_path / "off",
+    )
     layers = model.offload_state.handle.layers
     assert layers
     if store == "memmap" or not kernels_depend_on_alignment(dtype):  # else the spliced view is misplaced: rows copied
         assert all(isinstance(layer, MappedLayer) for layer in layers)
     with torch.no_grad():
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
     counters = model.offload_state.handle.counters()
     model.offload_state.remove()
     assert torch.equal(got, want)
@@ -108,25 +125,36 @@ def test_routed_rows_are_asked_for_before_they_are_read(mixtral, tmp_path, monke
     monkeypatch.setattr(pagecache, "advise_ranges", record_advise)
     monkeypatch.setattr(pagecache, "map_in", record_map_in)
     monkeypatch.setattr(pagecache, "resident", lambda tensor: False)
-    model = offload_core.from_pretrained(path, device_map={"": "disk"}, storage="memmap", dtype=dtype,
-                                         policy=Experts(ExpertsConfig(guess="none", cache_slots=0)),
-                                         offload_folder=tmp_path / "off")
+    model = offload_core.from_pretrained(
+        path,
+        device_map={"": "disk"},
+        storage="memmap",
+        dtype=dtype,
+        policy=Experts(ExpertsConfig(guess="none", cache_slots=0)),
+        offload_folder=tmp_path / "off",
+    )
     layers = model.offload_state.handle.layers
     assert all(isinstance(layer, MappedLayer) for layer in layers)
     with torch.no_grad():
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        got = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0
+        )
     store = model.offload_state.store
     reads = [e for e in events if e[0] == "read"]
-    assert torch.equal(got, want[:, :ids.shape[1] + 3]) and reads
+    assert torch.equal(got, want[:, : ids.shape[1] + 3]) and reads
     for layer in layers:
         for key, view in layer.views.items():
             row = view[0].numel() * view.element_size()
             for index, event in enumerate(events):
-                if event[0] == "read" and view.data_ptr() <= event[1] < view.data_ptr() + view.numel() * view.element_size():
+                if (
+                    event[0] == "read"
+                    and view.data_ptr() <= event[1] < view.data_ptr() + view.numel() * view.element_size()
+                ):
                     start = event[1] - view.data_ptr()
-                    (file, begin, end), = store.file_ranges(key, start, start + row)
-                    assert any(e[0] == "advise" and e[1] == str(file) and e[2] <= begin and end <= e[3]
-                               for e in events[:index]), (key, start)
+                    ((file, begin, end),) = store.file_ranges(key, start, start + row)
+                    assert any(
+                        e[0] == "advise" and e[1] == str(file) and e[2] <= begin and end <= e[3] for e in events[:index]
+                    ), (key, start)
     model.offload_state.remove()
 
 
@@ -152,8 +180,15 @@ def test_experts_on_mapped_views_hold_nothing_back_from_the_cpu_budget(mixtral, 
     *_, reference, _ = mixtral
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(reference.config).eval()
-    need = InFlight(execution_device=torch.device("cpu"), block_bytes=1 << 20, module_bytes=1 << 20, model=model,
-                    store_maps=True, store_converts=converts, cpu_budget=1 << 30)
+    need = InFlight(
+        execution_device=torch.device("cpu"),
+        block_bytes=1 << 20,
+        module_bytes=1 << 20,
+        model=model,
+        store_maps=True,
+        store_converts=converts,
+        cpu_budget=1 << 30,
+    )
     policy = Experts(ExpertsConfig())
     held = policy.reserve(need)["cpu"] - Prefetch(PrefetchConfig()).reserve(need).get("cpu", 0)
     assert (held == 0) != converts
@@ -164,15 +199,22 @@ def test_guesses_in_memory_already_wake_no_reader(mixtral, tmp_path):
     """Warm, a guess whose rows are in the page cache is served on the compute thread: the experts' reader never starts
     (a thread woken beside the compute's slows every parallel kernel on a small machine)."""
     path, ids, want, total, _, dtype = mixtral
-    model = offload_core.from_pretrained(path, max_memory={"cpu": total // 4}, storage="memmap", dtype=dtype,
-                                         policy=Experts(ExpertsConfig(guess="router", cache_slots=0)),
-                                         offload_folder=tmp_path / "off")
+    model = offload_core.from_pretrained(
+        path,
+        max_memory={"cpu": total // 4},
+        storage="memmap",
+        dtype=dtype,
+        policy=Experts(ExpertsConfig(guess="router", cache_slots=0)),
+        offload_folder=tmp_path / "off",
+    )
     handle = model.offload_state.handle
     assert all(isinstance(layer, MappedLayer) for layer in handle.layers)
     for layer in handle.layers:  # in memory for sure: read in once
         layer.read_in(list(range(layer.num_experts)))
     with torch.no_grad():
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
     counters = handle.counters()
     running = handle.reader.running
     model.offload_state.remove()

@@ -59,6 +59,8 @@ def test_expert_slots_are_the_offloaded_tensors_indexed_by_expert():
     offloaded = {"moe.gate_up_proj": "k1", "moe.table": "k3", "moe.bias": "k4", "moe.mix": "k5"}
     slots = expert_slots("moe", fused, offloaded)
     assert [(s.local, s.full, s.key, s.is_param, s.owner is fused) for s in slots] == [
-        ("gate_up_proj", "moe.gate_up_proj", "k1", True, True), ("table", "moe.table", "k3", True, True)]
+        ("gate_up_proj", "moe.gate_up_proj", "k1", True, True),
+        ("table", "moe.table", "k3", True, True),
+    ]
     assert slots[0].original is fused.gate_up_proj
     assert [s.full for s in expert_slots("", fused, {"down_proj": "k2"})] == ["down_proj"]

@@ -19,13 +19,28 @@ from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig, Prefetc
 from offload_core.storage.base import Store
 from offload_core.storage.residency import Residency
 
-DISK = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "disk", "model.layers.2": "cpu",
-        "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+DISK = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "disk",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.layers.3": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
 
 
 def _model():
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -59,13 +74,17 @@ def test_streamed_blocks_are_dropped_after_use_and_tokens_match(tmp_path, policy
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
     expected = _generate(_model(), ids)
     residency = Residency(budget=0)
-    options = dict(storage=storage, policy=POLICIES[policy](), no_split_module_classes=["LlamaDecoderLayer"], residency=residency)
+    options = dict(
+        storage=storage, policy=POLICIES[policy](), no_split_module_classes=["LlamaDecoderLayer"], residency=residency
+    )
     if storage == "memmap":
         model = dispatch_model(_model(), DISK, offload_folder=tmp_path / "off", **options)
     else:  # the checkpoint as transformers saves it, read in place
         with init_empty_weights():
             model = _model()
-        load_checkpoint_and_dispatch(model, _checkpoint(tmp_path), DISK, execution_device="cpu", progress=False, **options)
+        load_checkpoint_and_dispatch(
+            model, _checkpoint(tmp_path), DISK, execution_device="cpu", progress=False, **options
+        )
     try:
         assert torch.equal(_generate(model, ids), expected)
         counters = model.offload_state.handle.counters()
@@ -83,8 +102,15 @@ def test_kept_blocks_are_served_from_the_cache_and_shrink_under_pressure(tmp_pat
     free = {"bytes": 1 << 40}
     residency = Residency(budget=1 << 40, available=lambda: free["bytes"], margin=0)
     model = _model()
-    dispatch_model(model, DISK, storage="memmap", policy=POLICIES[policy](), offload_folder=tmp_path / "off",
-                   no_split_module_classes=["LlamaDecoderLayer"], residency=residency)
+    dispatch_model(
+        model,
+        DISK,
+        storage="memmap",
+        policy=POLICIES[policy](),
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+        residency=residency,
+    )
     try:
         with torch.no_grad():
             model(ids)
@@ -143,13 +169,26 @@ def test_the_reader_reads_the_next_streamed_block_while_a_kept_one_is_next(tmp_p
 
     class Recording(Prefetch):
         def make_prefetcher(self, units, plan):
-            return Prefetcher(units, _RecordingStore(plan.store, on_warm), plan.execution_device, self.config.depth,
-                              plan.stats, residency=plan.residency)
+            return Prefetcher(
+                units,
+                _RecordingStore(plan.store, on_warm),
+                plan.execution_device,
+                self.config.depth,
+                plan.stats,
+                residency=plan.residency,
+            )
 
     block = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     residency = Residency(budget=block * 5 // 2)  # two of the four blocks, spread: layers 1 and 3
-    dispatch_model(model, {**DISK, "model.layers.2": "disk"}, storage="memmap", policy=Recording(PrefetchConfig(depth=1)),
-                   offload_folder=tmp_path / "off", no_split_module_classes=["LlamaDecoderLayer"], residency=residency)
+    dispatch_model(
+        model,
+        {**DISK, "model.layers.2": "disk"},
+        storage="memmap",
+        policy=Recording(PrefetchConfig(depth=1)),
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+        residency=residency,
+    )
     handle = model.offload_state.handle
     assert list(residency.kept) == ["model.layers.1", "model.layers.3"]
     seen = []
@@ -174,8 +213,14 @@ def test_from_pretrained_takes_a_page_cache(tmp_path, page_cache, kept):
     folder = _checkpoint(tmp_path)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
     expected = _generate(_model(), ids)
-    model = offload_core.from_pretrained(folder, device_map=DISK, storage="safetensors", policy="align_per_call",
-                                         execution_device="cpu", page_cache=page_cache)
+    model = offload_core.from_pretrained(
+        folder,
+        device_map=DISK,
+        storage="safetensors",
+        policy="align_per_call",
+        execution_device="cpu",
+        page_cache=page_cache,
+    )
     try:
         assert torch.equal(_generate(model, ids), expected)
         counters = model.offload_state.handle.counters()

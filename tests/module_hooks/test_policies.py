@@ -18,14 +18,28 @@ from tests import ROOT
 
 
 def _tied_llama(seed=0):
-    config = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
-       "model.norm": "disk", "model.rotary_emb": "cpu", "lm_head": "disk"}
+MAP = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.norm": "disk",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
 
 
 @pytest.mark.parametrize("storage", ["pinned_cpu", "memmap"])
@@ -67,8 +81,17 @@ def test_offload_by_budget_follows_vllm_rule():
 def _plan_only(tmp_path, *overrides):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "model=synthetic", "hook=functional_call", "max_memory.cpu=1MiB", "plan_only=true", "progress=false", *overrides])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "model=synthetic",
+                "hook=functional_call",
+                "max_memory.cpu=1MiB",
+                "plan_only=true",
+                "progress=false",
+                *overrides,
+            ],
+        )
     return run(cfg, output_dir=tmp_path)
 
 
@@ -93,9 +116,17 @@ def test_functional_call_cpu_offload_never_exceeds_the_cpu_budget(tmp_path):
 def test_functional_call_cpu_offload_budget_through_the_runner(tmp_path):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "model=synthetic", "hook=functional_call", "hook.cpu_offload=300KiB", "max_new_tokens=4",
-            "progress=false", "compare_in_memory=true"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "model=synthetic",
+                "hook=functional_call",
+                "hook.cpu_offload=300KiB",
+                "max_new_tokens=4",
+                "progress=false",
+                "compare_in_memory=true",
+            ],
+        )
     result = run(cfg, output_dir=tmp_path)
     assert result.matches_in_memory is True
     assert 0 < result.figures["offloaded_bytes"] <= 300 * 1024

@@ -12,7 +12,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from offload_core import dispatch_model
-from offload_core.module_hooks.prefetch import BlockPool, Prefetch, PrefetchConfig, Prefetcher, StagingRing, Streams, Trace
+from offload_core.module_hooks.prefetch import (
+    BlockPool,
+    Prefetch,
+    PrefetchConfig,
+    Prefetcher,
+    StagingRing,
+    Streams,
+    Trace,
+)
 from tests.module_hooks.prefetch_model import DISK
 from tests.module_hooks.prefetch_model import tiny_llama as _model
 from tests.waits import blocked_in
@@ -22,8 +30,16 @@ class _StagedPrefetch(Prefetch):
     """Prefetch whose reader carries bytes through the pinned staging ring even on a CPU run."""
 
     def make_prefetcher(self, units, plan):
-        return Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
-                          copy=self.config.pool, staging=True, staging_chunk=self.chunk)
+        return Prefetcher(
+            units,
+            plan.store,
+            plan.execution_device,
+            self.config.depth,
+            plan.stats,
+            copy=self.config.pool,
+            staging=True,
+            staging_chunk=self.chunk,
+        )
 
 
 def _prefetch(config, staging=False):
@@ -49,8 +65,14 @@ def test_prefetch_hits_after_the_first_pass_and_matches_in_memory(tmp_path):
     with torch.no_grad():
         expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     model = _model()
-    dispatch_model(model, DISK, storage="memmap", policy=Prefetch(PrefetchConfig(depth=2)),
-                   offload_folder=tmp_path / "off", no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        DISK,
+        storage="memmap",
+        policy=Prefetch(PrefetchConfig(depth=2)),
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     prefetcher = model.offload_state.handle.prefetcher
     with torch.no_grad():
         got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
@@ -66,8 +88,13 @@ def test_prefetch_hits_after_the_first_pass_and_matches_in_memory(tmp_path):
 def test_changed_order_invalidates_the_trace_and_stays_correct(tmp_path):
     model = _model()
     reference = _model()
-    dispatch_model(model, DISK, storage="pinned_cpu", policy=Prefetch(PrefetchConfig(depth=1)),
-                   no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        DISK,
+        storage="pinned_cpu",
+        policy=Prefetch(PrefetchConfig(depth=1)),
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     prefetcher = model.offload_state.handle.prefetcher
     ids = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -90,8 +117,13 @@ def test_changed_order_invalidates_the_trace_and_stays_correct(tmp_path):
 
 def test_depth_zero_is_plain_per_block_offload(tmp_path):
     model = _model()
-    dispatch_model(model, DISK, storage="pinned_cpu", policy=Prefetch(PrefetchConfig(depth=0)),
-                   no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        DISK,
+        storage="pinned_cpu",
+        policy=Prefetch(PrefetchConfig(depth=0)),
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     prefetcher = model.offload_state.handle.prefetcher
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
@@ -101,6 +133,7 @@ def test_depth_zero_is_plain_per_block_offload(tmp_path):
 
 
 # -- the copy path: block pool, staging ring, tied weights ----------------------------------------
+
 
 def test_staging_ring_carries_bytes_across_chunks_and_reuses_its_buffers():
     ring = StagingRing(Streams(torch.device("cpu")), count=2, chunk=4096)
@@ -142,8 +175,16 @@ def test_block_pool_counts_references_and_frees_the_last_one():
     assert pool.peak_in_use == 2 and pool.allocated_bytes == 2 * 1024
 
 
-TIED_DISK = {"model.embed_tokens": "disk", "model.layers.0": "disk", "model.layers.1": "cpu", "model.layers.2": "disk",
-             "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
+TIED_DISK = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": "disk",
+    "model.layers.1": "cpu",
+    "model.layers.2": "disk",
+    "model.layers.3": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
 
 
 @pytest.mark.parametrize("staging", [False, True], ids=["pool", "pool+staging"])
@@ -157,12 +198,23 @@ def test_pool_path_matches_in_memory_and_moves_a_tied_weight_once(tmp_path, stag
     seen = _weights_seen_in_forward(model.lm_head)
     # depth 1: the embedding is scheduled while lm_head runs, so it always finds the tied weight there
     policy = _prefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"), staging=staging)
-    dispatch_model(model, TIED_DISK, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
-                   no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        TIED_DISK,
+        storage="memmap",
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     state = model.offload_state
     prefetcher = state.handle.prefetcher
-    assert [u.name for u in prefetcher.units] == ["model.embed_tokens", "model.layers.0", "model.layers.2",
-                                                  "model.layers.3", "lm_head"]
+    assert [u.name for u in prefetcher.units] == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.2",
+        "model.layers.3",
+        "lm_head",
+    ]
     with torch.no_grad():
         for _ in range(3):  # the first pass records the order, then everything is read ahead
             assert torch.equal(model(ids).logits, expected_logits)
@@ -200,9 +252,16 @@ def test_converting_store_reads_into_the_pool(tmp_path):
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32).eval()
     seen = _weights_seen_in_forward(model.model.layers[3].mlp.down_proj)
-    load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=DISK, storage="safetensors",
-                                 policy=Prefetch(PrefetchConfig(depth=1)), dtype=torch.float32,
-                                 no_split_module_classes=["LlamaDecoderLayer"], progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map=DISK,
+        storage="safetensors",
+        policy=Prefetch(PrefetchConfig(depth=1)),
+        dtype=torch.float32,
+        no_split_module_classes=["LlamaDecoderLayer"],
+        progress=False,
+    )
     prefetcher = model.offload_state.handle.prefetcher
     with torch.no_grad():
         expected = reference(ids).logits
@@ -311,8 +370,14 @@ def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
     after its last copy."""
     model = _model()
     policy = _StagedPrefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"))
-    dispatch_model(model, TIED_DISK, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
-                   no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        TIED_DISK,
+        storage="memmap",
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     prefetcher = model.offload_state.handle.prefetcher
     accel = prefetcher.accel = prefetcher.staging.accel = _LoggingAccelerator()
     with torch.no_grad():
@@ -343,8 +408,14 @@ def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
 
     model = _model()
     reference = _model()
-    dispatch_model(model, TIED_DISK, storage="memmap", policy=Prefetch(PrefetchConfig(depth=1, pool=True)),
-                   offload_folder=tmp_path / "off", no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        TIED_DISK,
+        storage="memmap",
+        policy=Prefetch(PrefetchConfig(depth=1, pool=True)),
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     prefetcher = model.offload_state.handle.prefetcher
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():

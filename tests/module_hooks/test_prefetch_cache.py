@@ -15,6 +15,7 @@ from tests.module_hooks.prefetch_model import tiny_llama as _model
 
 # -- read-ahead the page cache evicted before use -------------------------------------------------
 
+
 def test_resident_sees_pages_dropped_from_the_page_cache(tmp_path):
     import ctypes
     import mmap
@@ -46,7 +47,7 @@ def test_resident_sees_pages_dropped_from_the_page_cache(tmp_path):
     assert populate(tensor) and resident(tensor)
     assert tensor[12345].item() == 12345 % 256
     drop(517 * page, page)  # one page of 1024 missing is enough to be read again
-    assert not resident(tensor) and resident(tensor[: 517 * page]) and resident(tensor[518 * page:])
+    assert not resident(tensor) and resident(tensor[: 517 * page]) and resident(tensor[518 * page :])
     assert populate(tensor) and resident(tensor)
 
 
@@ -83,9 +84,16 @@ def test_read_ahead_evicted_between_passes_is_read_again_by_the_reader(tmp_path,
     reference.save_pretrained(tmp_path / "ckpt")
     model = _model()
     ids = torch.tensor([[5, 6, 7, 8]])
-    load_checkpoint_and_dispatch(model, tmp_path / "ckpt", DISK, storage=storage, policy=Prefetch(PrefetchConfig(depth=2)),
-                                 offload_folder=tmp_path / "off", no_split_module_classes=["LlamaDecoderLayer"],
-                                 progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        DISK,
+        storage=storage,
+        policy=Prefetch(PrefetchConfig(depth=2)),
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+        progress=False,
+    )
     prefetcher = model.offload_state.handle.prefetcher
     evictions = _Evictions(monkeypatch, prefetcher.store)
     with torch.no_grad():
@@ -112,8 +120,14 @@ def test_read_ahead_evicted_after_the_pass_started_is_read_in_before_its_block_r
     reference = _model()
     model = _model()
     ids = torch.tensor([[5, 6, 7, 8]])
-    dispatch_model(model, DISK, storage="memmap", policy=Prefetch(PrefetchConfig(depth=1)),
-                   offload_folder=tmp_path / "off", no_split_module_classes=["LlamaDecoderLayer"])
+    dispatch_model(
+        model,
+        DISK,
+        storage="memmap",
+        policy=Prefetch(PrefetchConfig(depth=1)),
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
     prefetcher = model.offload_state.handle.prefetcher
     evictions = _Evictions(monkeypatch, prefetcher.store)
     layer3 = next(i for i, unit in enumerate(prefetcher.units) if unit.name == "model.layers.3")

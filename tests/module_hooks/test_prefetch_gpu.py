@@ -12,12 +12,28 @@ from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CONFIG = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=8,
-                     num_key_value_heads=4, vocab_size=1024, tie_word_embeddings=True)
+CONFIG = LlamaConfig(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=1024,
+    tie_word_embeddings=True,
+)
 # Everything but two layers lives off the GPU: cpu and disk are both streamed to cuda:0.
-DEVICE_MAP = {"model.embed_tokens": "cpu", "model.layers.0": 0, "model.layers.1": "cpu", "model.layers.2": "disk",
-              "model.layers.3": 0, "model.layers.4": "disk", "model.layers.5": "cpu", "model.norm": 0,
-              "model.rotary_emb": 0, "lm_head": "cpu"}
+DEVICE_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": 0,
+    "model.layers.1": "cpu",
+    "model.layers.2": "disk",
+    "model.layers.3": 0,
+    "model.layers.4": "disk",
+    "model.layers.5": "cpu",
+    "model.norm": 0,
+    "model.rotary_emb": 0,
+    "lm_head": "cpu",
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +47,9 @@ def checkpoint(tmp_path_factory):
     model.to("cuda")
     with torch.no_grad():
         logits = model(ids.cuda()).logits
-        tokens = model.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=8, do_sample=False)
+        tokens = model.generate(
+            ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=8, do_sample=False
+        )
     del model
     torch.cuda.empty_cache()
     return path, ids.cuda(), logits, tokens
@@ -45,8 +63,16 @@ def test_gpu_prefetch_matches_in_memory(checkpoint, store, depth, tmp_path):
         model = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.bfloat16).eval()
     # A small staging chunk: every weight crosses in several chunks, through every buffer of the ring.
     policy = Prefetch(PrefetchConfig(depth=depth, staging_chunk="64KiB"))
-    load_checkpoint_and_dispatch(model, path, device_map=DEVICE_MAP, storage=store, policy=policy,
-                                 offload_folder=tmp_path / "off", execution_device="cuda:0", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        path,
+        device_map=DEVICE_MAP,
+        storage=store,
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        execution_device="cuda:0",
+        progress=False,
+    )
     state = model.offload_state
     prefetcher = state.handle.prefetcher
     with torch.no_grad():
@@ -72,19 +98,41 @@ def test_gpu_prefetch_matches_in_memory(checkpoint, store, depth, tmp_path):
 
 def test_gpu_memory_stays_inside_resident_plus_pool(tmp_path):
     # Blocks of ~25 MB, 6 of 8 offloaded (~150 MB): holding them all at once would break the bound below.
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                         num_key_value_heads=4, vocab_size=1024, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
-    write_sharded_safetensors(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).state_dict(), tmp_path / "ckpt",
-                              max_shard_size=50_000_000)
+    write_sharded_safetensors(
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).state_dict(),
+        tmp_path / "ckpt",
+        max_shard_size=50_000_000,
+    )
     config.save_pretrained(tmp_path / "ckpt")
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0,
-                  **{f"model.layers.{i}": (0 if i in (0, 4) else "disk") for i in range(8)}}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.norm": 0,
+        "lm_head": 0,
+        **{f"model.layers.{i}": (0 if i in (0, 4) else "disk") for i in range(8)},
+    }
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=device_map, storage="memmap",
-                                 policy=Prefetch(PrefetchConfig(depth=2)), offload_folder=tmp_path / "off",
-                                 execution_device="cuda:0", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map=device_map,
+        storage="memmap",
+        policy=Prefetch(PrefetchConfig(depth=2)),
+        offload_folder=tmp_path / "off",
+        execution_device="cuda:0",
+        progress=False,
+    )
     ids = torch.randint(0, 1024, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         # The first forward's GEMMs allocate cuBLAS's workspaces (once per handle and stream, several MiB):

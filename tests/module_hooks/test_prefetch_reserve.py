@@ -45,9 +45,18 @@ def test_the_reservation_holds_the_pool_the_prefetcher_makes(depth, tmp_path):
     model.load_state_dict(reference.state_dict())
     policy = Prefetch(PrefetchConfig(depth=depth, pool=True))
     block = largest_block_size(model, ["Block"])
-    reserve = policy.reserve(InFlight(torch.device("cpu"), block, block, model=model, no_split_module_classes=("Block",)))
-    dispatch_model(model, {"": "disk"}, storage="memmap", policy=policy, offload_folder=tmp_path / "off",
-                   no_split_module_classes=["Block"], execution_device="cpu")
+    reserve = policy.reserve(
+        InFlight(torch.device("cpu"), block, block, model=model, no_split_module_classes=("Block",))
+    )
+    dispatch_model(
+        model,
+        {"": "disk"},
+        storage="memmap",
+        policy=policy,
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["Block"],
+        execution_device="cpu",
+    )
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     pool = model.offload_state.handle.prefetcher.block_pool

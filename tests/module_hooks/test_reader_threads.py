@@ -37,9 +37,17 @@ def ours() -> list[str]:
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def mixtral(request, tmp_path_factory):
-    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
-                           tie_word_embeddings=request.param)
+    config = MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        tie_word_embeddings=request.param,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -50,7 +58,9 @@ def mixtral(request, tmp_path_factory):
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        tokens = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        tokens = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
     return path, ids, tokens, compute_module_sizes(reference)[""]
 
 
@@ -62,16 +72,27 @@ def test_generation_ends_and_no_reader_outlives_the_run(mixtral, policy, store, 
         pytest.skip("a kept page-cache set is for the stores that read files")  # the error is tested in test_keep
     path, ids, want_tokens, total = mixtral
     before = ours()
-    model = offload_core.from_pretrained(path, max_memory={"cpu": total // 4}, storage=store, policy=POLICIES[policy](),
-                                         offload_folder=tmp_path / "off", page_cache=kept)
+    model = offload_core.from_pretrained(
+        path,
+        max_memory={"cpu": total // 4},
+        storage=store,
+        policy=POLICIES[policy](),
+        offload_folder=tmp_path / "off",
+        page_cache=kept,
+    )
     assert "disk" in set(model.hf_device_map.values())
     got: list = []
 
     def run() -> None:
         with torch.no_grad():
-            for _ in range(2):  # a second generate starts along the recorded order, with read-aheads left from the first
-                got.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                                          pad_token_id=0))
+            for _ in range(
+                2
+            ):  # a second generate starts along the recorded order, with read-aheads left from the first
+                got.append(
+                    model.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
+                    )
+                )
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
@@ -88,8 +109,10 @@ def test_no_reader_outlives_remove(mixtral, policy, tmp_path):
     before = ours()
     model = offload_core.from_pretrained(path, max_memory={"cpu": total // 4}, storage="safetensors", policy=policy)
     with torch.no_grad():
-        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                                          pad_token_id=0), want_tokens)
+        assert torch.equal(
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0),
+            want_tokens,
+        )
     assert len(ours()) > len(before)  # the reader ran
     model.offload_state.remove()
     assert ours() == before, "a reader thread outlived offload_state.remove()"

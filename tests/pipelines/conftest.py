@@ -8,8 +8,14 @@ import torch
 from offload_core.testing import tiny_pipeline
 
 #: two denoising steps of a 16x16 image: every component runs, the denoiser more than once
-CALL = {"prompt": "a photo of a red cat", "num_inference_steps": 2, "height": 16, "width": 16, "output_type": "pt",
-        "guidance_scale": 7.5}
+CALL = {
+    "prompt": "a photo of a red cat",
+    "num_inference_steps": 2,
+    "height": 16,
+    "width": 16,
+    "output_type": "pt",
+    "guidance_scale": 7.5,
+}
 
 
 def images(pipeline) -> torch.Tensor:

@@ -22,11 +22,13 @@ ALL_ON_DISK = {"text_encoder": "disk", "unet": "disk", "vae": "disk"}
 
 @pytest.mark.parametrize("storage", STORES)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_and_store_gives_the_in_memory_images(pipeline_dir, reference, third_on_cpu, offload_folder, policy,
-                                                           storage):
+def test_every_policy_and_store_gives_the_in_memory_images(
+    pipeline_dir, reference, third_on_cpu, offload_folder, policy, storage
+):
     # one map for every case, so the memmap store's folder is written once and reused
-    pipeline = offload_core.from_pretrained(pipeline_dir, device_map=third_on_cpu, policy=policy, storage=storage,
-                                            offload_folder=offload_folder)
+    pipeline = offload_core.from_pretrained(
+        pipeline_dir, device_map=third_on_cpu, policy=policy, storage=storage, offload_folder=offload_folder
+    )
     with pipeline.offload_state as state:
         out = images(pipeline)
         assert state.stats.bytes > 0
@@ -61,8 +63,9 @@ def test_one_plan_over_every_component_within_one_budget(pipeline_dir, placement
     # the text encoder (65 kB) fits the whole-component limit only at 70 kB; the others split at their blocks
     assert "CLIPTextModel" not in no_split and "ResnetBlock2D" in no_split
     assert "CLIPTextModel" in component_no_split(empty, 70_000, torch.float32)
-    request = PlacementRequest(model=empty.modules, max_memory={"cpu": 150_000}, no_split_module_classes=no_split,
-                               dtype=torch.float32)
+    request = PlacementRequest(
+        model=empty.modules, max_memory={"cpu": 150_000}, no_split_module_classes=no_split, dtype=torch.float32
+    )
     device_map = normalize_device_map(get_registry().create("placement", placement).make_device_map(request))
     sizes = compute_module_sizes(empty.modules, dtype=torch.float32)
     on_cpu = sum(sizes[key] for key, device in device_map.items() if device == "cpu")
@@ -75,11 +78,16 @@ def _loaded(pipeline) -> dict[str, bool]:
 
 
 def test_chained_moves_each_component_whole_once_and_keeps_it_until_the_next(pipeline_dir, reference):
-    pipeline = offload_core.from_pretrained(pipeline_dir, device_map=ALL_ON_DISK, policy="chained", storage="safetensors")
+    pipeline = offload_core.from_pretrained(
+        pipeline_dir, device_map=ALL_ON_DISK, policy="chained", storage="safetensors"
+    )
     seen: list[tuple[str, dict[str, bool]]] = []
     # inside each component, once its module hooks ran: which components are loaded then
-    for name, inner in (("text_encoder", pipeline.text_encoder.embeddings),
-                        ("unet", pipeline.unet.conv_in), ("vae", pipeline.vae.post_quant_conv)):
+    for name, inner in (
+        ("text_encoder", pipeline.text_encoder.embeddings),
+        ("unet", pipeline.unet.conv_in),
+        ("vae", pipeline.vae.post_quant_conv),
+    ):
         inner.register_forward_pre_hook(lambda module, args, name=name: seen.append((name, _loaded(pipeline))))
     out = images(pipeline)
     assert torch.equal(out, reference)
@@ -89,7 +97,11 @@ def test_chained_moves_each_component_whole_once_and_keeps_it_until_the_next(pip
         assert loaded == {unit: unit == name for unit in ("text_encoder", "unet", "vae")}, (name, loaded)
     # the UNet runs at every step, yet each component was read from the store once
     assert pipeline.offload_state.stats.bytes == _stored_bytes(pipeline_dir)
-    assert _loaded(pipeline) == {"text_encoder": False, "unet": False, "vae": True}  # the last needs an explicit offload
+    assert _loaded(pipeline) == {
+        "text_encoder": False,
+        "unet": False,
+        "vae": True,
+    }  # the last needs an explicit offload
     pipeline.offload_state.release()
     assert not any(_loaded(pipeline).values())
 

@@ -30,12 +30,18 @@ def test_the_execution_device_is_checked_in_one_line(fake_gpu):
 
     assert said("nonsense") == "execution_device='nonsense' is not a device: use cpu, cuda or cuda:N"
     assert said("meta") == "execution_device='meta' is not supported: use cpu or cuda:N"
-    with pytest.raises(ConfigError, match=r"^execution_device='cuda:99' does not exist: this machine has \d+ CUDA "
-                                          r"device\(s\); use cpu$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^execution_device='cuda:99' does not exist: this machine has \d+ CUDA "
+        r"device\(s\); use cpu$",
+    ):
         check_execution_device("cuda:99")  # a cuda device, on whatever this machine has
     fake = fake_gpu(count=2, memory=1000)
     assert check_execution_device(fake.device(1)) == fake.device(1) and check_execution_device("cpu").type == "cpu"
-    assert said(fake.device(5)) == "execution_device='fakegpu:5' does not exist: this machine has 2 CUDA device(s); use cpu"
+    assert (
+        said(fake.device(5))
+        == "execution_device='fakegpu:5' does not exist: this machine has 2 CUDA device(s); use cpu"
+    )
 
 
 def test_balanced_budgets_plan_for_another_machine_silently_and_count_special_dtypes():
@@ -49,8 +55,14 @@ def test_balanced_budgets_plan_for_another_machine_silently_and_count_special_dt
         assert get_balanced_memory(nn.Linear(16, 16), {97: big, 99: big}) == {97: 544 + 1360, 99: big}
     assert said == []  # GPUs 97 and 99 are not on this machine: planning for another one says nothing
     assert get_balanced_memory(nn.Linear(16, 16), {0: big, 1: big}, special_dtypes={"weight": torch.float16}) == {
-        0: 288 + 720, 1: big}
-    assert get_balanced_memory(nn.Linear(16, 16), {0: 1, 1: big, 2: big}) == {0: 1, 1: 362 + 1360, 2: big}  # 1 byte is a GPU: 1,088 // 3
+        0: 288 + 720,
+        1: big,
+    }
+    assert get_balanced_memory(nn.Linear(16, 16), {0: 1, 1: big, 2: big}) == {
+        0: 1,
+        1: 362 + 1360,
+        2: big,
+    }  # 1 byte is a GPU: 1,088 // 3
 
 
 class Byte(nn.Module):

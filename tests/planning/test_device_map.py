@@ -94,7 +94,9 @@ def test_gpus_stay_in_strict_order():
 
 def test_tied_leaf_follows_its_first_occurrence():
     with init_empty_weights():
-        model = nn.ModuleDict({"embed": nn.Embedding(1000, 100), "body": nn.Linear(100, 100), "head": nn.Linear(100, 1000, bias=False)})
+        model = nn.ModuleDict(
+            {"embed": nn.Embedding(1000, 100), "body": nn.Linear(100, 100), "head": nn.Linear(100, 1000, bias=False)}
+        )
     model["head"].weight = model["embed"].weight
     sizes = compute_module_sizes(model)
     assert sizes["head"] == 0
@@ -106,7 +108,9 @@ def test_tied_leaf_follows_its_first_occurrence():
 
 def test_a_tied_leaf_goes_with_its_partner_and_keeps_its_bias():
     with init_empty_weights():
-        model = nn.ModuleDict({"embed": nn.Embedding(1000, 100), "tail": nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 1000))})
+        model = nn.ModuleDict(
+            {"embed": nn.Embedding(1000, 100), "tail": nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 1000))}
+        )
     model["tail"][1].weight = model["embed"].weight
     # embed (400 kB) and its partner tail.1 (4 kB more: its bias) are placed and charged together:
     # they do not fit GPU 0 together, so both move on, and tail.1's weight and bias are never split
@@ -122,7 +126,9 @@ def test_no_split_class_is_never_split():
     model = nn.Sequential(nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100)), nn.Linear(10, 10))
     split = plan_device_map(PlacementRequest(model, {0: 50_000, "cpu": 10**9}, reserve={}))
     assert split == {"0.0": 0, "0.1": "cpu", "1": "cpu"}
-    whole = plan_device_map(PlacementRequest(model, {0: 50_000, "cpu": 10**9}, no_split_module_classes=["Sequential"], reserve={}))
+    whole = plan_device_map(
+        PlacementRequest(model, {0: 50_000, "cpu": 10**9}, no_split_module_classes=["Sequential"], reserve={})
+    )
     assert whole == {"": "cpu"}
 
 
@@ -203,8 +209,9 @@ def test_tied_duplicates_must_be_covered_too():
 
 
 def test_normalize_device_map_from_json_values():
-    assert normalize_device_map({"a": "0", "b": "cuda:3", "c": "CPU", "d": 2, "e": torch.device("cuda", 1), "f": "disk"}) == {
-        "a": 0, "b": 3, "c": "cpu", "d": 2, "e": 1, "f": "disk"}
+    assert normalize_device_map(
+        {"a": "0", "b": "cuda:3", "c": "CPU", "d": 2, "e": torch.device("cuda", 1), "f": "disk"}
+    ) == {"a": 0, "b": 3, "c": "cpu", "d": 2, "e": 1, "f": "disk"}
 
 
 def test_device_of_takes_the_longest_prefix():
@@ -237,8 +244,10 @@ def test_uncovered_tensors_are_named_five_at_most():
     model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(4)])
     with pytest.raises(DeviceMapError) as six:
         check_device_map(model, {"0": "cpu"})
-    assert str(six.value) == ("device map covers no device for 6 tensor(s) ('1.weight', '1.bias', '2.weight', '2.bias', "
-                              "'3.weight' and 1 more): add keys for them or their modules, or use '' for the whole model")
+    assert str(six.value) == (
+        "device map covers no device for 6 tensor(s) ('1.weight', '1.bias', '2.weight', '2.bias', "
+        "'3.weight' and 1 more): add keys for them or their modules, or use '' for the whole model"
+    )
     with pytest.raises(DeviceMapError) as two:
         check_device_map(model, {"0": "cpu", "1": "cpu", "2": "cpu"})
     assert "for 2 tensor(s) ('3.weight', '3.bias'): add keys" in str(two.value)
@@ -256,8 +265,11 @@ def test_summary_worked_by_hand():
     assert summary["devices"] == {
         0: {"bytes": 24, "modules": 1, "tensors": 2, "budget": 100, "fraction": 0.24},
         "cpu": {"bytes": 40, "modules": 1, "tensors": 2, "budget": 80, "fraction": 0.5},
-        "disk": {"bytes": 80, "modules": 1, "tensors": 2, "budget": None, "fraction": None}}
+        "disk": {"bytes": 80, "modules": 1, "tensors": 2, "budget": None, "fraction": None},
+    }
     assert summary["total_bytes"] == 144
     whole = summarize_device_map(model, {"": "cpu"})
-    assert whole == {"devices": {"cpu": {"bytes": 144, "modules": 1, "tensors": 6, "budget": None, "fraction": None}},
-                     "total_bytes": 144}
+    assert whole == {
+        "devices": {"cpu": {"bytes": 144, "modules": 1, "tensors": 6, "budget": None, "fraction": None}},
+        "total_bytes": 144,
+    }

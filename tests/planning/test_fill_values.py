@@ -27,11 +27,13 @@ def test_only_the_main_devices_hold_back_room_and_an_empty_gpu_says_what_it_need
     assert device_map == {"0": 1, "1": 1, "2": "cpu"}
     assert said == [
         "no modules could be assigned to these devices due to insufficient memory (0: 2176 bytes required); give "
-        "them at least that much, or plan with fallback_allocation=True"]
+        "them at least that much, or plan with fallback_allocation=True"
+    ]
     with records_of(FILL) as said:  # one byte short of unit 0 and the 1,088 held back: GPU 0 stays empty
         assert infer_auto_device_map(three_linears(), {0: 2175, 1: 2176, "cpu": 10**6}) == {"0": 1, "1": 1, "2": "cpu"}
     assert [line[:80] for line in said] == [
-        "no modules could be assigned to these devices due to insufficient memory (0: 2176 bytes required); give "[:80]]
+        "no modules could be assigned to these devices due to insufficient memory (0: 2176 bytes required); give "[:80]
+    ]
     with records_of(FILL) as said:
         assert infer_auto_device_map(three_linears(), {0: 2176, 1: 2176, "cpu": 10**6}) == {"0": 0, "1": 1, "2": 1}
     assert said == []
@@ -40,8 +42,7 @@ def test_only_the_main_devices_hold_back_room_and_an_empty_gpu_says_what_it_need
 def test_verbose_says_where_each_unit_goes():
     with records_of(FILL) as said:
         infer_auto_device_map(three_linears(), {"cpu": 10**6}, verbose=True)
-    assert said == [
-        "Putting 0 (size=1088) on cpu", "Putting 1 (size=1088) on cpu", "Putting 2 (size=80) on cpu"]
+    assert said == ["Putting 0 (size=1088) on cpu", "Putting 1 (size=1088) on cpu", "Putting 2 (size=80) on cpu"]
 
 
 def test_clean_result_false_keeps_one_key_per_unit_where_the_clean_map_merges():
@@ -49,7 +50,11 @@ def test_clean_result_false_keeps_one_key_per_unit_where_the_clean_map_merges():
     cpu; its halves (80 each) do not either (80 + 1,088), nor the linear once they are offloaded (1,088 + 80)."""
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(16, 16))
     assert infer_auto_device_map(model, {"cpu": 1100}) == {"": "disk"}
-    assert infer_auto_device_map(model, {"cpu": 1100}, clean_result=False) == {"0.0": "disk", "0.1": "disk", "1": "disk"}
+    assert infer_auto_device_map(model, {"cpu": 1100}, clean_result=False) == {
+        "0.0": "disk",
+        "0.1": "disk",
+        "1": "disk",
+    }
     # 1,168: the first half fits beside the 1,088 held back; the second half then needs 80 + 80 + 1,088; the last
     # linear 80 + 1,088 + 80 held back for the half on disk
     assert infer_auto_device_map(model, {"cpu": 1168}) == {"0.0": "cpu", "0.1": "disk", "1": "disk"}
@@ -67,9 +72,14 @@ def test_buffers_of_offloaded_modules_warn_when_no_gpu_has_room_for_them(budget,
         assert infer_auto_device_map(model, {0: budget, "cpu": 10**6}) == {"": "cpu"}
         infer_auto_device_map(model, {0: budget, "cpu": 10**6}, offload_buffers=True)
     said = [str(w.message) for w in caught]
-    assert said == (["Current model requires 40 bytes of buffer for offloaded layers, which seems does not fit any GPU's "
-                     "remaining memory. If you are experiencing a OOM later, please consider using offload_buffers=True."]
-                    if warns else [])
+    assert said == (
+        [
+            "Current model requires 40 bytes of buffer for offloaded layers, which seems does not fit any GPU's "
+            "remaining memory. If you are experiencing a OOM later, please consider using offload_buffers=True."
+        ]
+        if warns
+        else []
+    )
 
 
 def test_dtype_and_special_dtypes_size_the_units():
@@ -77,10 +87,17 @@ def test_dtype_and_special_dtypes_size_the_units():
     (544 + 544 + 40), nor unit 2 once unit 1 is offloaded (544 + 40 + 544). With only unit 0's weight in float16
     (512 + 64 of bias = 576), 1,700 bytes take unit 0 beside 1,088 held back, not unit 1 (576 + 1,088 + 80)."""
     assert infer_auto_device_map(three_linears(), {"cpu": 1100}) == {"": "disk"}
-    assert infer_auto_device_map(three_linears(), {"cpu": 1100}, dtype="float16") == {"0": "cpu", "1": "disk", "2": "disk"}
+    assert infer_auto_device_map(three_linears(), {"cpu": 1100}, dtype="float16") == {
+        "0": "cpu",
+        "1": "disk",
+        "2": "disk",
+    }
     assert infer_auto_device_map(three_linears(), {"cpu": 1700}) == {"0": "disk", "1": "disk", "2": "cpu"}
     assert infer_auto_device_map(three_linears(), {"cpu": 1700}, special_dtypes={"0.weight": torch.float16}) == {
-        "0": "cpu", "1": "disk", "2": "disk"}
+        "0": "cpu",
+        "1": "disk",
+        "2": "disk",
+    }
 
 
 def test_fallback_allocation_looks_inside_modules_breadth_first():
@@ -89,7 +106,10 @@ def test_fallback_allocation_looks_inside_modules_breadth_first():
     model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16), nn.Linear(4, 4)))
     assert infer_auto_device_map(model, {0: 1200, "cpu": 10**6}) == {"": "cpu"}
     assert infer_auto_device_map(model, {0: 1200, "cpu": 10**6}, fallback_allocation=True) == {
-        "0": "cpu", "1.0": "cpu", "1.1": 0}
+        "0": "cpu",
+        "1.0": "cpu",
+        "1.1": 0,
+    }
 
 
 def test_a_model_without_tensors_goes_whole_to_the_first_device():
@@ -113,4 +133,7 @@ def test_a_tie_to_a_direct_weight_of_a_splittable_module_goes_with_its_partner()
     model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": Head()})
     model["head"].weight = model["embed"].weight
     assert infer_auto_device_map(model, {0: 160, "cpu": 10**6}, reserve={}) == {
-        "embed": 0, "head.weight": 0, "head.proj": "cpu"}
+        "embed": 0,
+        "head.weight": 0,
+        "head.proj": "cpu",
+    }

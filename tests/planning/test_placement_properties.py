@@ -61,14 +61,18 @@ def _build(spec: list[tuple[str, int, bool]], width: int) -> nn.Module:
     return model
 
 
-SPEC = st.lists(st.tuples(st.sampled_from(["linear", "block", "shared", "head"]), st.integers(0, 3), st.booleans()),
-                min_size=1, max_size=6)
+SPEC = st.lists(
+    st.tuples(st.sampled_from(["linear", "block", "shared", "head"]), st.integers(0, 3), st.booleans()),
+    min_size=1,
+    max_size=6,
+)
 BUDGET = st.integers(0, 3000)
 
 
 @hypothesis.settings(max_examples=100, deadline=None)
-@hypothesis.given(spec=SPEC, gpus=st.lists(BUDGET, min_size=0, max_size=3), cpu=st.one_of(st.none(), BUDGET),
-                  reserve=st.booleans())
+@hypothesis.given(
+    spec=SPEC, gpus=st.lists(BUDGET, min_size=0, max_size=3), cpu=st.one_of(st.none(), BUDGET), reserve=st.booleans()
+)
 def test_every_map_is_valid_keeps_ties_together_and_stays_within_budget(spec, gpus, cpu, reserve):
     model = build(spec, 8)
     assert spec[-1][0] != "head" or model.get_submodule(f"m{len(spec) - 1}").b.weight is model.embed.weight
@@ -76,8 +80,7 @@ def test_every_map_is_valid_keeps_ties_together_and_stays_within_budget(spec, gp
     if cpu is not None:
         budgets["cpu"] = cpu
     budgets["disk"] = 10**9
-    device_map = infer_auto_device_map(model, budgets, ["Block"], offload_buffers=True,
-                                       reserve={} if reserve else None)
+    device_map = infer_auto_device_map(model, budgets, ["Block"], offload_buffers=True, reserve={} if reserve else None)
     check_device_map(model, device_map)
     aliases = tensor_aliases(model)
     for name, first in aliases.items():

@@ -27,8 +27,15 @@ STRATEGIES = ["sequential", "balanced", "balanced_low_0"]
 
 @pytest.fixture(scope="module")
 def llama():
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    )
     with init_empty_weights():
         model = LlamaForCausalLM(config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -52,7 +59,9 @@ def layers_on(device_map, device, n=4):
 
 
 def test_builtin_placements_are_registered_with_their_configs():
-    registry = build_registry(builtins=[f"offload_core_plugins.placement_{s}" for s in STRATEGIES], load_entry_points=False)
+    registry = build_registry(
+        builtins=[f"offload_core_plugins.placement_{s}" for s in STRATEGIES], load_entry_points=False
+    )
     assert registry.names("placement") == sorted(STRATEGIES)
     for name in STRATEGIES:
         strategy = registry.get("placement", name)
@@ -150,8 +159,9 @@ def test_one_gpu_or_none_balanced_is_sequential(llama, max_memory):
 
 
 def test_gpu_map_planned_on_cpu_with_strings_and_cuda_names(llama):
-    device_map = infer_auto_device_map(llama, {"cuda:0": "400KB", "1": "1MB", "cpu": "1GB"}, NO_SPLIT,
-                                       dtype=torch.float16)
+    device_map = infer_auto_device_map(
+        llama, {"cuda:0": "400KB", "1": "1MB", "cpu": "1GB"}, NO_SPLIT, dtype=torch.float16
+    )
     check_device_map(llama, device_map)
     assert set(device_map.values()) <= {0, 1, "cpu"}
     assert layers_on(device_map, 1)
@@ -201,5 +211,8 @@ def test_fallback_allocation_puts_the_first_unit_that_fits_on_an_otherwise_empty
     model = nn.Sequential(Block(), nn.Linear(4, 4), nn.Linear(16, 16))
     assert infer_auto_device_map(model, {0: 3000, "cpu": 10**6}, ["Block"]) == {"": "cpu"}
     assert infer_auto_device_map(model, {0: 3000, "cpu": 10**6}, ["Block"], fallback_allocation=True) == {
-        "0": "cpu", "1": 0, "2": "cpu"}
+        "0": "cpu",
+        "1": 0,
+        "2": "cpu",
+    }
     assert infer_auto_device_map(model, {0: 2000, "cpu": 10**6}, ["Block"], fallback_allocation=True) == {"": "cpu"}

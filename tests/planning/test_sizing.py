@@ -75,7 +75,9 @@ SEED_SIZES = {
 
 def test_seed_example_sizes_number_for_number():
     model = ExampleModel(100, 16, 4, 3).half()
-    sizes = compute_module_sizes(model, dtype=torch.float32, special_dtypes={"feed_forward.layers.0.weight": torch.float32})
+    sizes = compute_module_sizes(
+        model, dtype=torch.float32, special_dtypes={"feed_forward.layers.0.weight": torch.float32}
+    )
     assert dict(sizes) == SEED_SIZES
 
 
@@ -115,7 +117,12 @@ def test_shared_tensor_counts_once_at_its_first_name():
 def test_named_module_tensors_direct_only_by_default():
     model = nn.BatchNorm1d(3)
     assert [n for n, _ in named_module_tensors(model)] == [
-        "weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    ]
     assert [n for n, _ in named_module_tensors(model, include_buffers=False)] == ["weight", "bias"]
     assert list(named_module_tensors(nn.Sequential(nn.Linear(2, 2)))) == []
 
@@ -139,7 +146,10 @@ class TiedParameters(nn.Module):
 def test_seed_tied_parameters_example():
     # a module registered twice ties every parameter it has, as accelerate reports it
     assert find_tied_parameters(AliasedModule()) == [["layer1.bias", "layer2.bias"], ["layer1.weight", "layer2.weight"]]
-    assert find_tied_parameters(TiedParameters()) == [["layer1.bias", "layer2.bias"], ["layer1.weight", "layer2.weight"]]
+    assert find_tied_parameters(TiedParameters()) == [
+        ["layer1.bias", "layer2.bias"],
+        ["layer1.weight", "layer2.weight"],
+    ]
 
 
 def test_tied_parameters_on_meta_three_way():
@@ -155,7 +165,10 @@ def test_max_layer_size_respects_no_split_classes():
     model = ExampleModel(100, 16, 4, 3)
     sizes = compute_module_sizes(model)
     units = list(model.named_children())
-    assert get_max_layer_size(units, sizes, []) == (sizes["feed_forward.layers.1"], ["feed_forward.layers.1", "feed_forward.layers.2"])
+    assert get_max_layer_size(units, sizes, []) == (
+        sizes["feed_forward.layers.1"],
+        ["feed_forward.layers.1", "feed_forward.layers.2"],
+    )
     assert get_max_layer_size(units, sizes, ["FeedForward"]) == (sizes["feed_forward"], ["feed_forward"])
     assert largest_block_size(model, ["Sequential"]) == sizes["feed_forward.layers"]
     assert largest_block_size(model, [], dtype=torch.float16) == 8320
@@ -225,11 +238,16 @@ def test_get_max_memory_reads_the_machine():
 
 # -- values, each checked against a number worked out by hand ----------------------------------------------
 
+
 def test_format_size_in_powers_of_two():
     from offload_core.values import format_size
 
     assert [format_size(n) for n in (0, 1, 1023)] == ["0 B", "1 B", "1023 B"]
-    assert format_size(1024) == "1.00 KiB" and format_size(1536) == "1.50 KiB" and format_size(1024**2 - 1) == "1024.00 KiB"
+    assert (
+        format_size(1024) == "1.00 KiB"
+        and format_size(1536) == "1.50 KiB"
+        and format_size(1024**2 - 1) == "1024.00 KiB"
+    )
     assert format_size(5 * 1024**2) == "5.00 MiB" and format_size(3 * 1024**3 // 2) == "1.50 GiB"
     assert format_size(2 * 1024**4) == "2048.00 GiB"  # GiB is the largest unit
     assert format_size(-2048) == "-2.00 KiB"

@@ -8,14 +8,26 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from offload_core.loading.empty import init_empty_weights
 from offload_core.planning import PlacementRequest, compute_module_sizes
 from offload_core.registry.manager import build_registry
-from offload_core.testing import check_placement, check_policy_preserves_outputs, check_policy_reservation, check_store_round_trip
+from offload_core.testing import (
+    check_placement,
+    check_policy_preserves_outputs,
+    check_policy_reservation,
+    check_store_round_trip,
+)
 
 REGISTRY = build_registry(load_entry_points=False)
 
 
 def _meta_llama():
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(config)
 
@@ -28,8 +40,9 @@ def _requests():
     return {
         "cpu-and-disk": PlacementRequest(model, {"cpu": total // 2}, no_split, reserve={"cpu": 0}),
         "cpu-reserve": PlacementRequest(model, {"cpu": total // 2}, no_split, reserve={"cpu": block}),
-        "two-gpus": PlacementRequest(model, {0: total // 3, 1: total // 3, "cpu": total // 4}, no_split,
-                                     reserve={0: block, 1: 0, "cpu": 0}),
+        "two-gpus": PlacementRequest(
+            model, {0: total // 3, 1: total // 3, "cpu": total // 4}, no_split, reserve={0: block, 1: 0, "cpu": 0}
+        ),
         "reference-rule": PlacementRequest(model, {0: total // 2, "cpu": total // 4}, no_split),
     }
 

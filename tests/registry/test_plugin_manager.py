@@ -55,9 +55,13 @@ def test_builtins_provide_every_strategy():
 def test_a_factory_without_the_base_class_gets_the_contract_defaults():
     from offload_core.registry.contracts import Policy, Storage
 
-    registry = build_registry(extra_plugins=[_plugin("offload_register_storages", "bare_store", "bare_store_plugin"),
-                                             _plugin("offload_register_module_hook_policies", "bare_policy", "bare_policy_plugin")],
-                              load_entry_points=False)
+    registry = build_registry(
+        extra_plugins=[
+            _plugin("offload_register_storages", "bare_store", "bare_store_plugin"),
+            _plugin("offload_register_module_hook_policies", "bare_policy", "bare_policy_plugin"),
+        ],
+        load_entry_points=False,
+    )
     storage = registry.create("storage", "bare_store")
     assert isinstance(storage, Storage) and (storage.converts_on_read, storage.pinned) == (False, False)
     policy = registry.create("policy", "bare_policy")
@@ -76,20 +80,27 @@ def test_a_factory_lacking_the_required_method_is_one_line_naming_it():
 
     module = types.ModuleType("no_open_plugin")
     module.offload_register_storages = hookimpl(lambda register: register("no_open", NoOpen, Config))
-    with pytest.raises(PluginError, match=r"^storage 'no_open': NoOpen lacks open\(\); subclass offload_core.registry.contracts.Storage") as info:
+    with pytest.raises(
+        PluginError,
+        match=r"^storage 'no_open': NoOpen lacks open\(\); subclass offload_core.registry.contracts.Storage",
+    ) as info:
         build_registry(extra_plugins=[module], load_entry_points=False)
     assert "\n" not in str(info.value)
 
 
 def test_duplicate_name_names_both_plugins():
     twin = _plugin("offload_register_storages", "memmap", "my_twin")
-    with pytest.raises(PluginError, match=r"registered twice: by plugin 'offload_core_plugins.storage_memmap' and by plugin 'my_twin'"):
+    with pytest.raises(
+        PluginError, match=r"registered twice: by plugin 'offload_core_plugins.storage_memmap' and by plugin 'my_twin'"
+    ):
         build_registry(extra_plugins=[twin], load_entry_points=False)
 
 
 def test_unknown_name_lists_the_available_ones():
     registry = build_registry(load_entry_points=False)
-    with pytest.raises(PluginError, match=r"unknown placement 'balansed': available are balanced, balanced_low_0, sequential"):
+    with pytest.raises(
+        PluginError, match=r"unknown placement 'balansed': available are balanced, balanced_low_0, sequential"
+    ):
         registry.get("placement", "balansed")
 
 
@@ -131,7 +142,8 @@ def installed_plugin(tmp_path, monkeypatch):
     site = tmp_path / "site"
     pkg = site / "demo_offload_plugin"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(textwrap.dedent('''
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent("""
         from dataclasses import dataclass
         from offload_core.hookspecs import hookimpl
 
@@ -149,7 +161,8 @@ def installed_plugin(tmp_path, monkeypatch):
         @hookimpl
         def offload_register_placements(register):
             register("every_other", EveryOther, EveryOtherConfig)
-    '''))
+    """)
+    )
     dist = site / "demo_offload_plugin-1.2.3.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-offload-plugin\nVersion: 1.2.3\n")
@@ -180,16 +193,26 @@ def test_disabling_a_plugin_by_name(installed_plugin, monkeypatch):
 
 @pytest.mark.slow  # a fresh interpreter
 def test_plugins_command_lists_versions_and_strategies(installed_plugin):
-    out = subprocess.run([sys.executable, "-m", "offload_core", "plugins"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(installed_plugin)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "offload_core", "plugins"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(installed_plugin)},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "demo" in out.stdout and "1.2.3" in out.stdout and "placement=every_other" in out.stdout
     assert "offload_core_plugins.storage_memmap" in out.stdout and "storage=memmap" in out.stdout
 
 
-@pytest.mark.parametrize("spec,group", [("offload_register_placements", "placement"),
-                                        ("offload_register_storages", "storage"),
-                                        ("offload_register_module_hook_policies", "policy")])
+@pytest.mark.parametrize(
+    "spec,group",
+    [
+        ("offload_register_placements", "placement"),
+        ("offload_register_storages", "storage"),
+        ("offload_register_module_hook_policies", "policy"),
+    ],
+)
 def test_each_plugin_hook_registers_into_its_group(spec, group):
     registry = build_registry(extra_plugins=[_plugin(spec, "third_party")], load_entry_points=False)
     assert "third_party" in registry.names(group)

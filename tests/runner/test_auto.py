@@ -16,8 +16,13 @@ TINY = ["model=synthetic", "progress=false", "max_new_tokens=4", "max_memory.cpu
 
 
 def test_given_options_are_read_from_the_override_list():
-    assert given_options(["storage=memmap", "hook.depth=1", "+page_cache=0", "model=synthetic", "~x"]) == \
-        {"storage", "hook", "page_cache", "model", "x"}
+    assert given_options(["storage=memmap", "hook.depth=1", "+page_cache=0", "model=synthetic", "~x"]) == {
+        "storage",
+        "hook",
+        "page_cache",
+        "model",
+        "x",
+    }
 
 
 def test_plan_only_auto_keeps_what_was_given_ranks_the_rest_and_writes_the_table(tmp_path, compose_run, capsys):
@@ -67,9 +72,16 @@ def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_
     registry = get_registry()
     import torch
 
-    terms = probe_times(run_model, registry.create("storage", "safetensors", {"name": "safetensors"}),
-                        registry.create("policy", "align_per_call", {"name": "align_per_call"}), torch.device("cpu"),
-                        1, 8, tmp_path, {"prefill": 0.0, "decode": 0.0})
+    terms = probe_times(
+        run_model,
+        registry.create("storage", "safetensors", {"name": "safetensors"}),
+        registry.create("policy", "align_per_call", {"name": "align_per_call"}),
+        torch.device("cpu"),
+        1,
+        8,
+        tmp_path,
+        {"prefill": 0.0, "decode": 0.0},
+    )
     block = next(m for m in run_model.model.modules() if type(m).__name__ in run_model.no_split)
     assert terms["loads_per_forward"] == PROBE_BLOCKS * len(list(block.parameters()))
     assert terms["per_load_decode_s"] >= 0 and terms["outside_decode_s"] > 0 and terms["first_call_s"] >= 0
@@ -96,17 +108,31 @@ def test_the_prediction_adds_the_probe_terms_per_tensor_loaded():
         overlaps_io = False
 
     disk = {"write_bps": 1e9, "cold_read_bps": 1e9, "warm_read_bps": 1e9}
-    calibration = {"checkpoint": disk, "offload_folder": disk,
-                   "compute": {"prefill": {"block_s": 0.01}, "decode": {"block_s": 0.001}}}
+    calibration = {
+        "checkpoint": disk,
+        "offload_folder": disk,
+        "compute": {"prefill": {"block_s": 0.01}, "decode": {"block_s": 0.001}},
+    }
     bare = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), calibration)
-    probe = {"outside_prefill_s": 0.02, "outside_decode_s": 0.002, "per_load_prefill_s": 0.001,
-             "per_load_decode_s": 0.0005, "first_call_s": 0.1, "loads_per_forward": 18,
-             "probe_load_s": 0.05, "probe_tensors": 20, "probe_bytes": 0, "probe_offloaded_bytes": 0}
+    probe = {
+        "outside_prefill_s": 0.02,
+        "outside_decode_s": 0.002,
+        "per_load_prefill_s": 0.001,
+        "per_load_decode_s": 0.0005,
+        "first_call_s": 0.1,
+        "loads_per_forward": 18,
+        "probe_load_s": 0.05,
+        "probe_tensors": 20,
+        "probe_bytes": 0,
+        "probe_offloaded_bytes": 0,
+    }
     probed = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe})
     assert bare["predicted_step_s"] == pytest.approx(0.004)
     assert probed["predicted_step_s"] == pytest.approx(0.004 + 0.002 + 9 * 0.0005)
     assert probed["predicted_ttft_s"] == pytest.approx(0.04 + 0.02 + 9 * 0.001 + 0.1)
     # loading's fixed cost per tensor: 10 tensors at 0.05 s / 20
     assert probed["predicted_load_s"] == pytest.approx(bare["predicted_load_s"] + 10 * 0.05 / 20)
-    here = predict_time(4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe, "probed_here": True})
+    here = predict_time(
+        4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe, "probed_here": True}
+    )
     assert here["predicted_ttft_s"] == pytest.approx(0.04 + 0.02 + 9 * 0.001)  # the warm-up was paid by the probe

@@ -55,8 +55,14 @@ def test_left_padding_and_trimming():
 
 
 def test_kv_cache_counts_layers_kv_heads_head_dim_and_tokens():
-    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3,
-                         intermediate_size=128, vocab_size=100)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        vocab_size=100,
+    )
     one = batch_memory(config, batch=1, prompt_tokens=10, new_tokens=6, dtype=torch.bfloat16)
     assert one.kv_cache == 2 * 3 * 2 * 8 * 16 * 2
     eight = batch_memory(config, batch=8, prompt_tokens=10, new_tokens=6, dtype=torch.bfloat16)
@@ -70,8 +76,16 @@ def test_kv_cache_counts_layers_kv_heads_head_dim_and_tokens():
 @pytest.mark.slow  # four plans of a model
 def test_a_batch_that_cannot_fit_names_the_largest_that_does(tmp_path):
     prompts = _prompts(tmp_path, [f"prompt number {i} " * 20 for i in range(64)])
-    base = ["plan_only=true", "model=synthetic", "model.preset=small", "storage=memmap", f"prompts={prompts}",
-            "max_memory.cpu=24MiB", "max_new_tokens=64", f"offload_folder={tmp_path / 'off'}"]
+    base = [
+        "plan_only=true",
+        "model=synthetic",
+        "model.preset=small",
+        "storage=memmap",
+        f"prompts={prompts}",
+        "max_memory.cpu=24MiB",
+        "max_new_tokens=64",
+        f"offload_folder={tmp_path / 'off'}",
+    ]
     with pytest.raises(ConfigError, match=r"use batch_size=(\d+) or less") as caught:
         run(_cfg(base + ["batch_size=64"]), output_dir=tmp_path / "big", plot=False)
     assert "\n" not in str(caught.value)
@@ -105,9 +119,14 @@ class _Plan:
 
 def _calibration(prefill=(0.05, 0.02), decode=(0.01, 0.005)):
     disk = {"write_bps": 1e9, "cold_read_bps": 1e8, "warm_read_bps": 1e9}
-    return {"offload_folder": disk, "checkpoint": disk,
-            "compute": {"prefill": {"block_s": prefill[0], "head_s": prefill[1]},
-                        "decode": {"block_s": decode[0], "head_s": decode[1]}}}
+    return {
+        "offload_folder": disk,
+        "checkpoint": disk,
+        "compute": {
+            "prefill": {"block_s": prefill[0], "head_s": prefill[1]},
+            "decode": {"block_s": decode[0], "head_s": decode[1]},
+        },
+    }
 
 
 def test_prediction_counts_blocks_head_and_the_disk_reads_the_page_cache_plan_leaves():
@@ -116,17 +135,29 @@ def test_prediction_counts_blocks_head_and_the_disk_reads_the_page_cache_plan_le
     serial = predict_time(4, streamed, _Storage("offload_folder"), _Policy(False), cpu, _calibration())
     assert serial["predicted_step_s"] == pytest.approx(0.145)  # 4 blocks of 10 ms, a 5 ms head, a 0.1 s read
     assert serial["predicted_ttft_s"] == pytest.approx(0.32)
-    overlapped = predict_time(4, streamed, _Storage("offload_folder"), _Policy(True), cpu, _calibration(prefill=(0.1, 0.0)))
+    overlapped = predict_time(
+        4, streamed, _Storage("offload_folder"), _Policy(True), cpu, _calibration(prefill=(0.1, 0.0))
+    )
     assert overlapped["predicted_step_s"] == pytest.approx(0.1)  # the read hides the 0.045 s of compute
     assert overlapped["predicted_ttft_s"] == pytest.approx(0.4)  # the compute hides the read
     # kept in the page cache: a CPU run computes on the cached pages, nothing is read per forward
-    kept = predict_time(4, _Plan({"predicted_disk_bytes_per_token": 0}), _Storage("offload_folder"), _Policy(False), cpu,
-                        _calibration())
+    kept = predict_time(
+        4, _Plan({"predicted_disk_bytes_per_token": 0}), _Storage("offload_folder"), _Policy(False), cpu, _calibration()
+    )
     assert kept["predicted_step_s"] == pytest.approx(0.045)
-    cold = predict_time(4, _Plan({"predicted_disk_bytes_per_token": 0}), _Storage("checkpoint"), _Policy(False), cpu,
-                        _calibration(), cold=True)
+    cold = predict_time(
+        4,
+        _Plan({"predicted_disk_bytes_per_token": 0}),
+        _Storage("checkpoint"),
+        _Policy(False),
+        cpu,
+        _calibration(),
+        cold=True,
+    )
     assert cold["predicted_step_s"] == pytest.approx(0.145)
-    assert predict_time(4, streamed, _Storage("memory"), _Policy(False), cpu, _calibration())["predicted_step_s"] == pytest.approx(0.045)
+    assert predict_time(4, streamed, _Storage("memory"), _Policy(False), cpu, _calibration())[
+        "predicted_step_s"
+    ] == pytest.approx(0.045)
     assert predict_time(4, streamed, _Storage("memory"), _Policy(False), cpu, {"compute": {"prefill": {}}}) == {}
 
 
@@ -139,17 +170,35 @@ def test_prediction_width_is_the_typical_batch_prompt():
 @pytest.mark.parametrize("hook", ["align_per_call", "functional_call", "chained", "prefetch"])
 def test_batched_outputs_equal_memory_in_the_same_batches(tmp_path, hook):
     # 5 prompts of different lengths in batches of 2: batch shapes change (width, and 2 -> 1 rows at the end)
-    prompts = _prompts(tmp_path, ["a", "the longest prompt of them all", "mid length", json.dumps({"prompt": "json"}), "z"])
-    cfg = _cfg(["model=synthetic", "model.preset=small", f"hook={hook}", "storage=memmap", f"prompts={prompts}",
-                "batch_size=2", "max_memory.cpu=20MiB", "progress=false", "max_new_tokens=3", "compare_in_memory=true",
-                f"offload_folder={tmp_path / 'off'}"])
+    prompts = _prompts(
+        tmp_path, ["a", "the longest prompt of them all", "mid length", json.dumps({"prompt": "json"}), "z"]
+    )
+    cfg = _cfg(
+        [
+            "model=synthetic",
+            "model.preset=small",
+            f"hook={hook}",
+            "storage=memmap",
+            f"prompts={prompts}",
+            "batch_size=2",
+            "max_memory.cpu=20MiB",
+            "progress=false",
+            "max_new_tokens=3",
+            "compare_in_memory=true",
+            f"offload_folder={tmp_path / 'off'}",
+        ]
+    )
     result = run(cfg, output_dir=tmp_path / "out")
     assert result.matches_in_memory is True
     lines = [json.loads(line) for line in (tmp_path / "out" / "generations.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in lines] == ["a", "the longest prompt of them all", "mid length", "json", "z"]
     assert all(r["matches_in_memory"] and len(r["token_ids"]) == 3 for r in lines)
     f = result.figures
-    assert f["generated_tokens"] == 15 and f["aggregate_tokens_per_s"] > 0 and f["latency_p90_s"] >= f["latency_median_s"] > 0
+    assert (
+        f["generated_tokens"] == 15
+        and f["aggregate_tokens_per_s"] > 0
+        and f["latency_p90_s"] >= f["latency_median_s"] > 0
+    )
     assert f["offloaded_bytes"] > 0 and f["bytes_moved_per_token"] > 0
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["batch_size"] == 2 and metrics["planned_kv_cache_bytes"] > 0
@@ -162,9 +211,20 @@ def test_bytes_moved_per_generated_token_falls_with_the_batch(tmp_path):
     prompts = _prompts(tmp_path, [f"prompt {i}" for i in range(4)])
     moved = {}
     for batch in (1, 4):
-        cfg = _cfg(["model=synthetic", "model.preset=small", "hook=align_per_call", "storage=memmap", f"prompts={prompts}",
-                    f"batch_size={batch}", "max_memory.cpu=40MiB", "progress=false", "max_new_tokens=3",
-                    f"offload_folder={tmp_path / f'off{batch}'}"])
+        cfg = _cfg(
+            [
+                "model=synthetic",
+                "model.preset=small",
+                "hook=align_per_call",
+                "storage=memmap",
+                f"prompts={prompts}",
+                f"batch_size={batch}",
+                "max_memory.cpu=40MiB",
+                "progress=false",
+                "max_new_tokens=3",
+                f"offload_folder={tmp_path / f'off{batch}'}",
+            ]
+        )
         moved[batch] = run(cfg, output_dir=tmp_path / f"b{batch}").figures["bytes_moved_per_token"]
     assert moved[4] == pytest.approx(moved[1] / 4, rel=0.01)
 
@@ -174,13 +234,29 @@ def test_sweep_summary_shows_predicted_beside_measured(tmp_path):
 
     job = tmp_path / "0"
     job.mkdir()
-    (job / "metrics.json").write_text(json.dumps({
-        "choices": {"placement": "sequential", "storage": "memmap", "hook": "prefetch", "model": "synthetic"},
-        "overrides": ["batch_size=8"], "batch_size": 8, "load_s": 1.0, "predicted_load_s": 1.25,
-        "time_per_decode_step_s": 0.5, "predicted_step_s": 0.4, "aggregate_tokens_per_s": 16.0,
-        "latency_median_s": 2.0, "latency_p90_s": 3.0}))
+    (job / "metrics.json").write_text(
+        json.dumps(
+            {
+                "choices": {"placement": "sequential", "storage": "memmap", "hook": "prefetch", "model": "synthetic"},
+                "overrides": ["batch_size=8"],
+                "batch_size": 8,
+                "load_s": 1.0,
+                "predicted_load_s": 1.25,
+                "time_per_decode_step_s": 0.5,
+                "predicted_step_s": 0.4,
+                "aggregate_tokens_per_s": 16.0,
+                "latency_median_s": 2.0,
+                "latency_p90_s": 3.0,
+            }
+        )
+    )
     (row,) = summarize(tmp_path)
-    assert (row["batch_size"], row["predicted_load_s"], row["predicted_step_s"], row["aggregate_tokens_per_s"]) == (8, 1.25, 0.4, 16.0)
+    assert (row["batch_size"], row["predicted_load_s"], row["predicted_step_s"], row["aggregate_tokens_per_s"]) == (
+        8,
+        1.25,
+        0.4,
+        16.0,
+    )
     assert row["predicted_ttft_s"] == "" and row["status"] == "ok"
     assert COLUMNS.index("predicted_step_s") == COLUMNS.index("time_per_decode_step_s") + 1
 
@@ -193,11 +269,22 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
     run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
     folders = {"offload_folder": tmp_path / "not-yet" / "off", "checkpoint": tmp_path}
-    args = (run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), folders, {"prefill": (2, 5), "decode": (2, 1)})
+    args = (
+        run_model.model,
+        run_model.no_split,
+        run_model.dtype,
+        torch.device("cpu"),
+        folders,
+        {"prefill": (2, 5), "decode": (2, 1)},
+    )
     first = calibrate(*args)
     assert first["offload_folder"]["cold_read_bps"] > 0
-    assert all(first["compute"][name]["block_s"] > 0 and first["compute"][name]["head_s"] > 0 for name in ("prefill", "decode"))
-    assert not (tmp_path / "not-yet").exists() and [p.name for p in tmp_path.iterdir()] == ["cache"]  # probes cleaned up
+    assert all(
+        first["compute"][name]["block_s"] > 0 and first["compute"][name]["head_s"] > 0 for name in ("prefill", "decode")
+    )
+    assert not (tmp_path / "not-yet").exists() and [p.name for p in tmp_path.iterdir()] == [
+        "cache"
+    ]  # probes cleaned up
     written = calibration_file().stat().st_mtime_ns
     assert calibrate(*args) == first and calibration_file().stat().st_mtime_ns == written  # cached
     again = calibrate(*args, refresh=True)
@@ -205,8 +292,14 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
 
 
 def test_batch_memory_worked_by_hand():
-    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3,
-                         intermediate_size=128, vocab_size=100)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        vocab_size=100,
+    )
     one = batch_memory(config, batch=1, prompt_tokens=10, new_tokens=6, dtype=torch.bfloat16)
     # per prompt token: hidden in and out 128, q/k/v (8 + 2 x 2 heads) x 8 = 96, attention out 64, MLP 3 x 128 = 384:
     # 672 values x 10 tokens x 2 bytes; scores 8 heads x 10 x 16 x 2 bytes; float32 logits and softmax 2 x 100 x 4

@@ -33,8 +33,14 @@ def _main(argv, capsys, monkeypatch):
     return code, captured.out, captured.err
 
 
-@pytest.mark.parametrize("given, hint", [("+foo=bar", "unknown key 'foo'"), ("policy=prefetch", "use hook=prefetch"),
-                                          ("+policy=prefetch", "use hook=prefetch")])
+@pytest.mark.parametrize(
+    "given, hint",
+    [
+        ("+foo=bar", "unknown key 'foo'"),
+        ("policy=prefetch", "use hook=prefetch"),
+        ("+policy=prefetch", "use hook=prefetch"),
+    ],
+)
 def test_unknown_keys_are_refused_in_one_line(given, hint, tmp_path, capsys, monkeypatch):
     code, out, err = _main(["run", given, f"hydra.run.dir={tmp_path}"], capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1 and err.startswith("offload_core: error: ") and hint in err, err
@@ -71,8 +77,11 @@ def test_plugins_lists_the_names_the_command_line_takes(capsys, monkeypatch):
 
 
 def test_offload_core_run_is_the_main_job(tmp_path, capsys, monkeypatch):
-    code, out, err = _main(["run", "model=synthetic", "plan_only=true", "max_memory.cpu=1MiB", "headroom=0",
-                            f"hydra.run.dir={tmp_path}"], capsys, monkeypatch)
+    code, out, err = _main(
+        ["run", "model=synthetic", "plan_only=true", "max_memory.cpu=1MiB", "headroom=0", f"hydra.run.dir={tmp_path}"],
+        capsys,
+        monkeypatch,
+    )
     assert code in (0, None) and "plan only: nothing was loaded" in out, err
     assert json.loads((tmp_path / "metrics.json").read_text())["plan_only"] is True
 
@@ -93,7 +102,12 @@ def test_a_plan_only_sweep_compares_plans(tmp_path):
 
     for job, budget in (("0", "1MiB"), ("1", "3MiB")):
         cfg = _cfg(["model=synthetic", "plan_only=true", f"max_memory.cpu={budget}", "headroom=0"])
-        run(cfg, output_dir=tmp_path / job, labels={"choices": {"model": "synthetic"}, "overrides": [budget]}, plot=False)
+        run(
+            cfg,
+            output_dir=tmp_path / job,
+            labels={"choices": {"model": "synthetic"}, "overrides": [budget]},
+            plot=False,
+        )
     rows = summarize(tmp_path)
     assert [r["status"] for r in rows] == ["planned", "planned"]
     assert rows[0]["offloaded_mib"] > 0 == rows[1]["offloaded_mib"]
@@ -115,16 +129,26 @@ def test_a_device_map_file_replaces_the_placement_in_the_header(tmp_path, capsys
 def test_counters_print_sizes_in_binary_units():
     from offload_core.runner.modes.results import counter_text
 
-    assert counter_text("kept_bytes", 3 * 2**20) == "3.00 MiB" and counter_text("expert_bytes_per_token", 1536.0) == "1.50 KiB"
+    assert (
+        counter_text("kept_bytes", 3 * 2**20) == "3.00 MiB"
+        and counter_text("expert_bytes_per_token", 1536.0) == "1.50 KiB"
+    )
     assert counter_text("hits", 5) == "5" and counter_text("wait_s_per_token", 0.25) == "0.250"
 
 
 def test_a_sweep_summary_names_metrics_of_another_shape_instead_of_failing(tmp_path):
     from offload_core.runner.sweep import summarize
 
-    for job, content in (("0", "[1, 2]"), ("1", json.dumps({"choices": "x", "overrides": 3, "load_s": "slow",
-                                                              "peak_anon_rss_bytes": "lots", "peak_gpu_bytes": [1]})),
-                         ("2", "\udcff")):
+    for job, content in (
+        ("0", "[1, 2]"),
+        (
+            "1",
+            json.dumps(
+                {"choices": "x", "overrides": 3, "load_s": "slow", "peak_anon_rss_bytes": "lots", "peak_gpu_bytes": [1]}
+            ),
+        ),
+        ("2", "\udcff"),
+    ):
         (tmp_path / job).mkdir()
         (tmp_path / job / "metrics.json").write_text(content, errors="surrogateescape")
     rows = summarize(tmp_path)

@@ -67,7 +67,11 @@ def test_every_option_composes(group, option):
 def test_defaults_are_the_main_job():
     cfg = _compose([])
     assert (cfg.placement.name, cfg.storage.name, cfg.hook.name, cfg.model.name) == (
-        "sequential", "safetensors", "align_per_call", "smollm2")
+        "sequential",
+        "safetensors",
+        "align_per_call",
+        "smollm2",
+    )
     assert cfg.prompt == "What is the capital of France?"
 
 

@@ -26,9 +26,14 @@ def test_a_damaged_or_foreign_corrections_file_is_ignored_with_one_line_and_rema
     learn.learn("k", "label", learn.corrected({}, PREDICTED), MEASURED)
     good = json.loads(corrections.read_text())
     assert learn.read() == good["entries"] and capsys.readouterr().err == ""
-    bad_entries = [{"k": {"ratios": {"step": [float("inf")]}, "updated": 1}}, {"k": {"ratios": {"step": []}, "updated": 1}},
-                   {"k": {"ratios": {"warp": [1.0]}, "updated": 1}}, {"k": {"ratios": {"step": [-2.0]}, "updated": 1}},
-                   {"k": {"ratios": {"step": ["fast"]}, "updated": 1}}, {"k": []}]
+    bad_entries = [
+        {"k": {"ratios": {"step": [float("inf")]}, "updated": 1}},
+        {"k": {"ratios": {"step": []}, "updated": 1}},
+        {"k": {"ratios": {"warp": [1.0]}, "updated": 1}},
+        {"k": {"ratios": {"step": [-2.0]}, "updated": 1}},
+        {"k": {"ratios": {"step": ["fast"]}, "updated": 1}},
+        {"k": []},
+    ]
     damaged = [json.dumps({**good, "entries": e}) for e in bad_entries]
     damaged += [json.dumps({**good, "version": 99}), json.dumps({**good, "machine": "another|x86_64|64"}), "[1]", "{"]
     for text in damaged:
@@ -37,7 +42,9 @@ def test_a_damaged_or_foreign_corrections_file_is_ignored_with_one_line_and_rema
         err = capsys.readouterr().err
         assert f"ignoring {corrections}" in err and err.count("\n") == 1
         # never trusted: the prediction stays the cost model's
-        assert learn.corrected(learn.read().get("k", {}), PREDICTED)["predicted_step_s"] == PREDICTED["predicted_step_s"]
+        assert (
+            learn.corrected(learn.read().get("k", {}), PREDICTED)["predicted_step_s"] == PREDICTED["predicted_step_s"]
+        )
         capsys.readouterr()
     corrections.write_bytes(os.urandom(200))
     learn.learn("k", "label", learn.corrected({}, PREDICTED), MEASURED)  # remade whole
@@ -57,7 +64,9 @@ def test_the_second_prediction_of_a_configuration_moves_to_what_was_measured(cor
         assert abs(second[key] - MEASURED[measured]) < abs(first[key] - MEASURED[measured])
         assert second[key] == pytest.approx(MEASURED[measured])
     # another configuration learns nothing from it
-    assert learn.corrected(learn.read().get("other", {}), PREDICTED)["predicted_step_s"] == PREDICTED["predicted_step_s"]
+    assert (
+        learn.corrected(learn.read().get("other", {}), PREDICTED)["predicted_step_s"] == PREDICTED["predicted_step_s"]
+    )
     # the median of the last runs: one stalled run does not move it
     for _ in range(3):
         learn.learn("k", "label", second, MEASURED)
@@ -75,27 +84,43 @@ def test_the_comparison_is_one_line():
 def test_a_run_records_its_prediction_and_the_next_run_predicts_from_it(corrections, tmp_path, compose_run, capsys):
     from offload_core.runner.job import run
 
-    cfg = compose_run(["model=synthetic", "progress=false", "max_new_tokens=4", "max_memory.cpu=1MiB", "headroom=0",
-                       "storage=safetensors"])
+    cfg = compose_run(
+        [
+            "model=synthetic",
+            "progress=false",
+            "max_new_tokens=4",
+            "max_memory.cpu=1MiB",
+            "headroom=0",
+            "storage=safetensors",
+        ]
+    )
     first = run(cfg, output_dir=tmp_path / "1")
     out = capsys.readouterr().out
     written = json.loads((tmp_path / "1" / "metrics.json").read_text())
     assert written["prediction"]["step"]["measured"] == pytest.approx(written["time_per_decode_step_s"])
-    assert written["prediction_runs"] == 0 and "predicted vs measured: load" in out and "learned for the next run" in out
+    assert (
+        written["prediction_runs"] == 0 and "predicted vs measured: load" in out and "learned for the next run" in out
+    )
     second = run(cfg, output_dir=tmp_path / "2")
     out = capsys.readouterr().out
     assert second.figures["prediction_runs"] == 1 and "corrected by 1 earlier run" in out
     for name in ("load", "ttft", "step"):
         measured = first.figures["prediction"][name]["measured"]
         assert second.figures["prediction"][name]["predicted"] == pytest.approx(measured)
-        assert (abs(second.figures["prediction"][name]["predicted"] - measured)
-                < abs(first.figures["prediction"][name]["predicted"] - measured))
+        assert abs(second.figures["prediction"][name]["predicted"] - measured) < abs(
+            first.figures["prediction"][name]["predicted"] - measured
+        )
 
 
 def test_a_calibration_whose_probe_terms_are_damaged_is_not_trusted():
     from offload_core.runner.plan.calibrate import calibration_problem
 
     assert calibration_problem({"probe": {"k": {"per_load_decode_s": 0.001}, "failed": {}}}) is None
-    for bad in ({"probe": {"k": {"per_load_decode_s": -1}}}, {"probe": {"k": {"per_load_decode_s": "x"}}},
-                {"probe": {"k": [1]}}, {"probe": [1]}, {"probe": {"k": {"outside_decode_s": float("inf")}}}):
+    for bad in (
+        {"probe": {"k": {"per_load_decode_s": -1}}},
+        {"probe": {"k": {"per_load_decode_s": "x"}}},
+        {"probe": {"k": [1]}},
+        {"probe": [1]},
+        {"probe": {"k": {"outside_decode_s": float("inf")}}},
+    ):
         assert "'probe'" in calibration_problem(bad)

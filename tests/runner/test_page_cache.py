@@ -36,16 +36,28 @@ def test_page_cache_setting_reads_auto_lru_and_sizes():
 def test_the_plan_predicts_disk_reads_from_the_kept_set():
     plan = page_cache_plan("400", SUMMARY, CPU, keeps=True)
     assert plan["kept_bytes"] == 400 and plan["streamed_bytes"] == 600 and plan["predicted_disk_bytes_per_token"] == 600
-    auto = page_cache_plan("auto", SUMMARY, CPU, keeps=True, anon_budget=50, largest_block=10,
-                           available=lambda: (1 << 30) + 300)
+    auto = page_cache_plan(
+        "auto", SUMMARY, CPU, keeps=True, anon_budget=50, largest_block=10, available=lambda: (1 << 30) + 300
+    )
     assert auto["kept_bytes"] == 210  # available less the run's budget, the 1 GiB margin and 4 streamed blocks
     assert page_cache_plan("400", SUMMARY, CPU, keeps=False) == {"page_cache": "lru", "offloaded_bytes": 1000}
 
 
 @pytest.mark.slow  # a whole run
 def test_a_run_with_page_cache_zero_streams_every_block_and_reports_disk_reads(tmp_path, capsys):
-    cfg = _cfg(["model=synthetic", "storage=memmap", "hook=prefetch", f"offload_folder={tmp_path / 'off'}",
-                "max_memory.cpu=1MiB", "headroom=0", "max_new_tokens=3", "page_cache=0", "progress=false"])
+    cfg = _cfg(
+        [
+            "model=synthetic",
+            "storage=memmap",
+            "hook=prefetch",
+            f"offload_folder={tmp_path / 'off'}",
+            "max_memory.cpu=1MiB",
+            "headroom=0",
+            "max_new_tokens=3",
+            "page_cache=0",
+            "progress=false",
+        ]
+    )
     result = run(cfg, output_dir=tmp_path)
     assert "page cache: kept set 0 B" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "metrics.json").read_text())

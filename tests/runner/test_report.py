@@ -16,8 +16,13 @@ from offload_core.testing import tiny_tied_llama
 
 REGISTRY = build_registry(load_entry_points=False)
 CPU = torch.device("cpu")
-POLICIES = [("align_per_call", {}), ("align_per_call", {"granularity": "block"}), ("chained", {}),
-            ("functional_call", {}), ("prefetch", {})]
+POLICIES = [
+    ("align_per_call", {}),
+    ("align_per_call", {"granularity": "block"}),
+    ("chained", {}),
+    ("functional_call", {}),
+    ("prefetch", {}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +38,16 @@ def _empty(config):
 
 
 # embeddings (tied with the head) and a block on disk: the tied weight is read by two modules per forward
-DEVICE_MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
-              "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
+DEVICE_MAP = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.layers.3": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p[0] + "-".join(["", *p[1].values()]))
@@ -46,8 +59,16 @@ def test_prediction_matches_measured_bytes_per_token(checkpoint, policy, tmp_pat
     # bfloat16: every weight is used mapped in place (a float32 weight off the alignment this machine's kernels
     # care about is copied into prefetch's pool, where the head borrows the tied embedding and moves nothing)
     predicted = predicted_bytes_per_token(model, DEVICE_MAP, built, CPU, torch.bfloat16)
-    load_checkpoint_and_dispatch(model, path, DEVICE_MAP, storage="memmap", policy=built, dtype=torch.bfloat16,
-                                 offload_folder=tmp_path / "off", progress=False)
+    load_checkpoint_and_dispatch(
+        model,
+        path,
+        DEVICE_MAP,
+        storage="memmap",
+        policy=built,
+        dtype=torch.bfloat16,
+        offload_folder=tmp_path / "off",
+        progress=False,
+    )
     ids = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(0))
     state = model.offload_state
     state.stats.reset()
@@ -76,12 +97,22 @@ def test_cpu_counts_as_offloaded_on_a_gpu_run(checkpoint):
 
 def test_chained_with_one_offloaded_block_keeps_it(checkpoint):
     _, config = checkpoint
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
-                  "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.layers.3": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     model = _empty(config)
     assert predicted_bytes_per_token(model, device_map, _policy("chained"), CPU, None) == 0
-    assert predicted_bytes_per_token(model, device_map, _policy("align_per_call"), CPU, None) == \
-        compute_module_sizes(model)["model.layers.1"]
+    assert (
+        predicted_bytes_per_token(model, device_map, _policy("align_per_call"), CPU, None)
+        == compute_module_sizes(model)["model.layers.1"]
+    )
 
 
 def test_plan_text_groups_keys_by_device(checkpoint):
@@ -100,8 +131,16 @@ def test_plan_text_groups_keys_by_device(checkpoint):
 def test_plan_text_folds_runs_of_blocks(checkpoint):
     _, config = checkpoint
     model = _empty(config)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu", "model.layers.2": "cpu",
-                  "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "cpu",
+        "model.layers.2": "cpu",
+        "model.layers.3": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     summary = summarize_device_map(model, device_map, None)
     assert "model.layers.0-2" in plan_text(summary, {"reserve": {}}, None, device_map=device_map)
 
@@ -117,8 +156,13 @@ def test_plot_placement_writes_a_png(checkpoint, tmp_path):
 def test_a_policy_without_hints_is_predicted_per_block_and_read_once_per_forward(checkpoint):
     _, config = checkpoint
     model = _empty(config)
-    per_block = predicted_bytes_per_token(model, DEVICE_MAP, REGISTRY.create("policy", "align_per_call",
-                                          {"name": "align_per_call", "granularity": "block"}), CPU, None)
+    per_block = predicted_bytes_per_token(
+        model,
+        DEVICE_MAP,
+        REGISTRY.create("policy", "align_per_call", {"name": "align_per_call", "granularity": "block"}),
+        CPU,
+        None,
+    )
     from offload_core.registry.contracts import Policy
 
     class NoHints(Policy):  # a third-party policy that declares no capability: the contract's defaults

@@ -29,8 +29,18 @@ def _run(tmp_path, folder, *extra):
     prompts = tmp_path / "prompts.txt"
     if not prompts.exists():
         prompts.write_text("\n".join(PROMPTS) + "\n")
-    cfg = _cfg(["model=synthetic", "storage=safetensors", "max_memory.cpu=20MiB", f"prompts={prompts}", "batch_size=2",
-                "max_new_tokens=3", "progress=false", *extra])
+    cfg = _cfg(
+        [
+            "model=synthetic",
+            "storage=safetensors",
+            "max_memory.cpu=20MiB",
+            f"prompts={prompts}",
+            "batch_size=2",
+            "max_new_tokens=3",
+            "progress=false",
+            *extra,
+        ]
+    )
     return run(cfg, output_dir=tmp_path / folder)
 
 

@@ -21,8 +21,16 @@ def _cfg(overrides):
 
 
 def test_plan_only_loads_nothing(tmp_path):
-    cfg = _cfg(["plan_only=true", "model=synthetic", "storage=memmap", f"offload_folder={tmp_path / 'off'}",
-                "max_memory.cpu=1MiB", "headroom=0"])
+    cfg = _cfg(
+        [
+            "plan_only=true",
+            "model=synthetic",
+            "storage=memmap",
+            f"offload_folder={tmp_path / 'off'}",
+            "max_memory.cpu=1MiB",
+            "headroom=0",
+        ]
+    )
     result = run(cfg, output_dir=tmp_path)
     assert result.token_ids == [] and "disk" in set(result.device_map.values())
     assert not (tmp_path / "off").exists()
@@ -34,11 +42,20 @@ def test_plan_only_loads_nothing(tmp_path):
 
 @pytest.mark.slow  # a whole run
 def test_user_device_map_file(tmp_path):
-    mapping = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
-               "model.layers.3": "cpu", "model.norm": "cpu", "lm_head": "disk"}
+    mapping = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.layers.3": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "disk",
+    }
     path = tmp_path / "map.json"
     path.write_text(json.dumps(mapping))
-    cfg = _cfg([f"device_map={path}", "model=synthetic", "progress=false", "max_new_tokens=4", "compare_in_memory=true"])
+    cfg = _cfg(
+        [f"device_map={path}", "model=synthetic", "progress=false", "max_new_tokens=4", "compare_in_memory=true"]
+    )
     result = run(cfg, output_dir=tmp_path)
     assert result.device_map == mapping
     assert result.matches_in_memory is True
@@ -56,23 +73,39 @@ def test_reservation_follows_store_and_policy():
     def make(group, name, **options):
         return registry.create(group, name, {"name": name, **options})
 
-    safetensors, memmap, pinned = make("storage", "safetensors"), make("storage", "memmap"), make("storage", "pinned_cpu")
+    safetensors, memmap, pinned = (
+        make("storage", "safetensors"),
+        make("storage", "memmap"),
+        make("storage", "pinned_cpu"),
+    )
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
     block, module = 1000, 100
-    assert reservation(make("policy", "prefetch", depth=2), safetensors, cpu, block, module, converts=False) == {"cpu": 0}
-    assert reservation(make("policy", "prefetch", depth=2, pool=True), memmap, cpu, block, module, converts=False) == {"cpu": 3000}
+    assert reservation(make("policy", "prefetch", depth=2), safetensors, cpu, block, module, converts=False) == {
+        "cpu": 0
+    }
+    assert reservation(make("policy", "prefetch", depth=2, pool=True), memmap, cpu, block, module, converts=False) == {
+        "cpu": 3000
+    }
     # Only a store that converts on read makes copies of a checkpoint stored in another dtype.
-    assert reservation(make("policy", "prefetch", depth=1), safetensors, cpu, block, module, converts=True) == {"cpu": 2000}
+    assert reservation(make("policy", "prefetch", depth=1), safetensors, cpu, block, module, converts=True) == {
+        "cpu": 2000
+    }
     assert reservation(make("policy", "prefetch", depth=1), memmap, cpu, block, module, converts=True) == {"cpu": 0}
     assert reservation(make("policy", "align_per_call"), safetensors, cpu, block, module, converts=True) == {"cpu": 100}
-    assert reservation(make("policy", "align_per_call", granularity="block"), safetensors, cpu, block, module,
-                       converts=True) == {"cpu": 1000}
+    assert reservation(
+        make("policy", "align_per_call", granularity="block"), safetensors, cpu, block, module, converts=True
+    ) == {"cpu": 1000}
     assert reservation(make("policy", "chained"), safetensors, gpu, block, module, converts=False) == {1: 1000}
     # A GPU run holds the blocks in flight on the device, and the staging ring in host memory
     # unless the store is already pinned.
-    staged = reservation(make("policy", "prefetch", depth=2, staging_chunk="1MiB"), memmap, gpu, block, module, converts=False)
+    staged = reservation(
+        make("policy", "prefetch", depth=2, staging_chunk="1MiB"), memmap, gpu, block, module, converts=False
+    )
     assert staged == {1: 3000, "cpu": 3 * 2**20}
-    assert reservation(make("policy", "prefetch", depth=2), pinned, gpu, block, module, converts=False) == {1: 3000, "cpu": 0}
+    assert reservation(make("policy", "prefetch", depth=2), pinned, gpu, block, module, converts=False) == {
+        1: 3000,
+        "cpu": 0,
+    }
 
 
 def test_a_third_party_policy_declares_its_own_reservation():
@@ -100,16 +133,31 @@ def test_a_third_party_policy_declares_its_own_reservation():
     minimal = as_contract("policy", "minimal", Minimal)(None)
     assert minimal.reserve(need) == {"cpu": 0}  # no reserve: one block, a view on a CPU run
     assert minimal.reserve(InFlight(torch.device("cuda", 0), 1000, 100)) == {0: 1000}
-    assert (minimal.granularity, minimal.offload_buffers, minimal.predict_moved([3, 4]), minimal.own_device_map(None, None)) == (
-        "block", False, 7, None)
-
+    assert (
+        minimal.granularity,
+        minimal.offload_buffers,
+        minimal.predict_moved([3, 4]),
+        minimal.own_device_map(None, None),
+    ) == ("block", False, 7, None)
 
 
 @pytest.mark.slow  # a whole run
 def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):
-    cfg = _cfg(["model=synthetic", "model.preset=small", "hook=prefetch", "hook.pool=true", "hook.depth=1",
-                "storage=memmap", "max_memory.cpu=48MiB", "headroom=0", "progress=false", "max_new_tokens=4",
-                "compare_in_memory=true"])
+    cfg = _cfg(
+        [
+            "model=synthetic",
+            "model.preset=small",
+            "hook=prefetch",
+            "hook.pool=true",
+            "hook.depth=1",
+            "storage=memmap",
+            "max_memory.cpu=48MiB",
+            "headroom=0",
+            "progress=false",
+            "max_new_tokens=4",
+            "compare_in_memory=true",
+        ]
+    )
     result = run(cfg, output_dir=tmp_path)
     assert result.matches_in_memory is True
     block = result.plan["largest_block"]

@@ -18,7 +18,15 @@ def _cfg(overrides):
 
 
 def test_plan_reports_converted_tensors_and_their_cost(saved, tmp_path, capsys):
-    cfg = _cfg(["plan_only=true", "model=local", f"model.path={saved('mixtral').path}", "max_memory.cpu=60KiB", "headroom=1KiB"])
+    cfg = _cfg(
+        [
+            "plan_only=true",
+            "model=local",
+            f"model.path={saved('mixtral').path}",
+            "max_memory.cpu=60KiB",
+            "headroom=1KiB",
+        ]
+    )
     result = run(cfg, output_dir=tmp_path, plot=False)
     out = capsys.readouterr().out
     built = [line for line in result.plan["conversion"] if "built from several checkpoint tensors" in line]
@@ -27,14 +35,18 @@ def test_plan_reports_converted_tensors_and_their_cost(saved, tmp_path, capsys):
 
 
 def test_plan_of_a_checkpoint_whose_names_match_says_so(saved, tmp_path, capsys):
-    cfg = _cfg(["plan_only=true", "model=local", f"model.path={saved('t5').path}", "max_memory.cpu=60KiB", "headroom=1KiB"])
+    cfg = _cfg(
+        ["plan_only=true", "model=local", f"model.path={saved('t5').path}", "max_memory.cpu=60KiB", "headroom=1KiB"]
+    )
     result = run(cfg, output_dir=tmp_path, plot=False)
     assert result.plan["conversion"] == ["checkpoint names match the model: nothing converted"]
     assert "conversion: checkpoint names match the model" in capsys.readouterr().out
 
 
 def test_an_encoder_plan_counts_bytes_per_forward_not_per_generated_token(saved, tmp_path, capsys):
-    cfg = _cfg(["plan_only=true", "model=local", f"model.path={saved('bert').path}", "max_memory.cpu=60KiB", "headroom=1KiB"])
+    cfg = _cfg(
+        ["plan_only=true", "model=local", f"model.path={saved('bert').path}", "max_memory.cpu=60KiB", "headroom=1KiB"]
+    )
     run(cfg, output_dir=tmp_path, plot=False)
     out = capsys.readouterr().out
     assert "predicted bytes moved per forward:" in out and "per generated token" not in out

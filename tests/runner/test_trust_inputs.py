@@ -15,12 +15,20 @@ def test_calibration_of_another_shape_is_measured_again_with_one_line(tmp_path, 
     from offload_core.runner.plan.calibrate import _read_cached, calibration_file
 
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
-    good = {"disks": {"1": {"write_bps": 1.0, "cold_read_bps": 2.0, "warm_read_bps": 3.0}}, "h2d_bps": {},
-            "compute": {"k": {"1x2": {"block_s": 0.1}, "2x2": {}}}}
+    good = {
+        "disks": {"1": {"write_bps": 1.0, "cold_read_bps": 2.0, "warm_read_bps": 3.0}},
+        "h2d_bps": {},
+        "compute": {"k": {"1x2": {"block_s": 0.1}, "2x2": {}}},
+    }
     calibration_file().write_text(json.dumps(good))
     assert _read_cached() == good and capsys.readouterr().err == ""
-    for bad in ({"disks": [1, 2], "compute": "x"}, {"disks": {"1": {"write_bps": "fast"}}}, [1],
-                {"compute": {"k": {"1x2": {"block_s": None}}}}, {"h2d_bps": {"cuda:0": -1}}):
+    for bad in (
+        {"disks": [1, 2], "compute": "x"},
+        {"disks": {"1": {"write_bps": "fast"}}},
+        [1],
+        {"compute": {"k": {"1x2": {"block_s": None}}}},
+        {"h2d_bps": {"cuda:0": -1}},
+    ):
         calibration_file().write_text(json.dumps(bad))
         assert _read_cached() == {}
         err = capsys.readouterr().err
@@ -108,7 +116,10 @@ def test_a_single_prompt_plans_its_kv_cache_as_a_batch_of_one(tmp_path):
     with pytest.raises(ConfigError, match="exceed the model's context"):
         run(_cfg([*base, f"max_new_tokens={fits + 1}", "max_memory.cpu=64MiB"]), output_dir=tmp_path / "e", plot=False)
     small = [*base, "max_memory.cpu=3MiB"]
-    with pytest.raises(ConfigError, match=r"more than max_memory.cpu=3.00 MiB leaves beside 768.00 KiB for the runtime; use max_new_tokens=(\d+) or less") as caught:
+    with pytest.raises(
+        ConfigError,
+        match=r"more than max_memory.cpu=3.00 MiB leaves beside 768.00 KiB for the runtime; use max_new_tokens=(\d+) or less",
+    ) as caught:
         run(_cfg([*small, "max_new_tokens=2000"]), output_dir=tmp_path / "f", plot=False)
     fits = int(re.search(r"use max_new_tokens=(\d+) or less", str(caught.value)).group(1))
     run(_cfg([*small, f"max_new_tokens={fits}"]), output_dir=tmp_path / "g", plot=False)

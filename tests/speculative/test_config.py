@@ -31,13 +31,16 @@ def test_config_group_defaults_to_none_and_names_each_mode():
     assert run_speculative(_cfg(["speculative=draft", "speculative.path=/x"])).path == "/x"
 
 
-@pytest.mark.parametrize("value, message", [
-    ("beam", "speculative='beam' is unknown"),
-    ({"name": "prompt_lookup", "tokens": 0}, "speculative.tokens=0 drafts nothing"),
-    ({"name": "draft"}, "speculative=draft needs speculative.path"),
-    ({"name": "self", "layer": 2}, "unknown key(s) layer"),
-    ({"name": "self", "expected_acceptance": 1.0}, "must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("beam", "speculative='beam' is unknown"),
+        ({"name": "prompt_lookup", "tokens": 0}, "speculative.tokens=0 drafts nothing"),
+        ({"name": "draft"}, "speculative=draft needs speculative.path"),
+        ({"name": "self", "layer": 2}, "unknown key(s) layer"),
+        ({"name": "self", "expected_acceptance": 1.0}, "must be in [0, 1)"),
+    ],
+)
 def test_unusable_values_are_one_line(value, message):
     with pytest.raises(ConfigError) as caught:
         read_speculative(value)

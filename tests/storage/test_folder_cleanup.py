@@ -33,8 +33,15 @@ def test_a_rebuild_removes_the_tagged_files_of_our_shapes_and_nothing_else(tmp_p
     build(folder, 1).close()
     assert sorted(os.listdir(folder)) == sorted([".lock", TAG, COMPLETE, INDEX, "a.dat", "b.dat"])
     (folder / "sub").mkdir()
-    planted = {"user.txt": "mine", "sub/y.dat": "mine", "..\\z.dat": "mine", "notes.tmp": "mine",
-               "x.dat.tmp": "ours", INDEX + ".tmp": "ours", TAG + ".tmp": "ours"}
+    planted = {
+        "user.txt": "mine",
+        "sub/y.dat": "mine",
+        "..\\z.dat": "mine",
+        "notes.tmp": "mine",
+        "x.dat.tmp": "ours",
+        INDEX + ".tmp": "ours",
+        TAG + ".tmp": "ours",
+    }
     for name, text in planted.items():
         (folder / name).write_text(text)
     # a tag naming files that are not ours (no .dat suffix, a path, a backslash) and one already gone
@@ -50,14 +57,26 @@ def test_a_rebuild_removes_the_tagged_files_of_our_shapes_and_nothing_else(tmp_p
     store.close()
 
 
-@pytest.mark.parametrize("code, said", [
-    (errno.ENOSPC, "no space left on the device of offload_folder {folder} while writing 'b'; free space or point "
-                   "offload_folder at a larger disk (the partial offload folder was removed; your files are untouched)"),
-    (errno.EDQUOT, "no space left on the device of offload_folder {folder} while writing 'b'; free space or point "
-                   "offload_folder at a larger disk (the partial offload folder was removed; your files are untouched)"),
-    (errno.EACCES, "cannot write offload_folder {folder} while writing 'b': Permission denied; check the folder (the "
-                   "partial offload folder was removed)"),
-])
+@pytest.mark.parametrize(
+    "code, said",
+    [
+        (
+            errno.ENOSPC,
+            "no space left on the device of offload_folder {folder} while writing 'b'; free space or point "
+            "offload_folder at a larger disk (the partial offload folder was removed; your files are untouched)",
+        ),
+        (
+            errno.EDQUOT,
+            "no space left on the device of offload_folder {folder} while writing 'b'; free space or point "
+            "offload_folder at a larger disk (the partial offload folder was removed; your files are untouched)",
+        ),
+        (
+            errno.EACCES,
+            "cannot write offload_folder {folder} while writing 'b': Permission denied; check the folder (the "
+            "partial offload folder was removed)",
+        ),
+    ],
+)
 def test_a_failed_write_removes_what_it_wrote_and_says_so_in_one_line(tmp_path, code, said):
     folder = tmp_path / "new" / "off"
     store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint={"v": 1}))
@@ -111,6 +130,8 @@ def test_reuse_that_cannot_record_new_stamps_says_so_and_reuses(tmp_path, monkey
     with records_of("offload_core.storage.folder") as said:
         store = build(folder, 1)
     assert store.reused
-    assert said == [f"memmap: could not record the verified stamps in {folder} ({error})",
-                    f"memmap: reusing complete offload folder {folder} (contents verified)"]
+    assert said == [
+        f"memmap: could not record the verified stamps in {folder} ({error})",
+        f"memmap: reusing complete offload folder {folder} (contents verified)",
+    ]
     store.close()

@@ -20,8 +20,9 @@ TENSORS = {"a": torch.arange(64.0), "b": torch.arange(64.0) * 2, "c": torch.ones
 
 
 def build(folder: Path, fingerprint: dict | None = None, verify: bool = True) -> FolderStore:
-    store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint=fingerprint or {"v": 1}),
-                        verify=verify)
+    store = FolderStore(
+        StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint=fingerprint or {"v": 1}), verify=verify
+    )
     if not store.reused:
         for name, tensor in TENSORS.items():
             store.put(name, tensor)
@@ -62,6 +63,7 @@ def edit_index(change) -> callable:
         index = json.loads((folder / INDEX).read_text())
         change(index)
         (folder / INDEX).write_text(json.dumps(index))
+
     return damage
 
 
@@ -100,8 +102,9 @@ def test_a_mismatch_is_said_in_one_line(tmp_path, capfd):
     flip(folder / "a.dat")
     build(folder).close()
     lines = [line for line in capfd.readouterr().err.splitlines() if "failed verification" in line]
-    assert lines == [f"offload_core: offload folder {folder} failed verification (a.dat does not match its checksum); "
-                     "rebuilding it"]
+    assert lines == [
+        f"offload_core: offload folder {folder} failed verification (a.dat does not match its checksum); rebuilding it"
+    ]
 
 
 def _hashed(monkeypatch) -> list[str]:
@@ -114,6 +117,7 @@ def _hashed(monkeypatch) -> list[str]:
     def counting(path):
         names.append(Path(path).name)
         return real(path)
+
     monkeypatch.setattr(guard, "checksum", counting)
     monkeypatch.setattr(folder_module, "checksum", counting)
     return names
@@ -147,8 +151,9 @@ def test_verify_false_trusts_sizes_only(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("name", ["a.dat", "a.dat.tmp", INDEX, INDEX + ".tmp", TAG, TAG + ".tmp", COMPLETE,
-                                  COMPLETE + ".tmp", ".lock"])
+@pytest.mark.parametrize(
+    "name", ["a.dat", "a.dat.tmp", INDEX, INDEX + ".tmp", TAG, TAG + ".tmp", COMPLETE, COMPLETE + ".tmp", ".lock"]
+)
 @pytest.mark.parametrize("when", ["new", "built"])
 def test_a_planted_symlink_is_refused_in_one_line_and_its_target_untouched(name, when, tmp_path):
     folder = tmp_path / "off"
@@ -179,6 +184,7 @@ def test_nothing_outside_the_folder_is_written_by_a_full_build(tmp_path):
 
 
 # -- one process, one folder, several stores (a notebook cell run twice) --------------------------
+
 
 def test_a_second_store_in_this_process_shares_the_folder_while_the_first_is_alive(tmp_path):
     folder = tmp_path / "off"
@@ -212,6 +218,7 @@ def test_a_live_store_is_never_rebuilt_under_by_this_process(tmp_path):
 
 
 # -- simultaneous starts take turns ---------------------------------------------------------------
+
 
 def _start(folder: str, barrier, results) -> None:
     barrier.wait()
@@ -249,8 +256,9 @@ def test_100_pairs_of_simultaneous_threads_take_turns(tmp_path):
     for trial in range(100):
         results: queue.Queue = queue.Queue()
         barrier = threading.Barrier(2)
-        threads = [threading.Thread(target=_start, args=(str(tmp_path / f"off{trial}"), barrier, results))
-                   for _ in range(2)]
+        threads = [
+            threading.Thread(target=_start, args=(str(tmp_path / f"off{trial}"), barrier, results)) for _ in range(2)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -56,8 +56,9 @@ def test_a_lock_held_by_a_live_process_keeps_its_folder_whatever_pid_it_names(tm
 
     folder = tmp_path / "offload_core-held"
     folder.mkdir()
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=60
+    )
     (folder / ".lock").write_text(done.stdout)  # a pid that is gone
     with open(folder / ".lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # but a live process (another pid namespace, say) holds the lock

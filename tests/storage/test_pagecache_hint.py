@@ -25,13 +25,13 @@ def test_a_hinted_span_is_read_in_whole_and_alone(tmp_path):
     whole = torch.frombuffer(mapped, dtype=torch.uint8)
     if resident(whole):
         pytest.skip("this file system keeps the file in memory (the page cache cannot be dropped)")
-    span = whole[(16 << 20) + 100:(32 << 20) + 100]  # 16 MiB, not page aligned: more than one read-ahead window
+    span = whole[(16 << 20) + 100 : (32 << 20) + 100]  # 16 MiB, not page aligned: more than one read-ahead window
     will_need(span)
     deadline = time.monotonic() + 10
     while not resident(span) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert resident(span)
-    assert not resident(whole[:8 << 20]) and not resident(whole[(40 << 20):])
+    assert not resident(whole[: 8 << 20]) and not resident(whole[(40 << 20) :])
 
 
 def test_file_ranges_are_merged_in_file_order_and_hinted_whole(tmp_path, monkeypatch):
@@ -42,7 +42,11 @@ def test_file_ranges_are_merged_in_file_order_and_hinted_whole(tmp_path, monkeyp
     a, b = tmp_path / "a", tmp_path / "b"
     for path in (a, b):
         path.write_bytes(b"\0" * 4096)
-    assert pagecache.coalesce([(b, 10, 20), (a, 50, 60), (a, 0, 50), (a, 70, 80)]) == [(a, 0, 60), (a, 70, 80), (b, 10, 20)]
+    assert pagecache.coalesce([(b, 10, 20), (a, 50, 60), (a, 0, 50), (a, 70, 80)]) == [
+        (a, 0, 60),
+        (a, 70, 80),
+        (b, 10, 20),
+    ]
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append((offset, length, advice)))
     pagecache.advise_ranges([(a, 3 << 20, 6 << 20), (a, 100, 3 << 20)], "POSIX_FADV_WILLNEED")

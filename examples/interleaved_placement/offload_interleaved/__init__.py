@@ -58,7 +58,10 @@ class Interleaved(Placement):
         resident = gpus[0] if gpus else "cpu"
         dtype = parse_dtype(request.dtype)
         aliases = tensor_aliases(model)
-        size = {name: tensor_bytes(t, dtype) for name, t in named_module_tensors(model, recurse=True, remove_duplicate=False)}
+        size = {
+            name: tensor_bytes(t, dtype)
+            for name, t in named_module_tensors(model, recurse=True, remove_duplicate=False)
+        }
 
         def owner(name: str) -> str:
             for block in blocks:

@@ -16,8 +16,15 @@ NO_SPLIT = ["LlamaDecoderLayer"]
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(config)
 

@@ -91,7 +91,8 @@ class FakeAccelerator(Accelerator):
                 if self.allocated[index] + held > self.memory:
                     raise torch.OutOfMemoryError(
                         f"fake accelerator: out of memory on {device} allocating {held} bytes "
-                        f"({self.allocated[index]} of {self.memory} in use)")
+                        f"({self.allocated[index]} of {self.memory} in use)"
+                    )
                 block = timeline.blocks[ptr] = Block(device, held, timeline.current(device))
                 self.allocated[index] += held
                 self.peak[index] = max(self.peak[index], self.allocated[index])
@@ -178,8 +179,11 @@ class FakeAccelerator(Accelerator):
     def synchronize(self, device: torch.device | None = None) -> None:
         timeline = self.timeline
         with timeline.lock:
-            streams = [s for s in [*timeline.defaults.values(), *timeline.side_streams]
-                       if device is None or s.device == torch.device(device)]
+            streams = [
+                s
+                for s in [*timeline.defaults.values(), *timeline.side_streams]
+                if device is None or s.device == torch.device(device)
+            ]
             for stream in streams:
                 timeline.synchronize_stream(stream)
 

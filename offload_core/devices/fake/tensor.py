@@ -62,9 +62,15 @@ class FakeTensor(torch.Tensor):
         # A normal tensor even under inference mode (a view of one must share its version counter); autograd
         # and inference mode act on the wrappers, the values below them are computed under inference mode.
         with torch.inference_mode(False):
-            wrapper = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
-                                                          storage_offset=elem.storage_offset(), dtype=elem.dtype,
-                                                          device=device, requires_grad=requires_grad)
+            wrapper = torch.Tensor._make_wrapper_subclass(
+                cls,
+                elem.size(),
+                strides=elem.stride(),
+                storage_offset=elem.storage_offset(),
+                dtype=elem.dtype,
+                device=device,
+                requires_grad=requires_grad,
+            )
         wrapper.elem = elem
         return wrapper
 
@@ -105,8 +111,9 @@ class FakeTensor(torch.Tensor):
 
 
 def _wrap(value: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: FakeTensor(t, device) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
-                    else t, value)
+    return tree_map(
+        lambda t: FakeTensor(t, device) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t, value
+    )
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
@@ -122,8 +129,10 @@ def _devices(flat: list) -> tuple[set, list]:
 def _same_device(name: str, fakes: set, hosts: list) -> torch.device:
     if len(fakes) > 1 or (hosts and name not in CROSS_DEVICE):
         shown = sorted(str(d) for d in fakes) + (["cpu"] if hosts else [])
-        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                           f"{shown[0]} and {shown[1]}! (fake accelerator, {name})")
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, "
+            f"{shown[0]} and {shown[1]}! (fake accelerator, {name})"
+        )
     return next(iter(fakes))
 
 
@@ -134,6 +143,7 @@ def _unwrap(value: Any) -> Any:
         if isinstance(t, torch.device) and t.type == BACKEND:
             return torch.device("cpu")
         return t
+
     return tree_map(one, value)
 
 
@@ -154,6 +164,7 @@ def _on_host(func, args, kwargs):
     def run():
         with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode():
             return func(*a, **k)
+
     return _wrap(_operate(device, reads, [], run, getattr(func, "__name__", "function")), device)
 
 
@@ -172,16 +183,21 @@ def _copy_from_host(dst: "FakeTensor", src: torch.Tensor, non_blocking: bool) ->
     runtime = _runtime
     deferred = bool(non_blocking and runtime is not None and runtime.is_pinned(src))
     if not deferred:
-        _operate(dst.device, [], [_storage_ptr(dst.elem)], lambda: _compute(dst.elem.copy_, (src,), {}), "copy to the device")
+        _operate(
+            dst.device, [], [_storage_ptr(dst.elem)], lambda: _compute(dst.elem.copy_, (src,), {}), "copy to the device"
+        )
         return
     snapshot = src.clone()
     target = dst.elem
 
     def run():
         if not torch.equal(src, snapshot):
-            runtime.timeline.hazard("a pinned host buffer was rewritten before the asynchronous copy reading it ran "
-                                    "(wait for its event before reusing it)")
+            runtime.timeline.hazard(
+                "a pinned host buffer was rewritten before the asynchronous copy reading it ran "
+                "(wait for its event before reusing it)"
+            )
         _compute(target.copy_, (src,), {})
+
     _operate(dst.device, [], [_storage_ptr(target)], run, "asynchronous copy to the device", deferred=True)
 
 
@@ -199,14 +215,22 @@ def dispatch(func, args, kwargs):
             _copy_from_host(dst, src, non_blocking)
             return dst
         if not isinstance(dst, FakeTensor):  # device to host: the host waits for it
-            _operate(src.device, [_storage_ptr(src.elem)], [], lambda: _compute(dst.copy_, (src.elem,), {}), "copy to the host")
+            _operate(
+                src.device,
+                [_storage_ptr(src.elem)],
+                [],
+                lambda: _compute(dst.copy_, (src.elem,), {}),
+                "copy to the host",
+            )
             return dst
     flat, _ = tree_flatten((args, kwargs))
     fakes, hosts = _devices(flat)
     target = kwargs.get("device")
     if not fakes:  # a factory for a fake device (the backend's kernels)
         device = _index(target)
-        elem = func(*_unwrap(args), **{**_unwrap(kwargs), "pin_memory": False} if "pin_memory" in kwargs else _unwrap(kwargs))
+        elem = func(
+            *_unwrap(args), **{**_unwrap(kwargs), "pin_memory": False} if "pin_memory" in kwargs else _unwrap(kwargs)
+        )
         return _wrap(_fresh(elem, device), device)
     device = _same_device(name, fakes, hosts)
     if target is not None and is_fake_device(target):
@@ -246,11 +270,21 @@ def _to_copy(src: torch.Tensor, kwargs: dict) -> torch.Tensor:
         if target is None or is_fake_device(target):
             device = _index(target) if target is not None else src.device
             ptr = _storage_ptr(src.elem)
-            out = _operate(device if device == src.device else src.device, [ptr], [],
-                           lambda: torch.ops.aten._to_copy.default(src.elem, **rest), "copy on the device")
+            out = _operate(
+                device if device == src.device else src.device,
+                [ptr],
+                [],
+                lambda: torch.ops.aten._to_copy.default(src.elem, **rest),
+                "copy on the device",
+            )
             return FakeTensor(out, device)
-        return _operate(src.device, [_storage_ptr(src.elem)], [],
-                        lambda: torch.ops.aten._to_copy.default(src.elem, **rest), "copy to the host")
+        return _operate(
+            src.device,
+            [_storage_ptr(src.elem)],
+            [],
+            lambda: torch.ops.aten._to_copy.default(src.elem, **rest),
+            "copy to the host",
+        )
     device = _index(target)
     converted = torch.ops.aten._to_copy.default(src, **rest) if rest else src
     dst = FakeTensor(_fresh(torch.empty_like(converted), device), device)
@@ -258,10 +292,35 @@ def _to_copy(src: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return dst
 
 
-_KERNELS = ["empty_strided", "empty.memory_format", "_to_copy", "copy_", "_copy_from", "_copy_from_and_resize",
-            "view", "as_strided", "_reshape_alias", "alias", "detach", "resize_", "_local_scalar_dense", "fill_.Scalar",
-            "zero_", "t", "transpose.int", "expand", "slice.Tensor", "select.int", "unsqueeze", "squeeze.dim", "clone",
-            "contiguous", "_unsafe_view", "index.Tensor", "cat"]
+_KERNELS = [
+    "empty_strided",
+    "empty.memory_format",
+    "_to_copy",
+    "copy_",
+    "_copy_from",
+    "_copy_from_and_resize",
+    "view",
+    "as_strided",
+    "_reshape_alias",
+    "alias",
+    "detach",
+    "resize_",
+    "_local_scalar_dense",
+    "fill_.Scalar",
+    "zero_",
+    "t",
+    "transpose.int",
+    "expand",
+    "slice.Tensor",
+    "select.int",
+    "unsqueeze",
+    "squeeze.dim",
+    "clone",
+    "contiguous",
+    "_unsafe_view",
+    "index.Tensor",
+    "cat",
+]
 
 
 def _op(name: str):

@@ -138,16 +138,27 @@ class Timeline:
             return
         if block.write is not None and not self.known(stream, *block.write):
             other = block.write[0]
-            raise self.hazard(f"{what} on {stream!r} uses a {block.device} buffer that {other!r} writes "
-                              f"without waiting for it (an event or a synchronization)")
+            raise self.hazard(
+                f"{what} on {stream!r} uses a {block.device} buffer that {other!r} writes "
+                f"without waiting for it (an event or a synchronization)"
+            )
         if writes:
             for other, seq in block.reads.values():
                 if not self.known(stream, other, seq):
-                    raise self.hazard(f"{what} on {stream!r} overwrites a {block.device} buffer that {other!r} may "
-                                      f"still be reading (it did not wait for that stream's event)")
+                    raise self.hazard(
+                        f"{what} on {stream!r} overwrites a {block.device} buffer that {other!r} may "
+                        f"still be reading (it did not wait for that stream's event)"
+                    )
 
-    def operate(self, device: torch.device, reads: list[int], writes: list[int], run: Callable, what: str,
-                deferred: bool = False):
+    def operate(
+        self,
+        device: torch.device,
+        reads: list[int],
+        writes: list[int],
+        run: Callable,
+        what: str,
+        deferred: bool = False,
+    ):
         """Issue ``run`` on ``device``'s current stream, reading and writing the buffers of these storage
         pointers; ``deferred``: queue it (a copy from pinned memory), else run it now."""
         with self.lock:
@@ -185,7 +196,9 @@ class Timeline:
             users = ([block.write] if block.write is not None else []) + list(block.reads.values())
             for other, seq in users:
                 if other.id not in block.recorded and not self.known(block.stream, other, seq):
-                    self.hazard(f"a {block.device} buffer was freed while {other!r} may still use it (no "
-                                f"synchronization or record_stream): the allocator could hand it out again")
+                    self.hazard(
+                        f"a {block.device} buffer was freed while {other!r} may still use it (no "
+                        f"synchronization or record_stream): the allocator could hand it out again"
+                    )
                     break
             return block

@@ -6,5 +6,16 @@ from offload_core.module_hooks.experts.loader import ExpertCounters, ExpertLayer
 from offload_core.module_hooks.experts.policy import Experts, ExpertsConfig, ExpertsHandle
 from offload_core.module_hooks.experts.rows import ReservedRows, RowsLayer
 
-__all__ = ["ExpertCache", "ExpertCounters", "ExpertLayer", "Experts", "ExpertsConfig", "ExpertsHandle", "ReservedRows",
-           "RowsLayer", "expert_lists", "is_fused_experts", "read_expert"]
+__all__ = [
+    "ExpertCache",
+    "ExpertCounters",
+    "ExpertLayer",
+    "Experts",
+    "ExpertsConfig",
+    "ExpertsHandle",
+    "ReservedRows",
+    "RowsLayer",
+    "expert_lists",
+    "is_fused_experts",
+    "read_expert",
+]

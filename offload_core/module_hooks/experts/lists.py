@@ -34,8 +34,13 @@ def listed_expert_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> t
     for _, container in expert_lists(model):
         layers += 1
         first = next(iter(container.children()))
-        largest = max(largest, sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point()
-                                                else p.element_size()) for p in first.parameters()))
+        largest = max(
+            largest,
+            sum(
+                p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+                for p in first.parameters()
+            ),
+        )
     return largest, layers
 
 
@@ -61,8 +66,15 @@ class ListedExpertHook(ModuleHook):
 
     name = "listed_expert_offload"
 
-    def __init__(self, unit: Unit, position: int, cache: ExpertCache, store: Mapping[str, torch.Tensor],
-                 device: torch.device, counters: ExpertCounters) -> None:
+    def __init__(
+        self,
+        unit: Unit,
+        position: int,
+        cache: ExpertCache,
+        store: Mapping[str, torch.Tensor],
+        device: torch.device,
+        counters: ExpertCounters,
+    ) -> None:
         self.unit = unit
         self.position = position
         self.cache = cache

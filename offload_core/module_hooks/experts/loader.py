@@ -109,8 +109,17 @@ class Buffers:
 class ExpertLayer:
     """One fused experts module: its offloaded slots, its cache, its read-ahead guess and the module hook's work."""
 
-    def __init__(self, unit: Unit, store: Mapping[str, torch.Tensor], buffers: Buffers, cache: ExpertCache,
-                 counters: ExpertCounters, whole_fraction: float, reader: Any, router: Any = None) -> None:
+    def __init__(
+        self,
+        unit: Unit,
+        store: Mapping[str, torch.Tensor],
+        buffers: Buffers,
+        cache: ExpertCache,
+        counters: ExpertCounters,
+        whole_fraction: float,
+        reader: Any,
+        router: Any = None,
+    ) -> None:
         self.unit = unit
         self.store = store
         self.buffers = buffers
@@ -301,8 +310,11 @@ def expert_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[in
     for module in model.modules():
         if is_fused_experts(module):
             layers += 1
-            row = sum(p[0].numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
-                      for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == module.num_experts)
+            row = sum(
+                p[0].numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+                for p in module.parameters(recurse=False)
+                if p.dim() == 3 and p.shape[0] == module.num_experts
+            )
             largest = max(largest, row)
     return largest, layers
 

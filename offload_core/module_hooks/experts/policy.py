@@ -12,8 +12,16 @@ from torch import nn
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.lists import ListedExpertHook, listed_expert_sizes, listed_expert_units
-from offload_core.module_hooks.experts.loader import (Buffers, ExpertCounters, ExpertLayer, ExpertsHook, expert_sizes,
-                                                      expert_slots, is_fused_experts, most_experts)
+from offload_core.module_hooks.experts.loader import (
+    Buffers,
+    ExpertCounters,
+    ExpertLayer,
+    ExpertsHook,
+    expert_sizes,
+    expert_slots,
+    is_fused_experts,
+    most_experts,
+)
 from offload_core.module_hooks.experts.mapped import MappedLayer, mapped_views
 from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
@@ -43,8 +51,15 @@ class ExpertsConfig(PrefetchConfig):
 class ExpertsHandle(PrefetchHandle):
     """The handle of the ``experts`` policy: prefetch's counters for the blocks, the experts' own beside them."""
 
-    def __init__(self, *args: Any, layers: list[ExpertLayer], counters: ExpertCounters, reader: Reader,
-                 cache_slots: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        layers: list[ExpertLayer],
+        counters: ExpertCounters,
+        reader: Reader,
+        cache_slots: int,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.layers = layers
         self.expert_counters = counters
@@ -58,14 +73,21 @@ class ExpertsHandle(PrefetchHandle):
         c = self.expert_counters
         served = c.hits + c.predicted_hits + c.misses
         counters = dict(super().counters())
-        counters.update({
-            "expert_cache_slots": self.cache_slots, "expert_hits": c.hits, "expert_guess_hits": c.predicted_hits,
-            "expert_misses": c.misses, "expert_whole_reads": c.whole_reads, "expert_bytes": c.bytes,
-            "expert_bytes_per_token": c.decode_bytes / c.decode_tokens if c.decode_tokens else 0.0,
-            "expert_hit_rate": c.hits / served if served else 0.0,
-            "expert_guess_accuracy": c.guessed_right / c.routed if c.routed else 0.0,
-            "expert_guessing": int(c.guessing), "expert_guess_pauses": c.guess_pauses,
-        })
+        counters.update(
+            {
+                "expert_cache_slots": self.cache_slots,
+                "expert_hits": c.hits,
+                "expert_guess_hits": c.predicted_hits,
+                "expert_misses": c.misses,
+                "expert_whole_reads": c.whole_reads,
+                "expert_bytes": c.bytes,
+                "expert_bytes_per_token": c.decode_bytes / c.decode_tokens if c.decode_tokens else 0.0,
+                "expert_hit_rate": c.hits / served if served else 0.0,
+                "expert_guess_accuracy": c.guessed_right / c.routed if c.routed else 0.0,
+                "expert_guessing": int(c.guessing),
+                "expert_guess_pauses": c.guess_pauses,
+            }
+        )
         return counters
 
     def _stop_reading(self) -> None:
@@ -117,11 +139,15 @@ class Experts(Prefetch):
 
         super().__init__(config)
         if config.cache_slots is not None and config.cache_slots < 0:
-            raise ConfigError(f"hook.cache_slots={config.cache_slots} is negative: give the experts to keep per layer (0: no cache)")
+            raise ConfigError(
+                f"hook.cache_slots={config.cache_slots} is negative: give the experts to keep per layer (0: no cache)"
+            )
         if config.guess not in GUESSES:
             raise ConfigError(f"hook.guess={config.guess!r} is unknown: use one of {', '.join(GUESSES)}")
         if not 0 < config.whole_fraction <= 1:
-            raise ConfigError(f"hook.whole_fraction={config.whole_fraction} is not in (0, 1]: give a fraction such as 0.75")
+            raise ConfigError(
+                f"hook.whole_fraction={config.whole_fraction} is not in (0, 1]: give a fraction such as 0.75"
+            )
         self.cache_note = ""
         self.slots = AUTO_SLOTS if config.cache_slots is None else config.cache_slots
 
@@ -135,8 +161,10 @@ class Experts(Prefetch):
         reserve = dict(super().reserve(need))
         if need.model is None:
             return reserve
-        (fused_row, fused_layers), (listed_row, listed_layers) = (expert_sizes(need.model, need.dtype),
-                                                                    listed_expert_sizes(need.model, need.dtype))
+        (fused_row, fused_layers), (listed_row, listed_layers) = (
+            expert_sizes(need.model, need.dtype),
+            listed_expert_sizes(need.model, need.dtype),
+        )
         row, layers = max(fused_row, listed_row), fused_layers + listed_layers
         experts = most_experts(need.model)
         top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
@@ -145,9 +173,11 @@ class Experts(Prefetch):
         if need.execution_device.type == "cpu" and need.store_maps and not need.store_converts and layers:
             # computed on the store's mapped views: routed and cached experts are page cache, never copies
             self.slots = AUTO_SLOTS if self.config.cache_slots is None else self.config.cache_slots
-            self.cache_note = (f"experts: computed on the store's views ({layers} MoE layers, {format_size(row)} experts): "
-                               f"only routed rows are read or mapped, nothing is held from the cpu budget; "
-                               + _prefetch_or_experts(need, experts, top_k))
+            self.cache_note = (
+                f"experts: computed on the store's views ({layers} MoE layers, {format_size(row)} experts): "
+                f"only routed rows are read or mapped, nothing is held from the cpu budget; "
+                + _prefetch_or_experts(need, experts, top_k)
+            )
             return reserve
         if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
             left = need.cpu_budget - reserve.get("cpu", 0) - in_flight  # after the blocks and the rows in flight
@@ -158,9 +188,15 @@ class Experts(Prefetch):
             gpu = need.execution_device.index or 0
             reserve[gpu] = reserve.get(gpu, 0) + self.slots * listed_row * listed_layers
         chosen = " (as many as the cpu budget holds)" if self.config.cache_slots is None else ""
-        self.cache_note = (f"expert cache: {self.slots} slots per layer{chosen} x {layers} MoE layers of "
-                           f"{format_size(row)} experts = {format_size(cache)} of the cpu budget "
-                           f"(and {format_size(in_flight)} for experts being read)") if layers else ""
+        self.cache_note = (
+            (
+                f"expert cache: {self.slots} slots per layer{chosen} x {layers} MoE layers of "
+                f"{format_size(row)} experts = {format_size(cache)} of the cpu budget "
+                f"(and {format_size(in_flight)} for experts being read)"
+            )
+            if layers
+            else ""
+        )
         return reserve
 
     def plan_lines(self) -> list[str]:
@@ -190,8 +226,11 @@ class Experts(Prefetch):
             views = mapped_views(plan.store, unit.keys) if plan.execution_device.type == "cpu" else None
             kind = ExpertLayer if plan.execution_device.type != "cpu" else RowsLayer if views is None else MappedLayer
             extra = {"views": views} if views is not None else {}
-            layers.append(kind(unit, plan.store, buffers, ExpertCache(self.slots), counters, config.whole_fraction,
-                               reader, **extra))
+            layers.append(
+                kind(
+                    unit, plan.store, buffers, ExpertCache(self.slots), counters, config.whole_fraction, reader, **extra
+                )
+            )
         for layer, following in zip(layers, layers[1:]):
             if config.guess != "none":
                 layer.next = following
@@ -202,11 +241,23 @@ class Experts(Prefetch):
         handles.extend(add_hook_to_module(layer.unit.module, ExpertsHook(layer)) for layer in layers)
         for units, positions in listed:  # a list of expert modules: each read when called, cached per layer
             cache = ExpertCache(self.slots)
-            handles.extend(add_hook_to_module(unit.module, ListedExpertHook(unit, position, cache, plan.store,
-                                                                            plan.execution_device, counters))
-                           for unit, position in zip(units, positions))
-        return ExpertsHandle(model, plan, blocks.units + expert_units + listed_units, handles, prefetcher=blocks.prefetcher,
-                             layers=layers, counters=counters, reader=reader, cache_slots=self.slots)
+            handles.extend(
+                add_hook_to_module(
+                    unit.module, ListedExpertHook(unit, position, cache, plan.store, plan.execution_device, counters)
+                )
+                for unit, position in zip(units, positions)
+            )
+        return ExpertsHandle(
+            model,
+            plan,
+            blocks.units + expert_units + listed_units,
+            handles,
+            prefetcher=blocks.prefetcher,
+            layers=layers,
+            counters=counters,
+            reader=reader,
+            cache_slots=self.slots,
+        )
 
 
 def _prefetch_or_experts(need: InFlight, experts: int, top_k: int) -> str:
@@ -215,15 +266,21 @@ def _prefetch_or_experts(need: InFlight, experts: int, top_k: int) -> str:
     bench/results/moe-interleaved-mixtral-2.6g-2.md); otherwise experts reads top_k of every layer's experts."""
     import psutil
 
-    model = sum(p.numel() * (need.dtype.itemsize if need.dtype is not None and p.is_floating_point() else p.element_size())
-                for p in need.model.parameters())
+    model = sum(
+        p.numel() * (need.dtype.itemsize if need.dtype is not None and p.is_floating_point() else p.element_size())
+        for p in need.model.parameters()
+    )
     available = psutil.virtual_memory().available
     if model <= available:
-        return (f"the whole model ({format_size(model)}) fits in the page cache ({format_size(available)} available): "
-                f"once warm, block prefetch (hook=prefetch) computes on the same cached pages and measured as fast or "
-                f"faster; experts reads less only while pages are not cached ({top_k} of {experts} experts per layer)")
-    return (f"the model ({format_size(model)}) is larger than the memory available ({format_size(available)}): experts "
-            f"reads {top_k} of {experts} experts per layer where block prefetch would read them all")
+        return (
+            f"the whole model ({format_size(model)}) fits in the page cache ({format_size(available)} available): "
+            f"once warm, block prefetch (hook=prefetch) computes on the same cached pages and measured as fast or "
+            f"faster; experts reads less only while pages are not cached ({top_k} of {experts} experts per layer)"
+        )
+    return (
+        f"the model ({format_size(model)}) is larger than the memory available ({format_size(available)}): experts "
+        f"reads {top_k} of {experts} experts per layer where block prefetch would read them all"
+    )
 
 
 def router_guess(model: nn.Module, experts_name: str, plan: PolicyContext) -> Optional[Callable[[torch.Tensor], Any]]:

@@ -34,7 +34,9 @@ class ReservedRows:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.map.madvise(mmap.MADV_HUGEPAGE)  # a row written after a release faults in 2 MiB at a time
         with torch.inference_mode(False):  # the experts' weights: normal tensors, as the in-memory model's
-            flat = torch.frombuffer(self.map, dtype=torch.uint8, count=self.row_bytes * self.shape[0], offset=self.start)
+            flat = torch.frombuffer(
+                self.map, dtype=torch.uint8, count=self.row_bytes * self.shape[0], offset=self.start
+            )
             self.tensor = flat.view(dtype).view(self.shape)
 
     def release(self, expert: int) -> None:
@@ -53,8 +55,10 @@ class RowsLayer(ExpertLayer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.rows = {key: ReservedRows(shape, dtype, self.store.offset(key) if isinstance(self.store, Store) else 0)
-                     for key, (shape, dtype) in self.specs.items()}
+        self.rows = {
+            key: ReservedRows(shape, dtype, self.store.offset(key) if isinstance(self.store, Store) else 0)
+            for key, (shape, dtype) in self.specs.items()
+        }
         self.present: set[int] = set()  # experts whose rows hold their weights
         self.routed: list[int] = []
 
@@ -119,7 +123,9 @@ class RowsLayer(ExpertLayer):
                 self.present.add(expert)
             self.drop_guesses(experts)
         self.routed = experts
-        self.unit.load(self.store, self.buffers.device, None, fetched={key: rows.tensor for key, rows in self.rows.items()})
+        self.unit.load(
+            self.store, self.buffers.device, None, fetched={key: rows.tensor for key, rows in self.rows.items()}
+        )
         self.previous = experts
 
     def start_next(self, hidden: torch.Tensor) -> None:

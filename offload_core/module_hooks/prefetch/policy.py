@@ -31,8 +31,16 @@ class PrefetchHandle(PolicyHandle):
         recorded execution orders dropped because a unit ran out of order (``invalidations``); with a
         kept set (``PolicyContext.residency``), its figures (:meth:`Residency.counters`)."""
         p = self.prefetcher
-        return {"hits": p.hits, "misses": p.misses, "late": p.late, "wait_s": p.waited_s, "borrowed": p.borrowed,
-                "read_again": p.reread, "invalidations": p.trace.invalidations, **super().counters()}
+        return {
+            "hits": p.hits,
+            "misses": p.misses,
+            "late": p.late,
+            "wait_s": p.waited_s,
+            "borrowed": p.borrowed,
+            "read_again": p.reread,
+            "invalidations": p.trace.invalidations,
+            **super().counters(),
+        }
 
     def offload_all(self) -> None:
         self.prefetcher.close()  # read-aheads let go and the reader ended before the store can close
@@ -75,7 +83,9 @@ class Prefetch(Policy):
         from offload_core.values import parse_size
 
         if config.depth < 0:
-            raise ConfigError(f"hook.depth={config.depth} is negative: give the number of blocks to read ahead (0 turns prefetch off)")
+            raise ConfigError(
+                f"hook.depth={config.depth} is negative: give the number of blocks to read ahead (0 turns prefetch off)"
+            )
         self.chunk = parse_size(config.staging_chunk, what="hook.staging_chunk")
         if self.chunk < 4096:
             raise ConfigError(f"hook.staging_chunk={config.staging_chunk} is below 4KiB: give a size such as 16MiB")
@@ -102,8 +112,10 @@ class Prefetch(Policy):
         from offload_core.errors import ConfigError
 
         if self.config.pool is False and devices.is_accelerator(execution_device):
-            raise ConfigError(f"hook.pool=false serves the weights as mapped host pages, which a run on {execution_device} "
-                              "cannot compute on: leave hook.pool unset (or true) on a GPU run")
+            raise ConfigError(
+                f"hook.pool=false serves the weights as mapped host pages, which a run on {execution_device} "
+                "cannot compute on: leave hook.pool unset (or true) on a GPU run"
+            )
 
     def attach(self, model: nn.Module, plan: PolicyContext) -> PolicyHandle:
         self.check_pool(plan.execution_device)
@@ -120,5 +132,13 @@ class Prefetch(Policy):
     def make_prefetcher(self, units: list[Unit], plan: PolicyContext) -> Prefetcher:
         """The reader that :meth:`attach` drives. A seam: a subclass may build it otherwise (tests force
         the pinned staging ring on, to run the GPU data path on a CPU)."""
-        return Prefetcher(units, plan.store, plan.execution_device, self.config.depth, plan.stats,
-                          copy=self.config.pool, staging_chunk=self.chunk, residency=plan.residency)
+        return Prefetcher(
+            units,
+            plan.store,
+            plan.execution_device,
+            self.config.depth,
+            plan.stats,
+            copy=self.config.pool,
+            staging_chunk=self.chunk,
+            residency=plan.residency,
+        )

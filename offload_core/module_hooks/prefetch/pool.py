@@ -50,8 +50,9 @@ class BlockPool:
             if not wait and not self.free:
                 return None
             if not self.cond.wait_for(lambda: self.free, timeout=ACQUIRE_TIMEOUT_S):
-                raise RuntimeError(f"prefetch: no free block buffer after {ACQUIRE_TIMEOUT_S:.0f} s "
-                                   f"({self.count} buffers, all held)")
+                raise RuntimeError(
+                    f"prefetch: no free block buffer after {ACQUIRE_TIMEOUT_S:.0f} s ({self.count} buffers, all held)"
+                )
             index = self.free.popleft()
             self.refs[index] = 1
             self.peak_in_use = max(self.peak_in_use, self.count - len(self.free))

@@ -50,9 +50,18 @@ class Fetched:
 class Prefetcher:
     """Owns the reader thread, the block pool and the in-flight fetches (at most ``depth`` units ahead)."""
 
-    def __init__(self, units: list[Unit], store: Mapping[str, torch.Tensor], device: torch.device,
-                 depth: int, stats: TransferStats, copy: bool | None = None, staging: bool | None = None,
-                 staging_chunk: int = STAGING_CHUNK, residency: Residency | None = None) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        store: Mapping[str, torch.Tensor],
+        device: torch.device,
+        depth: int,
+        stats: TransferStats,
+        copy: bool | None = None,
+        staging: bool | None = None,
+        staging_chunk: int = STAGING_CHUNK,
+        residency: Residency | None = None,
+    ) -> None:
         """``copy``: copy units into the block pool even on a CPU run with a mapped store (default: only
         where needed). ``staging``: carry bytes through the pinned ring (default: on a GPU run, for a
         store that is not pinned); forced on, it runs the GPU data path on a CPU. ``residency``: the
@@ -84,7 +93,9 @@ class Prefetcher:
         self._reader = Reader("prefetch")
         self.residency = residency
         # The reader brings pages in: the keeper counts, drops and fits the kept set.
-        self.keeper = PageCacheKeeper(residency, store, units, self.unit_bytes, warm=False) if residency is not None else None
+        self.keeper = (
+            PageCacheKeeper(residency, store, units, self.unit_bytes, warm=False) if residency is not None else None
+        )
 
     # -- the block pool ---------------------------------------------------------------------------
     @property
@@ -119,7 +130,9 @@ class Prefetcher:
             offsets, end = {}, 0
             for key in unit.keys:
                 shape, dtype = tensor_spec(self.store, key)
-                start = _aligned(end) + (self.store.offset(key) if self.device.type == "cpu" and isinstance(self.store, Store) else 0)
+                start = _aligned(end) + (
+                    self.store.offset(key) if self.device.type == "cpu" and isinstance(self.store, Store) else 0
+                )
                 offsets[key] = (start, shape, dtype)
                 end = start + _nbytes(shape, dtype)
             layout = self._layouts[unit.name] = (offsets, _aligned(end))
@@ -190,7 +203,7 @@ class Prefetcher:
         for key in keys:
             offset, shape, dtype = offsets[key]
             nbytes = _nbytes(shape, dtype)
-            dst = buffer[offset:offset + nbytes]
+            dst = buffer[offset : offset + nbytes]
             view = dst.view(dtype).view(shape)  # an empty tensor is an empty view of the buffer
             if nbytes:
                 self._copy_tensor(key, view, dst)
@@ -319,7 +332,7 @@ class Prefetcher:
         free_kept = self.residency is not None and not self.copy
         n = len(self.units) if free_kept else self.depth
         ahead = self.trace.upcoming(n) if predicted else list(range(index + 1, min(index + 1 + n, len(self.units))))
-        return ahead[:self.residency.window([self.units[i].name for i in ahead], self.depth)] if free_kept else ahead
+        return ahead[: self.residency.window([self.units[i].name for i in ahead], self.depth)] if free_kept else ahead
 
     def release(self, index: int) -> None:
         unit = self.units[index]
@@ -349,7 +362,10 @@ def pool_shape(model: nn.Module, no_split: Any, dtype: torch.dtype | None, devic
     """``(nesting, capacity)`` of the pool a prefetcher would make for ``model`` were every tensor offloaded (an upper
     bound for any placement): the longest chain of block units inside one another, and the largest unit's bytes with
     each tensor aligned as :meth:`Prefetcher._layout` lays it out (and a reference offset on a CPU)."""
-    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    tensors = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
     units = find_units(model, {name: name for name in tensors}, no_split, "block")
 
     def nbytes(t: torch.Tensor) -> int:

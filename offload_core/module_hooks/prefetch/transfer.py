@@ -119,8 +119,8 @@ class StagingRing:
             if self.events[i] is not None:
                 self.accel.host_waits(self.events[i])
             stage = self._buffer(i)[:n]
-            stage.copy_(src[start:start + n])
+            stage.copy_(src[start : start + n])
             with self.accel.on_side():
-                dst[start:start + n].copy_(stage, non_blocking=True)
+                dst[start : start + n].copy_(stage, non_blocking=True)
             self.events[i] = self.accel.record_on_side()
             self.chunks += 1

@@ -21,21 +21,38 @@ from offload_core.values import format_size
 def run_batched(job: Prepared, labels: dict) -> RunResult:
     """Dispatch once, generate every prompt in batches, measure, compare with memory when asked, write and print."""
     settings, run_model, plan, batches = job.settings, job.run_model, job.plan, job.batches
-    journal = Journal.open(settings.output_dir, batches.prompts, batches.batch_size, fingerprint(settings, batches.prompts),
-                           resume=bool(settings.resume))
+    journal = Journal.open(
+        settings.output_dir,
+        batches.prompts,
+        batches.batch_size,
+        fingerprint(settings, batches.prompts),
+        resume=bool(settings.resume),
+    )
     done = len(journal.done)
     if settings.resume:
         print(f"resuming {settings.output_dir}: {done} of {len(batches.prompts)} prompts were generated")
 
     def finished(start: int, rows: list[list[int]]) -> None:
-        journal.append([{"prompt": batches.prompts[start + i], "text": decode(run_model.tokenizer, row), "token_ids": row}
-                        for i, row in enumerate(rows)])
+        journal.append(
+            [
+                {"prompt": batches.prompts[start + i], "text": decode(run_model.tokenizer, row), "token_ids": row}
+                for i, row in enumerate(rows)
+            ]
+        )
 
     with loaded(job) as run:
         try:
             with DiskReads(run_model.model) as reads:
-                generated = generate_batches(run_model.model, batches.encoded, batches.batch_size, settings.sampling,
-                                             settings.execution_device, settings.progress, done, finished)
+                generated = generate_batches(
+                    run_model.model,
+                    batches.encoded,
+                    batches.batch_size,
+                    settings.sampling,
+                    settings.execution_device,
+                    settings.progress,
+                    done,
+                    finished,
+                )
         except KeyboardInterrupt:
             journal.close()
             kept = journal.path.read_bytes().count(b"\n")
@@ -48,17 +65,25 @@ def run_batched(job: Prepared, labels: dict) -> RunResult:
         counters = run.state.handle.counters()
         if counters:
             figures[job.strategies.policy_name] = per_token_counters(counters, generated.generated)
-    figures.update(peak_anon_rss_bytes=run.memory.anon_delta, peak_file_rss_bytes=run.memory.file_delta,
-                   planned_kv_cache_bytes=batches.memory.kv_cache, planned_activation_bytes=batches.memory.activations,
-                   **plan.predicted_time)
+    figures.update(
+        peak_anon_rss_bytes=run.memory.anon_delta,
+        peak_file_rss_bytes=run.memory.file_delta,
+        planned_kv_cache_bytes=batches.memory.kv_cache,
+        planned_activation_bytes=batches.memory.activations,
+        **plan.predicted_time,
+    )
     figures.update(learn.record(job, figures))
     tokens = [r["token_ids"] for r in journal.done] + generated.tokens
     texts = [r["text"] for r in journal.done] + [decode(run_model.tokenizer, row) for row in generated.tokens]
     result = RunResult.of_plan(plan, settings.output_dir, figures, texts[0], tokens[0])
     if settings.compare_in_memory:
         same = [a == b for a, b in zip(tokens, in_memory_batches(job, batches))]
-        journal.rewrite([{"prompt": p, "text": t, "token_ids": ids, "matches_in_memory": m}
-                         for p, t, ids, m in zip(batches.prompts, texts, tokens, same)])
+        journal.rewrite(
+            [
+                {"prompt": p, "text": t, "token_ids": ids, "matches_in_memory": m}
+                for p, t, ids, m in zip(batches.prompts, texts, tokens, same)
+            ]
+        )
         result.matches_in_memory = all(same)
     write_outputs(result, settings.prompts_file, labels)
     print_generations(batches.prompts, texts)

@@ -20,11 +20,20 @@ def dispatched(job: Prepared) -> Iterator[Any]:
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
 
     settings, strategies, run_model = job.settings, job.strategies, job.run_model
-    load_checkpoint_and_dispatch(run_model.model, job.checkpoint, job.plan.device_map,
-                                 no_split_module_classes=run_model.no_split, storage=strategies.storage,
-                                 policy=strategies.policy, offload_folder=settings.offload_folder, dtype=run_model.dtype,
-                                 execution_device=settings.execution_device, progress=settings.progress,
-                                 offload_buffers=strategies.policy.offload_buffers, residency=job.plan.residency())
+    load_checkpoint_and_dispatch(
+        run_model.model,
+        job.checkpoint,
+        job.plan.device_map,
+        no_split_module_classes=run_model.no_split,
+        storage=strategies.storage,
+        policy=strategies.policy,
+        offload_folder=settings.offload_folder,
+        dtype=run_model.dtype,
+        execution_device=settings.execution_device,
+        progress=settings.progress,
+        offload_buffers=strategies.policy.offload_buffers,
+        residency=job.plan.residency(),
+    )
     with run_model.model.offload_state as state:
         yield state
 

@@ -48,8 +48,14 @@ class DiskReads:
         if forwards < 1:  # read_bytes unknown here, or no forward ran
             return {}
         (start, _), (end, end_t) = self.marks[0], self.marks[-1]
-        first, since, since_t = (self.marks[2][0] - start, *self.marks[2]) if forwards > 1 else (end - start, *self.marks[0])
+        first, since, since_t = (
+            (self.marks[2][0] - start, *self.marks[2]) if forwards > 1 else (end - start, *self.marks[0])
+        )
         seconds = end_t - since_t
         each = [first] + [b - a for (a, _), (b, _) in zip(self.marks[2:-1], self.marks[3:])]
-        return {"disk_read_bytes_first_token": first, "disk_read_bytes_per_token": (end - since) / max(forwards - 1, 1),
-                "disk_read_bytes_by_token": each, "read_bandwidth_bytes_per_s": (end - since) / seconds if seconds > 0 else 0.0}
+        return {
+            "disk_read_bytes_first_token": first,
+            "disk_read_bytes_per_token": (end - since) / max(forwards - 1, 1),
+            "disk_read_bytes_by_token": each,
+            "read_bandwidth_bytes_per_s": (end - since) / seconds if seconds > 0 else 0.0,
+        }

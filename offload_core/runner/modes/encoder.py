@@ -28,7 +28,9 @@ def task_output(model: Any, task: str, batch: dict[str, torch.Tensor], device: t
     return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).float().cpu()
 
 
-def describe(run_model: RunModel, task: str, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[str, dict[str, Any]]:
+def describe(
+    run_model: RunModel, task: str, output: torch.Tensor, batch: dict[str, torch.Tensor]
+) -> tuple[str, dict[str, Any]]:
     """What the run prints (a few lines) and the figures it records for ``output``."""
     if task == "embeddings":
         norms = output.norm(dim=-1).tolist()
@@ -50,7 +52,9 @@ def describe(run_model: RunModel, task: str, output: torch.Tensor, batch: dict[s
     predicted = output.argmax(-1)
     tokenizer = run_model.tokenizer
     mask_id = getattr(tokenizer, "mask_token_id", None)
-    at = batch["input_ids"] == mask_id if mask_id is not None else torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    at = (
+        batch["input_ids"] == mask_id if mask_id is not None else torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    )
     if not at.any():
         at = batch["attention_mask"].bool()
     tokens = [predicted[i][at[i]].tolist() for i in range(predicted.shape[0])]
@@ -84,8 +88,14 @@ def run_encoder(job: Prepared, labels: dict) -> RunResult:
         moved = run.state.stats.snapshot()["bytes"]
     memory = run.memory
     text, figures = describe(run_model, task, output, batch)
-    figures.update(task=task, load_s=run.load_s, forward_s=forward_s, bytes_moved=moved,
-                   peak_anon_rss_bytes=memory.anon_delta, peak_file_rss_bytes=memory.file_delta)
+    figures.update(
+        task=task,
+        load_s=run.load_s,
+        forward_s=forward_s,
+        bytes_moved=moved,
+        peak_anon_rss_bytes=memory.anon_delta,
+        peak_file_rss_bytes=memory.file_delta,
+    )
     result = RunResult.of_plan(job.plan, settings.output_dir, figures, text)
     if settings.compare_in_memory:
         result.matches_in_memory = torch.equal(in_memory_output(run_model, batch, settings.execution_device), output)
@@ -93,8 +103,10 @@ def run_encoder(job: Prepared, labels: dict) -> RunResult:
     name = "embeddings" if task == "embeddings" else "logits"
     save_file({name: output.contiguous()}, str(settings.output_dir / f"{name}.safetensors"))
     print(f"\n{task} of {len(texts)} text(s)\n{text}\n")
-    print(f"load {run.load_s:.2f} s | forward {forward_s:.3f} s | peak anon RSS +{format_size(memory.anon_delta)} | "
-          f"file-backed RSS +{format_size(memory.file_delta)} | moved {format_size(moved)}")
+    print(
+        f"load {run.load_s:.2f} s | forward {forward_s:.3f} s | peak anon RSS +{format_size(memory.anon_delta)} | "
+        f"file-backed RSS +{format_size(memory.file_delta)} | moved {format_size(moved)}"
+    )
     if result.matches_in_memory is not None:
         print(f"same {name} as in memory (bit for bit): {result.matches_in_memory}")
     print(f"wrote {settings.output_dir / 'metrics.json'}, {name}.safetensors and device_map.json")

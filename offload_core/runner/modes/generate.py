@@ -10,16 +10,29 @@ import torch
 from offload_core.runner.settings import Sampling
 
 
-def generate(model, input_ids: torch.Tensor, sampling: Sampling, device: torch.device, speculation: Any = None,
-             progress: bool = False):
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    sampling: Sampling,
+    device: torch.device,
+    speculation: Any = None,
+    progress: bool = False,
+):
     """The new token ids ``model`` generates after ``input_ids`` as ``sampling`` says, and the timer (with
     ``speculation``, a :class:`offload_core.speculative.Speculation` of ``model``: its drafts, counted)."""
     rows, timer = generate_rows(model, input_ids, torch.ones_like(input_ids), sampling, device, progress, speculation)
     return rows[0], timer
 
 
-def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
-                  device: torch.device, progress: bool = False, speculation: Any = None):
+def generate_rows(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sampling: Sampling,
+    device: torch.device,
+    progress: bool = False,
+    speculation: Any = None,
+):
     """The new token ids of every row of ``input_ids`` (left-padded where ``attention_mask`` is 0), and the timer."""
     from contextlib import nullcontext
 
@@ -33,10 +46,15 @@ def generate_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     kwargs.update(decoder_start(model))
     if speculation is not None:
         kwargs.update(speculation.kwargs)
-    with torch.inference_mode(), (speculation.counting() if speculation is not None else nullcontext()):
+    with torch.inference_mode(), speculation.counting() if speculation is not None else nullcontext():
         try:
-            out = model.generate(input_ids.to(device), attention_mask=attention_mask.to(device),
-                                 stopping_criteria=StoppingCriteriaList([timer]), pad_token_id=pad_token_id(model), **kwargs)
+            out = model.generate(
+                input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                stopping_criteria=StoppingCriteriaList([timer]),
+                pad_token_id=pad_token_id(model),
+                **kwargs,
+            )
         finally:
             timer.close()
     # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
@@ -55,7 +73,11 @@ def pad_token_id(model) -> int | None:
 def decoder_start(model) -> dict[str, int]:
     """An encoder-decoder whose configs name no decoder start (nor bos) token starts from its pad token, as T5 does."""
     gen, config = model.generation_config, model.config
-    if not getattr(config, "is_encoder_decoder", False) or gen.decoder_start_token_id is not None or gen.bos_token_id is not None:
+    if (
+        not getattr(config, "is_encoder_decoder", False)
+        or gen.decoder_start_token_id is not None
+        or gen.bos_token_id is not None
+    ):
         return {}
     pad = gen.pad_token_id if gen.pad_token_id is not None else getattr(config, "pad_token_id", None)
     return {"decoder_start_token_id": pad if pad is not None else 0}
@@ -75,16 +97,24 @@ def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, devi
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         free, _ = devices.for_device(device).mem_get_info(device.index or 0)
         if size > GPU_FREE_FRACTION * free:
-            print(f"compare_in_memory: the model ({format_size(size)}) does not fit in {device}'s free memory "
-                  f"({format_size(free)}); the reference computes on the cpu, whose results may differ in the last bits")
+            print(
+                f"compare_in_memory: the model ({format_size(size)}) does not fit in {device}'s free memory "
+                f"({format_size(free)}); the reference computes on the cpu, whose results may differ in the last bits"
+            )
         else:
             model.to(device)
     return model.eval()
 
 
-def in_memory_tokens(checkpoint: Path, dtype: torch.dtype, input_ids: torch.Tensor, sampling: Sampling,
-                     task: str = "causal_lm", device: torch.device = torch.device("cpu"),
-                     speculative: Any = None) -> list[int]:
+def in_memory_tokens(
+    checkpoint: Path,
+    dtype: torch.dtype,
+    input_ids: torch.Tensor,
+    sampling: Sampling,
+    task: str = "causal_lm",
+    device: torch.device = torch.device("cpu"),
+    speculative: Any = None,
+) -> list[int]:
     """Tokens of the reference model (:func:`reference_model`) on ``device``, generated plainly or with
     ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`)."""
     from offload_core.speculative import prepare

@@ -30,18 +30,32 @@ def fingerprint(settings: Any, prompts: list[str]) -> dict[str, Any]:
     (:data:`SAME_SETTINGS`, as the config names them)."""
     model, sampling = settings.model, settings.sampling
     digest = hashlib.sha256(json.dumps(prompts).encode("utf-8")).hexdigest()
-    values = {"max_new_tokens": sampling.max_new_tokens, "do_sample": sampling.do_sample,
-              "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-              "seed": sampling.seed, "batch_size": settings.batch_size, "dtype": settings.dtype_name}
-    return {"prompts_sha256": digest, "prompts": len(prompts),
-            "model": {key: model.get(key) for key in ("name", "path", "preset", "chat_template")},
-            **{key: values[key] for key in SAME_SETTINGS}}
+    values = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "do_sample": sampling.do_sample,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "batch_size": settings.batch_size,
+        "dtype": settings.dtype_name,
+    }
+    return {
+        "prompts_sha256": digest,
+        "prompts": len(prompts),
+        "model": {key: model.get(key) for key in ("name", "path", "preset", "chat_template")},
+        **{key: values[key] for key in SAME_SETTINGS},
+    }
 
 
 def _is_record(record: Any, prompt: str) -> bool:
-    return (isinstance(record, dict) and record.get("prompt") == prompt and isinstance(record.get("text"), str)
-            and isinstance(record.get("token_ids"), list)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in record["token_ids"]))
+    return (
+        isinstance(record, dict)
+        and record.get("prompt") == prompt
+        and isinstance(record.get("text"), str)
+        and isinstance(record.get("token_ids"), list)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in record["token_ids"])
+    )
 
 
 @dataclass
@@ -65,8 +79,10 @@ class Journal:
         if resume:
             journal.done = journal._read(run, batch_size)
         elif journal.path.exists() and journal.path.stat().st_size:
-            raise ConfigError(f"{journal.path} already holds generations; go on with resume={folder}, or give another "
-                              "run folder (hydra.run.dir=...)")
+            raise ConfigError(
+                f"{journal.path} already holds generations; go on with resume={folder}, or give another "
+                "run folder (hydra.run.dir=...)"
+            )
         else:
             meta = folder / RUN_FILE
             meta.write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
@@ -79,14 +95,20 @@ class Journal:
         try:
             saved = json.loads((self.folder / RUN_FILE).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError(f"{where}: the folder holds no {RUN_FILE}, so it is not a prompts run's folder; give the "
-                              "folder of the run to go on with") from None
+            raise ConfigError(
+                f"{where}: the folder holds no {RUN_FILE}, so it is not a prompts run's folder; give the "
+                "folder of the run to go on with"
+            ) from None
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{where}: {RUN_FILE} cannot be read ({exc}); start a new run without resume") from None
         if saved != run:
-            changed = sorted(k for k in set(saved) | set(run) if not isinstance(saved, dict) or saved.get(k) != run.get(k))
-            raise ConfigError(f"{where}: that run was made with other {', '.join(changed)}; resume it with the same "
-                              "prompts file and settings, or start a new run without resume")
+            changed = sorted(
+                k for k in set(saved) | set(run) if not isinstance(saved, dict) or saved.get(k) != run.get(k)
+            )
+            raise ConfigError(
+                f"{where}: that run was made with other {', '.join(changed)}; resume it with the same "
+                "prompts file and settings, or start a new run without resume"
+            )
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -101,8 +123,10 @@ class Journal:
             if number > len(self.prompts) or not _is_record(record, self.prompts[number - 1]):
                 if number == len(lines) - 1:
                     break  # a last line cut short by the kill: generated again
-                raise ConfigError(f"{where}: line {number} of {GENERATIONS} is not a generation of prompt {number}; "
-                                  "start a new run without resume")
+                raise ConfigError(
+                    f"{where}: line {number} of {GENERATIONS} is not a generation of prompt {number}; "
+                    "start a new run without resume"
+                )
             records.append(record)
         whole = len(records) - len(records) % batch_size if len(records) < len(self.prompts) else len(records)
         keep = sum(len(lines[i]) + 1 for i in range(whole))

@@ -41,15 +41,16 @@ def call_kwargs(section: dict) -> dict[str, Any]:
     return kwargs
 
 
-def make_images(pipeline: Any, prompts: list[str], settings: Settings, output_type: str,
-                steps: "StepTimer | None" = None) -> torch.Tensor:
+def make_images(
+    pipeline: Any, prompts: list[str], settings: Settings, output_type: str, steps: "StepTimer | None" = None
+) -> torch.Tensor:
     """Every prompt's image, ``batch_size`` prompts per call, each call's generator seeded with ``seed`` plus its
     first prompt's index; one tensor (N, C, H, W) for ``output_type="pt"``, else a list of images."""
     kwargs = call_kwargs(settings.pipeline)
     images: list[Any] = []
     size = max(settings.batch_size, 1)
     for start in range(0, len(prompts), size):
-        chunk = prompts[start:start + size]
+        chunk = prompts[start : start + size]
         negative = kwargs.get("negative_prompt")
         call = {**kwargs, **({"negative_prompt": [negative] * len(chunk)} if negative is not None else {})}
         generator = torch.Generator("cpu").manual_seed(settings.sampling.seed + start)
@@ -89,8 +90,9 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
 
     settings = forward_headroom(settings)  # headroom=auto: a pipeline's activations are not planned from a KV cache
     path = resolve_checkpoint(settings.model)
-    empty, checkpoint, no_split = open_pipeline(path, settings.dtype, whole_components(settings),
-                                                settings.model.get("no_split_module_classes"))
+    empty, checkpoint, no_split = open_pipeline(
+        path, settings.dtype, whole_components(settings), settings.model.get("no_split_module_classes")
+    )
     run_model = RunModel(empty.modules, empty.dtype, no_split, Path(path), task="text_to_image")
     with checkpoint:
         plan = make_plan(settings, strategies, run_model, checkpoint)
@@ -100,11 +102,20 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
             return RunResult.of_plan(plan, settings.output_dir, {})
         prompts = pipeline_prompts(settings)
         started = time.perf_counter()
-        load_checkpoint_and_dispatch(empty.modules, checkpoint, plan.device_map, no_split_module_classes=no_split,
-                                     storage=strategies.storage, policy=strategies.policy, offload_folder=settings.offload_folder,
-                                     dtype=empty.dtype, execution_device=settings.execution_device, progress=settings.progress,
-                                     offload_buffers=strategies.policy.offload_buffers,
-                                     residency=plan.residency())
+        load_checkpoint_and_dispatch(
+            empty.modules,
+            checkpoint,
+            plan.device_map,
+            no_split_module_classes=no_split,
+            storage=strategies.storage,
+            policy=strategies.policy,
+            offload_folder=settings.offload_folder,
+            dtype=empty.dtype,
+            execution_device=settings.execution_device,
+            progress=settings.progress,
+            offload_buffers=strategies.policy.offload_buffers,
+            residency=plan.residency(),
+        )
         pipeline = finish_dispatch(empty, settings.execution_device)
         pipeline.set_progress_bar_config(disable=not settings.progress)
         with pipeline.offload_state as state, MemoryMonitor() as memory:
@@ -123,20 +134,32 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
         result.matches_in_memory = bool(torch.equal(reference, images))
     write_images(settings.output_dir, prompts, images)
     write_pipeline_metrics(result, prompts, labels, strategies.policy_name)
-    print(f"{len(prompts)} image(s), {figures['time_per_image_s']:.3f} s per image, {figures['time_per_step_s']:.3f} s "
-          f"per step, {figures['bytes_moved_per_step']} bytes moved per step; wrote {settings.output_dir}")
+    print(
+        f"{len(prompts)} image(s), {figures['time_per_image_s']:.3f} s per image, {figures['time_per_step_s']:.3f} s "
+        f"per step, {figures['bytes_moved_per_step']} bytes moved per step; wrote {settings.output_dir}"
+    )
     return result
 
 
-def image_figures(prompts: list[str], steps: StepTimer, elapsed: float, load_s: float, moved: dict, memory: Any,
-                  device: torch.device) -> dict[str, Any]:
+def image_figures(
+    prompts: list[str], steps: StepTimer, elapsed: float, load_s: float, moved: dict, memory: Any, device: torch.device
+) -> dict[str, Any]:
     """metrics.json's figures of a pipeline run."""
     count = max(len(steps.times), 1)
-    figures = {"images": len(prompts), "load_s": load_s, "time_s": elapsed, "time_per_image_s": elapsed / len(prompts),
-               "steps": len(steps.times), "time_per_step_s": sum(steps.times) / count,
-               "step_times_s": steps.times, "bytes_moved": moved["bytes"], "bytes_moved_per_step": sum(steps.moved) // count,
-               "bytes_moved_by_step": steps.moved, "peak_anon_rss_bytes": memory.anon_delta,
-               "peak_file_rss_bytes": memory.file_delta}
+    figures = {
+        "images": len(prompts),
+        "load_s": load_s,
+        "time_s": elapsed,
+        "time_per_image_s": elapsed / len(prompts),
+        "steps": len(steps.times),
+        "time_per_step_s": sum(steps.times) / count,
+        "step_times_s": steps.times,
+        "bytes_moved": moved["bytes"],
+        "bytes_moved_per_step": sum(steps.moved) // count,
+        "bytes_moved_by_step": steps.moved,
+        "peak_anon_rss_bytes": memory.anon_delta,
+        "peak_file_rss_bytes": memory.file_delta,
+    }
     if device.type == "cuda":
         figures["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     return figures
@@ -174,6 +197,12 @@ def write_pipeline_metrics(result: RunResult, prompts: list[str], labels: dict, 
     """``device_map.json`` and ``metrics.json`` (labels, prompts, figures, whether the images equal in memory)."""
     out = result.output_dir
     (out / "device_map.json").write_text(json.dumps(result.device_map, indent=1))
-    payload = {**labels, "hook": policy_name, "prompts": prompts, "matches_in_memory": result.matches_in_memory,
-               **result.figures, "devices": result.summary["devices"]}
+    payload = {
+        **labels,
+        "hook": policy_name,
+        "prompts": prompts,
+        "matches_in_memory": result.matches_in_memory,
+        **result.figures,
+        "devices": result.summary["devices"],
+    }
     (out / "metrics.json").write_text(json.dumps(payload, indent=1, default=str))

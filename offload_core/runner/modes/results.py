@@ -27,18 +27,30 @@ class RunResult:
     plan: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of_plan(cls, plan: Any, output_dir: Path, figures: dict[str, Any], text: str = "",
-                token_ids: list[int] | None = None) -> "RunResult":
+    def of_plan(
+        cls, plan: Any, output_dir: Path, figures: dict[str, Any], text: str = "", token_ids: list[int] | None = None
+    ) -> "RunResult":
         """The result of a run of ``plan`` (:class:`offload_core.loading.plan.Plan`): its device map, summary and
         figures beside what the run made."""
-        return cls(text=text, token_ids=list(token_ids or []), device_map=plan.device_map, figures=figures,
-                   summary=plan.summary, output_dir=output_dir, plan=plan.as_dict())
+        return cls(
+            text=text,
+            token_ids=list(token_ids or []),
+            device_map=plan.device_map,
+            figures=figures,
+            summary=plan.summary,
+            output_dir=output_dir,
+            plan=plan.as_dict(),
+        )
 
 
 def per_token_counters(counters: dict[str, int | float], tokens: int) -> dict[str, int | float]:
     """A policy's counters as reported: a time (a name ending in ``_s``) per generated token, counts as they are."""
-    return {(f"{name}_per_token" if name.endswith("_s") else name): (value / max(tokens, 1) if name.endswith("_s") else value)
-            for name, value in counters.items()}
+    return {
+        (f"{name}_per_token" if name.endswith("_s") else name): (
+            value / max(tokens, 1) if name.endswith("_s") else value
+        )
+        for name, value in counters.items()
+    }
 
 
 def generation_figures(state: Any, tokens: list[int], timer: Any, load_s: float, policy_name: str) -> dict[str, Any]:

@@ -35,18 +35,24 @@ def generate_offloaded(job: Prepared) -> tuple[list[int], dict[str, Any]]:
 
     settings, model = job.settings, job.run_model.model
     memory_plan = job.batches.memory
-    with loaded(job, lambda model: prepare(settings.speculative, model, job.run_model.dtype,
-                                           settings.execution_device)) as run:
+    with loaded(
+        job, lambda model: prepare(settings.speculative, model, job.run_model.dtype, settings.execution_device)
+    ) as run:
         speculation = run.ready
         with DiskReads(model) as reads:
-            tokens, timer = generate(model, job.input_ids, settings.sampling, settings.execution_device, speculation,
-                                     settings.progress)
+            tokens, timer = generate(
+                model, job.input_ids, settings.sampling, settings.execution_device, speculation, settings.progress
+            )
         figures = generation_figures(run.state, tokens, timer, run.load_s, job.strategies.policy_name)
         figures = {**figures, **reads.figures(), **speculation.figures(len(tokens))}
         figures.update(speculate.per_generated_token(figures))
-    figures.update(peak_anon_rss_bytes=run.memory.anon_delta, peak_file_rss_bytes=run.memory.file_delta,
-                   planned_kv_cache_bytes=memory_plan.kv_cache, planned_activation_bytes=memory_plan.activations,
-                   **job.plan.predicted_time)
+    figures.update(
+        peak_anon_rss_bytes=run.memory.anon_delta,
+        peak_file_rss_bytes=run.memory.file_delta,
+        planned_kv_cache_bytes=memory_plan.kv_cache,
+        planned_activation_bytes=memory_plan.activations,
+        **job.plan.predicted_time,
+    )
     rate = figures["decode_tokens_per_s"]
     figures["time_per_decode_step_s"] = 1 / rate if rate else float("nan")
     return tokens, figures
@@ -57,8 +63,15 @@ def compare_in_memory(job: Prepared, tokens: list[int], result: RunResult) -> No
     settings, run_model = job.settings, job.run_model
 
     def reference(speculative: Any = None) -> list[int]:
-        return in_memory_tokens(run_model.checkpoint_dir, run_model.dtype, job.input_ids, settings.sampling,
-                                run_model.task, settings.execution_device, speculative)
+        return in_memory_tokens(
+            run_model.checkpoint_dir,
+            run_model.dtype,
+            job.input_ids,
+            settings.sampling,
+            run_model.task,
+            settings.execution_device,
+            speculative,
+        )
 
     figures = result.figures
     figures["in_memory_tokens"] = reference()

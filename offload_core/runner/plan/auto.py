@@ -25,8 +25,17 @@ CHOSEN = ("storage", "hook", "page_cache", "batch_size")
 #: batch sizes tried where a prompts file is given
 BATCH_SIZES = (1, 2, 4, 8)
 #: auto.csv's columns
-COLUMNS = ("rank", "configuration", "predicted_load_s", "predicted_ttft_s", "predicted_step_s", "predicted_tokens_per_s",
-           "predicted_total_s", "predicted_anon_bytes", "problem")
+COLUMNS = (
+    "rank",
+    "configuration",
+    "predicted_load_s",
+    "predicted_ttft_s",
+    "predicted_step_s",
+    "predicted_tokens_per_s",
+    "predicted_total_s",
+    "predicted_anon_bytes",
+    "problem",
+)
 
 
 @dataclass
@@ -53,12 +62,17 @@ class Candidate:
 
     def row(self, rank: int) -> dict[str, Any]:
         step = self.predicted.get("predicted_step_s")
-        return {"rank": rank, "configuration": self.label,
-                "predicted_load_s": self.predicted.get("predicted_load_s"),
-                "predicted_ttft_s": self.predicted.get("predicted_ttft_s"), "predicted_step_s": step,
-                "predicted_tokens_per_s": self.batch_size / step if step else None,
-                "predicted_total_s": self.total_s if math.isfinite(self.total_s) else None,
-                "predicted_anon_bytes": self.anon_bytes, "problem": self.problem}
+        return {
+            "rank": rank,
+            "configuration": self.label,
+            "predicted_load_s": self.predicted.get("predicted_load_s"),
+            "predicted_ttft_s": self.predicted.get("predicted_ttft_s"),
+            "predicted_step_s": step,
+            "predicted_tokens_per_s": self.batch_size / step if step else None,
+            "predicted_total_s": self.total_s if math.isfinite(self.total_s) else None,
+            "predicted_anon_bytes": self.anon_bytes,
+            "problem": self.problem,
+        }
 
 
 def given_options(overrides: list[str]) -> set[str]:
@@ -108,8 +122,12 @@ def settings_of(settings: Settings, candidate: Candidate) -> Settings:
     """``settings`` with ``candidate``'s options."""
     clean = {k: v for k, v in candidate.hook.items() if k != "_varied"}
     storage = {k: v for k, v in candidate.storage.items() if k != "_varied"}
-    return dataclasses.replace(settings, sections={**settings.sections, "storage": storage, "hook": clean},
-                               page_cache=candidate.page_cache, batch_size=candidate.batch_size)
+    return dataclasses.replace(
+        settings,
+        sections={**settings.sections, "storage": storage, "hook": clean},
+        page_cache=candidate.page_cache,
+        batch_size=candidate.batch_size,
+    )
 
 
 def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> Candidate:
@@ -134,15 +152,19 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
         return candidate
     budget = settings.max_memory.get("cpu")
     if budget is not None and on_disk and storage.reads_from == "memory" and candidate.anon_bytes > budget:
-        candidate.problem = (f"keeps the {format_size(on_disk)} offloaded in memory: "
-                             f"{format_size(candidate.anon_bytes)}, over max_memory.cpu={format_size(budget)}")
+        candidate.problem = (
+            f"keeps the {format_size(on_disk)} offloaded in memory: "
+            f"{format_size(candidate.anon_bytes)}, over max_memory.cpu={format_size(budget)}"
+        )
     elif not candidate.predicted.get("predicted_step_s"):
         candidate.problem = "no time prediction (the calibration could not time this model)"
     else:
         p = candidate.predicted
         per_batch = p["predicted_ttft_s"] + max(max_new_tokens - 1, 0) * p["predicted_step_s"]
         # the process's one-time warm-up is the same for every candidate (and paid already where a probe ran here)
-        candidate.total_s = p["predicted_load_s"] + math.ceil(prompts / rows) * per_batch - p.get("predicted_first_call_s", 0.0)
+        candidate.total_s = (
+            p["predicted_load_s"] + math.ceil(prompts / rows) * per_batch - p.get("predicted_first_call_s", 0.0)
+        )
     return candidate
 
 
@@ -196,7 +218,9 @@ def print_table(table: list[dict[str, Any]], given: set[str]) -> None:
         if row["problem"]:
             print(f"  {row['rank']:>3} {row['configuration']:<{width}}   cannot run: {row['problem']}")
             continue
-        print(f"  {row['rank']:>3} {row['configuration']:<{width}} {_cell(row['predicted_load_s']):>8} "
-              f"{_cell(row['predicted_ttft_s']):>10} {_cell(row['predicted_step_s']):>8} "
-              f"{_cell(row['predicted_tokens_per_s']):>7} {_cell(row['predicted_total_s']):>8} "
-              f"{format_size(row['predicted_anon_bytes']):>9}")
+        print(
+            f"  {row['rank']:>3} {row['configuration']:<{width}} {_cell(row['predicted_load_s']):>8} "
+            f"{_cell(row['predicted_ttft_s']):>10} {_cell(row['predicted_step_s']):>8} "
+            f"{_cell(row['predicted_tokens_per_s']):>7} {_cell(row['predicted_total_s']):>8} "
+            f"{format_size(row['predicted_anon_bytes']):>9}"
+        )

@@ -33,8 +33,11 @@ class Batches:
     def width(self) -> int:
         """The padded prompt length of a typical batch: the median over the batches of each one's longest prompt."""
         size = self.batch_size
-        return int(statistics.median_low(max(len(row) for row in self.encoded[i:i + size])
-                                         for i in range(0, len(self.encoded), size)))
+        return int(
+            statistics.median_low(
+                max(len(row) for row in self.encoded[i : i + size]) for i in range(0, len(self.encoded), size)
+            )
+        )
 
     @property
     def rows(self) -> int:
@@ -49,8 +52,9 @@ def read_batches(settings: Settings, run_model: Any) -> tuple[Settings, Batches 
     from offload_core.loading.tasks import GENERATIVE
 
     if settings.resume and not settings.prompts_file:
-        raise ConfigError("resume goes on with a prompts run: give the same prompts=<file> (and settings) as the run "
-                          "you resume")
+        raise ConfigError(
+            "resume goes on with a prompts run: give the same prompts=<file> (and settings) as the run you resume"
+        )
     if run_model.task not in GENERATIVE:
         return forward_headroom(settings), None
     chat = settings.chat_template
@@ -76,6 +80,8 @@ def resume_folder(value: Any) -> Path:
     """``resume``'s run folder, which must exist."""
     folder = Path(str(value)).expanduser()
     if not folder.is_dir():
-        raise ConfigError(f"resume={value} is not a folder: give the folder of the run to go on with "
-                          "(e.g. resume=outputs/2026-01-31/12-00-00)")
+        raise ConfigError(
+            f"resume={value} is not a folder: give the folder of the run to go on with "
+            "(e.g. resume=outputs/2026-01-31/12-00-00)"
+        )
     return folder

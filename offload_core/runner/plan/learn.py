@@ -30,8 +30,11 @@ KEPT = 5
 #: configurations kept in the file (the least recently updated go first)
 MAX_ENTRIES = 500
 #: the figures corrected: name -> (predicted key, measured key)
-FIGURES = {"load": ("predicted_load_s", "load_s"), "ttft": ("predicted_ttft_s", "time_to_first_token_s"),
-           "step": ("predicted_step_s", "time_per_decode_step_s")}
+FIGURES = {
+    "load": ("predicted_load_s", "load_s"),
+    "ttft": ("predicted_ttft_s", "time_to_first_token_s"),
+    "step": ("predicted_step_s", "time_per_decode_step_s"),
+}
 #: ratios outside these bounds are not a measurement of the configuration (a stalled machine): never kept
 RATIO_BOUNDS = (1e-3, 1e3)
 
@@ -52,8 +55,12 @@ def machine() -> str:
 
 
 def _ratio(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and RATIO_BOUNDS[0] <= value <= RATIO_BOUNDS[1])
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and RATIO_BOUNDS[0] <= value <= RATIO_BOUNDS[1]
+    )
 
 
 def problem(data: Any) -> str | None:
@@ -67,8 +74,12 @@ def problem(data: Any) -> str | None:
         return "'entries' is not an object"
     for key, entry in entries.items():
         ratios = entry.get("ratios") if isinstance(entry, dict) else None
-        if (not isinstance(ratios, dict) or not set(ratios) <= set(FIGURES) or not isinstance(entry.get("updated"), (int, float))
-                or not all(isinstance(v, list) and 0 < len(v) <= KEPT and all(map(_ratio, v)) for v in ratios.values())):
+        if (
+            not isinstance(ratios, dict)
+            or not set(ratios) <= set(FIGURES)
+            or not isinstance(entry.get("updated"), (int, float))
+            or not all(isinstance(v, list) and 0 < len(v) <= KEPT and all(map(_ratio, v)) for v in ratios.values())
+        ):
             return f"entry {key!r} is not a set of measured/predicted ratios"
     return None
 
@@ -97,11 +108,18 @@ def config_key(job: Any) -> tuple[str, str]:
     rows, tokens = job.shape
     sections = {group: settings.sections[group] for group in ("placement", "storage", "hook")}
     parts = {
-        "model": job.run_model.model.config.to_dict(), "dtype": str(job.run_model.dtype),
-        "device": str(settings.execution_device), "threads": torch.get_num_threads(),
-        "strategies": sections, "max_memory": {str(k): v for k, v in settings.max_memory.items()},
-        "headroom": settings.headroom, "device_map": settings.device_map_file, "page_cache": settings.page_cache,
-        "rows": rows, "tokens": tokens, "max_new_tokens": settings.sampling.max_new_tokens,
+        "model": job.run_model.model.config.to_dict(),
+        "dtype": str(job.run_model.dtype),
+        "device": str(settings.execution_device),
+        "threads": torch.get_num_threads(),
+        "strategies": sections,
+        "max_memory": {str(k): v for k, v in settings.max_memory.items()},
+        "headroom": settings.headroom,
+        "device_map": settings.device_map_file,
+        "page_cache": settings.page_cache,
+        "rows": rows,
+        "tokens": tokens,
+        "max_new_tokens": settings.sampling.max_new_tokens,
         "speculative": settings.speculative,
     }
     text = json.dumps(parts, sort_keys=True, default=str)
@@ -136,9 +154,18 @@ def compare(predicted: dict[str, Any], figures: dict[str, Any]) -> dict[str, dic
     found = {}
     for name, (key, measured_key) in FIGURES.items():
         guess, measured = predicted.get(key), figures.get(measured_key)
-        if isinstance(guess, (int, float)) and isinstance(measured, (int, float)) and measured > 0 and math.isfinite(measured):
-            found[name] = {"predicted": float(guess), "measured": float(measured), "error": (guess - measured) / measured,
-                           "model_predicted": float(predicted.get(f"model_{key}", guess))}
+        if (
+            isinstance(guess, (int, float))
+            and isinstance(measured, (int, float))
+            and measured > 0
+            and math.isfinite(measured)
+        ):
+            found[name] = {
+                "predicted": float(guess),
+                "measured": float(measured),
+                "error": (guess - measured) / measured,
+                "model_predicted": float(predicted.get(f"model_{key}", guess)),
+            }
     return found
 
 
@@ -162,7 +189,9 @@ def learn(key: str, label: str, predicted: dict[str, Any], figures: dict[str, An
     entry.update(label=label, updated=time.time())
     kept = dict(sorted(entries.items(), key=lambda kv: kv[1].get("updated", 0))[-MAX_ENTRIES:])
     try:
-        write_text_atomic(corrections_file(), json.dumps({"version": VERSION, "machine": machine(), "entries": kept}, indent=1))
+        write_text_atomic(
+            corrections_file(), json.dumps({"version": VERSION, "machine": machine(), "entries": kept}, indent=1)
+        )
     except OSError as exc:  # a read-only cache: the run's figures stand, nothing is learned
         print(f"offload_core: the prediction correction was not saved ({exc.strerror or exc})", file=sys.stderr)
     return {"prediction": found, "prediction_runs": int(predicted.get("prediction_runs", 0))}
@@ -174,11 +203,16 @@ def comparison_line(learned: dict[str, Any]) -> str:
     if not found:
         return ""
     names = {"load": "load", "ttft": "first token", "step": "decoding step"}
-    cells = " | ".join(f"{names[n]} {v['predicted']:.3g} s vs {v['measured']:.3g} s ({100 * v['error']:+.0f}%)"
-                       for n, v in found.items())
+    cells = " | ".join(
+        f"{names[n]} {v['predicted']:.3g} s vs {v['measured']:.3g} s ({100 * v['error']:+.0f}%)"
+        for n, v in found.items()
+    )
     runs = learned.get("prediction_runs", 0)
-    source = (f"corrected by {runs} earlier run{'s' if runs != 1 else ''} of this configuration" if runs
-              else "cost model only; learned for the next run of this configuration")
+    source = (
+        f"corrected by {runs} earlier run{'s' if runs != 1 else ''} of this configuration"
+        if runs
+        else "cost model only; learned for the next run of this configuration"
+    )
     return f"predicted vs measured: {cells} ({source})"
 
 

@@ -50,7 +50,9 @@ def resolve_checkpoint(section: dict) -> Path:
         return sources.smollm2_checkpoint()
     if name == "synthetic":
         return sources.synthetic_checkpoint(**sources.synthetic_preset(section.get("preset", "tiny")))
-    raise ConfigError(f"model.name={name!r} needs model.path=<a local checkpoint folder> (known names: smollm2, synthetic)")
+    raise ConfigError(
+        f"model.name={name!r} needs model.path=<a local checkpoint folder> (known names: smollm2, synthetic)"
+    )
 
 
 def build_empty_model(checkpoint: Path, dtype: torch.dtype | None, task: str | None = None):

@@ -28,12 +28,22 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     device_map = read_device_map(path) if path else None
     if path:
         check_device_map_devices(device_map, settings.execution_device)
-    return plan_model(run_model.model, checkpoint, placement=strategies.placement, storage=strategies.storage,
-                      policy=strategies.policy, execution_device=settings.execution_device, budgets=settings.budgets,
-                      no_split=run_model.no_split, dtype=run_model.dtype, max_memory=settings.max_memory,
-                      headroom=settings.headroom,
-                      device_map=device_map, page_cache=settings.page_cache,
-                      policy_name=strategies.policy_name)
+    return plan_model(
+        run_model.model,
+        checkpoint,
+        placement=strategies.placement,
+        storage=strategies.storage,
+        policy=strategies.policy,
+        execution_device=settings.execution_device,
+        budgets=settings.budgets,
+        no_split=run_model.no_split,
+        dtype=run_model.dtype,
+        max_memory=settings.max_memory,
+        headroom=settings.headroom,
+        device_map=device_map,
+        page_cache=settings.page_cache,
+        policy_name=strategies.policy_name,
+    )
 
 
 def read_device_map(path: str) -> dict:
@@ -57,10 +67,23 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str 
     from offload_core.runner.plan.report import plan_text
 
     path = settings.device_map_file
-    print(" ".join([f"device_map={path}" if group == "placement" and path else f"{group}={name}"
-                    for group, name in strategies.names.items()]))
-    print(plan_text(plan.summary, plan.as_dict(), plan.predicted_bytes_per_token,
-                    plan.device_map if settings.plan_only else None, per=per))
+    print(
+        " ".join(
+            [
+                f"device_map={path}" if group == "placement" and path else f"{group}={name}"
+                for group, name in strategies.names.items()
+            ]
+        )
+    )
+    print(
+        plan_text(
+            plan.summary,
+            plan.as_dict(),
+            plan.predicted_bytes_per_token,
+            plan.device_map if settings.plan_only else None,
+            per=per,
+        )
+    )
     for line in plan.conversion:
         print(f"  conversion: {line}")
     for line in strategies.policy.plan_lines():

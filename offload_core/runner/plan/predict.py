@@ -28,8 +28,9 @@ def fits_page_cache(nbytes: int) -> bool:
     return nbytes < psutil.virtual_memory().available / 2
 
 
-def disk_bytes_per_forward(page_cache: dict[str, Any], offloaded: int, bytes_per_token: int, reads_from: str,
-                           cold: bool = False) -> int:
+def disk_bytes_per_forward(
+    page_cache: dict[str, Any], offloaded: int, bytes_per_token: int, reads_from: str, cold: bool = False
+) -> int:
     """Bytes one forward reads from the disk itself: every byte moved when ``cold`` (the page cache dropped before
     each token); else the page-cache plan's streamed bytes where it keeps a set; otherwise none while the offloaded
     files fit in the page cache, every byte moved when they do not."""
@@ -42,8 +43,14 @@ def disk_bytes_per_forward(page_cache: dict[str, Any], offloaded: int, bytes_per
     return 0 if fits_page_cache(offloaded) else bytes_per_token
 
 
-def io_s(calibration: dict[str, Any], bytes_per_token: int, disk_bytes: int, reads_from: str, pinned: bool,
-         execution_device: torch.device) -> float:
+def io_s(
+    calibration: dict[str, Any],
+    bytes_per_token: int,
+    disk_bytes: int,
+    reads_from: str,
+    pinned: bool,
+    execution_device: torch.device,
+) -> float:
     """Seconds one forward spends bringing offloaded tensors to the execution device: ``disk_bytes`` at the store's
     cold read rate, and on a GPU every moved byte across the host-to-device copy (from page-cached pages first unless
     the store is pinned). On a CPU run a page-cached tensor is computed on where it lies: no copy."""
@@ -70,8 +77,15 @@ def load_s(calibration: dict[str, Any], total: int, offloaded: int, reads_from: 
     return seconds
 
 
-def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_device: torch.device,
-                 calibration: dict[str, Any], cold: bool = False) -> dict[str, float]:
+def predict_time(
+    blocks: int,
+    plan: Any,
+    storage: Any,
+    policy: Any,
+    execution_device: torch.device,
+    calibration: dict[str, Any],
+    cold: bool = False,
+) -> dict[str, float]:
     """``predicted_load_s``, ``predicted_ttft_s`` and ``predicted_step_s`` of a run whose forwards were calibrated
     as ``prefill`` (the batch's rows over its prompt) and ``decode`` (one token per row).
 
@@ -92,8 +106,9 @@ def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_de
     moved = plan.predicted_bytes_per_token
     disk = disk_bytes_per_forward(plan.page_cache, offloaded, moved, storage.reads_from, cold)
     # the probe's tensors came through the real path (a GPU's copy included): only the cold disk reads are left
-    io = io_s(calibration, moved, disk, storage.reads_from, storage.pinned,
-              torch.device("cpu") if probe else execution_device)
+    io = io_s(
+        calibration, moved, disk, storage.reads_from, storage.pinned, torch.device("cpu") if probe else execution_device
+    )
     loads = getattr(plan, "predicted_loads_per_token", 0)
 
     def forward(shape: str) -> float:
@@ -109,31 +124,52 @@ def predict_time(blocks: int, plan: Any, storage: Any, policy: Any, execution_de
         bytes_s = load_s(calibration, probe["probe_bytes"], probe["probe_offloaded_bytes"], storage.reads_from)
         tensors = sum(info.get("tensors", 0) for info in devices.values())
         load += tensors * max(probe["probe_load_s"] - bytes_s, 0.0) / probe["probe_tensors"]
-    return {"predicted_load_s": load,
-            "predicted_ttft_s": forward("prefill") + first_call, "predicted_step_s": forward("decode"),
-            "predicted_first_call_s": first_call}
+    return {
+        "predicted_load_s": load,
+        "predicted_ttft_s": forward("prefill") + first_call,
+        "predicted_step_s": forward("decode"),
+        "predicted_first_call_s": first_call,
+    }
 
 
-def calibrate_and_predict(settings: Any, strategies: Any, run_model: Any, plan: Any, rows: int, prompt_tokens: int,
-                          cold: bool = False) -> dict[str, float]:
+def calibrate_and_predict(
+    settings: Any, strategies: Any, run_model: Any, plan: Any, rows: int, prompt_tokens: int, cold: bool = False
+) -> dict[str, float]:
     """Calibrate (cached; ``calibrate=true`` measures again) and predict the run's times from its plan, for ``rows``
     sequences of ``prompt_tokens`` tokens generated at once (``cold``: see :func:`disk_bytes_per_forward`)."""
     import tempfile
 
     from offload_core.runner.plan.calibrate import calibrate
 
-    folders = {"offload_folder": Path(settings.offload_folder or tempfile.gettempdir()),
-               "checkpoint": run_model.checkpoint_dir.parent}
+    folders = {
+        "offload_folder": Path(settings.offload_folder or tempfile.gettempdir()),
+        "checkpoint": run_model.checkpoint_dir.parent,
+    }
     shapes = {"prefill": (rows, prompt_tokens), "decode": (rows, 1)}
     refresh = settings.calibrate
     try:
-        calibration = calibrate(run_model.model, run_model.no_split, run_model.dtype, settings.execution_device, folders,
-                                shapes, refresh=refresh, probe=dispatched_probe(settings, run_model, rows, prompt_tokens))
+        calibration = calibrate(
+            run_model.model,
+            run_model.no_split,
+            run_model.dtype,
+            settings.execution_device,
+            folders,
+            shapes,
+            refresh=refresh,
+            probe=dispatched_probe(settings, run_model, rows, prompt_tokens),
+        )
     except OSError as exc:  # a probe that cannot be written (a full disk): the run goes on without a prediction
         print(f"  no time prediction: calibration failed ({exc.strerror or exc})")
         return {}
-    return predict_time(count_blocks(run_model.model, run_model.no_split), plan, strategies.storage, strategies.policy,
-                        settings.execution_device, calibration, cold)
+    return predict_time(
+        count_blocks(run_model.model, run_model.no_split),
+        plan,
+        strategies.storage,
+        strategies.policy,
+        settings.execution_device,
+        calibration,
+        cold,
+    )
 
 
 def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> tuple[str, Any]:
@@ -148,17 +184,25 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
     from offload_core.runner.plan.probe import PROBE_VERSION, probe_times
 
     storage, hook = settings.sections["storage"], settings.sections["hook"]
-    key = json.dumps({"v": PROBE_VERSION, "storage": storage, "hook": hook, "shape": [rows, tokens]}, sort_keys=True,
-                     default=str)
+    key = json.dumps(
+        {"v": PROBE_VERSION, "storage": storage, "hook": hook, "shape": [rows, tokens]}, sort_keys=True, default=str
+    )
     folder = existing_folder(run_model.checkpoint_dir.parent)
     if not os.access(folder, os.W_OK):
         folder = existing_folder(Path(tempfile.gettempdir()))
 
     def measure(block_s: dict[str, float]) -> dict[str, float]:
         registry = get_registry()
-        return probe_times(run_model, registry.create("storage", storage["name"], storage),
-                           registry.create("policy", hook["name"], hook), settings.execution_device, rows, tokens,
-                           folder, block_s)
+        return probe_times(
+            run_model,
+            registry.create("storage", storage["name"], storage),
+            registry.create("policy", hook["name"], hook),
+            settings.execution_device,
+            rows,
+            tokens,
+            folder,
+            block_s,
+        )
 
     return key, measure
 
@@ -168,5 +212,7 @@ def print_prediction(predicted: dict[str, float], rows: int) -> None:
     if predicted:
         step, runs = predicted["predicted_step_s"], predicted.get("prediction_runs", 0)
         learned = f" (corrected by {runs} earlier run{'s' if runs != 1 else ''} on this machine)" if runs else ""
-        print(f"predicted: load {predicted['predicted_load_s']:.2f} s | first token {predicted['predicted_ttft_s']:.3f} s | "
-              f"{step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows}){learned}")
+        print(
+            f"predicted: load {predicted['predicted_load_s']:.2f} s | first token {predicted['predicted_ttft_s']:.3f} s | "
+            f"{step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows}){learned}"
+        )

@@ -51,8 +51,13 @@ class Prepared:
 
 
 @contextmanager
-def prepare(settings: Settings, strategies: Strategies, *, predict: bool = True,
-            batches_of: Callable[[RunModel], Batches] | None = None) -> Iterator[Prepared]:
+def prepare(
+    settings: Settings,
+    strategies: Strategies,
+    *,
+    predict: bool = True,
+    batches_of: Callable[[RunModel], Batches] | None = None,
+) -> Iterator[Prepared]:
     """Open the run's model and checkpoint, read its batches, hold back what they and a draft need, make the plan and
     (``predict``) its predicted times; the checkpoint stays open until the block ends. ``batches_of(run_model)``
     gives the batches instead of the settings' prompts (a benchmark's own inputs)."""
@@ -63,8 +68,9 @@ def prepare(settings: Settings, strategies: Strategies, *, predict: bool = True,
         check_run_task(settings, run_model, checkpoint)
         if batches_of is None:
             settings, batches = read_batches(settings, run_model)
-            input_ids = prompt_ids(run_model.tokenizer, settings.prompt, settings.chat_template,
-                                   run_model.model.config.vocab_size)
+            input_ids = prompt_ids(
+                run_model.tokenizer, settings.prompt, settings.chat_template, run_model.model.config.vocab_size
+            )
         else:
             settings, batches = plan_batches(settings, run_model, batches_of(run_model))
             input_ids = torch.tensor(batches.encoded[:1], dtype=torch.long)
@@ -86,11 +92,15 @@ def check_run_task(settings: Settings, run_model: RunModel, checkpoint: Any) -> 
     if run_model.task_given:
         check_task_fits(run_model.model, checkpoint, run_model.task)
     if run_model.task in GENERATIVE and settings.texts:
-        raise ConfigError(f"texts is read by masked_lm, sequence_classification and embeddings runs; this {run_model.task} "
-                          "run generates from prompt: set prompt=... instead")
+        raise ConfigError(
+            f"texts is read by masked_lm, sequence_classification and embeddings runs; this {run_model.task} "
+            "run generates from prompt: set prompt=... instead"
+        )
     if run_model.task not in GENERATIVE and settings.prompts_file:
-        raise ConfigError(f"prompts is read by causal_lm and seq2seq_lm runs, which generate; this {run_model.task} run reads "
-                          "texts: set texts=[...] instead")
+        raise ConfigError(
+            f"prompts is read by causal_lm and seq2seq_lm runs, which generate; this {run_model.task} run reads "
+            "texts: set texts=[...] instead"
+        )
 
 
 def predicted_time(job: Prepared) -> dict[str, float]:
@@ -102,8 +112,9 @@ def predicted_time(job: Prepared) -> dict[str, float]:
 
     if not job.generates:
         return {}
-    return learn.correct(job, calibrate_and_predict(job.settings, job.strategies, job.run_model, job.plan,
-                                                    *prediction_shape(job)))
+    return learn.correct(
+        job, calibrate_and_predict(job.settings, job.strategies, job.run_model, job.plan, *prediction_shape(job))
+    )
 
 
 def prediction_shape(job: Prepared) -> tuple[int, int]:

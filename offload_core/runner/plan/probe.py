@@ -65,8 +65,15 @@ def _timed(model: nn.Module, ids: torch.Tensor, repeats: int = REPEATS) -> tuple
         stamps = _Stamps()
         started = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=PROBE_TOKENS, min_new_tokens=PROBE_TOKENS,
-                           do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([stamps]))
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=PROBE_TOKENS,
+                min_new_tokens=PROBE_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                stopping_criteria=StoppingCriteriaList([stamps]),
+            )
         firsts.append(stamps.stamps[0] - started)
         if repeat:
             steps += [b - a for a, b in zip(stamps.stamps, stamps.stamps[1:])]
@@ -97,8 +104,11 @@ def split_map(model: nn.Module, no_split: list[str], on: Any, off: Any) -> dict[
     def place(prefix: str, module: nn.Module) -> None:
         holds_block = any(type(m).__name__ in no_split for m in module.modules())
         if type(module).__name__ in no_split or not holds_block:
-            if prefix and (type(module).__name__ in no_split or any(True for _ in module.parameters(recurse=True))
-                           or any(True for _ in module.buffers(recurse=True))):
+            if prefix and (
+                type(module).__name__ in no_split
+                or any(True for _ in module.parameters(recurse=True))
+                or any(True for _ in module.buffers(recurse=True))
+            ):
                 out[prefix] = off if type(module).__name__ in no_split else on
             return
         for name, child in module.named_children():
@@ -110,8 +120,16 @@ def split_map(model: nn.Module, no_split: list[str], on: Any, off: Any) -> dict[
     return out
 
 
-def probe_times(run_model: Any, storage: Any, policy: Any, execution_device: torch.device, rows: int,
-                tokens: int, folder: Path, block_s: dict[str, float]) -> dict[str, float]:
+def probe_times(
+    run_model: Any,
+    storage: Any,
+    policy: Any,
+    execution_device: torch.device,
+    rows: int,
+    tokens: int,
+    folder: Path,
+    block_s: dict[str, float],
+) -> dict[str, float]:
     """The probe's terms (see the module's doc) for the run's model, a fresh ``storage`` and ``policy`` built as
     the run's, on ``execution_device`` for ``rows`` sequences of ``tokens`` prompt tokens; ``block_s``: one bare
     block's calibrated seconds per shape (``prefill``, ``decode``). Its files are written in a temporary folder
@@ -136,16 +154,27 @@ def probe_times(run_model: Any, storage: Any, policy: Any, execution_device: tor
     with tempfile.TemporaryDirectory(prefix=".offload-probe-", dir=folder) as tmp:
         model.save_pretrained(Path(tmp) / "model")
         memory_first, memory_step, warmup = _timed(model.to(execution_device), ids)
-        sizes = {"probe_tensors": len(model.state_dict()),
-                 "probe_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
+        sizes = {
+            "probe_tensors": len(model.state_dict()),
+            "probe_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+        }
         del model
         offloaded = build_empty(config, run_model.task, run_model.dtype)
         with Checkpoint.open(Path(tmp) / "model") as checkpoint:
             started = time.perf_counter()  # timed as a run times its load: the dispatch, the plan made before
-            load_checkpoint_and_dispatch(offloaded, checkpoint, device_map, no_split_module_classes=run_model.no_split,
-                                         storage=storage, policy=policy, offload_folder=Path(tmp) / "offload",
-                                         dtype=run_model.dtype, execution_device=execution_device, progress=False,
-                                         offload_buffers=policy.offload_buffers)
+            load_checkpoint_and_dispatch(
+                offloaded,
+                checkpoint,
+                device_map,
+                no_split_module_classes=run_model.no_split,
+                storage=storage,
+                policy=policy,
+                offload_folder=Path(tmp) / "offload",
+                dtype=run_model.dtype,
+                execution_device=execution_device,
+                progress=False,
+                offload_buffers=policy.offload_buffers,
+            )
             sizes["probe_load_s"] = time.perf_counter() - started
             sizes["probe_offloaded_bytes"] = offloaded.offload_state.offloaded_bytes()
             with offloaded.offload_state as state:
@@ -154,8 +183,12 @@ def probe_times(run_model: Any, storage: Any, policy: Any, execution_device: tor
                 loads = state.stats.snapshot()["loads"] / ((REPEATS + 1) * PROBE_TOKENS)
     if not loads:
         raise ValueError("the probe's offloaded blocks were never loaded")
-    return {"outside_prefill_s": max(memory_first - PROBE_BLOCKS * block_s["prefill"], 0.0),
-            "outside_decode_s": max(memory_step - PROBE_BLOCKS * block_s["decode"], 0.0),
-            "per_load_prefill_s": max(first - memory_first, 0.0) / loads,
-            "per_load_decode_s": max(step - memory_step, 0.0) / loads,
-            "loads_per_forward": loads, "first_call_s": warmup, **sizes}
+    return {
+        "outside_prefill_s": max(memory_first - PROBE_BLOCKS * block_s["prefill"], 0.0),
+        "outside_decode_s": max(memory_step - PROBE_BLOCKS * block_s["decode"], 0.0),
+        "per_load_prefill_s": max(first - memory_first, 0.0) / loads,
+        "per_load_decode_s": max(step - memory_step, 0.0) / loads,
+        "loads_per_forward": loads,
+        "first_call_s": warmup,
+        **sizes,
+    }

@@ -32,13 +32,19 @@ def _grouped_keys(device_map: Mapping[str, int | str]) -> dict[Any, list[str]]:
         group.append([prefix, int(last) if last.isdigit() else None, int(last) if last.isdigit() else None, key])
     out: dict[Any, list[str]] = {}
     for device, group in runs.items():
-        out[device] = [key if first is None or first == end else f"{prefix}.{first}-{end}"
-                       for prefix, first, end, key in group]
+        out[device] = [
+            key if first is None or first == end else f"{prefix}.{first}-{end}" for prefix, first, end, key in group
+        ]
     return out
 
 
-def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: int | None,
-              device_map: Mapping[str, int | str] | None = None, per: str = "generated token") -> str:
+def plan_text(
+    summary: Mapping[str, Any],
+    plan: Mapping[str, Any],
+    predicted: int | None,
+    device_map: Mapping[str, int | str] | None = None,
+    per: str = "generated token",
+) -> str:
     """The plan as printed before loading: per device its bytes, budget use and (with ``device_map``) its keys,
     the reservation held back, and the predicted bytes moved per generated token.
 
@@ -61,15 +67,18 @@ def plan_text(summary: Mapping[str, Any], plan: Mapping[str, Any], predicted: in
     reserve = ", ".join(f"{k}: {format_size(v)}" for k, v in (plan.get("reserve") or {}).items())
     lines.append(f"reserved for offloaded weights in flight: {reserve or 'none'}")
     if plan.get("headroom"):
-        lines.append(f"held back from the budget of the device that computes, for the KV cache and activations: "
-                     f"{format_size(plan['headroom'])}")
+        lines.append(
+            f"held back from the budget of the device that computes, for the KV cache and activations: "
+            f"{format_size(plan['headroom'])}"
+        )
     if predicted is not None:
         lines.append(f"predicted bytes moved per {per}: {format_size(predicted)}")
     return "\n".join(lines)
 
 
-def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes: Mapping[str, int],
-                   path: str | Path) -> Path:
+def plot_placement(
+    model: nn.Module, device_map: Mapping[str, int | str], sizes: Mapping[str, int], path: str | Path
+) -> Path:
     """Write a PNG of the placement: a horizontal bar per device, one segment per device-map key, coloured by tier.
 
     ``sizes`` is :func:`offload_core.planning.compute_module_sizes`'s result for ``model`` (bytes by name).
@@ -87,7 +96,9 @@ def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes:
     devices = sorted(set(device_map.values()), key=device_order)
     fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(devices)))
     mib = 2**20
-    longest = max((sum(sizes.get(k, 0) for k, w in device_map.items() if w == d) / mib for d in devices), default=0) or 1
+    longest = (
+        max((sum(sizes.get(k, 0) for k, w in device_map.items() if w == d) / mib for d in devices), default=0) or 1
+    )
     for row, device in enumerate(devices):
         left = 0.0
         for key, where in device_map.items():
@@ -98,7 +109,15 @@ def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes:
                 continue
             ax.barh(row, width, left=left, color=TIER_COLOURS[_tier(device)], edgecolor="white", linewidth=0.8)
             if width > 0.1 * longest:
-                ax.text(left + width / 2, row, key.rpartition(".")[2] or key, ha="center", va="center", fontsize=7, color="white")
+                ax.text(
+                    left + width / 2,
+                    row,
+                    key.rpartition(".")[2] or key,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
             left += width
         ax.text(left, row, f" {left:.1f} MiB", va="center", fontsize=8)
     ax.set_yticks(range(len(devices)), [str(gpu(d)) if isinstance(d, int) else str(d) for d in devices])
@@ -106,8 +125,12 @@ def plot_placement(model: nn.Module, device_map: Mapping[str, int | str], sizes:
     ax.set_xlabel("MiB (one segment per device-map key)")
     tiers = sorted({_tier(d) for d in devices}, key=list(TIER_COLOURS).index)
     ax.set_xlim(0, longest * 1.15)
-    ax.legend(handles=[Patch(color=TIER_COLOURS[t], label=t) for t in tiers], loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.legend(
+        handles=[Patch(color=TIER_COLOURS[t], label=t) for t in tiers],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+    )
     ax.set_title(f"placement of {type(model).__name__}")
     fig.tight_layout()
     path = Path(path)

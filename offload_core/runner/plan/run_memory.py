@@ -58,8 +58,10 @@ def check_context(config: Any, prompt_tokens: int, new_tokens: int, what: str) -
         return
     room = context - prompt_tokens
     advice = f"use max_new_tokens={room} or less" if room > 0 else "shorten the prompt"
-    raise ConfigError(f"{what} ({prompt_tokens} tokens) and max_new_tokens={new_tokens} exceed the model's context of "
-                      f"{context} tokens (max_position_embeddings); {advice}")
+    raise ConfigError(
+        f"{what} ({prompt_tokens} tokens) and max_new_tokens={new_tokens} exceed the model's context of "
+        f"{context} tokens (max_position_embeddings); {advice}"
+    )
 
 
 def largest_new_tokens(config: Any, budget: int, prompt_tokens: int, dtype: Any, upto: int) -> int:
@@ -98,17 +100,24 @@ def plan_run_memory(settings: Settings, run_model: Any, rows: int, longest: int)
     room = budget - block - slack
     if need.total > room:
         name = "cpu" if key == "cpu" else str(key)
-        where = (f"more than max_memory.{name}={format_size(budget)} leaves beside "
-                 + ("one block" if block else f"{format_size(slack)} for the runtime"))
+        where = f"more than max_memory.{name}={format_size(budget)} leaves beside " + (
+            "one block" if block else f"{format_size(slack)} for the runtime"
+        )
         if rows > 1:
             fits = largest_batch(config, room, longest, new, dtype, rows)
-            advice = f"use batch_size={fits} or less" if fits else "no batch fits: shorten the prompts or max_new_tokens"
-            raise ConfigError(f"batch_size={rows} needs {format_size(need.total)} for its KV cache and activations, {where}; "
-                              f"{advice}, or raise max_memory.{name}")
+            advice = (
+                f"use batch_size={fits} or less" if fits else "no batch fits: shorten the prompts or max_new_tokens"
+            )
+            raise ConfigError(
+                f"batch_size={rows} needs {format_size(need.total)} for its KV cache and activations, {where}; "
+                f"{advice}, or raise max_memory.{name}"
+            )
         fits = largest_new_tokens(config, room, longest, dtype, new)
         advice = f"use max_new_tokens={fits} or less" if fits else "no max_new_tokens fits: shorten the prompt"
-        raise ConfigError(f"max_new_tokens={new} after a prompt of {longest} tokens needs {format_size(need.total)} for "
-                          f"the KV cache and activations, {where}; {advice}, or raise max_memory.{name}")
+        raise ConfigError(
+            f"max_new_tokens={new} after a prompt of {longest} tokens needs {format_size(need.total)} for "
+            f"the KV cache and activations, {where}; {advice}, or raise max_memory.{name}"
+        )
     if key == "cpu":
         return dataclasses.replace(settings, headroom=need.total + slack), need
     budgets = dict(settings.max_memory)

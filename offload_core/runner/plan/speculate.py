@@ -20,8 +20,10 @@ from offload_core.values import format_size
 def check_batches(spec: SpeculativeConfig, batches: Any) -> None:
     """transformers' assisted generation checks one sequence at a time: a prompts run with speculation is refused."""
     if spec.active and batches is not None:
-        raise ConfigError(f"speculative={spec.name} generates one prompt at a time (transformers' assisted generation takes "
-                          "batch 1): give prompt=... instead of prompts=..., or set speculative=none")
+        raise ConfigError(
+            f"speculative={spec.name} generates one prompt at a time (transformers' assisted generation takes "
+            "batch 1): give prompt=... instead of prompts=..., or set speculative=none"
+        )
 
 
 def draft_memory(spec: SpeculativeConfig, run_model: Any, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
@@ -49,9 +51,14 @@ def reserve_speculation(settings: Any, spec: SpeculativeConfig, run_model: Any, 
 
     held = draft_memory(spec, run_model, prompt_tokens, settings.sampling.max_new_tokens)
     key = settings.budget_key
-    what = f"speculative=draft: the draft {spec.path!r}" if spec.name == "draft" else "speculative=self: the self draft's KV cache"
-    max_memory = hold_draft(settings.max_memory, key, held, what, f"max_memory.{key}",
-                            settings.headroom if key == "cpu" else 0)
+    what = (
+        f"speculative=draft: the draft {spec.path!r}"
+        if spec.name == "draft"
+        else "speculative=self: the self draft's KV cache"
+    )
+    max_memory = hold_draft(
+        settings.max_memory, key, held, what, f"max_memory.{key}", settings.headroom if key == "cpu" else 0
+    )
     return dataclasses.replace(settings, max_memory=max_memory), held
 
 
@@ -61,8 +68,14 @@ def check_self_resident(spec: SpeculativeConfig, run_model: Any, device_map: dic
         return
     from offload_core.speculative.drafts import check_self_resident as check
 
-    check(run_model.model, spec.layers, device_map, device, "speculative=self",
-          "raise max_memory, lower speculative.layers, use placement=sequential, or set speculative=prompt_lookup")
+    check(
+        run_model.model,
+        spec.layers,
+        device_map,
+        device,
+        "speculative=self",
+        "raise max_memory, lower speculative.layers, use placement=sequential, or set speculative=prompt_lookup",
+    )
 
 
 def plan_lines(spec: SpeculativeConfig, held: dict, predicted: dict) -> list[str]:
@@ -71,12 +84,16 @@ def plan_lines(spec: SpeculativeConfig, held: dict, predicted: dict) -> list[str
         return []
     lines = []
     if held:
-        lines.append(f"  speculative={spec.name}: resident beside the target {format_size(held['weights'])} of weights and "
-                     f"{format_size(held['kv_cache'])} of KV cache (taken from the budget before placing the target)")
+        lines.append(
+            f"  speculative={spec.name}: resident beside the target {format_size(held['weights'])} of weights and "
+            f"{format_size(held['kv_cache'])} of KV cache (taken from the budget before placing the target)"
+        )
     if "predicted_tokens_per_pass" in predicted:
-        lines.append(f"  speculative={spec.name} (estimate, assuming acceptance {spec.expected_acceptance:.2f} of "
-                     f"{spec.tokens} drafted): {predicted['predicted_tokens_per_pass']:.2f} tokens per pass, "
-                     f"{predicted['predicted_s_per_token']:.3f} s per token (draft compute not counted)")
+        lines.append(
+            f"  speculative={spec.name} (estimate, assuming acceptance {spec.expected_acceptance:.2f} of "
+            f"{spec.tokens} drafted): {predicted['predicted_tokens_per_pass']:.2f} tokens per pass, "
+            f"{predicted['predicted_s_per_token']:.3f} s per token (draft compute not counted)"
+        )
     return lines
 
 
@@ -115,10 +132,14 @@ def result_line(figures: dict) -> str | None:
     if figures.get("speculative", "none") == "none":
         return None
     rate = figures["acceptance_rate"]
-    line = (f"speculative={figures['speculative']}: {figures['tokens_per_pass']:.2f} tokens per pass "
-            f"({figures['target_passes']} passes), acceptance {rate if math.isnan(rate) else round(rate, 3)} "
-            f"({figures['accepted_tokens']} of {figures['drafted_tokens']} drafted)")
+    line = (
+        f"speculative={figures['speculative']}: {figures['tokens_per_pass']:.2f} tokens per pass "
+        f"({figures['target_passes']} passes), acceptance {rate if math.isnan(rate) else round(rate, 3)} "
+        f"({figures['accepted_tokens']} of {figures['drafted_tokens']} drafted)"
+    )
     if "matches_in_memory_speculative" in figures:
-        line += (f" | same tokens as in memory with the same speculation: {figures['matches_in_memory_speculative']}, "
-                 f"{figures['tokens_differing_from_plain']} differ from plain greedy")
+        line += (
+            f" | same tokens as in memory with the same speculation: {figures['matches_in_memory_speculative']}, "
+            f"{figures['tokens_differing_from_plain']} differ from plain greedy"
+        )
     return line
