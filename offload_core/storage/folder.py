@@ -7,7 +7,8 @@ its mapping lies at the reference offset and is used as it is, never copied. Bes
 (our tag: the names of every file we wrote, so only those are ever removed), ``.offload_complete`` (written last: the
 fingerprint of what the folder holds and each file's xxh3-128 checksum and stamp, verified before the folder is reused: a
 file whose stamp (size, mtime, ctime, inode) is unchanged is trusted, any other is hashed again), and ``.lock``. No file
-in the folder is opened through a symlink.
+in the folder is opened through a symlink. Reading and checking the index, tag and marker, and removing exactly
+our files: :mod:`offload_core.storage.folder_record`.
 """
 
 from __future__ import annotations
@@ -42,18 +43,24 @@ from offload_core.storage.folder_guard import (
     dtype_from_name,
     dtype_name,
     entries,
-    matches,
     open_nofollow,
     safe_file_name,
     stamp,
 )
+from offload_core.storage.folder_record import (
+    COMPLETE,
+    INDEX,
+    TAG,
+    check_reusable,
+    marker,
+    read_index,
+    remove_our_files,
+    remove_record,
+    write_tag,
+)
 from offload_core.storage.pagecache import drop, populate
 
 log = logging.getLogger(__name__)
-
-INDEX = "index.json"
-TAG = ".offload_core"
-COMPLETE = ".offload_complete"
 
 
 class FolderStore(FileMaps, Store):
@@ -117,7 +124,7 @@ class FolderStore(FileMaps, Store):
             self.close()
             raise
         if problem is None:
-            self._index = self._read_index()
+            self._index = read_index(folder)
             self.reused = True
             self._lock.reading()
             self._lock.end_build()
@@ -133,9 +140,11 @@ class FolderStore(FileMaps, Store):
                     print(f"offload_core: offload folder {folder} failed {problem}; rebuilding it", file=sys.stderr)
                 else:
                     log.info("memmap: offload folder %s is %s; rebuilding it", folder, problem)
-                self._remove_our_files()
+                remove_our_files(folder)
             self._tagged = dict.fromkeys(planned)
-            self._write_tag(list(self._tagged))  # every file this run will write, named once before any is written
+            write_tag(
+                self.folder, list(self._tagged)
+            )  # every file this run will write, named once before any is written
         except OSError as exc:
             self.close()
             raise StorageError(
@@ -151,99 +160,16 @@ class FolderStore(FileMaps, Store):
                 f"{', ...' if len(others) > 3 else ''}); give an empty or new folder (nothing was changed)"
             )
 
-    def _read_json(self, name: str) -> Any:
-        fd = open_nofollow(self.folder / name)
-        with os.fdopen(fd, "rb") as handle:
-            return json.loads(handle.read())
-
     def _check_reusable(self) -> str | None:
-        """None when the folder holds a complete, intact copy for this fingerprint; else why not (the index's own
-        checksum is always checked, so an edited, dropped or added entry is never used)."""
-        try:
-            marker = self._read_json(COMPLETE)
-        except (OSError, ValueError):
-            return "incomplete"
-        if not isinstance(marker, dict) or marker.get("fingerprint") != json.loads(json.dumps(self.fingerprint)):
-            return "stale"
-        try:
-            index = self._read_json(INDEX)
-        except (OSError, ValueError):
-            return "verification (its index is unreadable)"
-        sums = marker.get("checksums")
-        if not isinstance(index, dict) or not isinstance(sums, dict):
-            return "verification (its index or checksums are not JSON objects)"
-        try:
-            if checksum(self.folder / INDEX) != sums.get(INDEX):
-                return "verification (index.json does not match its checksum)"
-        except (OSError, StorageError):
-            return "verification (index.json is unreadable)"
-        for name in index:
-            safe_file_name(self.folder, name)  # an intact index naming paths outside the folder: refuse, never read
-        recorded = marker.get("stamps") if isinstance(marker.get("stamps"), dict) else {}
-        stamps = {}
-        for file in [safe_file_name(self.folder, name).name for name in index]:
-            path = self.folder / file
-            try:
-                info = index[file.removesuffix(".dat")]
-                expected = int(np.prod(info["shape"], dtype=np.int64)) * dtype_from_name(info["dtype"]).itemsize + int(
-                    info.get("offset", 0)
-                )
-                if os.lstat(path).st_size != expected:
-                    return f"verification ({file} has the wrong size)"
-                if self.verify:  # a file unchanged since it was hashed is not read again (folder_guard.matches)
-                    same, stamps[file] = matches(path, sums.get(file), recorded.get(file))
-                    if not same:
-                        return f"verification ({file} does not match its checksum)"
-            except (OSError, KeyError, TypeError, ValueError, StorageError):
-                return f"verification ({file} is missing or damaged)"
-        if any(now != recorded.get(file) for file, now in stamps.items()):
-            self._write_marker(
-                sums, {**recorded, **stamps}
-            )  # copied or touched, the same bytes: not hashed again next time
-        return None
+        return check_reusable(self.folder, self.fingerprint, self.verify, self._write_marker)
 
     def _write_marker(self, sums: dict[str, str], stamps: dict[str, list[int]]) -> None:
         """Best effort: each file's checksum and stamp in the marker (else all are hashed again next time)."""
         try:
             with atomic_write(self.folder / COMPLETE) as tmp:
-                self.write_file(
-                    tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode()
-                )
+                self.write_file(tmp, marker(self.fingerprint, sums, stamps))
         except OSError as exc:
             log.info("memmap: could not record the verified stamps in %s (%s)", self.folder, exc)
-
-    def _read_index(self) -> dict[str, dict]:
-        try:
-            index = self._read_json(INDEX)
-        except (OSError, ValueError) as exc:
-            raise StorageError(
-                f"offload index {self.folder / INDEX} is unreadable ({exc}); delete the folder and run again"
-            ) from None
-        for name in index:
-            safe_file_name(self.folder, name)
-        return index
-
-    def _tagged_files(self) -> list[str]:
-        try:
-            files = self._read_json(TAG).get("files", [])
-        except (OSError, ValueError, AttributeError, StorageError):
-            return []
-        return [name for name in files if isinstance(name, str)]
-
-    def _write_tag(self, files: list[str]) -> None:
-        with atomic_write(self.folder / TAG, sync=False) as tmp:
-            tmp.write_text(json.dumps({"files": files}))
-
-    def _remove_our_files(self) -> None:
-        for name in self._tagged_files() + [INDEX, COMPLETE]:
-            path = self.folder / name
-            # Only names of the shapes we write, directly inside the folder: a tampered tag removes nothing else.
-            ours = name in (INDEX, COMPLETE) or (name.endswith(".dat") and "/" not in name and "\\" not in name)
-            if ours and path.parent == self.folder:
-                path.unlink(missing_ok=True)  # a symlink is removed, never what it points to
-        for path in self.folder.glob("*.tmp"):
-            if path.name.endswith(".dat.tmp") or path.name in (INDEX + ".tmp", TAG + ".tmp"):
-                path.unlink(missing_ok=True)
 
     # -- writing ---------------------------------------------------------------------------------
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
@@ -292,7 +218,7 @@ class FolderStore(FileMaps, Store):
         the files planned at opening are already there."""
         if file_name not in self._tagged:
             self._tagged[file_name] = None
-            self._write_tag(list(self._tagged))
+            write_tag(self.folder, list(self._tagged))
 
     def _failed(self, exc: OSError, doing: str) -> StorageError:
         """Remove everything this store wrote (the user's files stay) and say what went wrong."""
@@ -309,12 +235,7 @@ class FolderStore(FileMaps, Store):
 
     def _abort(self) -> None:
         """Best effort, never raising: our data files, index, marker and tag go; the folder too if we made it and it is empty."""
-        try:
-            self._remove_our_files()
-            for name in (TAG, TAG + ".tmp", INDEX + ".tmp", COMPLETE + ".tmp"):
-                (self.folder / name).unlink(missing_ok=True)
-        except OSError:
-            pass
+        remove_record(self.folder)
         self._written.clear()
         self._tagged.clear()
         self._index.clear()
@@ -354,9 +275,7 @@ class FolderStore(FileMaps, Store):
                 sums[name] = checksum(self.folder / name)
                 fsync_path(self.folder / name, follow=False)
             with atomic_write(self.folder / COMPLETE) as tmp:  # flushed, renamed, the folder flushed
-                self.write_file(
-                    tmp, json.dumps({"fingerprint": self.fingerprint, "checksums": sums, "stamps": stamps}).encode()
-                )
+                self.write_file(tmp, marker(self.fingerprint, sums, stamps))
         except (OSError, StorageError) as exc:  # the folder stays unmarked: the next run rebuilds it
             log.warning(
                 "memmap: could not flush offload folder %s (%s); it will be rebuilt next time", self.folder, exc

@@ -111,6 +111,7 @@ def _hashed(monkeypatch) -> list[str]:
     """The names of the files hashed from now on."""
     import offload_core.storage.folder as folder_module
     import offload_core.storage.folder_guard as guard
+    import offload_core.storage.folder_record as record
 
     names, real = [], guard.checksum
 
@@ -120,6 +121,7 @@ def _hashed(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(guard, "checksum", counting)
     monkeypatch.setattr(folder_module, "checksum", counting)
+    monkeypatch.setattr(record, "checksum", counting)
     return names
 
 
