@@ -87,8 +87,9 @@ def matches(path: Path, digest: object, recorded: object) -> tuple[bool, list[in
 
 
 class _Held:
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self) -> None:
+        self.fd: int | None = None  # the flocked lock file, once taken
+        self.taking = threading.Lock()  # held by the one thread of this process taking (or waiting for) the flock
         self.users = 0
         self.readers = 0  # stores of this process whose tensors come from the folder as it is now
         self.building = threading.Lock()  # held by the one store of this process inspecting or writing the folder
@@ -107,11 +108,19 @@ class FolderLock:
         self._released = False
         self._building: threading.Lock | None = None
         self._reading = False
-        with _held_guard:
+        with _held_guard:  # never held while waiting for another process: other folders' stores go on
             held = _held.get(folder)
             if held is None:
-                held = _held[folder] = _Held(_take(folder))
-            held.users += 1
+                held = _held[folder] = _Held()
+            held.users += 1  # kept in _held (and its flock once taken) until this user lets go
+        try:
+            with held.taking:  # the first thread takes the flock; the others of this process wait for it and share it
+                if held.fd is None:
+                    held.fd = _take(folder)
+        except BaseException:
+            with _held_guard:
+                _let_go(folder, held)
+            raise
 
     def begin_build(self) -> None:
         """Wait until no other store of this process is inspecting or writing the folder, then be that store."""
@@ -147,11 +156,17 @@ class FolderLock:
                 return
             self._released = True
             held = _held[self.folder]
-            held.users -= 1
             held.readers -= int(self._reading)
-            if held.users == 0:
-                del _held[self.folder]
-                os.close(held.fd)
+            _let_go(self.folder, held)
+
+
+def _let_go(folder: Path, held: _Held) -> None:
+    """One user fewer (the caller holds ``_held_guard``): the last one closes the flocked file, if it was taken."""
+    held.users -= 1
+    if held.users == 0:
+        del _held[folder]
+        if held.fd is not None:
+            os.close(held.fd)
 
 
 def _take(folder: Path) -> int:
