@@ -115,16 +115,14 @@ def remove_our_files(folder: Path) -> None:
         if ours and path.parent == folder:
             path.unlink(missing_ok=True)  # a symlink is removed, never what it points to
     for path in folder.glob("*.tmp"):
-        if path.name.endswith(".dat.tmp") or path.name in (INDEX + ".tmp", TAG + ".tmp"):
+        if path.name.endswith(".dat.tmp") or path.name in (INDEX + ".tmp", TAG + ".tmp", COMPLETE + ".tmp"):
             path.unlink(missing_ok=True)
 
 
 def remove_record(folder: Path) -> None:
-    """Best effort, never raising: our files as :func:`remove_our_files` removes them, then the tag and our
-    temporary files."""
+    """Best effort, never raising: our files as :func:`remove_our_files` removes them, then the tag."""
     try:
         remove_our_files(folder)
-        for name in (TAG, TAG + ".tmp", INDEX + ".tmp", COMPLETE + ".tmp"):
-            (folder / name).unlink(missing_ok=True)
+        (folder / TAG).unlink()
     except OSError:
         pass

@@ -41,6 +41,7 @@ def test_a_rebuild_removes_the_tagged_files_of_our_shapes_and_nothing_else(tmp_p
         "x.dat.tmp": "ours",
         INDEX + ".tmp": "ours",
         TAG + ".tmp": "ours",
+        COMPLETE + ".tmp": "ours",
     }
     for name, text in planted.items():
         (folder / name).write_text(text)
