@@ -110,8 +110,9 @@ def remove_our_files(folder: Path) -> None:
     """The tagged files of the shapes we write, the index, the marker and our temporary files (the tag stays)."""
     for name in tagged_files(folder) + [INDEX, COMPLETE]:
         path = folder / name
-        # Only names of the shapes we write, directly inside the folder: a tampered tag removes nothing else.
-        ours = name in (INDEX, COMPLETE) or (name.endswith(".dat") and "/" not in name and "\\" not in name)
+        # Only names of the shapes we write, directly inside the folder (no path: its parent would be another
+        # folder; no backslash: another system's path): a tampered tag removes nothing else.
+        ours = name in (INDEX, COMPLETE) or (name.endswith(".dat") and "\\" not in name)
         if ours and path.parent == folder:
             path.unlink(missing_ok=True)  # a symlink is removed, never what it points to
     for path in folder.glob("*.tmp"):

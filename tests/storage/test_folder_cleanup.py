@@ -35,6 +35,7 @@ def test_a_rebuild_removes_the_tagged_files_of_our_shapes_and_nothing_else(tmp_p
     (folder / "sub").mkdir()
     planted = {
         "user.txt": "mine",
+        "c.dat": "mine",
         "sub/y.dat": "mine",
         "..\\z.dat": "mine",
         "notes.tmp": "mine",
@@ -45,15 +46,17 @@ def test_a_rebuild_removes_the_tagged_files_of_our_shapes_and_nothing_else(tmp_p
     }
     for name, text in planted.items():
         (folder / name).write_text(text)
-    # a tag naming files that are not ours (no .dat suffix, a path, a backslash) and one already gone
+    # a tag naming files that are not ours (no .dat suffix, paths, a backslash) and one already gone
     tag = json.loads((folder / TAG).read_text())["files"]
     assert tag == ["a.dat", "b.dat", INDEX]
-    (folder / TAG).write_text(json.dumps({"files": tag + ["user.txt", "sub/y.dat", "..\\z.dat", "gone.dat", 7]}))
+    (folder / TAG).write_text(
+        json.dumps({"files": tag + ["user.txt", "sub/y.dat", "sub/../c.dat", "..\\z.dat", "gone.dat", 7]})
+    )
 
     store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint={"v": 2}))
     assert not store.reused
     left = {str(p.relative_to(folder)) for p in folder.rglob("*")}
-    assert left == {".lock", TAG, "sub", "user.txt", "sub/y.dat", "..\\z.dat", "notes.tmp"}
+    assert left == {".lock", TAG, "sub", "user.txt", "c.dat", "sub/y.dat", "..\\z.dat", "notes.tmp"}
     assert json.loads((folder / TAG).read_text()) == {"files": ["a.dat", "b.dat"]}  # this run's plan, named first
     store.close()
 
