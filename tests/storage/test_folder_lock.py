@@ -16,12 +16,13 @@ from offload_core.errors import StorageError
 from offload_core.storage.folder_guard import LOCK, FolderLock
 from tests.waits import wait_until
 
-#: holds ``argv[1]/.lock`` (flock) from the moment it creates ``argv[2]`` until its stdin closes
+#: holds ``argv[1]/.lock`` (flock), ``argv[3]`` written in it, from the moment it creates ``argv[2]`` until its stdin
+#: closes
 _HOLDER = """
 import fcntl, os, sys
 fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
 fcntl.flock(fd, fcntl.LOCK_EX)
-os.pwrite(fd, b"4242\\n", 0)
+os.pwrite(fd, sys.argv[3].encode(), 0)
 open(sys.argv[2], "w").close()
 sys.stdin.read()
 """
@@ -30,9 +31,10 @@ sys.stdin.read()
 class Holder:
     """Another process holding a folder's lock until :meth:`let_go`."""
 
-    def __init__(self, folder: Path, tmp_path: Path) -> None:
+    def __init__(self, folder: Path, tmp_path: Path, says: str) -> None:
         ready = tmp_path / f"{folder.name}.held"
-        self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), str(ready)], stdin=subprocess.PIPE)
+        command = [sys.executable, "-c", _HOLDER, str(folder), str(ready), says]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
         wait_until(lambda: ready.exists() or self.proc.poll() is not None, "the other process holding the lock", 60)
         assert self.proc.poll() is None, "the holder ended before taking the lock"
 
@@ -77,7 +79,7 @@ def test_waiting_for_another_process_folder_holds_up_no_other_folder(tmp_path, c
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    holder = Holder(a, tmp_path)
+    holder = Holder(a, tmp_path, "4242" + " " * 40 + "\n")
     waiting, got_a = in_background(lambda: FolderLock(a), "waits-for-a")
     try:
         seen: list[str] = []
@@ -103,7 +105,7 @@ def test_waiting_for_another_process_folder_holds_up_no_other_folder(tmp_path, c
         waiting.join(timeout=60)
     (lock_a,) = got_a
     assert isinstance(lock_a, FolderLock)
-    assert (a / LOCK).read_text() == f"{os.getpid()}\n"  # our pid replaces the other process's
+    assert (a / LOCK).read_text() == f"{os.getpid()}\n"  # our pid replaces all the other process wrote
     lock_a.release()
     assert not locked_elsewhere(a)
 
@@ -113,12 +115,14 @@ def test_threads_waiting_for_one_folder_share_one_hold_on_it(tmp_path, capsys):
     process lets go (a second flock of this process would wait for the first forever), and it goes with the last."""
     a = tmp_path / "a"
     a.mkdir()
-    holder = Holder(a, tmp_path)
+    holder = Holder(a, tmp_path, "")  # a holder that names no pid
     threads = []
     try:
         first, got_first = in_background(lambda: FolderLock(a), "first")
         threads.append(first)
-        wait_until(lambda: "in use by another run" in capsys.readouterr().err, "the first thread waiting")
+        seen: list[str] = []
+        wait_until(lambda: "in use by another run" in waiting_message(capsys, seen), "the first thread waiting")
+        assert f"offload_folder {a} is in use by another run (pid unknown); waiting" in "".join(seen)
         second, got_second = in_background(lambda: FolderLock(a), "second")
         threads.append(second)
     finally:
