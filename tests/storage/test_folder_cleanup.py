@@ -86,7 +86,8 @@ def test_a_failed_write_removes_what_it_wrote_and_says_so_in_one_line(tmp_path, 
     store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint={"v": 1}))
     store.put("a", TENSORS["a"])
     assert (folder / "a.dat").exists() and store.bytes_written == 32
-    (folder / (COMPLETE + ".tmp")).write_text("an interrupted marker")  # ours: goes too
+    for name in ("b.dat.tmp", INDEX + ".tmp", TAG + ".tmp", COMPLETE + ".tmp"):  # interrupted writes of ours: go too
+        (folder / name).write_text("interrupted")
 
     def failing(path, data):
         raise OSError(code, os.strerror(code))
