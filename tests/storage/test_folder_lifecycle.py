@@ -8,8 +8,10 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
+from offload_core.errors import StorageError
 from offload_core.storage import StoreContext
 from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
 from offload_core.storage.folder_guard import LOCK, FolderLock, stamp
@@ -107,3 +109,19 @@ def test_a_closed_reader_no_longer_keeps_the_folder_from_being_rebuilt(tmp_path)
         other.close()
     finally:
         holding.release()
+
+
+def test_a_folder_stays_in_use_while_any_of_its_readers_is_alive(tmp_path):
+    folder = tmp_path / "off"
+    first = build(folder)
+    first.wait_until_sealed()
+    second = build(folder)  # the same weights: a second reader
+    assert second.reused
+    first.close()
+    with pytest.raises(StorageError, match="is in use by another model of this process"):
+        build(folder, {"v": 2})
+    assert torch.equal(second["a"], TENSORS["a"])
+    second.close()
+    third = build(folder, {"v": 2})  # no reader left
+    assert not third.reused
+    third.close()

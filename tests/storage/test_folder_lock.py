@@ -16,13 +16,13 @@ from offload_core.errors import StorageError
 from offload_core.storage.folder_guard import LOCK, FolderLock
 from tests.waits import wait_until
 
-#: holds ``argv[1]/.lock`` (flock), ``argv[3]`` written in it, from the moment it creates ``argv[2]`` until its stdin
+#: holds ``argv[1]/.lock`` (flock), the bytes ``argv[3]`` (hex) written in it, from the moment it creates ``argv[2]`` until its stdin
 #: closes
 _HOLDER = """
 import fcntl, os, sys
 fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
 fcntl.flock(fd, fcntl.LOCK_EX)
-os.pwrite(fd, sys.argv[3].encode(), 0)
+os.pwrite(fd, bytes.fromhex(sys.argv[3]), 0)
 open(sys.argv[2], "w").close()
 sys.stdin.read()
 """
@@ -31,9 +31,9 @@ sys.stdin.read()
 class Holder:
     """Another process holding a folder's lock until :meth:`let_go`."""
 
-    def __init__(self, folder: Path, tmp_path: Path, says: str) -> None:
+    def __init__(self, folder: Path, tmp_path: Path, says: bytes) -> None:
         ready = tmp_path / f"{folder.name}.held"
-        command = [sys.executable, "-c", _HOLDER, str(folder), str(ready), says]
+        command = [sys.executable, "-c", _HOLDER, str(folder), str(ready), says.hex()]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
         wait_until(lambda: ready.exists() or self.proc.poll() is not None, "the other process holding the lock", 60)
         assert self.proc.poll() is None, "the holder ended before taking the lock"
@@ -79,7 +79,7 @@ def test_waiting_for_another_process_folder_holds_up_no_other_folder(tmp_path, c
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    holder = Holder(a, tmp_path, "4242" + " " * 40 + "\n")
+    holder = Holder(a, tmp_path, b"4242" + b" " * 40 + b"\n")
     waiting, got_a = in_background(lambda: FolderLock(a), "waits-for-a")
     try:
         seen: list[str] = []
@@ -110,19 +110,20 @@ def test_waiting_for_another_process_folder_holds_up_no_other_folder(tmp_path, c
     assert not locked_elsewhere(a)
 
 
-def test_threads_waiting_for_one_folder_share_one_hold_on_it(tmp_path, capsys):
+@pytest.mark.parametrize("says, pid", [(b"", "unknown"), (b"\xff77\n", "\ufffd77")])
+def test_threads_waiting_for_one_folder_share_one_hold_on_it(tmp_path, capsys, says, pid):
     """The flock is taken once per process: two threads waiting for the same folder both get it once the other
     process lets go (a second flock of this process would wait for the first forever), and it goes with the last."""
     a = tmp_path / "a"
     a.mkdir()
-    holder = Holder(a, tmp_path, "")  # a holder that names no pid
+    holder = Holder(a, tmp_path, says)  # a holder that names no pid, or not in UTF-8
     threads = []
     try:
         first, got_first = in_background(lambda: FolderLock(a), "first")
         threads.append(first)
         seen: list[str] = []
         wait_until(lambda: "in use by another run" in waiting_message(capsys, seen), "the first thread waiting")
-        assert f"offload_folder {a} is in use by another run (pid unknown); waiting" in "".join(seen)
+        assert f"offload_folder {a} is in use by another run (pid {pid}); waiting" in "".join(seen)
         second, got_second = in_background(lambda: FolderLock(a), "second")
         threads.append(second)
     finally:
