@@ -60,6 +60,48 @@ def test_a_checkpoint_tensor_lies_where_an_in_place_load_has_it_or_at_0(tmp_path
     store.close()
 
 
+@pytest.mark.parametrize("maps", [True, False])
+def test_a_bin_checkpoint_view_keeps_its_reference_offset(tmp_path, maps):
+    """A ``.bin`` file keeps views of one storage as views: loaded, "view" starts 12 bytes into "base"'s memory,
+    which is where an in-place load has it (its reference offset); without an in-place load, 0."""
+    base = torch.arange(40.0)
+    torch.save({"base": base, "view": base[3:11]}, tmp_path / "pytorch_model.bin")
+    ckpt = Checkpoint.open(tmp_path / "pytorch_model.bin")
+    # torch allocates 64-byte aligned memory (ALIGNMENT): the loaded storage starts at offset 0
+    assert address_offset(ckpt.get("base")) == 0 and address_offset(ckpt.get("view")) == 12
+    expected = 12 if maps else 0
+    folder = tmp_path / "off"
+    store = FolderStore(StoreContext(names=["view"], offload_folder=folder, maps_checkpoint=maps))
+    store.add_from_checkpoint("view", ckpt, "view", None)
+    assert store.offset("view") == expected
+    assert (folder / "view.dat").read_bytes() == bytes(expected) + base[3:11].numpy().tobytes()
+    assert torch.equal(store["view"], base[3:11])
+    store.close()
+
+
+class Tensors:
+    """The least a checkpoint can be: tensors by key (no shards, no ``is_safetensors``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].dtype
+
+
+def test_a_checkpoint_with_only_tensors_is_written_through_put(tmp_path):
+    source = Tensors({"h": torch.arange(6, dtype=torch.float16)})
+    store = FolderStore(StoreContext(names=["h"], offload_folder=tmp_path / "off"))
+    store.add_from_checkpoint("h", source, "h", torch.float32)  # converted
+    store.add_from_checkpoint("k", source, "h", None)  # kept as stored
+    assert store["h"].dtype == torch.float32 and torch.equal(store["h"], torch.arange(6.0))
+    assert store["k"].dtype == torch.float16 and torch.equal(store["k"], source.tensors["h"])
+    store.close()
+
+
 @pytest.mark.skipif(libc() is None or not hasattr(os, "posix_fadvise"), reason="needs mincore and posix_fadvise")
 def test_warming_and_dropping_hint_exactly_the_tensors_file_range(tmp_path, monkeypatch):
     base = torch.arange((1 << 20) + 3, dtype=torch.float32)

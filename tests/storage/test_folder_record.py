@@ -113,7 +113,7 @@ def test_each_tensors_bytes_lie_at_its_reference_offset_in_its_file(tmp_path):
     non-contiguous one is written contiguous, at offset 0."""
     base = torch.arange(40.0)
     shifted = base[3:11]  # 3 floats into its storage: 12 bytes past base's address
-    transposed = torch.arange(6.0).reshape(2, 3).t()
+    transposed = base[3:9].reshape(2, 3).t()  # not contiguous, though it starts 12 bytes in too
     expected = (base.data_ptr() + 12) % ALIGNMENT
     assert expected == shifted.data_ptr() % ALIGNMENT
     folder = tmp_path / "off"
