@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,30 @@ def test_a_folder_stays_in_use_while_any_of_its_readers_is_alive(tmp_path):
     third = build(folder, {"v": 2})  # no reader left
     assert not third.reused
     third.close()
+
+
+def test_sealing_runs_on_a_named_daemon_thread_and_close_waits_for_it(tmp_path):
+    folder = tmp_path / "off"
+    store = FolderStore(StoreContext(names=["a"], offload_folder=folder, fingerprint={"v": 1}))
+    store.put("a", TENSORS["a"])
+    store.put("z", TENSORS["b"])  # not planned at opening: named in the tag when written
+    entered, go_on = threading.Event(), threading.Event()
+    real = store.write_file
+
+    def held_at_the_marker(path, data):
+        if Path(path).name == COMPLETE + ".tmp":
+            entered.set()
+            assert go_on.wait(timeout=60)
+        real(path, data)
+
+    store.write_file = held_at_the_marker
+    before = set(threading.enumerate())
+    store.finalize()
+    assert entered.wait(timeout=60)
+    (sealer,) = [t for t in set(threading.enumerate()) - before if t.name == "offload-folder-seal"]
+    assert sealer.daemon and sealer.is_alive()
+    assert not (folder / COMPLETE).exists()
+    go_on.set()
+    store.close()  # waits for the seal
+    assert not sealer.is_alive() and (folder / COMPLETE).exists()
+    assert json.loads((folder / TAG).read_text()) == {"files": ["a.dat", "z.dat", INDEX]}
