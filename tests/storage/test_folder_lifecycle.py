@@ -153,3 +153,13 @@ def test_sealing_runs_on_a_named_daemon_thread_and_close_waits_for_it(tmp_path):
     store.close()  # waits for the seal
     assert not sealer.is_alive() and (folder / COMPLETE).exists()
     assert json.loads((folder / TAG).read_text()) == {"files": ["a.dat", "z.dat", INDEX]}
+
+
+def test_a_mapping_covers_the_tensors_bytes_only(tmp_path):
+    """Bytes appended to a tensor's file after it was written (a careless tool) are not mapped into the tensor."""
+    store = build(tmp_path / "off")
+    store.wait_until_sealed()
+    with open(store.file_of("b"), "ab") as handle:
+        handle.write(b"\1" * 100)
+    assert store["b"].shape == (2, 3) and torch.equal(store["b"], TENSORS["b"])
+    store.close()
