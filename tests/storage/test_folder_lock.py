@@ -110,7 +110,10 @@ def test_waiting_for_another_process_folder_holds_up_no_other_folder(tmp_path, c
     assert not locked_elsewhere(a)
 
 
-@pytest.mark.parametrize("says, pid", [(b"", "unknown"), (b"\xff77\n", "\ufffd77")])
+@pytest.mark.parametrize(
+    "says, pid",
+    [(b"", "unknown"), (b"\xff77\n", "\ufffd77"), (b"7" * 40, "7" * 32)],  # at most 32 bytes are read
+)
 def test_threads_waiting_for_one_folder_share_one_hold_on_it(tmp_path, capsys, says, pid):
     """The flock is taken once per process: two threads waiting for the same folder both get it once the other
     process lets go (a second flock of this process would wait for the first forever), and it goes with the last."""
