@@ -183,3 +183,13 @@ def test_a_folder_another_live_model_reads_is_not_rebuilt_under_it(tmp_path):
     assert second.reused and torch.equal(second["b"], TENSORS["b"])
     second.close()
     first.close()
+
+
+def test_a_marker_without_stamps_has_every_file_hashed_and_restamped(tmp_path):
+    folder = tmp_path / "off"
+    build(folder).close()
+    marker = json.loads((folder / COMPLETE).read_text())
+    edit(folder / COMPLETE, lambda m: m.pop("stamps"))
+    restamped = []
+    assert check_reusable(folder, FINGERPRINT, True, lambda *a: restamped.append(a)) is None
+    assert restamped == [(marker["checksums"], {name: stamp(folder / name) for name in ("a.dat", "b.dat")})]
