@@ -75,6 +75,7 @@ def test_a_whole_read_to_the_gpu_from_a_store_that_reads_rows_itself_goes_row_by
     buffers = fill(layer, -1.0)
     layer.load(*routing(3))
     assert store.calls == [("read_expert", "gu", e) for e in range(4)] + [("read_expert", "dn", e) for e in range(4)]
+    assert store.outs == [((2, 3), torch.float32)] * 4 + [((1, 2), torch.float16)] * 4  # one host row of each
     host = _host(buffers)
     assert torch.equal(host["gu"], store["gu"]) and torch.equal(host["dn"], store["dn"])
     assert layer.counters.whole_reads == 1 and layer.counters.bytes == 4 * ROW_BYTES

@@ -47,9 +47,11 @@ class RecordingStore(dict):
     def __init__(self) -> None:
         super().__init__(store_tensors())
         self.calls: list[tuple] = []
+        self.outs: list[tuple[tuple, torch.dtype]] = []  # the shape and dtype of each row read into
 
     def read_expert(self, key: str, expert: int, out: torch.Tensor) -> None:
         self.calls.append(("read_expert", key, expert))
+        self.outs.append((tuple(out.shape), out.dtype))
         out.copy_(dict.__getitem__(self, key)[expert])
 
     def read_into(self, key: str, out: torch.Tensor) -> None:

@@ -11,13 +11,16 @@ from offload_core.module_hooks.experts.loader import (
     Buffers,
     ExpertCounters,
     ExpertsHook,
+    is_fused_experts,
     read_expert,
     read_whole,
+    routing_argument,
 )
 from offload_core.module_hooks.units import TransferStats
 from tests.module_hooks.experts_layer import (
     EXPERTS,
     ROW_BYTES,
+    Moe,
     RecordingStore,
     fill,
     make_layer,
@@ -220,6 +223,10 @@ def test_read_ahead_reads_only_experts_neither_cached_nor_under_way():
         ("read_expert", "dn", 2),
     ]
     assert layer.counters.bytes == 3 * ROW_BYTES
+    layer.load(*routing(1))  # read ahead: a predicted hit, and kept (as often asked for as 0, and later)
+    assert (layer.counters.predicted_hits, layer.counters.misses, layer.counters.hits) == (1, 1, 0)
+    assert set(layer.cache.resident) == {1} and torch.equal(layer.cache.get(1)["dn"], store["dn"][1])
+    assert layer.guess == {} and layer.counters.bytes == 3 * ROW_BYTES
 
 
 def test_a_guess_the_routing_took_is_a_predicted_hit_and_the_others_are_cancelled():
@@ -289,3 +296,11 @@ def test_the_hook_loads_before_forward_and_puts_the_placeholders_back_after():
         hook.pre_forward(module, args, kwargs)
         done(module)
         assert not layer.unit.loaded
+
+
+def test_a_forward_without_a_signature_takes_no_routing():
+    for forward in (torch.relu, 3):  # no signature found (ValueError), not callable (TypeError)
+        module = Moe()
+        module.forward = forward
+        assert routing_argument(module) is None and not is_fused_experts(module)
+    assert routing_argument(Moe()) == 1 and is_fused_experts(Moe())
