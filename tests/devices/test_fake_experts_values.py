@@ -59,9 +59,9 @@ def test_on_a_gpu_an_evicted_slots_rows_are_not_reused_and_an_unkept_expert_stil
     unkept = make_layer(store, slots=0, device=device)
     buffers = fill(unkept, -1.0)
     before = len(fake.pinned_requests)
-    unkept.load(*routing(3))
-    assert fake.pinned_requests[before:] == [(24, 32), (4, 4)] and unkept.cache.resident == {}
-    assert (unkept.counters.misses, unkept.counters.bytes) == (1, ROW_BYTES)
+    unkept.load(*routing(3, 1))
+    assert fake.pinned_requests[before:] == [(24, 32), (4, 4)] * 2 and unkept.cache.resident == {}
+    assert (unkept.counters.misses, unkept.counters.bytes) == (2, 2 * ROW_BYTES)
     host = _host(buffers)
     assert torch.equal(host["gu"][3], store["gu"][3]) and torch.equal(host["dn"][3], store["dn"][3])
     unkept.release()

@@ -51,6 +51,8 @@ def test_a_guess_pays_at_exactly_four_fifths_of_the_routed_experts_and_guessing_
     assert not counters.guessing and counters.guess_pauses == 1
     counters.score(5, 5)  # 40 of 50 = 0.8: pays again
     assert counters.guessing and counters.guess_pauses == 1
+    counters.score(0, 5)  # 40 of 55: the second pause
+    assert not counters.guessing and counters.guess_pauses == 2
 
 
 def test_the_window_holds_the_last_32_calls():
@@ -124,7 +126,7 @@ def test_a_cached_expert_is_a_hit_and_a_full_cache_reads_the_next_into_the_evict
     layer.load(*routing(2))  # a miss, kept
     kept = layer.cache.get(2)
     assert kept is not None and torch.equal(kept["gu"], store["gu"][2]) and torch.equal(kept["dn"], store["dn"][2])
-    assert not kept["gu"].is_inference()
+    assert not kept["gu"].is_inference() and kept["dn"].dtype == torch.float16 and kept["dn"].shape == (1, 2)
     assert (layer.counters.misses, layer.counters.hits) == (1, 0)
     layer.release()
     pointers = {key: row.data_ptr() for key, row in kept.items()}
@@ -180,6 +182,9 @@ def test_whole_reads_from_a_store_without_read_into_copy_its_tensors():
     assert layer.counters.whole_reads == 1 and layer.counters.misses == 0
     assert torch.equal(buffers["gu"], store["gu"]) and torch.equal(buffers["dn"], store["dn"])
     assert layer.counters.bytes == 4 * ROW_BYTES and layer.counters.stats.snapshot() == {"loads": 2, "bytes": 112}
+    layer.release()
+    layer.load(*routing(1))  # a second call: a second whole read (no cache)
+    assert layer.counters.whole_reads == 2 and layer.counters.bytes == 8 * ROW_BYTES
 
 
 def test_read_expert_and_read_whole_use_the_stores_own_readers_where_it_has_them():
@@ -202,6 +207,9 @@ def test_guessing_off_keeps_the_guess_as_a_shadow_to_score():
     layer.read_ahead([1, 2])
     assert layer.shadow == {1, 2} and layer.guess == {} and layer.reader.work == []
     assert layer.counters.guessed == 2
+    layer.read_ahead([1, 0, 3])
+    assert layer.shadow == {0, 1, 3} and layer.counters.guessed == 5
+    layer.read_ahead([1, 2])
     layer.load(*routing(2, 3))  # 1 of the 2 routed experts was guessed
     assert (layer.counters.guessed_right, layer.counters.routed) == (1, 2) and layer.shadow == set()
     assert layer.counters.predicted_hits == 0 and layer.counters.misses == 2
@@ -247,6 +255,13 @@ def test_a_guess_the_routing_took_is_a_predicted_hit_and_the_others_are_cancelle
     assert second.guess == {}
     assert torch.equal(buffers["gu"][1], store["gu"][1]) and torch.equal(buffers["dn"][3], store["dn"][3])
     assert second.counters.bytes == 4 * ROW_BYTES  # 1 and 2, then the guess of 1 and the miss of 3
+    second.release()
+    first.release()
+    first.load(*routing(2))  # guesses 1 and 3 for the second layer: both taken
+    second.reader.run()
+    second.load(*routing(3, 1))
+    assert (second.counters.predicted_hits, second.counters.misses) == (3, 3)
+    assert (second.counters.guessed_right, second.counters.routed, second.counters.guessed) == (3, 4, 4)
 
 
 def test_drop_guesses_cancels_what_the_routing_did_not_select():
