@@ -126,7 +126,7 @@ def build_empty(config: Any, task: str, dtype: torch.dtype, what: str = "model.t
 def check_task_fits(model: nn.Module, checkpoint: Any, task: str, what: str = "model.task") -> None:
     """A :class:`TaskError` naming ``task`` when ``checkpoint`` (opened or a folder) lacks weights its model needs
     (a classification head on a masked-LM checkpoint); a tensor tied to another counts as present when either is."""
-    from offload_core.loading.conversion import convert_checkpoint
+    from offload_core.loading.converted import convert_checkpoint
 
     keys = set(convert_checkpoint(model, checkpoint).keys())
     groups: dict[int, list[str]] = {}
