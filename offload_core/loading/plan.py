@@ -93,6 +93,7 @@ def make_plan(
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
     reserve = reserve_for(model, checkpoint, policy, storage, execution_device, no_split, dtype, budgets.get("cpu"))
+    check_reserve_fits(reserve, budgets, max_memory, block, policy_name)
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
     if device_map is None:
         request = PlacementRequest(
@@ -194,6 +195,24 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
         f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
         f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
     )
+
+
+def check_reserve_fits(
+    reserve: Mapping[Any, int], budgets: Mapping[Any, int], max_memory: Mapping[Any, int], block: int, policy_name: str
+) -> None:
+    """The units a policy holds in flight fit in the budget they are held back from, or the run is refused in one
+    line (a placement would otherwise put nothing there, and the run still take them)."""
+    for dev, held in reserve.items():
+        if dev not in budgets or held <= budgets[dev]:
+            continue
+        short = held - budgets[dev]
+        raise ConfigError(
+            f"hook={policy_name} holds {format_size(held)} on {dev} for units in flight (the largest unsplittable "
+            f"block is {format_size(block)}), over max_memory.{dev}={format_size(max_memory.get(dev, budgets[dev]))}"
+            f"{' less headroom' if budgets[dev] != max_memory.get(dev) else ''}: raise max_memory.{dev} to at least "
+            f"{max_memory.get(dev, budgets[dev]) + short} ({format_size(max_memory.get(dev, budgets[dev]) + short)}), "
+            "or choose a policy that holds fewer units (hook.depth, hook=align_per_call)"
+        )
 
 
 def check_own_map_budgets(
