@@ -1,4 +1,5 @@
-"""Throughput against batch size: aggregate generated tokens/s of ours (prefetch, each store) and accelerate at several batches.
+"""Throughput against batch size: aggregate generated tokens/s of ours (prefetch, each store) and accelerate at several
+batches.
 
 Every run is a fresh process (``bench/worker.py``), systems alternate within each batch size, and with
 ``--cold`` the offloaded files are dropped from the page cache before each token. Writes
@@ -131,7 +132,7 @@ def write_reports(data: dict, stem: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="1.1b")
     parser.add_argument("--checkpoint", help="a local checkpoint folder instead of a synthetic preset")
     parser.add_argument("--budget", default="1GB")

@@ -1,4 +1,5 @@
-"""Compare, on one checkpoint and one CPU budget: the in-memory model, accelerate's disk offload and ours (each policy and store).
+"""Compare, on one checkpoint and one CPU budget: the in-memory model, accelerate's disk offload and ours (each policy
+and store).
 
 Every measurement runs in a fresh process (``bench/worker.py``) so RSS baselines are honest, and the
 systems run in alternation, one round per repetition. Writes ``bench/results/compare-<tag>.json``
@@ -249,7 +250,7 @@ def aggregate(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="1.1b", help="synthetic model size: tiny, 0.3b, 1.1b, 30b")
     parser.add_argument("--checkpoint", help="a local checkpoint folder instead of a synthetic preset")
     parser.add_argument("--budget", default="1GB", help="max_memory.cpu for ours and accelerate")

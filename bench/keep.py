@@ -1,8 +1,9 @@
-"""Kept set against the kernel's LRU on a model larger than the page cache: fresh ``run.py`` processes per configuration,
+"""\
+Kept set against the kernel's LRU on a model larger than the page cache: fresh ``run.py`` processes per configuration,
 the disk's sequential bandwidth measured in the same session (buffered 16 MiB reads, and mapped reads as the prefetch
 reader does them: the bound uses the faster), figures written to bench/results/keep-<preset>.{json,md}.
 
-    OFFLOAD_CORE_CACHE=/tmp/bigcache flock /tmp/bench.lock python bench/keep.py --preset 30b --budget 4GB --stores safetensors
+    OFFLOAD_CORE_CACHE=/tmp/bigcache flock /tmp/bench.lock python bench/keep.py --preset 30b --budget 4GB
     flock /tmp/bench.lock python bench/keep.py --preset 1.1b --budget 700MB --stores safetensors memmap --half
 """
 
@@ -35,7 +36,8 @@ def checkpoint_files(preset: str) -> list[Path]:
 
 
 def one_run(preset: str, store: str, budget: str, page_cache: str, tokens: int, out: Path, folder: Path | None) -> dict:
-    """One fresh ``run.py`` process (the checkpoint dropped from the page cache first); its metrics.json and swap use."""
+    """One fresh ``run.py`` process (the checkpoint dropped from the page cache first); its metrics.json and swap
+    use."""
     drop_cache(
         checkpoint_files(preset)
         + (sorted(p for p in folder.iterdir() if p.is_file()) if folder and folder.exists() else [])

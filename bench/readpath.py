@@ -29,7 +29,8 @@ MIB = 1 << 20
 
 
 def blocks_of(path: Path, count: int) -> list[list[tuple[str, int, int]]]:
-    """The last ``count`` whole decoder blocks of shard ``path``: per block, its tensors' (key, start, end) in file order."""
+    """The last ``count`` whole decoder blocks of shard ``path``: per block, its tensors' (key, start, end) in file
+    order."""
     from offload_core.loading.safetensors_file import SafetensorsFile
 
     shard = SafetensorsFile(path)

@@ -1,4 +1,5 @@
-"""The reports of ``bench/compare.py``: the markdown tables (ratios, targets, notes) and the plot, written from a results dict."""
+"""The reports of ``bench/compare.py``: the markdown tables (ratios, targets, notes) and the plot, written from a
+results dict."""
 
 from __future__ import annotations
 

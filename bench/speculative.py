@@ -5,8 +5,8 @@ and the main job's small budget) with a warm and a cold page cache. Each configu
 the disk on every pass; warm: ``page_cache=lru`` after a run that read the checkpoint). No draft checkpoint sharing
 SmolLM2's tokenizer is on this machine (SmolLM2-135M is the family's smallest), so ``speculative=draft`` is not run.
 
-    flock /tmp/bench.lock python bench/speculative.py --tokens 40            # writes bench/results/speculative-smollm2.*
-    python bench/speculative.py --report bench/results/speculative-smollm2.json   # redo .md/.png from a .json
+    flock /tmp/bench.lock python bench/speculative.py --tokens 40  # writes bench/results/speculative-smollm2.*
+    python bench/speculative.py --report bench/results/speculative-smollm2.json  # redo .md/.png from a .json
 """
 
 from __future__ import annotations

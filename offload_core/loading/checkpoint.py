@@ -1,4 +1,5 @@
-"""Read a local checkpoint lazily: a Hugging Face folder (sharded index or loose shards) or one file, safetensors or legacy ``.bin`` (plain tensors only)."""
+"""Read a local checkpoint lazily: a Hugging Face folder (sharded index or loose shards) or one file, safetensors or
+legacy ``.bin`` (plain tensors only)."""
 
 from __future__ import annotations
 

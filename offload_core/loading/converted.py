@@ -117,7 +117,8 @@ class ConvertedCheckpoint:
         return [(index, self.checkpoint.get(key)) for key, index in item.parts]
 
     def part_ranges(self, name: str) -> list[tuple[Index, Path, int, int]] | None:
-        """``[(index, file, start, end)]``: where each of :meth:`parts`' sources lies (absolute byte offsets), or None."""
+        """``[(index, file, start, end)]``: where each of :meth:`parts`' sources lies (absolute byte offsets), or
+        None."""
         item = self.conversion.converted.get(name)
         if item is None or item.parts is None or not getattr(self.checkpoint, "is_safetensors", False):
             return None
@@ -148,6 +149,7 @@ class ConvertedCheckpoint:
 
 
 def convert_checkpoint(model: nn.Module, checkpoint: Any) -> Any:
-    """``checkpoint`` as ``model`` names its tensors: itself when names already match, else a :class:`ConvertedCheckpoint`."""
+    """``checkpoint`` as ``model`` names its tensors: itself when names already match, else a
+    :class:`ConvertedCheckpoint`."""
     conversion = key_conversion(model, checkpoint)
     return ConvertedCheckpoint(checkpoint, conversion, model) if conversion else checkpoint

@@ -50,7 +50,8 @@ class Plan:
         }
 
     def residency(self) -> Any:
-        """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or None."""
+        """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or
+        None."""
         from offload_core.storage.residency import make_residency
 
         return make_residency(self.page_cache)
@@ -77,7 +78,8 @@ def make_plan(
     """The plan of the empty ``model`` loaded from the opened ``checkpoint``: ``device_map`` when given, else the
     policy's own (checked against ``budgets``), else the placement's within ``budgets`` less what the policy keeps
     in flight. ``max_memory``: the budgets as the user gave them (``budgets`` is that less ``headroom`` on the
-    device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it. ``page_cache`` None plans no kept set."""
+    device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it.
+    ``page_cache`` None plans no kept set."""
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.reserve import reserve_for
     from offload_core.planning import (

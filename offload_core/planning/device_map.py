@@ -17,7 +17,8 @@ DeviceMap = dict[str, "int | str"]
 
 
 def normalize_device_map(device_map: Mapping[str, Any]) -> DeviceMap:
-    """A copy of ``device_map`` with int GPU ids (``"0"``, ``"cuda:0"`` -> ``0``); unknown devices raise DeviceMapError."""
+    """A copy of ``device_map`` with int GPU ids (``"0"``, ``"cuda:0"`` -> ``0``); unknown devices raise
+    DeviceMapError."""
     cleaned: DeviceMap = {}
     bad = []
     for key, value in device_map.items():

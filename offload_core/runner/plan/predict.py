@@ -93,9 +93,9 @@ def predict_time(
     (:mod:`offload_core.runner.plan.probe`) where it ran: what lies outside the blocks (embedding, norms, the generate
     loop) and a fixed cost per offloaded tensor the policy brings in (its hooks, the store's read path, the reader's
     overlap: ``plan.predicted_loads_per_token`` of them); the first token adds what a process's first generation
-    pays once (unless the probe ran in this process: it paid it), the load a fixed cost per tensor. Then the plan's reads from the disk itself
-    (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the larger of the two) for a
-    policy that ``overlaps_io``. Empty when no block could be timed."""
+    pays once (unless the probe ran in this process: it paid it), the load a fixed cost per tensor. Then the plan's
+    reads from the disk itself (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the
+    larger of the two) for a policy that ``overlaps_io``. Empty when no block could be timed."""
     compute = calibration.get("compute") or {}
     if any("block_s" not in compute.get(name, {}) for name in ("prefill", "decode")):
         return {}
