@@ -280,7 +280,9 @@ def main() -> None:
         "--code",
         choices=("head", "worktree"),
         default="head",
-        help="head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start",
+        help=(
+            "head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start"
+        ),
     )
     parser.add_argument("--report", help="only rewrite .md and .png from this results .json")
     parser.add_argument(
@@ -378,9 +380,10 @@ def main() -> None:
             data["runs"].append(result)
             if "error" not in result:
                 print(
-                    f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first {result['time_to_first_token_s']:6.2f} s  "
-                    f"decode {result['decode_tokens_per_s']:6.3f} tok/s  anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  "
-                    f"file +{result['peak_file_rss_bytes'] / 1e9:.2f} GB",
+                    f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first "
+                    f"{result['time_to_first_token_s']:6.2f} s  decode {result['decode_tokens_per_s']:6.3f} tok/s  "
+                    f"anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  file "
+                    f"+{result['peak_file_rss_bytes'] / 1e9:.2f} GB",
                     flush=True,
                 )
             data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

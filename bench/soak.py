@@ -125,7 +125,8 @@ def main() -> None:
         print(
             f"{policy:>16}: {run['calls']} calls, {run['ms_per_call']:.2f} ms/call, anon RSS "
             f"{run['before']['anon_rss_bytes'] / 2**20:.1f} -> {run['after']['anon_rss_bytes'] / 2**20:.1f} MiB "
-            f"({run['anon_rss_growth_bytes'] / 2**10:+.0f} KiB), fds {run['before']['open_fds']} -> {run['after']['open_fds']}"
+            f"({run['anon_rss_growth_bytes'] / 2**10:+.0f} KiB), fds {run['before']['open_fds']} -> "
+            f"{run['after']['open_fds']}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,10 @@ class ConvertedCheckpoint:
         return getattr(self.checkpoint, attribute)
 
     def __repr__(self) -> str:
-        return f"ConvertedCheckpoint({self.checkpoint!r}, {len(self._source)} renamed, {len(self.conversion.converted)} converted)"
+        return (
+            f"ConvertedCheckpoint({self.checkpoint!r}, {len(self._source)} renamed, "
+            f"{len(self.conversion.converted)} converted)"
+        )
 
 
 def convert_checkpoint(model: nn.Module, checkpoint: Any) -> Any:

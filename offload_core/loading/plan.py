@@ -192,9 +192,9 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
     if headroom:
         memory += f" less headroom {format_size(headroom)}"
     raise ConfigError(
-        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) does not "
-        f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
-        f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
+        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) "
+        f"does not fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; set "
+        f"max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
     )
 
 

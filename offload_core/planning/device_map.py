@@ -118,8 +118,8 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Any], *, strict:
             devices = {device_of(device_map, f) if local else _module_device(device_map, f) for f in full}
             if len(devices) > 1:
                 raise DeviceMapError(
-                    f"device map puts one module registered as {_short(names)} on several devices ({sorted(map(str, devices))}): "
-                    "it is one module, give all its names the same device"
+                    f"device map puts one module registered as {_short(names)} on several devices "
+                    f"({sorted(map(str, devices))}): it is one module, give all its names the same device"
                 )
 
 

@@ -238,7 +238,8 @@ def _probe(measure: Callable[[dict[str, float]], dict[str, float]], blocks: dict
         return measure(blocks)
     except Exception as exc:  # noqa: BLE001 - any architecture, store or policy: the term is left out, the run goes on
         print(
-            f"  the dispatched probe could not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            f"  the dispatched probe could not run ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
         )
         return {}
 
