@@ -73,9 +73,9 @@ def write_markdown(data: dict, path: Path) -> None:
             "first) three times before decoding and twice after, to measure the disk's bandwidth in the same run; the "
             "median of the five is used.",
             "",
-            "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token | token ÷ "
-            "ideal | disk read GB/token | disk GB/s while decoding | cached after drop | prefetch: compute waited "
-            "s/token |",
+            "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token "
+            "| token ÷ ideal | disk read GB/token | disk GB/s while decoding | cached after drop "
+            "| prefetch: compute waited s/token |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for system, r in med.items():
@@ -96,8 +96,8 @@ def write_markdown(data: dict, path: Path) -> None:
             "GPU: the pinned host → GPU bandwidth is measured in every run (256 MiB copies from pinned memory, median "
             "of 7, before and after generating; the better one is kept).",
             "",
-            "| system | decode s/token | offloaded GB/token | pinned H2D GB/s | ideal s/token | token ÷ ideal | peak "
-            "GPU GB | prefetch: compute waited s/token |",
+            "| system | decode s/token | offloaded GB/token | pinned H2D GB/s | ideal s/token | token ÷ ideal "
+            "| peak GPU GB | prefetch: compute waited s/token |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for system, r in med.items():

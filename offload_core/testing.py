@@ -248,8 +248,8 @@ def check_policy_reservation(policy: Any) -> list[dict]:
                 assert main in reserve, f"reserve() says nothing about the execution device {main!r} for a {where}"
                 if device.type == "cuda":
                     assert reserve[main] >= min(need.block_bytes, need.module_bytes), (
-                        f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: the unit that runs must fit "
-                        "there"
+                        f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: "
+                        "the unit that runs must fit there"
                     )
                 answers.append(reserve)
     return answers

@@ -109,8 +109,8 @@ class Checkpoint:
             return cls._open_dir(path)
         if not path.is_file():
             raise CheckpointError(
-                f"checkpoint {path} is neither a directory nor a regular file; give a checkpoint directory or weights "
-                "file"
+                f"checkpoint {path} is neither a directory nor a regular file; "
+                "give a checkpoint directory or weights file"
             )
         if path.name.endswith(".index.json"):
             return cls._from_index(path, path, path.parent, safetensors=path.name.endswith(".safetensors.index.json"))
@@ -148,8 +148,8 @@ class Checkpoint:
                 raise TypeError
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             raise CheckpointError(
-                f"{index_file} is not a valid index: expected JSON with a 'weight_map' object; re-download the "
-                "checkpoint"
+                f"{index_file} is not a valid index: expected JSON with a 'weight_map' object; "
+                "re-download the checkpoint"
             ) from None
         shard_names = sorted(set(weight_map.values()))
         files = []

@@ -254,8 +254,8 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
         missing = _missing_source(converter, sources, expected)
         if missing is not None:
             raise ConversionMismatchError(
-                f"checkpoint lacks {missing!r}, needed to build {name!r}; re-download the checkpoint or add the "
-                "missing shard"
+                f"checkpoint lacks {missing!r}, needed to build {name!r}; "
+                "re-download the checkpoint or add the missing shard"
             )
         shapes = {key: tuple(checkpoint.shape(key)) for keys_ in sources.values() for key in keys_}
         dtypes = {checkpoint.dtype(key) for key in shapes}
@@ -275,8 +275,8 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
                 ) from None
         if absent and tuple(getattr(built.get(name), "shape", ())) != expected:
             raise ConversionMismatchError(
-                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; re-download the checkpoint or add the "
-                "missing shard"
+                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; "
+                "re-download the checkpoint or add the missing shard"
             )
         for target, value in built.items():
             ordered = [key for keys_ in sources.values() for key in keys_]

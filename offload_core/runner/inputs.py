@@ -68,8 +68,8 @@ def read_prompts(path: str | Path) -> list[str]:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise ConfigError(
-                    f'prompts file {str(path)!r} line {number} is not a JSON object with a "prompt" string; fix that '
-                    "line"
+                    f'prompts file {str(path)!r} line {number} is not a JSON object with a "prompt" string; '
+                    "fix that line"
                 )
             prompts.append(record["prompt"])
         else:

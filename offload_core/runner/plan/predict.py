@@ -213,6 +213,7 @@ def print_prediction(predicted: dict[str, float], rows: int) -> None:
         step, runs = predicted["predicted_step_s"], predicted.get("prediction_runs", 0)
         learned = f" (corrected by {runs} earlier run{'s' if runs != 1 else ''} on this machine)" if runs else ""
         print(
-            f"predicted: load {predicted['predicted_load_s']:.2f} s | first token {predicted['predicted_ttft_s']:.3f} "
-            f"s | {step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows}){learned}"
+            f"predicted: load {predicted['predicted_load_s']:.2f} s | "
+            f"first token {predicted['predicted_ttft_s']:.3f} s | "
+            f"{step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows}){learned}"
         )
