@@ -1,4 +1,5 @@
-"""Compare, on one checkpoint and one CPU budget: the in-memory model, accelerate's disk offload and ours (each policy and store).
+"""Compare, on one checkpoint and one CPU budget: the in-memory model, accelerate's disk offload and ours (each policy
+and store).
 
 Every measurement runs in a fresh process (``bench/worker.py``) so RSS baselines are honest, and the
 systems run in alternation, one round per repetition. Writes ``bench/results/compare-<tag>.json``
@@ -249,7 +250,7 @@ def aggregate(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="1.1b", help="synthetic model size: tiny, 0.3b, 1.1b, 30b")
     parser.add_argument("--checkpoint", help="a local checkpoint folder instead of a synthetic preset")
     parser.add_argument("--budget", default="1GB", help="max_memory.cpu for ours and accelerate")
@@ -279,7 +280,9 @@ def main() -> None:
         "--code",
         choices=("head", "worktree"),
         default="head",
-        help="head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start",
+        help=(
+            "head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start"
+        ),
     )
     parser.add_argument("--report", help="only rewrite .md and .png from this results .json")
     parser.add_argument(
@@ -377,9 +380,10 @@ def main() -> None:
             data["runs"].append(result)
             if "error" not in result:
                 print(
-                    f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first {result['time_to_first_token_s']:6.2f} s  "
-                    f"decode {result['decode_tokens_per_s']:6.3f} tok/s  anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  "
-                    f"file +{result['peak_file_rss_bytes'] / 1e9:.2f} GB",
+                    f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first "
+                    f"{result['time_to_first_token_s']:6.2f} s  decode {result['decode_tokens_per_s']:6.3f} tok/s  "
+                    f"anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  file "
+                    f"+{result['peak_file_rss_bytes'] / 1e9:.2f} GB",
                     flush=True,
                 )
             data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

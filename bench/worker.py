@@ -1,4 +1,5 @@
-"""One measurement of one system in a fresh process: import, record the RSS baseline, load, generate, write the figures as JSON.
+"""One measurement of one system in a fresh process: import, record the RSS baseline, load, generate, write the figures
+as JSON.
 
 Run by ``bench/compare.py`` as ``python bench/worker.py '<spec json>' <out.json>``; never imported by
 ``offload_core``. Systems: ``inmem`` (transformers, all in RAM), ``accelerate`` (empty init +

@@ -75,8 +75,9 @@ class ConversionSummary:
         if self.converted:
             ops = ", ".join(f"{name} x{count}" for name, count in sorted(self.operations.items()))
             lines.append(
-                f"{self.converted} tensor(s) built from several checkpoint tensors ({ops}): {format_size(self.converted_bytes)}; "
-                f"{self.part_by_part} read part by part in place, the rest materialised once per read or write"
+                f"{self.converted} tensor(s) built from several checkpoint tensors ({ops}): "
+                f"{format_size(self.converted_bytes)}; {self.part_by_part} read part by part in place, the rest "
+                "materialised once per read or write"
             )
         return lines
 
@@ -253,7 +254,8 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
         missing = _missing_source(converter, sources, expected)
         if missing is not None:
             raise ConversionMismatchError(
-                f"checkpoint lacks {missing!r}, needed to build {name!r}; re-download the checkpoint or add the missing shard"
+                f"checkpoint lacks {missing!r}, needed to build {name!r}; "
+                "re-download the checkpoint or add the missing shard"
             )
         shapes = {key: tuple(checkpoint.shape(key)) for keys_ in sources.values() for key in keys_}
         dtypes = {checkpoint.dtype(key) for key in shapes}
@@ -273,7 +275,8 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
                 ) from None
         if absent and tuple(getattr(built.get(name), "shape", ())) != expected:
             raise ConversionMismatchError(
-                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; re-download the checkpoint or add the missing shard"
+                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; "
+                "re-download the checkpoint or add the missing shard"
             )
         for target, value in built.items():
             ordered = [key for keys_ in sources.values() for key in keys_]

@@ -117,7 +117,8 @@ class ConvertedCheckpoint:
         return [(index, self.checkpoint.get(key)) for key, index in item.parts]
 
     def part_ranges(self, name: str) -> list[tuple[Index, Path, int, int]] | None:
-        """``[(index, file, start, end)]``: where each of :meth:`parts`' sources lies (absolute byte offsets), or None."""
+        """``[(index, file, start, end)]``: where each of :meth:`parts`' sources lies (absolute byte offsets), or
+        None."""
         item = self.conversion.converted.get(name)
         if item is None or item.parts is None or not getattr(self.checkpoint, "is_safetensors", False):
             return None
@@ -144,10 +145,14 @@ class ConvertedCheckpoint:
         return getattr(self.checkpoint, attribute)
 
     def __repr__(self) -> str:
-        return f"ConvertedCheckpoint({self.checkpoint!r}, {len(self._source)} renamed, {len(self.conversion.converted)} converted)"
+        return (
+            f"ConvertedCheckpoint({self.checkpoint!r}, {len(self._source)} renamed, "
+            f"{len(self.conversion.converted)} converted)"
+        )
 
 
 def convert_checkpoint(model: nn.Module, checkpoint: Any) -> Any:
-    """``checkpoint`` as ``model`` names its tensors: itself when names already match, else a :class:`ConvertedCheckpoint`."""
+    """``checkpoint`` as ``model`` names its tensors: itself when names already match, else a
+    :class:`ConvertedCheckpoint`."""
     conversion = key_conversion(model, checkpoint)
     return ConvertedCheckpoint(checkpoint, conversion, model) if conversion else checkpoint

@@ -1,4 +1,5 @@
-"""Compose a device map, a store and a module-hook policy on a model: ``dispatch_model`` and ``load_checkpoint_and_dispatch``."""
+"""Compose a device map, a store and a module-hook policy on a model: ``dispatch_model`` and
+``load_checkpoint_and_dispatch``."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ class OffloadState:
 
 
 def resolve_strategy(kind: str, value: Any, config: Any = None) -> Any:
-    """The ``kind`` strategy (placement, storage or policy) ``value`` names, built with ``config``; a built one as given."""
+    """The ``kind`` strategy (placement, storage or policy) ``value`` names, built with ``config``; a built one as
+    given."""
     if isinstance(value, str):
         from offload_core.registry.manager import get_registry
 

@@ -82,9 +82,10 @@ def load_checkpoint_in_model(
             stored = checkpoint.dtype(key)
             if _dtype_kind(stored) != kinds[canonical]:
                 raise CheckpointError(
-                    f"checkpoint tensor {key!r} in {Path(shard).name} is {str(stored).removeprefix('torch.')} but the model "
-                    f"expects a {kinds[canonical]} tensor ({str(state[canonical].dtype).removeprefix('torch.')}); "
-                    "the checkpoint does not match the model's config"
+                    f"checkpoint tensor {key!r} in {Path(shard).name} is {str(stored).removeprefix('torch.')} but the "
+                    f"model expects a {kinds[canonical]} tensor "
+                    f"({str(state[canonical].dtype).removeprefix('torch.')}); the checkpoint does not match the "
+                    "model's config"
                 )
             if canonical in store_keys:
                 if store is not None and not store.reused:

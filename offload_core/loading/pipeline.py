@@ -37,7 +37,8 @@ def _import_diffusers() -> Any:
 
 
 def read_index(path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
-    """The pipeline class name and ``{component: (library, class name)}`` of ``model_index.json`` (empty slots left out)."""
+    """The pipeline class name and ``{component: (library, class name)}`` of ``model_index.json`` (empty slots left
+    out)."""
     file = path / PIPELINE_INDEX
     try:
         index = json.loads(file.read_text(encoding="utf-8"))
@@ -113,7 +114,8 @@ def _routed_class(cls: type) -> type:
 
 @dataclass
 class EmptyPipeline:
-    """A pipeline whose module components hold meta weights (``modules``), the dtype they run in and their no-split classes."""
+    """A pipeline whose module components hold meta weights (``modules``), the dtype they run in and their no-split
+    classes."""
 
     pipeline: Any
     modules: PipelineModules

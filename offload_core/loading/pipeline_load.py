@@ -60,7 +60,8 @@ def pipeline_from_pretrained(
     no_split_module_classes: list[str] | None = None,
 ) -> Any:
     """The diffusers pipeline of ``path``, its components planned in one device map within ``max_memory`` and
-    dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a model's."""
+    dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a
+    model's."""
     from offload_core.loading.dispatch import default_execution_device, resolve_strategy
     from offload_core.loading.pretrained import plan_and_dispatch
     from offload_core.planning import get_max_memory

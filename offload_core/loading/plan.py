@@ -50,7 +50,8 @@ class Plan:
         }
 
     def residency(self) -> Any:
-        """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or None."""
+        """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or
+        None."""
         from offload_core.storage.residency import make_residency
 
         return make_residency(self.page_cache)
@@ -77,7 +78,8 @@ def make_plan(
     """The plan of the empty ``model`` loaded from the opened ``checkpoint``: ``device_map`` when given, else the
     policy's own (checked against ``budgets``), else the placement's within ``budgets`` less what the policy keeps
     in flight. ``max_memory``: the budgets as the user gave them (``budgets`` is that less ``headroom`` on the
-    device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it. ``page_cache`` None plans no kept set."""
+    device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it.
+    ``page_cache`` None plans no kept set."""
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.reserve import reserve_for
     from offload_core.planning import (
@@ -191,9 +193,9 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
     if headroom:
         memory += f" less headroom {format_size(headroom)}"
     raise ConfigError(
-        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) does not "
-        f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
-        f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
+        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) "
+        f"does not fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; set "
+        f"max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
     )
 
 

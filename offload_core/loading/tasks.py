@@ -71,8 +71,9 @@ def read_config(checkpoint: str | Path, what: str = "model.path") -> Any:
             import transformers
 
             raise CheckpointError(
-                f"{checkpoint} has model_type {model_type!r}, an architecture transformers {transformers.__version__} does not "
-                "know; upgrade transformers (pip install -U transformers) or use a checkpoint of a supported architecture"
+                f"{checkpoint} has model_type {model_type!r}, "
+                f"an architecture transformers {transformers.__version__} does not know; "
+                "upgrade transformers (pip install -U transformers) or use a checkpoint of a supported architecture"
             ) from None
         raise ConfigError(
             f"{checkpoint} has no usable config.json ({reason}); point {what} at a Hugging Face checkpoint folder"

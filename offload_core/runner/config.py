@@ -38,8 +38,8 @@ class ModelConfig:
 
 @dataclass
 class PipelineConfig:
-    """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``, ``prompts``,
-    ``batch_size`` and ``seed``."""
+    """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``,
+    ``prompts``, ``batch_size`` and ``seed``."""
 
     negative_prompt: Optional[str] = None
     num_inference_steps: int = 20
