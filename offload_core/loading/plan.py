@@ -4,6 +4,7 @@ its checks, the bytes predicted to move per token and the page-cache plan."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -13,6 +14,8 @@ from torch import nn
 from offload_core.errors import ConfigError
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.values import format_size, parse_dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,7 +98,7 @@ def make_plan(
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
     reserve = reserve_for(model, checkpoint, policy, storage, execution_device, no_split, dtype, budgets.get("cpu"))
-    check_reserve_fits(reserve, budgets, max_memory, block, policy_name)
+    warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
     if device_map is None:
         request = PlacementRequest(
@@ -199,21 +202,31 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
     )
 
 
-def check_reserve_fits(
+def warn_reserve_over_budget(
     reserve: Mapping[Any, int], budgets: Mapping[Any, int], max_memory: Mapping[Any, int], block: int, policy_name: str
 ) -> None:
-    """The units a policy holds in flight fit in the budget they are held back from, or the run is refused in one
-    line (a placement would otherwise put nothing there, and the run still take them)."""
+    """One warning line per device whose budget cannot hold the units the policy keeps in flight: the placement
+    puts nothing there and the run still takes them, over the budget by the difference."""
     for dev, held in reserve.items():
         if dev not in budgets or held <= budgets[dev]:
             continue
-        short = held - budgets[dev]
-        raise ConfigError(
-            f"hook={policy_name} holds {format_size(held)} on {dev} for units in flight (the largest unsplittable "
-            f"block is {format_size(block)}), over max_memory.{dev}={format_size(max_memory.get(dev, budgets[dev]))}"
-            f"{' less headroom' if budgets[dev] != max_memory.get(dev) else ''}: raise max_memory.{dev} to at least "
-            f"{max_memory.get(dev, budgets[dev]) + short} ({format_size(max_memory.get(dev, budgets[dev]) + short)}), "
-            "or choose a policy that holds fewer units (hook.depth, hook=align_per_call)"
+        given = max_memory.get(dev, budgets[dev])
+        needed = given + held - budgets[dev]
+        log.warning(
+            "hook=%s holds %s on %s for units in flight (the largest unsplittable block is %s), over "
+            "max_memory.%s=%s%s: the run will go over it by %s; raise max_memory.%s to at least %d (%s), or choose a "
+            "policy that holds fewer units (hook.depth, hook=align_per_call)",
+            policy_name,
+            format_size(held),
+            dev,
+            format_size(block),
+            dev,
+            format_size(given),
+            " less headroom" if budgets[dev] != given else "",
+            format_size(held - budgets[dev]),
+            dev,
+            needed,
+            format_size(needed),
         )
 
 
