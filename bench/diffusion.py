@@ -91,7 +91,9 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str)
     """One configuration in this (fresh) process: load, one image to warm up, one timed image."""
     import torch
 
-    import diffusers  # noqa: F401  (imported before the baseline: RSS counts the pipeline, not the libraries)
+    # imported before the baseline (diffusers imports its classes lazily): RSS counts the pipeline, not the libraries
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: F401
+    from transformers import CLIPTextModel, CLIPTokenizer  # noqa: F401
 
     import offload_core
     from offload_core.runner.modes.metrics import MemoryMonitor

@@ -64,7 +64,8 @@ def compose_run():
 
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory):
-    """``saved(name)``: a tiny seeded checkpoint transformers saved (tests/checkpoints.py's MODELS), made once a session."""
+    """``saved(name)``: a tiny seeded checkpoint transformers saved (tests/checkpoints.py's MODELS), made once a
+    session."""
     from tests.checkpoints import saved_models
 
     return saved_models(tmp_path_factory.mktemp("hf_saved"))

@@ -150,7 +150,8 @@ def corrected(entry: dict[str, Any], predicted: dict[str, float]) -> dict[str, f
 
 
 def compare(predicted: dict[str, Any], figures: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per figure that was both predicted and measured: predicted, measured and the error (predicted - measured) / measured."""
+    """Per figure that was both predicted and measured: predicted, measured and the error (predicted - measured) /
+    measured."""
     found = {}
     for name, (key, measured_key) in FIGURES.items():
         guess, measured = predicted.get(key), figures.get(measured_key)
