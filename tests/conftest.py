@@ -17,6 +17,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # What the tests start runs on the CPU too, GPU or not (a CLI test on a GPU machine would pick cuda:0).
 os.environ["OFFLOAD_CORE_ACCELERATOR"] = "cpu"
+# tests learn and calibrate however busy the machine running them is (tests of the busy rule set it themselves)
+os.environ["OFFLOAD_CORE_BUSY_LOAD"] = "inf"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -19,6 +19,7 @@ from torch import nn
 
 from offload_core import devices
 from offload_core.atomic import fsync_path, write_text_atomic
+from offload_core.runner.plan.busy import busy
 
 PROBE_BYTES = 64 * 2**20
 #: what :func:`disk_bandwidth` measures per filesystem
@@ -316,5 +317,13 @@ def calibrate(
                 "tries again): the prediction leaves out the per-tensor and outside-the-blocks costs"
             )
     if changed:
-        _write_cached(data)
+        loaded = busy()
+        if loaded is None:
+            _write_cached(data)
+        else:
+            print(
+                f"offload_core: the machine is busy ({loaded}): this run's calibration is used for it only, not kept; "
+                "a quieter run measures again",
+                file=sys.stderr,
+            )
     return found
