@@ -35,7 +35,11 @@ GROUPS: dict[str, list[str]] = {
     ],
     "integrity": ["offload_core/storage/folder.py", "offload_core/storage/folder_guard.py"],
     "sizes": ["offload_core/planning/sizing.py", "offload_core/values.py"],
-    "prefetch": ["offload_core/module_hooks/prefetch/pool.py", "offload_core/module_hooks/prefetch/prefetcher.py"],
+    "prefetch": [
+        "offload_core/module_hooks/prefetch/pool.py",
+        "offload_core/module_hooks/prefetch/layout.py",
+        "offload_core/module_hooks/prefetch/prefetcher.py",
+    ],
     "experts": ["offload_core/module_hooks/experts/loader.py"],
 }
 
