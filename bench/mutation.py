@@ -78,14 +78,14 @@ def scratch_copy(into: Path) -> Path:
     return into
 
 
-def configure(tree: Path, paths: list[str], pytest_args: list[str]) -> None:
+def configure(tree: Path, paths: list[str], pytest_args: list[str], tests: list[str]) -> None:
     pyproject = tree / "pyproject.toml"
     text = pyproject.read_text()
     text += (
         "\n[tool.mutmut]\n"
         'source_paths = ["offload_core"]\n'
         f"only_mutate = {json.dumps(paths)}\n"
-        'pytest_add_cli_args_test_selection = ["tests/"]\n'
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         'also_copy = [".ci/", "conf/", "plugins/", "run.py", "examples/", "bench/", "README.md", "conftest.py", "docs/", '
         '"mkdocs.yml"]\n'
         f"pytest_add_cli_args = {json.dumps(pytest_args)}\n"
@@ -116,7 +116,9 @@ def counts(tree: Path) -> dict[str, Counter]:
     return out
 
 
-def run_group(name: str, children: int, keep: Path | None, minutes: float) -> tuple[dict[str, Counter], float, str]:
+def run_group(
+    name: str, children: int, keep: Path | None, minutes: float, only: list[str], tests: list[str]
+) -> tuple[dict[str, Counter], float, str]:
     with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as scratch:
         tree = scratch_copy(Path(scratch) / "tree")
         # mutmut's trampolines make a mutated file longer than the line limit the layering test holds sources to
@@ -135,12 +137,13 @@ def run_group(name: str, children: int, keep: Path | None, minutes: float) -> tu
                 "--deselect",
                 "tests/test_layering.py::test_no_python_file_is_over_the_line_limit",
             ],
+            tests,
         )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         start = time.monotonic()
         log = open(Path(scratch) / "mutmut.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-c", _MUTMUT, "run", "--max-children", str(children)],
+            [sys.executable, "-c", _MUTMUT, "run", "--max-children", str(children), *only],
             cwd=tree,
             env=env,
             stdout=log,
@@ -175,11 +178,27 @@ def main() -> None:
     parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--minutes", type=float, default=60, help="stop a group after this long (default 60)")
     parser.add_argument("--keep", type=Path, help="copy each group's mutants/ here (to inspect survivors)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run only the mutants whose name matches this glob (mutmut's names, such as "
+        "'*pool_shape*' or '*BlockPool*acquire*'; repeatable); the others count as not run",
+    )
+    parser.add_argument(
+        "--tests",
+        action="append",
+        metavar="PATH",
+        help="the tests mutmut selects from (default tests/; repeatable): fewer make a quicker, weaker check",
+    )
     args = parser.parse_args()
     print("| group | module | killed | survived | other | killed share |\n|---|---|---|---|---|---|")
     notes = []
     for group in args.groups:
-        per_file, took, survivors = run_group(group, args.max_children, args.keep, args.minutes)
+        per_file, took, survivors = run_group(
+            group, args.max_children, args.keep, args.minutes, args.only, args.tests or ["tests/"]
+        )
         total = Counter()
         for name, tally in per_file.items():
             total += tally
