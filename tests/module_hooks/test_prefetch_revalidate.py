@@ -88,6 +88,7 @@ def test_a_shrinking_kept_set_drops_the_blocks_that_left_it_except_those_read_ah
     assert list(residency.kept) == ["model.layers.0", "model.layers.1", "model.layers.3"]
     # every block kept, so with depth 1 the window rides over kept blocks: both of the next pass's units are ahead
     assert sorted(prefetcher.pending) == [0, 1]
+    assert prefetcher.keeper.warm is False  # the reader brings the pages in, not the compute thread as a unit loads
     block = residency.kept["model.layers.0"]  # the three blocks are the same size
     free["bytes"] = block  # room for one block: layers 3, then 1 leave the kept set (from its end)
     dropped = residency.dropped
