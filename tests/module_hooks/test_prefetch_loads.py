@@ -1,0 +1,104 @@
+"""A Prefetcher driven unit by unit, as its hooks drive it: which units are read ahead after each load (module order,
+then along the trace), the counters it keeps, and a read-ahead that found every block buffer held (read when its
+unit runs: the pool's minimum-size guarantee)."""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import torch
+from torch import nn
+
+import offload_core.module_hooks.prefetch.pool as pool_module
+import offload_core.module_hooks.prefetch.prefetcher as prefetcher_module
+from offload_core.module_hooks.prefetch import Prefetcher
+from offload_core.module_hooks.units import TransferStats, find_units
+
+CPU = torch.device("cpu")
+X = torch.arange(8, dtype=torch.float32).view(2, 4)
+
+
+def _stack(n=4):
+    """``n`` Linear(4, 4) units "0".."n-1" whose store holds other weights than the model (so a unit that ran on
+    the store's weights is told apart), and the in-memory model with the store's weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+    store = {name: torch.randn(t.shape) for name, t in model.state_dict().items()}
+    reference = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+    reference.load_state_dict(store)
+    units = find_units(model, {name: name for name in store}, [], "block")
+    return model, reference, store, units
+
+
+def _settle(prefetcher):
+    """Wait for every read-ahead in flight (a state: their futures done)."""
+    for future, _, _ in prefetcher.pending.values():
+        future.result(timeout=30)
+
+
+def test_read_ahead_follows_module_order_then_the_trace_and_keeps_what_is_still_expected():
+    model, reference, store, units = _stack()
+    stats = TransferStats()
+    prefetcher = Prefetcher(units, store, CPU, 2, stats)
+    try:
+        prefetcher.load(0)
+        assert sorted(prefetcher.pending) == [1, 2]  # no trace yet: the next two in module order
+        _settle(prefetcher)
+        second = prefetcher.pending[2][0]
+        prefetcher.release(0)
+        prefetcher.load(1)
+        assert sorted(prefetcher.pending) == [2, 3] and prefetcher.pending[2][0] is second  # 2 kept, not read again
+        with torch.no_grad():
+            assert torch.equal(model[1](X), reference[1](X))
+        _settle(prefetcher)
+        prefetcher.release(1)
+        for index in (2, 3):
+            prefetcher.load(index)
+            _settle(prefetcher)
+            prefetcher.release(index)
+        assert prefetcher.pending == {}  # unit 3 is the last in module order: nothing after it
+        prefetcher.load(0)  # closes the cycle: from here along the trace (0 -> 1 -> 2 -> 3)
+        assert sorted(prefetcher.pending) == [1, 2] and prefetcher.trace.complete
+        _settle(prefetcher)
+        prefetcher.release(0)
+        prefetcher.release(0)  # a second release (a hook's error path) finds nothing held: no error
+        # misses: unit 0 twice (nothing was read ahead for it); hits: 1, 2, 3
+        assert (prefetcher.misses, prefetcher.hits, prefetcher.late, prefetcher.borrowed) == (2, 3, 0, 0)
+        # each load counts its unit's two tensors and 64 + 16 bytes
+        assert (stats.loads, stats.bytes) == (2 * 5, 80 * 5)
+        assert prefetcher.held == {} and not any(u.loaded for u in units)
+    finally:
+        prefetcher.close()
+    assert prefetcher.pending == {} and prefetcher.block_pool is None
+
+
+def test_a_read_ahead_that_found_every_buffer_held_is_read_when_its_unit_runs(monkeypatch):
+    """Depth 1 on a plain stack: 2 buffers. The test holds one, the unit running the other: each read-ahead is handed
+    back unread (no free buffer, and a reader never waits), and its unit is read when it runs, late."""
+    monkeypatch.setattr(pool_module, "ACQUIRE_TIMEOUT_S", 10.0)  # a read that waits on the reader fails, not hangs
+    clock = itertools.count()  # each perf_counter() call one second on: a late load waits 1 s
+    monkeypatch.setattr(prefetcher_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    model, reference, store, units = _stack(3)
+    prefetcher = Prefetcher(units, store, CPU, 1, TransferStats())
+    pool = prefetcher.blocks
+    assert pool.count == 2
+    held, _, _ = pool.acquire()
+    try:
+        prefetcher.load(0)  # a miss: it takes the last free buffer
+        _settle(prefetcher)
+        assert [f.complete for _, _, f in prefetcher.pending.values()] == [False]  # unit 1: none free
+        assert pool.refs[1 - held] == 1  # ... and it holds none
+        prefetcher.release(0)
+        for index in (1, 2):
+            prefetcher.load(index)  # scheduled, but read now: late
+            with torch.no_grad():
+                assert torch.equal(model[index](X), reference[index](X))
+            _settle(prefetcher)
+            prefetcher.release(index)
+        assert (prefetcher.misses, prefetcher.hits, prefetcher.late) == (1, 2, 2)
+        assert prefetcher.waited_s == 2.0
+        assert pool.peak_in_use == 2 and pool.refs[held] == 1 and pool.refs[1 - held] == 0
+    finally:
+        pool.release(held)
+        prefetcher.close()
