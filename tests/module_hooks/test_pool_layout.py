@@ -10,6 +10,7 @@ from torch import nn
 from offload_core.module_hooks.prefetch import Prefetcher
 from offload_core.module_hooks.prefetch.layout import ALIGN, pool_shape
 from offload_core.module_hooks.units import TransferStats, find_units
+from offload_core.storage.base import Store
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")  # a device object only: nothing is allocated on it
 
@@ -93,9 +94,9 @@ def test_without_a_no_split_class_each_leaf_is_a_block():
     assert pool_shape(Net(), [], None, GPU) == (4, 1024)
 
 
-def _prefetcher(model, store, device=CPU, depth=1):
+def _prefetcher(model, store, device=CPU, depth=1, copy=None):
     units = find_units(model, {name: name for name in store}, ["Block"], "block")
-    return Prefetcher(units, store, device, depth, TransferStats())
+    return Prefetcher(units, store, device, depth, TransferStats(), copy=copy)
 
 
 def test_unit_bytes_lays_each_tensor_out_at_the_next_aligned_offset():
@@ -135,5 +136,47 @@ def test_a_loaded_unit_runs_on_views_at_those_offsets():
         assert torch.equal(block.proj.weight, store["h.blocks.1.proj.weight"])
         assert torch.equal(block.steps, store["h.blocks.1.steps"]) and block.steps.dtype == torch.int64
         assert prefetcher.misses == 1 and prefetcher.stats.bytes == 320 + 1024 + 64 + 12
+    finally:
+        prefetcher.close()
+
+
+class _OffsetStore(Store):
+    """A store whose tensors the in-memory model would place at these reference offsets (modulo ALIGN)."""
+
+    def __init__(self, tensors, offsets):
+        self.tensors, self.offsets = tensors, offsets
+
+    def __getitem__(self, key):
+        return self.tensors[key]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def offset(self, name):
+        return self.offsets[name]
+
+
+def test_on_a_cpu_each_tensor_starts_at_its_reference_offset_past_the_aligned_end():
+    """steps at 0 + 16 = 16, ends 336; proj at 512 + 8 = 520, ends 1544; shared.w at 1792 + 100 = 1892, ends 1956;
+    shared.b at 2048 + 4 = 2052, ends 2064: 2304 in all (2048 without the offsets)."""
+    net = Net()
+    tensors = {name: torch.arange(t.numel()).to(t.dtype).view(t.shape) for name, t in net.state_dict().items()}
+    offsets = dict.fromkeys(tensors, 0)
+    offsets.update({"h.blocks.1.steps": 16, "h.blocks.1.proj.weight": 8, "h.blocks.1.shared.w": 100})
+    offsets["h.blocks.1.shared.b"] = 4
+    prefetcher = _prefetcher(net, _OffsetStore(tensors, offsets), depth=0, copy=True)  # into the pool, not mapped
+    index = [u.name for u in prefetcher.units].index("h.blocks.1")
+    assert prefetcher.unit_bytes(prefetcher.units[index]) == 2304
+    with torch.inference_mode(False):
+        prefetcher.load(index)
+    try:
+        block = net.h.blocks[1]
+        buffer = prefetcher.block_pool.buffers[prefetcher.held[index].buffers[0]]
+        starts = [t.data_ptr() - buffer.data_ptr() for t in (block.steps, block.proj.weight, block.shared.w)]
+        assert starts + [block.shared.b.data_ptr() - buffer.data_ptr()] == [16, 520, 1892, 2052]
+        assert torch.equal(block.shared.w, tensors["h.blocks.1.shared.w"])
     finally:
         prefetcher.close()
