@@ -102,3 +102,53 @@ def test_a_read_ahead_that_found_every_buffer_held_is_read_when_its_unit_runs(mo
     finally:
         pool.release(held)
         prefetcher.close()
+
+
+class _ReadIntoStore(dict):
+    """A store that tells shapes without reading (``spec``) and reads into a buffer given (``read_into``, as the
+    converting stores do); records which way each tensor was read."""
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        self.reads = []
+
+    def spec(self, key):
+        return super().__getitem__(key).shape, super().__getitem__(key).dtype
+
+    def __getitem__(self, key):
+        self.reads.append(("getitem", key))
+        return super().__getitem__(key)
+
+    def read_into(self, key, out):
+        self.reads.append(("read_into", key))
+        out.copy_(super().__getitem__(key))
+
+
+def test_on_a_cpu_a_store_that_reads_into_a_buffer_is_read_straight_into_the_pool():
+    model, reference, tensors, units = _stack(2)
+    store = _ReadIntoStore(tensors)
+    prefetcher = Prefetcher(units, store, CPU, 0, TransferStats())
+    try:
+        prefetcher.load(1)
+        with torch.no_grad():
+            assert torch.equal(model[1](X), reference[1](X))
+        assert store.reads == [("read_into", "1.weight"), ("read_into", "1.bias")]
+    finally:
+        prefetcher.close()
+
+
+def test_through_the_staging_ring_a_store_is_read_chunk_by_chunk():
+    """staging on (the GPU path, run on a CPU): each tensor crosses the ring from ``store[key]``, 4 KiB at a time:
+    a 32 x 64 float32 weight is 8 KiB (2 chunks), its bias 256 bytes (1 chunk)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    store = _ReadIntoStore({name: torch.randn(t.shape) for name, t in model.state_dict().items()})
+    units = find_units(model, {name: name for name in store}, [], "block")
+    prefetcher = Prefetcher(units, store, CPU, 0, TransferStats(), copy=True, staging=True, staging_chunk=4096)
+    try:
+        prefetcher.load(0)
+        assert torch.equal(model[0].weight, store["0.weight"]) and torch.equal(model[0].bias, store["0.bias"])
+        assert [how for how, _ in store.reads] == ["getitem"] * 4  # the two reads above and the two copies
+        assert prefetcher.staging.chunks == 3
+    finally:
+        prefetcher.close()
