@@ -152,3 +152,37 @@ def test_through_the_staging_ring_a_store_is_read_chunk_by_chunk():
         assert prefetcher.staging.chunks == 3
     finally:
         prefetcher.close()
+
+
+class _MappedStore(dict):
+    """A store that maps its tensors in place (``warm`` brings them in and says no copy is needed)."""
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        self.warmed = []
+
+    def warm(self, key):
+        self.warmed.append(key)
+        return True
+
+
+def test_on_a_cpu_a_mapped_store_is_served_in_place_unless_copying_is_asked():
+    model, reference, tensors, units = _stack(2)
+    store = _MappedStore(tensors)
+    stats = TransferStats()
+    prefetcher = Prefetcher(units, store, CPU, 0, stats)
+    try:
+        prefetcher.load(1)
+        assert model[1].weight.data_ptr() == store["1.weight"].data_ptr()  # the store's memory, not a copy
+        assert prefetcher.held[1].mapped == ["1.weight", "1.bias"] and store.warmed == ["1.weight", "1.bias"]
+        assert prefetcher.block_pool is None and (stats.loads, stats.bytes) == (2, 64 + 16)  # paged in: moved
+    finally:
+        prefetcher.close()
+    copying = Prefetcher(units, store, CPU, 0, TransferStats(), copy=True)
+    try:
+        copying.load(0)
+        assert copying.held[0].mapped == [] and copying.block_pool.allocated_bytes == 512
+        with torch.no_grad():
+            assert torch.equal(model[0](X), reference[0](X))
+    finally:
+        copying.close()
