@@ -103,3 +103,11 @@ def test_a_shrinking_kept_set_drops_the_blocks_that_left_it_except_those_read_ah
     )
     assert prefetcher.units[2].name == "model.layers.3" and residency.dropped - dropped == layer3
     model.offload_state.remove()
+
+
+def test_with_every_block_streamed_the_window_is_depth_blocks(tmp_path):
+    """The window rides over kept blocks only: with none kept, depth 1 reads one block ahead (unit 0 for the next
+    pass), not both."""
+    model, prefetcher = _dispatched(tmp_path, depth=1, residency=Residency(budget=0))
+    assert not prefetcher.residency.kept and sorted(prefetcher.pending) == [0]
+    model.offload_state.remove()
