@@ -353,3 +353,22 @@ class _SlowStore(Mapping):
 
     def __len__(self):
         return len(self.inner)
+
+
+def test_a_forward_with_autograd_on_runs_on_the_pool(tmp_path):
+    """The hook loads outside inference mode: the weights a block runs on are normal tensors (views of the pool),
+    so a forward that records autograd (no ``no_grad``) runs and gives the in-memory logits."""
+    reference = _model()
+    model = _model()
+    dispatch_model(
+        model,
+        DISK,
+        storage="memmap",
+        policy=Prefetch(PrefetchConfig(depth=1, pool=True)),
+        offload_folder=tmp_path / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
+    ids = torch.tensor([[1, 2, 3]])
+    logits = model(ids).logits
+    assert logits.requires_grad and torch.equal(logits.detach(), reference(ids).logits.detach())
+    model.offload_state.remove()
