@@ -5,6 +5,7 @@ unit runs: the pool's minimum-size guarantee)."""
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 
 import torch
@@ -14,6 +15,7 @@ import offload_core.module_hooks.prefetch.pool as pool_module
 import offload_core.module_hooks.prefetch.prefetcher as prefetcher_module
 from offload_core.module_hooks.prefetch import Prefetcher
 from offload_core.module_hooks.units import TransferStats, find_units
+from tests.waits import blocked_in
 
 CPU = torch.device("cpu")
 X = torch.arange(8, dtype=torch.float32).view(2, 4)
@@ -186,3 +188,56 @@ def test_on_a_cpu_a_mapped_store_is_served_in_place_unless_copying_is_asked():
             assert torch.equal(model[0](X), reference[0](X))
     finally:
         copying.close()
+
+
+class _GatedStore(dict):
+    """Reading a key in ``gated`` (``store[key]``) stalls until ``gate`` is set: a slow read held in flight."""
+
+    def __init__(self, tensors, gated):
+        super().__init__(tensors)
+        self.gated, self.gate, self.reading = set(gated), threading.Event(), threading.Event()
+
+    def spec(self, key):
+        tensor = super().__getitem__(key)
+        return tensor.shape, tensor.dtype
+
+    def __getitem__(self, key):
+        if key in self.gated:
+            self.reading.set()
+            assert self.gate.wait(30), "the test never let the read go on"
+        return super().__getitem__(key)
+
+
+def test_a_miss_waits_for_the_buffer_of_a_read_ahead_it_let_go_while_in_flight(monkeypatch):
+    """2 buffers: unit 0 holds one, unit 1's read-ahead the other, stalled in its read. Unit 2 runs instead (a
+    miss): unit 1's read is let go, and the miss waits for the buffer it gives back when its read ends."""
+    monkeypatch.setattr(pool_module, "ACQUIRE_TIMEOUT_S", 30.0)
+    model, reference, tensors, units = _stack(3)
+    store = _GatedStore(tensors, {"1.weight"})
+    prefetcher = Prefetcher(units, store, CPU, 1, TransferStats())
+    errors = []
+
+    def run_unit_2():
+        try:
+            prefetcher.load(2)
+        except Exception as error:  # reported by the test below
+            errors.append(error)
+
+    compute = threading.Thread(target=run_unit_2)
+    try:
+        prefetcher.load(0)
+        assert store.reading.wait(30) and sorted(prefetcher.pending) == [1]
+        compute.start()
+        blocked_in(compute, "acquire")  # waiting for a buffer: none is free until unit 1's read ends
+        assert prefetcher.pending == {}  # unit 1's read-ahead was let go
+        store.gate.set()
+        compute.join(30)
+        assert not compute.is_alive() and errors == []
+        with torch.no_grad():
+            assert torch.equal(model[2](X), reference[2](X))
+        assert prefetcher.misses == 2 and prefetcher.hits == 0 and prefetcher.block_pool.peak_in_use == 2
+    finally:
+        store.gate.set()
+        if compute.ident is not None:
+            compute.join(30)
+        prefetcher.close()
