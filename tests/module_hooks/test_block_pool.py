@@ -14,6 +14,12 @@ from offload_core.module_hooks.prefetch import BlockPool
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _short_timeout(monkeypatch):
+    """No read here waits for a buffer that long: one that would (a pool that never frees) fails in 5 s, not 300."""
+    monkeypatch.setattr(pool_module, "ACQUIRE_TIMEOUT_S", 5.0)
+
+
 def test_a_new_pool_holds_nothing():
     pool = BlockPool(3, 512, CPU)
     assert (pool.count, pool.capacity, pool.device) == (3, 512, CPU)
