@@ -5,9 +5,11 @@ unit runs: the pool's minimum-size guarantee)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ import offload_core.module_hooks.prefetch.pool as pool_module
 import offload_core.module_hooks.prefetch.prefetcher as prefetcher_module
 from offload_core.module_hooks.prefetch import Prefetcher
 from offload_core.module_hooks.units import TransferStats, find_units
+from tests.logs import records_of
 from tests.waits import blocked_in
 
 CPU = torch.device("cpu")
@@ -241,3 +244,57 @@ def test_a_miss_waits_for_the_buffer_of_a_read_ahead_it_let_go_while_in_flight(m
         if compute.ident is not None:
             compute.join(30)
         prefetcher.close()
+
+
+class _FailingStore(dict):
+    """Reading a key in ``failing`` raises, as a read from a vanished file would."""
+
+    def __init__(self, tensors, failing):
+        super().__init__(tensors)
+        self.failing = set(failing)
+
+    def spec(self, key):
+        tensor = super().__getitem__(key)
+        return tensor.shape, tensor.dtype
+
+    def __getitem__(self, key):
+        if key in self.failing:
+            raise OSError(f"cannot read {key}")
+        return super().__getitem__(key)
+
+
+def test_read_aheads_let_go_after_they_failed_or_found_no_buffer_give_back_quietly(monkeypatch):
+    """A read-ahead that failed raises when its unit runs; one that found no free buffer is let go when another unit
+    runs instead. Either is let go without an error in the future's done callback (concurrent.futures would only
+    log it), and every buffer comes back."""
+    monkeypatch.setattr(pool_module, "ACQUIRE_TIMEOUT_S", 10.0)
+    model, reference, tensors, units = _stack(4)
+    prefetcher = Prefetcher(units, _FailingStore(tensors, {"1.weight"}), CPU, 1, TransferStats())
+    pool = prefetcher.blocks
+    try:
+        with records_of("concurrent.futures", logging.ERROR) as said:
+            prefetcher.load(0)
+            _settle_quietly(prefetcher)
+            prefetcher.release(0)
+            with pytest.raises(OSError, match="cannot read 1.weight"):
+                prefetcher.load(1)
+            held, _, _ = pool.acquire()  # with unit 0 held below, unit 1's read-ahead finds no buffer
+            prefetcher.load(0)
+            _settle_quietly(prefetcher)
+            assert [f.complete for _, _, f in prefetcher.pending.values()] == [False]
+            prefetcher.release(0)
+            prefetcher.load(3)  # not the unit read ahead: a miss lets it go
+            pool.release(held)
+            with torch.no_grad():
+                assert torch.equal(model[3](X), reference[3](X))
+            prefetcher.release(3)
+        assert said == []
+        assert not any(pool.refs) and sorted(pool.free) == [0, 1]
+    finally:
+        prefetcher.close()
+
+
+def _settle_quietly(prefetcher):
+    """Wait for every read-ahead in flight to end, however it ends."""
+    for future, _, _ in prefetcher.pending.values():
+        future.exception(timeout=30)
