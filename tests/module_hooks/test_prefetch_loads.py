@@ -298,3 +298,40 @@ def _settle_quietly(prefetcher):
     """Wait for every read-ahead in flight to end, however it ends."""
     for future, _, _ in prefetcher.pending.values():
         future.exception(timeout=30)
+
+
+class _Params(nn.Module):
+    def __init__(self, *names):
+        super().__init__()
+        for name in names:
+            self.register_parameter(name, nn.Parameter(torch.zeros(4)))
+
+
+def test_a_tied_tensor_brought_in_after_a_fetch_was_scheduled_is_borrowed_when_it_runs():
+    """Store keys shared between units (tied tensors): unit 0 holds x and a, unit 1 b and y, unit 2 a, b and c. When
+    unit 0 runs, units 1 and 2 are scheduled: unit 2 borrows a at once (unit 0 holds it); b is brought in by unit 1's
+    fetch, which the reader does just before unit 2's: unit 2 borrows it then, and copies only c."""
+    model = nn.Sequential(_Params("p", "q"), _Params("p", "q"), _Params("p", "q", "r"))
+    keys = {"0.p": "x", "0.q": "a", "1.p": "b", "1.q": "y", "2.p": "a", "2.q": "b", "2.r": "c"}
+    # unit 1's read of b waits until unit 2 is scheduled (else the reader may bring b in before)
+    store = _GatedStore({key: torch.full((4,), float(i)) for i, key in enumerate("xabyc")}, {"b"})
+    units = find_units(model, keys, [], "block")
+    assert [u.keys for u in units] == [["x", "a"], ["b", "y"], ["a", "b", "c"]]
+    stats = TransferStats()
+    prefetcher = Prefetcher(units, store, CPU, 2, stats)
+    try:
+        prefetcher.load(0)
+        assert sorted(prefetcher.pending) == [1, 2] and prefetcher.borrowed == 1  # a, as unit 2 was scheduled
+        store.gate.set()
+        _settle(prefetcher)
+        assert prefetcher.borrowed == 2  # b, as unit 2 was fetched
+        assert prefetcher.pending[2][2].moved == 16  # c only: 4 float32
+        prefetcher.load(1)
+        prefetcher.load(2)
+        block = model[2]
+        assert [block.p.data_ptr(), block.q.data_ptr()] == [model[0].q.data_ptr(), model[1].p.data_ptr()]
+        assert [block.p[0].item(), block.q[0].item(), block.r[0].item()] == [1.0, 2.0, 4.0]
+        assert stats.bytes == 32 + 32 + 16 and prefetcher.block_pool.peak_in_use == 3
+    finally:
+        store.gate.set()
+        prefetcher.close()
