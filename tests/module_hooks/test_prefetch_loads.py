@@ -335,3 +335,27 @@ def test_a_tied_tensor_brought_in_after_a_fetch_was_scheduled_is_borrowed_when_i
     finally:
         store.gate.set()
         prefetcher.close()
+
+
+def test_a_read_ahead_still_in_flight_when_its_unit_runs_is_waited_for_and_counted_late():
+    model, reference, tensors, units = _stack(2)
+    store = _GatedStore(tensors, {"1.bias"})
+    prefetcher = Prefetcher(units, store, CPU, 1, TransferStats())
+    compute = threading.Thread(target=prefetcher.load, args=(1,))
+    try:
+        prefetcher.load(0)
+        assert store.reading.wait(30)  # unit 1's read-ahead is stalled in its read
+        prefetcher.release(0)
+        compute.start()
+        blocked_in(compute, "result")  # unit 1 runs: it waits for the read-ahead, not reading again
+        store.gate.set()
+        compute.join(30)
+        assert not compute.is_alive()
+        with torch.no_grad():
+            assert torch.equal(model[1](X), reference[1](X))
+        assert (prefetcher.hits, prefetcher.misses, prefetcher.late) == (1, 1, 1) and prefetcher.waited_s > 0
+    finally:
+        store.gate.set()
+        if compute.ident is not None:
+            compute.join(30)
+        prefetcher.close()
