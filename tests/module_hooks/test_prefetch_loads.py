@@ -5,11 +5,9 @@ unit runs: the pool's minimum-size guarantee)."""
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import types
 
-import pytest
 import torch
 from torch import nn
 
@@ -17,61 +15,45 @@ import offload_core.module_hooks.prefetch.pool as pool_module
 import offload_core.module_hooks.prefetch.prefetcher as prefetcher_module
 from offload_core.module_hooks.prefetch import Prefetcher
 from offload_core.module_hooks.units import TransferStats, find_units
-from tests.logs import records_of
+from tests.module_hooks.prefetch_units import CPU, X, GatedStore, MappedStore, settle, stack
 from tests.waits import blocked_in
-
-CPU = torch.device("cpu")
-X = torch.arange(8, dtype=torch.float32).view(2, 4)
-
-
-def _stack(n=4):
-    """``n`` Linear(4, 4) units "0".."n-1" whose store holds other weights than the model (so a unit that ran on
-    the store's weights is told apart), and the in-memory model with the store's weights."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
-    store = {name: torch.randn(t.shape) for name, t in model.state_dict().items()}
-    reference = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
-    reference.load_state_dict(store)
-    units = find_units(model, {name: name for name in store}, [], "block")
-    return model, reference, store, units
-
-
-def _settle(prefetcher):
-    """Wait for every read-ahead in flight (a state: their futures done)."""
-    for future, _, _ in prefetcher.pending.values():
-        future.result(timeout=30)
 
 
 def test_read_ahead_follows_module_order_then_the_trace_and_keeps_what_is_still_expected():
-    model, reference, store, units = _stack()
+    model, reference, store, units = stack()
     stats = TransferStats()
     prefetcher = Prefetcher(units, store, CPU, 2, stats)
     try:
         prefetcher.load(0)
         assert sorted(prefetcher.pending) == [1, 2]  # no trace yet: the next two in module order
-        _settle(prefetcher)
+        settle(prefetcher)
         second = prefetcher.pending[2][0]
         prefetcher.release(0)
         prefetcher.load(1)
         assert sorted(prefetcher.pending) == [2, 3] and prefetcher.pending[2][0] is second  # 2 kept, not read again
         with torch.no_grad():
             assert torch.equal(model[1](X), reference[1](X))
-        _settle(prefetcher)
+        settle(prefetcher)
         prefetcher.release(1)
         for index in (2, 3):
             prefetcher.load(index)
-            _settle(prefetcher)
+            settle(prefetcher)
             prefetcher.release(index)
         assert prefetcher.pending == {}  # unit 3 is the last in module order: nothing after it
         prefetcher.load(0)  # closes the cycle: from here along the trace (0 -> 1 -> 2 -> 3)
         assert sorted(prefetcher.pending) == [1, 2] and prefetcher.trace.complete
-        _settle(prefetcher)
+        settle(prefetcher)
         prefetcher.release(0)
         prefetcher.release(0)  # a second release (a hook's error path) finds nothing held: no error
-        # misses: unit 0 twice (nothing was read ahead for it); hits: 1, 2, 3
-        assert (prefetcher.misses, prefetcher.hits, prefetcher.late, prefetcher.borrowed) == (2, 3, 0, 0)
+        unit_1 = prefetcher.pending[1]
+        prefetcher.load(2)  # 1 was expected: the trace is dropped; 2 was read ahead (a hit), 1 is let go
+        assert prefetcher.trace.invalidations == 1 and sorted(prefetcher.pending) == [3] and unit_1[1].is_set()
+        settle(prefetcher)
+        prefetcher.release(2)
+        # misses: unit 0 twice (nothing was read ahead for it); hits: 1, 2, 3, then 2
+        assert (prefetcher.misses, prefetcher.hits, prefetcher.late, prefetcher.borrowed) == (2, 4, 0, 0)
         # each load counts its unit's two tensors and 64 + 16 bytes
-        assert (stats.loads, stats.bytes) == (2 * 5, 80 * 5)
+        assert (stats.loads, stats.bytes) == (2 * 6, 80 * 6)
         assert prefetcher.held == {} and not any(u.loaded for u in units)
     finally:
         prefetcher.close()
@@ -84,14 +66,14 @@ def test_a_read_ahead_that_found_every_buffer_held_is_read_when_its_unit_runs(mo
     monkeypatch.setattr(pool_module, "ACQUIRE_TIMEOUT_S", 10.0)  # a read that waits on the reader fails, not hangs
     clock = itertools.count()  # each perf_counter() call one second on: a late load waits 1 s
     monkeypatch.setattr(prefetcher_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    model, reference, store, units = _stack(3)
+    model, reference, store, units = stack(3)
     prefetcher = Prefetcher(units, store, CPU, 1, TransferStats())
     pool = prefetcher.blocks
     assert pool.count == 2
     held, _, _ = pool.acquire()
     try:
         prefetcher.load(0)  # a miss: it takes the last free buffer
-        _settle(prefetcher)
+        settle(prefetcher)
         assert [f.complete for _, _, f in prefetcher.pending.values()] == [False]  # unit 1: none free
         assert pool.refs[1 - held] == 1  # ... and it holds none
         prefetcher.release(0)
@@ -99,7 +81,7 @@ def test_a_read_ahead_that_found_every_buffer_held_is_read_when_its_unit_runs(mo
             prefetcher.load(index)  # scheduled, but read now: late
             with torch.no_grad():
                 assert torch.equal(model[index](X), reference[index](X))
-            _settle(prefetcher)
+            settle(prefetcher)
             prefetcher.release(index)
         assert (prefetcher.misses, prefetcher.hits, prefetcher.late) == (1, 2, 2)
         assert prefetcher.waited_s == 2.0
@@ -130,7 +112,7 @@ class _ReadIntoStore(dict):
 
 
 def test_on_a_cpu_a_store_that_reads_into_a_buffer_is_read_straight_into_the_pool():
-    model, reference, tensors, units = _stack(2)
+    model, reference, tensors, units = stack(2)
     store = _ReadIntoStore(tensors)
     prefetcher = Prefetcher(units, store, CPU, 0, TransferStats())
     try:
@@ -159,21 +141,9 @@ def test_through_the_staging_ring_a_store_is_read_chunk_by_chunk():
         prefetcher.close()
 
 
-class _MappedStore(dict):
-    """A store that maps its tensors in place (``warm`` brings them in and says no copy is needed)."""
-
-    def __init__(self, tensors):
-        super().__init__(tensors)
-        self.warmed = []
-
-    def warm(self, key):
-        self.warmed.append(key)
-        return True
-
-
 def test_on_a_cpu_a_mapped_store_is_served_in_place_unless_copying_is_asked():
-    model, reference, tensors, units = _stack(2)
-    store = _MappedStore(tensors)
+    model, reference, tensors, units = stack(2)
+    store = MappedStore(tensors)
     stats = TransferStats()
     prefetcher = Prefetcher(units, store, CPU, 0, stats)
     try:
@@ -193,30 +163,12 @@ def test_on_a_cpu_a_mapped_store_is_served_in_place_unless_copying_is_asked():
         copying.close()
 
 
-class _GatedStore(dict):
-    """Reading a key in ``gated`` (``store[key]``) stalls until ``gate`` is set: a slow read held in flight."""
-
-    def __init__(self, tensors, gated):
-        super().__init__(tensors)
-        self.gated, self.gate, self.reading = set(gated), threading.Event(), threading.Event()
-
-    def spec(self, key):
-        tensor = super().__getitem__(key)
-        return tensor.shape, tensor.dtype
-
-    def __getitem__(self, key):
-        if key in self.gated:
-            self.reading.set()
-            assert self.gate.wait(30), "the test never let the read go on"
-        return super().__getitem__(key)
-
-
 def test_a_miss_waits_for_the_buffer_of_a_read_ahead_it_let_go_while_in_flight(monkeypatch):
     """2 buffers: unit 0 holds one, unit 1's read-ahead the other, stalled in its read. Unit 2 runs instead (a
     miss): unit 1's read is let go, and the miss waits for the buffer it gives back when its read ends."""
     monkeypatch.setattr(pool_module, "ACQUIRE_TIMEOUT_S", 30.0)
-    model, reference, tensors, units = _stack(3)
-    store = _GatedStore(tensors, {"1.weight"})
+    model, reference, tensors, units = stack(3)
+    store = GatedStore(tensors, {"1.weight"})
     prefetcher = Prefetcher(units, store, CPU, 1, TransferStats())
     errors = []
 
@@ -246,60 +198,6 @@ def test_a_miss_waits_for_the_buffer_of_a_read_ahead_it_let_go_while_in_flight(m
         prefetcher.close()
 
 
-class _FailingStore(dict):
-    """Reading a key in ``failing`` raises, as a read from a vanished file would."""
-
-    def __init__(self, tensors, failing):
-        super().__init__(tensors)
-        self.failing = set(failing)
-
-    def spec(self, key):
-        tensor = super().__getitem__(key)
-        return tensor.shape, tensor.dtype
-
-    def __getitem__(self, key):
-        if key in self.failing:
-            raise OSError(f"cannot read {key}")
-        return super().__getitem__(key)
-
-
-def test_read_aheads_let_go_after_they_failed_or_found_no_buffer_give_back_quietly(monkeypatch):
-    """A read-ahead that failed raises when its unit runs; one that found no free buffer is let go when another unit
-    runs instead. Either is let go without an error in the future's done callback (concurrent.futures would only
-    log it), and every buffer comes back."""
-    monkeypatch.setattr(pool_module, "ACQUIRE_TIMEOUT_S", 10.0)
-    model, reference, tensors, units = _stack(4)
-    prefetcher = Prefetcher(units, _FailingStore(tensors, {"1.weight"}), CPU, 1, TransferStats())
-    pool = prefetcher.blocks
-    try:
-        with records_of("concurrent.futures", logging.ERROR) as said:
-            prefetcher.load(0)
-            _settle_quietly(prefetcher)
-            prefetcher.release(0)
-            with pytest.raises(OSError, match="cannot read 1.weight"):
-                prefetcher.load(1)
-            held, _, _ = pool.acquire()  # with unit 0 held below, unit 1's read-ahead finds no buffer
-            prefetcher.load(0)
-            _settle_quietly(prefetcher)
-            assert [f.complete for _, _, f in prefetcher.pending.values()] == [False]
-            prefetcher.release(0)
-            prefetcher.load(3)  # not the unit read ahead: a miss lets it go
-            pool.release(held)
-            with torch.no_grad():
-                assert torch.equal(model[3](X), reference[3](X))
-            prefetcher.release(3)
-        assert said == []
-        assert not any(pool.refs) and sorted(pool.free) == [0, 1]
-    finally:
-        prefetcher.close()
-
-
-def _settle_quietly(prefetcher):
-    """Wait for every read-ahead in flight to end, however it ends."""
-    for future, _, _ in prefetcher.pending.values():
-        future.exception(timeout=30)
-
-
 class _Params(nn.Module):
     def __init__(self, *names):
         super().__init__()
@@ -314,7 +212,7 @@ def test_a_tied_tensor_brought_in_after_a_fetch_was_scheduled_is_borrowed_when_i
     model = nn.Sequential(_Params("p", "q"), _Params("p", "q"), _Params("p", "q", "r"))
     keys = {"0.p": "x", "0.q": "a", "1.p": "b", "1.q": "y", "2.p": "a", "2.q": "b", "2.r": "c"}
     # unit 1's read of b waits until unit 2 is scheduled (else the reader may bring b in before)
-    store = _GatedStore({key: torch.full((4,), float(i)) for i, key in enumerate("xabyc")}, {"b"})
+    store = GatedStore({key: torch.full((4,), float(i)) for i, key in enumerate("xabyc")}, {"b"})
     units = find_units(model, keys, [], "block")
     assert [u.keys for u in units] == [["x", "a"], ["b", "y"], ["a", "b", "c"]]
     stats = TransferStats()
@@ -323,7 +221,7 @@ def test_a_tied_tensor_brought_in_after_a_fetch_was_scheduled_is_borrowed_when_i
         prefetcher.load(0)
         assert sorted(prefetcher.pending) == [1, 2] and prefetcher.borrowed == 1  # a, as unit 2 was scheduled
         store.gate.set()
-        _settle(prefetcher)
+        settle(prefetcher)
         assert prefetcher.borrowed == 2  # b, as unit 2 was fetched
         assert prefetcher.pending[2][2].moved == 16  # c only: 4 float32
         prefetcher.load(1)
@@ -334,28 +232,4 @@ def test_a_tied_tensor_brought_in_after_a_fetch_was_scheduled_is_borrowed_when_i
         assert stats.bytes == 32 + 32 + 16 and prefetcher.block_pool.peak_in_use == 3
     finally:
         store.gate.set()
-        prefetcher.close()
-
-
-def test_a_read_ahead_still_in_flight_when_its_unit_runs_is_waited_for_and_counted_late():
-    model, reference, tensors, units = _stack(2)
-    store = _GatedStore(tensors, {"1.bias"})
-    prefetcher = Prefetcher(units, store, CPU, 1, TransferStats())
-    compute = threading.Thread(target=prefetcher.load, args=(1,))
-    try:
-        prefetcher.load(0)
-        assert store.reading.wait(30)  # unit 1's read-ahead is stalled in its read
-        prefetcher.release(0)
-        compute.start()
-        blocked_in(compute, "result")  # unit 1 runs: it waits for the read-ahead, not reading again
-        store.gate.set()
-        compute.join(30)
-        assert not compute.is_alive()
-        with torch.no_grad():
-            assert torch.equal(model[1](X), reference[1](X))
-        assert (prefetcher.hits, prefetcher.misses, prefetcher.late) == (1, 1, 1) and prefetcher.waited_s > 0
-    finally:
-        store.gate.set()
-        if compute.ident is not None:
-            compute.join(30)
         prefetcher.close()
