@@ -35,7 +35,11 @@ GROUPS: dict[str, list[str]] = {
     ],
     "integrity": ["offload_core/storage/folder.py", "offload_core/storage/folder_guard.py"],
     "sizes": ["offload_core/planning/sizing.py", "offload_core/values.py"],
-    "prefetch": ["offload_core/module_hooks/prefetch/pool.py", "offload_core/module_hooks/prefetch/prefetcher.py"],
+    "prefetch": [
+        "offload_core/module_hooks/prefetch/pool.py",
+        "offload_core/module_hooks/prefetch/layout.py",
+        "offload_core/module_hooks/prefetch/prefetcher.py",
+    ],
     "experts": ["offload_core/module_hooks/experts/loader.py"],
 }
 
@@ -157,9 +161,11 @@ def run_group(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
         took = time.monotonic() - start
-        survivors = subprocess.run(
+        results = subprocess.run(
             [sys.executable, "-m", "mutmut", "results"], cwd=tree, env=env, capture_output=True, text=True, timeout=600
         ).stdout
+        # every mutant not judged (not run in the bound, or left out by --only) is listed too: only the judged ones
+        survivors = "\n".join(line.strip() for line in results.splitlines() if not line.endswith(": not checked"))
         if keep is not None and (tree / "mutants").is_dir():
             shutil.copytree(tree / "mutants", keep / name, dirs_exist_ok=True)
         log.close()
