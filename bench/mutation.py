@@ -86,8 +86,8 @@ def configure(tree: Path, paths: list[str], pytest_args: list[str], tests: list[
         'source_paths = ["offload_core"]\n'
         f"only_mutate = {json.dumps(paths)}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
-        'also_copy = [".ci/", "conf/", "plugins/", "run.py", "examples/", "bench/", "README.md", "conftest.py", "docs/", '
-        '"mkdocs.yml"]\n'
+        'also_copy = [".ci/", "conf/", "plugins/", "run.py", "examples/", "bench/", "README.md", "conftest.py", '
+        '"docs/", "mkdocs.yml"]\n'
         f"pytest_add_cli_args = {json.dumps(pytest_args)}\n"
     )
     pyproject.write_text(text)

@@ -1,4 +1,5 @@
-"""The prefetch policy: block-granular units read ahead along the recorded execution order, its settings and its handle."""
+"""The prefetch policy: block-granular units read ahead along the recorded execution order, its settings and its
+handle."""
 
 from __future__ import annotations
 

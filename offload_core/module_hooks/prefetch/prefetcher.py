@@ -1,4 +1,5 @@
-"""The reader thread: brings predicted units in ahead of use (mapped pages or copies into the block pool) and hands them to the units as they run."""
+"""The reader thread: brings predicted units in ahead of use (mapped pages or copies into the block pool) and hands
+them to the units as they run."""
 
 from __future__ import annotations
 
