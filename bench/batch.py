@@ -1,4 +1,5 @@
-"""Throughput against batch size: aggregate generated tokens/s of ours (prefetch, each store) and accelerate at several batches.
+"""Throughput against batch size: aggregate generated tokens/s of ours (prefetch, each store) and accelerate at several
+batches.
 
 Every run is a fresh process (``bench/worker.py``), systems alternate within each batch size, and with
 ``--cold`` the offloaded files are dropped from the page cache before each token. Writes
@@ -58,14 +59,15 @@ def targets(table: dict, systems: list[str], batches: list[int], budget: int) ->
             if row["aggregate_tokens_per_s"] and acc.get("aggregate_tokens_per_s"):
                 ratio = row["aggregate_tokens_per_s"] / acc["aggregate_tokens_per_s"]
                 lines.append(
-                    f"{system} batch {batch}: {ratio:.2f}x accelerate (target >= 2x: {'met' if ratio >= 2 else 'NOT met'})"
+                    f"{system} batch {batch}: {ratio:.2f}x accelerate (target >= 2x: "
+                    f"{'met' if ratio >= 2 else 'NOT met'})"
                 )
             if row["peak_anon_rss_bytes"] is not None:
                 within = row["peak_anon_rss_bytes"] <= budget
                 lines.append(
                     f"{system} batch {batch}: peak anonymous RSS {row['peak_anon_rss_bytes'] / 1e9:.2f} GB against the "
-                    f"{budget / 1e9:.2f} GB budget (planned batch memory {(row['planned_batch_bytes'] or 0) / 1e6:.0f} MB "
-                    f"inside it): {'met' if within else 'NOT met'}"
+                    f"{budget / 1e9:.2f} GB budget (planned batch memory {(row['planned_batch_bytes'] or 0) / 1e6:.0f} "
+                    f"MB inside it): {'met' if within else 'NOT met'}"
                 )
     errors = [
         abs(r["predicted_step_s"] - r["step_s"]) / r["step_s"]
@@ -74,8 +76,8 @@ def targets(table: dict, systems: list[str], batches: list[int], budget: int) ->
     ]
     if errors:
         lines.append(
-            f"prediction: median |predicted - measured| / measured time per decoding step = {100 * median(errors):.0f}% "
-            f"over {len(errors)} system x batch cells"
+            "prediction: median |predicted - measured| / measured time per decoding step = "
+            f"{100 * median(errors):.0f}% over {len(errors)} system x batch cells"
         )
     return lines
 
@@ -88,7 +90,8 @@ def write_reports(data: dict, stem: Path) -> None:
         f"Command: `{data['command']}`",
         "",
         f"Machine: {data['machine']['cpu']}, {data['machine']['nproc']} cores, torch {data['machine']['torch']}, "
-        f"offload_core {data['machine']['commit']}; load average {data['loadavg_start']} -> {data.get('loadavg_end', '')}",
+        f"offload_core {data['machine']['commit']}; load average {data['loadavg_start']} -> "
+        f"{data.get('loadavg_end', '')}",
         "",
         "| system | batch | aggregate tok/s | s per step | predicted s per step | peak anon RSS (GB) | runs |",
         "|---|---|---|---|---|---|---|",
@@ -131,7 +134,7 @@ def write_reports(data: dict, stem: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="1.1b")
     parser.add_argument("--checkpoint", help="a local checkpoint folder instead of a synthetic preset")
     parser.add_argument("--budget", default="1GB")
@@ -200,9 +203,10 @@ def main() -> None:
                 data["runs"].append(result)
                 if "error" not in result:
                     print(
-                        f"  rep {rep} batch {batch:>3} {system:<28} {result['aggregate_tokens_per_s']:8.3f} tok/s  step "
-                        f"{result['decode_token_mean_s']:.2f} s (predicted {result.get('predicted_step_s', float('nan')):.2f})  "
-                        f"anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB",
+                        f"  rep {rep} batch {batch:>3} {system:<28} {result['aggregate_tokens_per_s']:8.3f} tok/s  "
+                        f"step {result['decode_token_mean_s']:.2f} s (predicted "
+                        f"{result.get('predicted_step_s', float('nan')):.2f})  anon "
+                        f"+{result['peak_anon_rss_bytes'] / 1e9:.2f} GB",
                         flush=True,
                     )
                 data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -1,4 +1,5 @@
-"""Compare, on one checkpoint and one CPU budget: the in-memory model, accelerate's disk offload and ours (each policy and store).
+"""Compare, on one checkpoint and one CPU budget: the in-memory model, accelerate's disk offload and ours (each policy
+and store).
 
 Every measurement runs in a fresh process (``bench/worker.py``) so RSS baselines are honest, and the
 systems run in alternation, one round per repetition. Writes ``bench/results/compare-<tag>.json``
@@ -27,6 +28,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from report import _with, write_reports  # noqa: E402 (a sibling script, found through the path above)
+from targets import evaluate_targets  # noqa: E402
 
 POLICIES = ("align_per_call", "chained", "functional_call", "prefetch")
 STORES = ("memmap", "safetensors")
@@ -247,59 +249,8 @@ def aggregate(
     return medians, targets
 
 
-def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = False) -> dict:
-    """Each target, for each of our systems it applies to: the figure, the bound and whether it is met."""
-    targets: dict[str, dict] = {}
-
-    def put(name, system, value, bound, met_if):
-        if value is None:
-            return
-        met = value >= bound if met_if == ">=" else value <= bound
-        targets.setdefault(name, {})[system] = {"value": value, "bound": bound, "met": met}
-
-    for system, row in medians.items():
-        if gpu and system != "inmem":
-            # The GPU bound: streaming the offloaded bytes at the pinned H2D bandwidth of the same run.
-            if not system.endswith(":fit"):
-                put(
-                    "GPU: per-token time <= 1.18 x offloaded bytes / pinned H2D bandwidth",
-                    system,
-                    row["h2d_token_over_ideal"],
-                    1.18,
-                    "<=",
-                )
-                put("GPU: peak GPU memory <= budget", system, row["peak_gpu_bytes"], budget_bytes, "<=")
-        if not system.startswith("ours:"):
-            if system == "accelerate" and not gpu:
-                put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
-            continue
-        if system.endswith(":fit"):
-            slower = 1 / row["decode_vs_inmem"] - 1 if row["decode_vs_inmem"] else None
-            put("nothing offloaded: module-hook overhead <= 3% of decode time", system, slower, 0.03, "<=")
-            continue
-        if gpu:
-            put("GPU: decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
-            continue
-        put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
-        if cold:
-            put(
-                "cold: per-token time <= 1.25 x offloaded bytes / sequential bandwidth",
-                system,
-                row["cold_token_over_ideal"],
-                1.25,
-                "<=",
-            )
-        else:
-            put("warm decode >= 0.9 x in-memory", system, row["decode_vs_inmem"], 0.9, ">=")
-            put("warm decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
-            put(
-                "load to first token <= 0.25 x accelerate", system, row["load_to_first_token_vs_accelerate"], 0.25, "<="
-            )
-    return targets
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="1.1b", help="synthetic model size: tiny, 0.3b, 1.1b, 30b")
     parser.add_argument("--checkpoint", help="a local checkpoint folder instead of a synthetic preset")
     parser.add_argument("--budget", default="1GB", help="max_memory.cpu for ours and accelerate")
@@ -329,7 +280,9 @@ def main() -> None:
         "--code",
         choices=("head", "worktree"),
         default="head",
-        help="head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start",
+        help=(
+            "head: run a copy of the committed HEAD (default); worktree: a copy of the working tree taken at the start"
+        ),
     )
     parser.add_argument("--report", help="only rewrite .md and .png from this results .json")
     parser.add_argument(
@@ -427,9 +380,10 @@ def main() -> None:
             data["runs"].append(result)
             if "error" not in result:
                 print(
-                    f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first {result['time_to_first_token_s']:6.2f} s  "
-                    f"decode {result['decode_tokens_per_s']:6.3f} tok/s  anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  "
-                    f"file +{result['peak_file_rss_bytes'] / 1e9:.2f} GB",
+                    f"  rep {rep} {system['system']:<40} load {result['load_s']:6.2f} s  first "
+                    f"{result['time_to_first_token_s']:6.2f} s  decode {result['decode_tokens_per_s']:6.3f} tok/s  "
+                    f"anon +{result['peak_anon_rss_bytes'] / 1e9:.2f} GB  file "
+                    f"+{result['peak_file_rss_bytes'] / 1e9:.2f} GB",
                     flush=True,
                 )
             data["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -1,8 +1,9 @@
-"""Kept set against the kernel's LRU on a model larger than the page cache: fresh ``run.py`` processes per configuration,
+"""\
+Kept set against the kernel's LRU on a model larger than the page cache: fresh ``run.py`` processes per configuration,
 the disk's sequential bandwidth measured in the same session (buffered 16 MiB reads, and mapped reads as the prefetch
 reader does them: the bound uses the faster), figures written to bench/results/keep-<preset>.{json,md}.
 
-    OFFLOAD_CORE_CACHE=/tmp/bigcache flock /tmp/bench.lock python bench/keep.py --preset 30b --budget 4GB --stores safetensors
+    OFFLOAD_CORE_CACHE=/tmp/bigcache flock /tmp/bench.lock python bench/keep.py --preset 30b --budget 4GB
     flock /tmp/bench.lock python bench/keep.py --preset 1.1b --budget 700MB --stores safetensors memmap --half
 """
 
@@ -35,7 +36,8 @@ def checkpoint_files(preset: str) -> list[Path]:
 
 
 def one_run(preset: str, store: str, budget: str, page_cache: str, tokens: int, out: Path, folder: Path | None) -> dict:
-    """One fresh ``run.py`` process (the checkpoint dropped from the page cache first); its metrics.json and swap use."""
+    """One fresh ``run.py`` process (the checkpoint dropped from the page cache first); its metrics.json and swap
+    use."""
     drop_cache(
         checkpoint_files(preset)
         + (sorted(p for p in folder.iterdir() if p.is_file()) if folder and folder.exists() else [])
@@ -112,7 +114,8 @@ def write_report(path: Path, args: argparse.Namespace, bandwidths: dict, rows: l
     cache = f"OFFLOAD_CORE_CACHE={os.environ['OFFLOAD_CORE_CACHE']} " if os.environ.get("OFFLOAD_CORE_CACHE") else ""
     lru = {r["store"]: r["s_per_token"] for r in rows if r["page_cache"] == "lru"}
     lines = [
-        f"# Kept set against the kernel's LRU: `{args.preset}`, max_memory.cpu={args.budget}, {args.tokens} tokens, hook=prefetch",
+        f"# Kept set against the kernel's LRU: `{args.preset}`, max_memory.cpu={args.budget}, {args.tokens} tokens, "
+        "hook=prefetch",
         "",
         f"Reproduce: `{cache}flock /tmp/bench.lock python bench/keep.py {' '.join(sys.argv[1:])}`",
         "",
@@ -122,9 +125,9 @@ def write_report(path: Path, args: argparse.Namespace, bandwidths: dict, rows: l
         )
         + f". The bound uses the faster, {max(b[0] for b in bandwidths.values()) / GB:.2f} GB/s.",
         "",
-        "| store | page_cache | load s | first token s | s/token after it | × lru | bound s (1.25 × streamed ÷ bw) | within | "
-        "kept GB | disk read GB first token | disk read GB/token after it | kept served GB/token | read GB/s | "
-        "waited s/token | kept shrinks (GB) / grows | peak anon GB | swap Δ | tokens |",
+        "| store | page_cache | load s | first token s | s/token after it | × lru | bound s (1.25 × streamed ÷ bw) | "
+        "within | kept GB | disk read GB first token | disk read GB/token after it | kept served GB/token | read GB/s "
+        "| waited s/token | kept shrinks (GB) / grows | peak anon GB | swap Δ | tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -132,12 +135,12 @@ def write_report(path: Path, args: argparse.Namespace, bandwidths: dict, rows: l
         speedup = lru[r["store"]] / r["s_per_token"] if r["store"] in lru and r["s_per_token"] else float("nan")
         lines.append(
             f"| {r['store']} | {r['page_cache']} | {r['load_s']:.1f} | {r['time_to_first_token_s']:.1f} | "
-            f"{r['s_per_token']:.2f} | {speedup:.2f} | {r['bound_s']:.2f} | {r['within_bound']} | {r['kept_bytes'] / GB:.2f} | "
-            f"{(r['disk_read_bytes_first_token'] or 0) / GB:.2f} | {(disk or 0) / GB:.2f} "
-            f"({', '.join(f'{b / GB:.2f}' for b in r['disk_read_bytes_by_token'][1:])}) | {r['kept_served_bytes_per_token'] / GB:.2f} | "
-            f"{(r['read_bandwidth_bytes_per_s'] or 0) / GB:.2f} | {r['wait_s_per_token'] or 0:.2f} | "
-            f"{r['kept_shrinks']} ({r['kept_shrunk_bytes'] / GB:.2f}) / {r['kept_grows']} | "
-            f"{r['peak_anon_rss_bytes'] / GB:.2f} | {r['swap_used_delta']} | {r['token_ids']} |"
+            f"{r['s_per_token']:.2f} | {speedup:.2f} | {r['bound_s']:.2f} | {r['within_bound']} | "
+            f"{r['kept_bytes'] / GB:.2f} | {(r['disk_read_bytes_first_token'] or 0) / GB:.2f} | {(disk or 0) / GB:.2f} "
+            f"({', '.join(f'{b / GB:.2f}' for b in r['disk_read_bytes_by_token'][1:])}) | "
+            f"{r['kept_served_bytes_per_token'] / GB:.2f} | {(r['read_bandwidth_bytes_per_s'] or 0) / GB:.2f} | "
+            f"{r['wait_s_per_token'] or 0:.2f} | {r['kept_shrinks']} ({r['kept_shrunk_bytes'] / GB:.2f}) / "
+            f"{r['kept_grows']} | {r['peak_anon_rss_bytes'] / GB:.2f} | {r['swap_used_delta']} | {r['token_ids']} |"
         )
     lines += ["", "Plans:", ""] + [f"- {r['store']} {r['page_cache']}: {r['plan'] or '(none printed)'}" for r in rows]
     path.write_text("\n".join(lines) + "\n")

@@ -1,4 +1,5 @@
-"""MoE offload benchmark: builds a synthetic Mixtral-like checkpoint (bf16, per-expert tensors as transformers saves them),
+"""\
+MoE offload benchmark: builds a synthetic Mixtral-like checkpoint (bf16, per-expert tensors as transformers saves them),
 runs ``bench/compare.py`` on it (fresh processes, alternated, warm and cold page cache) and reports the expert figures.
 
     python bench/moe.py --preset mixtral-2.6g --tokens 6 --reps 1            # build, run warm and cold, report

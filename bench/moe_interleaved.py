@@ -29,7 +29,7 @@ OURS = ["experts:safetensors", "experts+guess=none:safetensors", "experts:memmap
 
 def load_all(checkpoint: str, budget: int, scratch: Path, ours: list[str]) -> dict[str, torch.nn.Module]:
     import transformers
-    from worker import load_accelerate
+    from peers import load_accelerate
 
     import offload_core
     from offload_core.module_hooks.experts import Experts, ExpertsConfig

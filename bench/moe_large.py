@@ -105,7 +105,8 @@ def report(data: dict, out: Path) -> None:
         "",
         f"Reproduce: `{data['command']}` (via `python bench/moe_large.py`)",
         "",
-        f"Machine: {data['machine']}; load average {data['loadavg_start']} at the start, {data['loadavg_end']} at the end.",
+        f"Machine: {data['machine']}; load average {data['loadavg_start']} at the start, "
+        f"{data['loadavg_end']} at the end.",
         "",
         "| system | s/decode token | GB read from disk/token | needed GB/token | bound s (1.25 × that ÷ bw) "
         "| within | peak anon RSS GB | budget GB | same tokens as block-granular |",

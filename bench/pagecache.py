@@ -1,4 +1,5 @@
-"""Page-cache tools for the benchmarks: drop a file's cached pages (cold-cache runs), count what is still cached, time sequential reads."""
+"""Page-cache tools for the benchmarks: drop a file's cached pages (cold-cache runs), count what is still cached, time
+sequential reads."""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ MIB = 1 << 20
 
 
 def blocks_of(path: Path, count: int) -> list[list[tuple[str, int, int]]]:
-    """The last ``count`` whole decoder blocks of shard ``path``: per block, its tensors' (key, start, end) in file order."""
+    """The last ``count`` whole decoder blocks of shard ``path``: per block, its tensors' (key, start, end) in file
+    order."""
     from offload_core.loading.safetensors_file import SafetensorsFile
 
     shard = SafetensorsFile(path)
@@ -164,8 +165,8 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['method']} | {r['repeat']} | {r['gb_per_s']:.2f} | {r['cpu_s_per_gb']:.2f} | {r['disk_read_per_byte']:.3f} | "
-        f"{r['cached_after']:.3f} |"
+        f"| {r['method']} | {r['repeat']} | {r['gb_per_s']:.2f} | {r['cpu_s_per_gb']:.2f} | "
+        f"{r['disk_read_per_byte']:.3f} | {r['cached_after']:.3f} |"
         for r in rows
     ]
     (results / f"{stem}.md").write_text("\n".join(lines) + "\n")

@@ -1,4 +1,5 @@
-"""The reports of ``bench/compare.py``: the markdown tables (ratios, targets, notes) and the plot, written from a results dict."""
+"""The reports of ``bench/compare.py``: the markdown tables (ratios, targets, notes) and the plot, written from a
+results dict."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ def write_markdown(data: dict, path: Path) -> None:
     lines = [
         f"# offload benchmark: synthetic {args['preset'] or args['checkpoint']}, {setting}",
         "",
-        f"Checkpoint: {_gb(data['checkpoint_bytes'])} GB ({args['dtype']}), {args['tokens']} new tokens (greedy) after a "
-        f"{data['prompt_tokens']}-token prompt, {args['reps']} repetitions per system, systems in alternation, each "
+        f"Checkpoint: {_gb(data['checkpoint_bytes'])} GB ({args['dtype']}), {args['tokens']} new tokens (greedy) after "
+        f"a {data['prompt_tokens']}-token prompt, {args['reps']} repetitions per system, systems in alternation, each "
         "run in a fresh process. Medians; sizes in GB (10^9 bytes); RSS figures are peaks minus the process's baseline "
         "after imports.",
         "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, Linux {m['kernel']}, torch {m['torch']}, "
-        f"transformers {m['transformers']}, accelerate {m['accelerate']}, offload_core {m['commit']}. "
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, Linux {m['kernel']}, torch "
+        f"{m['torch']}, transformers {m['transformers']}, accelerate {m['accelerate']}, offload_core {m['commit']}. "
         f"Load average {data['loadavg_start']} at start, {data['loadavg_end']} at end (other jobs share these cores: "
         "compare ratios, not absolute figures).",
         "",
@@ -43,7 +44,8 @@ def write_markdown(data: dict, path: Path) -> None:
         "```",
         "",
         "| system | load s | first token s | load→first token s | decode tok/s (min–max) | × in-mem | × accelerate | "
-        "load→1st × accelerate | peak anon RSS Δ | peak file RSS Δ | bytes read/token | read GB/s | written at load | same tokens |",
+        "load→1st × accelerate | peak anon RSS Δ | peak file RSS Δ | bytes read/token | read GB/s | written at load | "
+        "same tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for system, r in med.items():
@@ -55,21 +57,25 @@ def write_markdown(data: dict, path: Path) -> None:
         lines.append(
             f"| {system} | {_f(r['load_s'])} | {_f(r['time_to_first_token_s'])} | {_f(r['load_to_first_token_s'])} | "
             f"{_f(tps)}{spread} | {_f(r['decode_vs_inmem'])} | {_f(r['decode_vs_accelerate'])} | "
-            f"{_f(r['load_to_first_token_vs_accelerate'])} | {_gb(r['peak_anon_rss_bytes'])} | {_gb(r['peak_file_rss_bytes'])} | "
-            f"{_gb(r['bytes_read_per_token'])} | {_f(r['read_bandwidth_bytes_per_s'] and r['read_bandwidth_bytes_per_s'] / 1e9)} | "
+            f"{_f(r['load_to_first_token_vs_accelerate'])} | {_gb(r['peak_anon_rss_bytes'])} | "
+            f"{_gb(r['peak_file_rss_bytes'])} | {_gb(r['bytes_read_per_token'])} | "
+            f"{_f(r['read_bandwidth_bytes_per_s'] and r['read_bandwidth_bytes_per_s'] / 1e9)} | "
             f"{_gb(r['store_bytes_written'])} | {r['matches_in_memory']} |"
         )
     if cold:
         lines += [
             "",
-            "Cold page cache: before the prompt and before each new token the offloaded data files (the offload folder's "
-            "`.dat` files; for `safetensors`, the checkpoint shards holding offloaded tensors) are dropped from the page "
-            "cache (`madvise(MADV_DONTNEED)` on this process's maps of them, then `posix_fadvise(DONTNEED)`); the time "
-            "spent dropping is not counted. Files written at load are flushed to the disk (`sync`) before decoding. The "
-            "same bytes are read sequentially (16 MiB reads, cache dropped first) three times before decoding and twice "
-            "after, to measure the disk's bandwidth in the same run; the median of the five is used.",
+            "Cold page cache: before the prompt and before each new token the offloaded data files (the offload "
+            "folder's `.dat` files; for `safetensors`, the checkpoint shards holding offloaded tensors) are dropped "
+            "from the page cache (`madvise(MADV_DONTNEED)` on this process's maps of them, then "
+            "`posix_fadvise(DONTNEED)`); the time spent dropping is not counted. Files written at load are flushed to "
+            "the disk (`sync`) before decoding. The same bytes are read sequentially (16 MiB reads, cache dropped "
+            "first) three times before decoding and twice after, to measure the disk's bandwidth in the same run; the "
+            "median of the five is used.",
             "",
-            "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token | token ÷ ideal | disk read GB/token | disk GB/s while decoding | cached after drop | prefetch: compute waited s/token |",
+            "| system | decode s/token | offloaded GB/token | sequential read GB/s | ideal read s/token "
+            "| token ÷ ideal | disk read GB/token | disk GB/s while decoding | cached after drop "
+            "| prefetch: compute waited s/token |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for system, r in med.items():
@@ -78,7 +84,8 @@ def write_markdown(data: dict, path: Path) -> None:
             lines.append(
                 f"| {system} | {_f(r['decode_token_mean_s'])} | {_gb(r['bytes_read_per_token'])} | "
                 f"{_f(r['sequential_read_bytes_per_s'] and r['sequential_read_bytes_per_s'] / 1e9)} | "
-                f"{_f(r['ideal_read_s_per_token'])} | {_f(r['cold_token_over_ideal'])} | {_gb(r['disk_read_bytes_per_token'])} | "
+                f"{_f(r['ideal_read_s_per_token'])} | {_f(r['cold_token_over_ideal'])} | "
+                f"{_gb(r['disk_read_bytes_per_token'])} | "
                 f"{_f(r['disk_read_bandwidth_bytes_per_s'] and r['disk_read_bandwidth_bytes_per_s'] / 1e9)} | "
                 f"{_f(r['cached_fraction_after_drop_max'] and 100 * r['cached_fraction_after_drop_max'], 1, '%')} | "
                 f"{_f(r.get('prefetch_wait_s_per_token'), 3)} |"
@@ -86,18 +93,20 @@ def write_markdown(data: dict, path: Path) -> None:
     if gpu:
         lines += [
             "",
-            "GPU: the pinned host → GPU bandwidth is measured in every run (256 MiB copies from pinned memory, median of "
-            "7, before and after generating; the better one is kept).",
+            "GPU: the pinned host → GPU bandwidth is measured in every run (256 MiB copies from pinned memory, median "
+            "of 7, before and after generating; the better one is kept).",
             "",
-            "| system | decode s/token | offloaded GB/token | pinned H2D GB/s | ideal s/token | token ÷ ideal | peak GPU GB | prefetch: compute waited s/token |",
+            "| system | decode s/token | offloaded GB/token | pinned H2D GB/s | ideal s/token | token ÷ ideal "
+            "| peak GPU GB | prefetch: compute waited s/token |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for system, r in med.items():
             if r["runs"]:
                 lines.append(
                     f"| {system} | {_f(r['decode_token_mean_s'], 3)} | {_gb(r['bytes_read_per_token'])} | "
-                    f"{_f(r['h2d_bytes_per_s'] and r['h2d_bytes_per_s'] / 1e9)} | {_f(r['ideal_h2d_s_per_token'], 3)} | "
-                    f"{_f(r['h2d_token_over_ideal'])} | {_gb(r['peak_gpu_bytes'])} | {_f(r.get('prefetch_wait_s_per_token'), 3)} |"
+                    f"{_f(r['h2d_bytes_per_s'] and r['h2d_bytes_per_s'] / 1e9)} | {_f(r['ideal_h2d_s_per_token'], 3)} "
+                    f"| {_f(r['h2d_token_over_ideal'])} | {_gb(r['peak_gpu_bytes'])} | "
+                    f"{_f(r.get('prefetch_wait_s_per_token'), 3)} |"
                 )
     lines += ["", "## Targets", "", "| target | system | figure | bound | met |", "|---|---|---|---|---|"]
     for name, per_system in data["targets"].items():

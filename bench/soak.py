@@ -1,4 +1,5 @@
-"""Soak: 2,000 forward calls per module-hook policy on a synthetic Llama with its weights on disk; anonymous RSS and open file descriptors before and after.
+"""Soak: 2,000 forward calls per module-hook policy on a synthetic Llama with its weights on disk; anonymous RSS and
+open file descriptors before and after.
 
 Each policy runs in a fresh process so one policy's leftovers cannot hide or inflate another's.
 Writes ``bench/results/soak.json``.
@@ -86,7 +87,7 @@ def soak_one(policy: str, preset: str, calls: int, warmup: int, seq: int) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=50)
@@ -124,7 +125,8 @@ def main() -> None:
         print(
             f"{policy:>16}: {run['calls']} calls, {run['ms_per_call']:.2f} ms/call, anon RSS "
             f"{run['before']['anon_rss_bytes'] / 2**20:.1f} -> {run['after']['anon_rss_bytes'] / 2**20:.1f} MiB "
-            f"({run['anon_rss_growth_bytes'] / 2**10:+.0f} KiB), fds {run['before']['open_fds']} -> {run['after']['open_fds']}"
+            f"({run['anon_rss_growth_bytes'] / 2**10:+.0f} KiB), fds {run['before']['open_fds']} -> "
+            f"{run['after']['open_fds']}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

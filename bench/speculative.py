@@ -5,8 +5,8 @@ and the main job's small budget) with a warm and a cold page cache. Each configu
 the disk on every pass; warm: ``page_cache=lru`` after a run that read the checkpoint). No draft checkpoint sharing
 SmolLM2's tokenizer is on this machine (SmolLM2-135M is the family's smallest), so ``speculative=draft`` is not run.
 
-    flock /tmp/bench.lock python bench/speculative.py --tokens 40            # writes bench/results/speculative-smollm2.*
-    python bench/speculative.py --report bench/results/speculative-smollm2.json   # redo .md/.png from a .json
+    flock /tmp/bench.lock python bench/speculative.py --tokens 40  # writes bench/results/speculative-smollm2.*
+    python bench/speculative.py --report bench/results/speculative-smollm2.json  # redo .md/.png from a .json
 """
 
 from __future__ import annotations
@@ -153,8 +153,9 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
         "",
         f"`{meta['command']}`, {meta['date']}. Store safetensors, policy align_per_call, float32. "
         f"**Taken on a loaded shared machine** ({os.cpu_count()} cores; load average before "
-        f"{', '.join(f'{x:.1f}' for x in meta['load_before'])}, after {', '.join(f'{x:.1f}' for x in meta['load_after'])}): "
-        "the figures are indicative: decode tokens/s is the median of the runs (alternating modes), range beside it.",
+        f"{', '.join(f'{x:.1f}' for x in meta['load_before'])}, after "
+        f"{', '.join(f'{x:.1f}' for x in meta['load_after'])}): the figures are indicative: decode tokens/s is the "
+        "median of the runs (alternating modes), range beside it.",
         "",
         "Budgets: half = max_memory.cpu=300MiB (about half the 513 MiB model streamed), small = 200MiB. Cold: the "
         "checkpoint dropped from the page cache before the run and page_cache=0 (every offloaded block read from "
@@ -162,8 +163,9 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
         "expected tokens per pass at an assumed acceptance of 0.6 (an estimate). No draft checkpoint sharing "
         "SmolLM2's tokenizer exists on this machine, so speculative=draft is not measured.",
         "",
-        "| prompt | budget | cache | mode | decode tok/s (median) | runs: range | x none | tokens/pass | acceptance | drafted | moved/token MiB "
-        "| disk read/token MiB | disk MB/s | plan s/token | same as plain greedy in memory | same as in memory, same speculation |",
+        "| prompt | budget | cache | mode | decode tok/s (median) | runs: range | x none | tokens/pass | acceptance | "
+        "drafted | moved/token MiB | disk read/token MiB | disk MB/s | plan s/token | same as plain greedy in memory | "
+        "same as in memory, same speculation |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -1,4 +1,5 @@
-"""offload_core: run models that do not fit in accelerator memory or RAM by planning where every weight lives and streaming offloaded weights around each module's forward.
+"""offload_core: run models that do not fit in accelerator memory or RAM by planning where every weight lives and
+streaming offloaded weights around each module's forward.
 
 Importing this package loads no plugin; the registry is built on first use.
 """

@@ -1,5 +1,5 @@
-"""``python -m offload_core`` (or ``offload-core``): ``run [key=value ...]`` runs the main job as ``python run.py`` does;
-``plugins`` lists loaded plugins, their versions and the strategies each provides (by the names the command line
+"""``python -m offload_core`` (or ``offload-core``): ``run [key=value ...]`` runs the main job as ``python run.py``
+does; ``plugins`` lists loaded plugins, their versions and the strategies each provides (by the names the command line
 takes)."""
 
 from __future__ import annotations

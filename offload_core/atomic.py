@@ -1,4 +1,5 @@
-"""File-system helpers for writes a crash never leaves half done: flush to the disk, and write beside then rename into place."""
+"""File-system helpers for writes a crash never leaves half done: flush to the disk, and write beside then rename into
+place."""
 
 from __future__ import annotations
 

@@ -11,11 +11,13 @@ class OffloadError(Exception):
 
 
 class ConfigError(OffloadError, ValueError):
-    """A config value that cannot be used (unknown name, bad size, impossible budget); a ``ValueError`` too, as in accelerate."""
+    """A config value that cannot be used (unknown name, bad size, impossible budget); a ``ValueError`` too, as in
+    accelerate."""
 
 
 class DeviceMapError(OffloadError, ValueError):
-    """A device map that does not cover the model exactly once or names unknown devices; a ``ValueError`` too, as in accelerate."""
+    """A device map that does not cover the model exactly once or names unknown devices; a ``ValueError`` too, as in
+    accelerate."""
 
 
 class CheckpointError(OffloadError):

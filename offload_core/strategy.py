@@ -17,7 +17,8 @@ class StrategyBase(ABC):
 
     @classmethod
     def auto_variants(cls) -> list[dict[str, Any]]:
-        """The option sets ``auto=true`` tries for this strategy, each laid over its config's defaults (one: the defaults)."""
+        """The option sets ``auto=true`` tries for this strategy, each laid over its config's defaults (one: the
+        defaults)."""
         return [{}]
 
     def __init__(self, config: Any) -> None:

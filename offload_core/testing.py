@@ -1,5 +1,5 @@
-"""Contract checks for plugin authors: a placement's map is complete and within budget, a store round-trips, a policy keeps
-outputs and sizes what it keeps in flight.
+"""Contract checks for plugin authors: a placement's map is complete and within budget, a store round-trips, a policy
+keeps outputs and sizes what it keeps in flight.
 
 Call them from your plugin's tests (our built-in plugins are checked with the same functions)::
 
@@ -141,7 +141,8 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
 
 
 def tiny_tied_llama(directory: str | Path):
-    """A seeded 4-layer Llama with tied embeddings saved to ``directory`` in small shards; returns ``(config, model)``."""
+    """A seeded 4-layer Llama with tied embeddings saved to ``directory`` in small shards; returns
+    ``(config, model)``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from offload_core.loading.writer import write_sharded_safetensors
@@ -247,7 +248,8 @@ def check_policy_reservation(policy: Any) -> list[dict]:
                 assert main in reserve, f"reserve() says nothing about the execution device {main!r} for a {where}"
                 if device.type == "cuda":
                     assert reserve[main] >= min(need.block_bytes, need.module_bytes), (
-                        f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: the unit that runs must fit there"
+                        f"reserve() holds {reserve[main]} bytes on the GPU for a {where}: "
+                        "the unit that runs must fit there"
                     )
                 answers.append(reserve)
     return answers

@@ -1,4 +1,5 @@
-"""Built-in module-hook policy ``align_per_call``: bring a unit in before each call and drop it after, per owning module or per block."""
+"""Built-in module-hook policy ``align_per_call``: bring a unit in before each call and drop it after, per owning module
+or per block."""
 
 from offload_core.hookspecs import hookimpl
 from offload_core.module_hooks.align import AlignPerCall, AlignPerCallConfig

@@ -1,4 +1,5 @@
-"""Built-in module-hook policy ``chained``: the model's blocks chained in execution order, each kept loaded until the next is called."""
+"""Built-in module-hook policy ``chained``: the model's blocks chained in execution order, each kept loaded until the
+next is called."""
 
 from offload_core.hookspecs import hookimpl
 from offload_core.module_hooks.chained import Chained, ChainedConfig

@@ -1,4 +1,5 @@
-"""Built-in module-hook policy ``functional_call``: offloaded tensors passed to torch.func.functional_call for one call, as vLLM does."""
+"""Built-in module-hook policy ``functional_call``: offloaded tensors passed to torch.func.functional_call for one call,
+as vLLM does."""
 
 from offload_core.hookspecs import hookimpl
 from offload_core.module_hooks.functional import FunctionalCall, FunctionalCallConfig

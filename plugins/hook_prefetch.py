@@ -1,4 +1,5 @@
-"""Built-in module-hook policy ``prefetch``: block-granular offload with look-ahead along the recorded execution order."""
+"""Built-in module-hook policy ``prefetch``: block-granular offload with look-ahead along the recorded execution
+order."""
 
 from offload_core.hookspecs import hookimpl
 from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig

@@ -1,4 +1,5 @@
-"""Built-in storage ``pinned_cpu``: offloaded tensors held in host memory, page-locked when an accelerator is present."""
+"""Built-in storage ``pinned_cpu``: offloaded tensors held in host memory, page-locked when an accelerator is
+present."""
 
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # What the tests start runs on the CPU too, GPU or not (a CLI test on a GPU machine would pick cuda:0).
 os.environ["OFFLOAD_CORE_ACCELERATOR"] = "cpu"
+# tests learn and calibrate however busy the machine running them is (tests of the busy rule set it themselves)
+os.environ["OFFLOAD_CORE_BUSY_LOAD"] = "inf"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -64,7 +66,8 @@ def compose_run():
 
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory):
-    """``saved(name)``: a tiny seeded checkpoint transformers saved (tests/checkpoints.py's MODELS), made once a session."""
+    """``saved(name)``: a tiny seeded checkpoint transformers saved (tests/checkpoints.py's MODELS), made once a
+    session."""
     from tests.checkpoints import saved_models
 
     return saved_models(tmp_path_factory.mktemp("hf_saved"))

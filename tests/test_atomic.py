@@ -1,4 +1,5 @@
-"""atomic_write: a file or folder appears whole under its name or not at all, and a failed write leaves nothing behind."""
+"""atomic_write: a file or folder appears whole under its name or not at all, and a failed write leaves nothing
+behind."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The README's two commands: the first runs the main job, the second the tests, and .ci/run runs the second one verbatim."""
+"""The README's two commands: the first runs the main job, the second the tests, and .ci/run runs the second one
+verbatim."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The tree keeps the linter's and the formatter's rules (``[tool.ruff]`` in pyproject.toml): ``ruff check`` and
-``ruff format --check`` from the repository root report nothing. Skipped only where ruff is not installed (it is in the ``test`` extra)."""
+``ruff format --check`` from the repository root report nothing. Skipped only where ruff is not installed (it is in
+the ``test`` extra)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 
 def wait_until(condition: Callable[[], object], what: str, timeout: float = 60) -> object:
-    """``condition()``'s first true value, polled until ``timeout`` seconds pass; then the test fails naming ``what``."""
+    """``condition()``'s first true value, polled until ``timeout`` seconds pass; then the test fails naming
+    ``what``."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()

@@ -39,7 +39,8 @@ def configuration_page() -> str:
         "",
         "Give a key as `key=value`, a group's option as `group=option` and that option's own keys as",
         "`group.key=value`; a GPU budget is `max_memory.0=10GiB` (see",
-        "[Quickstart](../quickstart.md#budgets-on-the-command-line)). A key not in the schema is refused. Sizes are strings",
+        "[Quickstart](../quickstart.md#budgets-on-the-command-line)). A key not in the schema is refused. "
+        "Sizes are strings",
         '(`"200MiB"` is 200·2²⁰ bytes, `"2GB"` 2·10⁹) or bytes.',
         "",
         "## Top-level keys",

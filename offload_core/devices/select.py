@@ -1,4 +1,5 @@
-"""Which accelerator is active: the one torch reports, unless ``OFFLOAD_CORE_ACCELERATOR`` or :func:`use` says otherwise."""
+"""Which accelerator is active: the one torch reports, unless ``OFFLOAD_CORE_ACCELERATOR`` or :func:`use` says
+otherwise."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The real accelerator, through torch: CUDA, and other accelerators through ``torch.accelerator`` where torch has it."""
+"""The real accelerator, through torch: CUDA, and other accelerators through ``torch.accelerator`` where torch has
+it."""
 
 from __future__ import annotations
 

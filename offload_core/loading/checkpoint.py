@@ -1,4 +1,5 @@
-"""Read a local checkpoint lazily: a Hugging Face folder (sharded index or loose shards) or one file, safetensors or legacy ``.bin`` (plain tensors only)."""
+"""Read a local checkpoint lazily: a Hugging Face folder (sharded index or loose shards) or one file, safetensors or
+legacy ``.bin`` (plain tensors only)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ class Checkpoint:
             return cls._open_dir(path)
         if not path.is_file():
             raise CheckpointError(
-                f"checkpoint {path} is neither a directory nor a regular file; give a checkpoint directory or weights file"
+                f"checkpoint {path} is neither a directory nor a regular file; "
+                "give a checkpoint directory or weights file"
             )
         if path.name.endswith(".index.json"):
             return cls._from_index(path, path, path.parent, safetensors=path.name.endswith(".safetensors.index.json"))
@@ -146,7 +148,8 @@ class Checkpoint:
                 raise TypeError
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             raise CheckpointError(
-                f"{index_file} is not a valid index: expected JSON with a 'weight_map' object; re-download the checkpoint"
+                f"{index_file} is not a valid index: expected JSON with a 'weight_map' object; "
+                "re-download the checkpoint"
             ) from None
         shard_names = sorted(set(weight_map.values()))
         files = []

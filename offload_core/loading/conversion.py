@@ -1,14 +1,13 @@
 """Map checkpoint tensor names to a model's state-dict names with transformers' own conversion mapping (renamings,
-per-expert tensors merged into fused experts), and present a checkpoint under the model's names."""
+per-expert tensors merged into fused experts); :mod:`offload_core.loading.converted` presents a checkpoint under the
+model's names."""
 
 from __future__ import annotations
 
 import copy
 import os
 import re
-import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,9 +21,7 @@ __all__ = [
     "ConvertedTensor",
     "ConversionSummary",
     "KeyConversion",
-    "ConvertedCheckpoint",
     "key_conversion",
-    "convert_checkpoint",
 ]
 
 #: An index into a target tensor: one int or slice per dimension.
@@ -78,8 +75,9 @@ class ConversionSummary:
         if self.converted:
             ops = ", ".join(f"{name} x{count}" for name, count in sorted(self.operations.items()))
             lines.append(
-                f"{self.converted} tensor(s) built from several checkpoint tensors ({ops}): {format_size(self.converted_bytes)}; "
-                f"{self.part_by_part} read part by part in place, the rest materialised once per read or write"
+                f"{self.converted} tensor(s) built from several checkpoint tensors ({ops}): "
+                f"{format_size(self.converted_bytes)}; {self.part_by_part} read part by part in place, the rest "
+                "materialised once per read or write"
             )
         return lines
 
@@ -123,7 +121,7 @@ def _transforms(model: nn.Module, key_mapping: dict[str, str] | None) -> tuple[l
     )
 
 
-def _run_converter(
+def run_converter(
     converter: Any, target: str, sources: dict[str, list[str]], tensor: Any, model: nn.Module | None
 ) -> dict:
     """Run a fresh copy of transformers' converter on ``tensor(key)`` for each source key: ``{model name: tensor}``."""
@@ -256,14 +254,15 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
         missing = _missing_source(converter, sources, expected)
         if missing is not None:
             raise ConversionMismatchError(
-                f"checkpoint lacks {missing!r}, needed to build {name!r}; re-download the checkpoint or add the missing shard"
+                f"checkpoint lacks {missing!r}, needed to build {name!r}; "
+                "re-download the checkpoint or add the missing shard"
             )
         shapes = {key: tuple(checkpoint.shape(key)) for keys_ in sources.values() for key in keys_}
         dtypes = {checkpoint.dtype(key) for key in shapes}
         dtype = dtypes.pop() if len(dtypes) == 1 else meta[name].dtype
         absent = [pattern for pattern in converter.source_patterns if pattern not in sources]
         try:
-            built = _run_converter(
+            built = run_converter(
                 converter, name, sources, lambda key: torch.empty(shapes[key], dtype=dtype, device="meta"), model
             )
         except (ValueError, RuntimeError, IndexError) as error:
@@ -276,7 +275,8 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
                 ) from None
         if absent and tuple(getattr(built.get(name), "shape", ())) != expected:
             raise ConversionMismatchError(
-                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; re-download the checkpoint or add the missing shard"
+                f"checkpoint has no tensor matching {absent[0]!r} for {name!r}; "
+                "re-download the checkpoint or add the missing shard"
             )
         for target, value in built.items():
             ordered = [key for keys_ in sources.values() for key in keys_]
@@ -292,141 +292,3 @@ def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, st
                 sources,
             )
     return conversion
-
-
-class _RenamedFile:
-    """A shard's :class:`SafetensorsFile` answered under the model's names (byte ranges of renamed tensors)."""
-
-    def __init__(self, file: Any, source: dict[str, str]) -> None:
-        self._file = file
-        self._source = source
-
-    def byte_range(self, name: str) -> tuple[int, int]:
-        return self._file.byte_range(self._source.get(name, name))
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(self._file, attribute)
-
-
-class ConvertedCheckpoint:
-    """A checkpoint read under the model's names: renamed tensors are the same views, converted ones are built.
-
-    Shapes and dtypes come from headers (converted ones from transformers' operations run on meta
-    tensors). ``get`` of a converted tensor materialises it with transformers' converter; stores that
-    read in place use :meth:`parts` instead. Everything else is the wrapped checkpoint's.
-    """
-
-    def __init__(self, checkpoint: Any, conversion: KeyConversion, model: nn.Module) -> None:
-        self.checkpoint = checkpoint
-        self.conversion = conversion
-        # Some operations read the model (a parameter's shape) or its config. A weak reference: the model's
-        # store holds this checkpoint, and the model must still be freed as soon as it is dropped.
-        self._model = weakref.ref(model)
-        self._source = dict(conversion.renamed)
-        consumed = set(conversion.renamed.values())
-        for item in conversion.converted.values():
-            consumed.update(item.sources)
-        self._consumed = consumed
-        self._shards: list[tuple[Path, list[str]]] | None = None
-        #: names of tensors built from several checkpoint tensors (stores never copy these file to file)
-        self.conversion_targets: frozenset[str] = frozenset(conversion.converted)
-
-    def shards(self) -> list[tuple[Path, list[str]]]:
-        """``(file, names)`` per shard; a converted tensor is listed with the shard of its last source."""
-        if self._shards is None:
-            underlying = self.checkpoint.shards()
-            position = {key: (i, j) for i, (_, keys) in enumerate(underlying) for j, key in enumerate(keys)}
-            built_at: dict[str, list[str]] = {}  # last source (in file order) -> converted tensors it completes
-            for name, item in self.conversion.converted.items():
-                built_at.setdefault(max(item.sources, key=position.__getitem__), []).append(name)
-            renamed = {key: name for name, key in self._source.items()}
-            self._shards = []
-            for shard, keys in underlying:
-                names = []
-                for key in keys:
-                    if key in renamed:
-                        names.append(renamed[key])
-                    elif key not in self._consumed:
-                        names.append(key)
-                    names.extend(built_at.get(key, ()))
-                self._shards.append((shard, names))
-        return self._shards
-
-    def keys(self) -> list[str]:
-        return [name for _, names in self.shards() for name in names]
-
-    def __contains__(self, name: object) -> bool:
-        return (
-            name in self.conversion.converted
-            or name in self._source
-            or (name in self.checkpoint and name not in self._consumed)
-        )
-
-    def __len__(self) -> int:
-        return len(self.keys())
-
-    def _key(self, name: str) -> str:
-        return self._source.get(name, name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        item = self.conversion.converted.get(name)
-        return item.shape if item is not None else tuple(self.checkpoint.shape(self._key(name)))
-
-    def dtype(self, name: str) -> torch.dtype:
-        item = self.conversion.converted.get(name)
-        return item.dtype if item is not None else self.checkpoint.dtype(self._key(name))
-
-    def nbytes(self, name: str) -> int:
-        item = self.conversion.converted.get(name)
-        return item.nbytes if item is not None else self.checkpoint.nbytes(self._key(name))
-
-    def file_of(self, name: str) -> Path:
-        item = self.conversion.converted.get(name)
-        return self.checkpoint.file_of(item.sources[-1] if item is not None else self._key(name))
-
-    def safetensors_file(self, path: Any) -> _RenamedFile:
-        return _RenamedFile(self.checkpoint.safetensors_file(path), self._source)
-
-    def parts(self, name: str) -> list[tuple[Index, torch.Tensor]] | None:
-        """``[(index, source view)]`` with ``target[index] = source`` for a converted tensor read in place;
-        None for a tensor that is not converted or whose operations are more than placement."""
-        item = self.conversion.converted.get(name)
-        if item is None or item.parts is None:
-            return None
-        return [(index, self.checkpoint.get(key)) for key, index in item.parts]
-
-    def part_ranges(self, name: str) -> list[tuple[Index, Path, int, int]] | None:
-        """``[(index, file, start, end)]``: where each of :meth:`parts`' sources lies (absolute byte offsets), or None."""
-        item = self.conversion.converted.get(name)
-        if item is None or item.parts is None or not getattr(self.checkpoint, "is_safetensors", False):
-            return None
-        files = [(index, self.checkpoint.file_of(key), key) for key, index in item.parts]
-        return [(index, file, *self.checkpoint.safetensors_file(file).byte_range(key)) for index, file, key in files]
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor under the model's name: a zero-copy view, or a converted tensor built by transformers."""
-        item = self.conversion.converted.get(name)
-        if item is None:
-            return self.checkpoint.get(self._key(name))
-        return _run_converter(item.converter, name, item.by_pattern, self.checkpoint.get, self._model())[name]
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {
-            **self.checkpoint.fingerprint(),
-            "converted": sorted(self.conversion.converted),
-            "renamed": sorted(self.conversion.renamed.items()),
-        }
-
-    def __getattr__(self, attribute: str) -> Any:
-        if attribute in ("checkpoint", "conversion", "conversion_targets", "_model", "_source", "_consumed", "_shards"):
-            raise AttributeError(attribute)
-        return getattr(self.checkpoint, attribute)
-
-    def __repr__(self) -> str:
-        return f"ConvertedCheckpoint({self.checkpoint!r}, {len(self._source)} renamed, {len(self.conversion.converted)} converted)"
-
-
-def convert_checkpoint(model: nn.Module, checkpoint: Any) -> Any:
-    """``checkpoint`` as ``model`` names its tensors: itself when names already match, else a :class:`ConvertedCheckpoint`."""
-    conversion = key_conversion(model, checkpoint)
-    return ConvertedCheckpoint(checkpoint, conversion, model) if conversion else checkpoint

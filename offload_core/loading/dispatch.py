@@ -1,4 +1,5 @@
-"""Compose a device map, a store and a module-hook policy on a model: ``dispatch_model`` and ``load_checkpoint_and_dispatch``."""
+"""Compose a device map, a store and a module-hook policy on a model: ``dispatch_model`` and
+``load_checkpoint_and_dispatch``."""
 
 from __future__ import annotations
 
@@ -11,17 +12,16 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from offload_core import devices
-from offload_core.alignment import empty_at, maps_checkpoint, reference_offset
-from offload_core.errors import CheckpointError
+from offload_core.alignment import maps_checkpoint
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.planning import no_split_classes
-from offload_core.storage import Store, StoreContext, convert_dtype
+from offload_core.storage import Store, StoreContext
 from offload_core.storage.residency import Residency
 from offload_core.loading.model_device import report_execution_device, restore_device_report
 from offload_core.loading.execution_device import default_execution_device, resolve_execution_device  # noqa: F401 (public here too)
+from offload_core.loading.load_weights import load_checkpoint_in_model
 from offload_core.loading.routes import (
     TensorRoutes,
     get_tensor,
@@ -33,102 +33,6 @@ from offload_core.loading.routes import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def load_checkpoint_in_model(
-    model: nn.Module,
-    checkpoint: Any,
-    routes: TensorRoutes,
-    store: Store | None,
-    dtype: torch.dtype | None = None,
-    progress: bool = True,
-    strict: bool = False,
-) -> dict[str, list[str]]:
-    """Stream ``checkpoint`` shard by shard into ``model`` (resident tensors) and ``store`` (offloaded ones).
-
-    Resident tensors are copied once from the mapped shard to their device; offloaded ones go to the
-    store (which may only record where they are). Peak anonymous memory is the resident bytes: shards
-    are mapped, never read whole into memory. Returns ``{"missing": [...], "unexpected": [...]}``;
-    missing weights or shape mismatches raise :class:`CheckpointError`, and so do unused ones with ``strict``.
-    """
-    ckpt_keys = set(checkpoint.keys())
-    # Which checkpoint key feeds each canonical name (a tied group may be saved under any of its names).
-    source: dict[str, str] = {}
-    for name, canonical in routes.canonical.items():
-        if name in ckpt_keys:
-            source.setdefault(canonical, name)
-    missing = sorted({c for c in routes.canonical.values() if c not in source})
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(
-            f"checkpoint {getattr(checkpoint, 'path', '')} lacks {len(missing)} weight(s) the model needs: {shown}; "
-            "check that the checkpoint matches the model's config"
-        )
-    wanted = {key: canonical for canonical, key in source.items()}
-    unexpected = sorted(ckpt_keys - set(routes.canonical))
-    if unexpected and strict:
-        raise CheckpointError(
-            f"checkpoint has {len(unexpected)} tensor(s) the model does not use ({', '.join(unexpected[:5])}): "
-            "load it with strict=False to ignore them, or use the checkpoint that matches the model"
-        )
-    if unexpected:
-        log.warning(
-            "checkpoint has %d tensor(s) the model does not use (ignored): %s",
-            len(unexpected),
-            ", ".join(unexpected[:5]),
-        )
-    state = model.state_dict(keep_vars=True)
-    expected = {name: tuple(t.shape) for name, t in state.items()}
-    kinds = {name: _dtype_kind(t.dtype) for name, t in state.items()}
-    store_keys = set(routes.offloaded.values())
-    in_place = maps_checkpoint(model)
-    total = sum(len(keys) for _, keys in checkpoint.shards())
-    bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
-    for shard, keys in checkpoint.shards():
-        for key in keys:
-            bar.update(1)
-            canonical = wanted.get(key)
-            if canonical is None:
-                continue
-            shape = tuple(checkpoint.shape(key))
-            if shape != expected[canonical]:
-                raise CheckpointError(
-                    f"checkpoint tensor {key!r} in {Path(shard).name} has shape {list(shape)} but the model expects "
-                    f"{list(expected[canonical])}; the checkpoint does not match the model's config"
-                )
-            stored = checkpoint.dtype(key)
-            if _dtype_kind(stored) != kinds[canonical]:
-                raise CheckpointError(
-                    f"checkpoint tensor {key!r} in {Path(shard).name} is {str(stored).removeprefix('torch.')} but the model "
-                    f"expects a {kinds[canonical]} tensor ({str(state[canonical].dtype).removeprefix('torch.')}); "
-                    "the checkpoint does not match the model's config"
-                )
-            if canonical in store_keys:
-                if store is not None and not store.reused:
-                    store.add_from_checkpoint(canonical, checkpoint, key, dtype)
-                continue
-            value = convert_dtype(checkpoint.get(key), dtype)
-            device = routes.resident[canonical]
-            if device.type == "cpu":  # where the in-memory load has it: this machine's kernels may depend on it
-                held = empty_at(value.shape, value.dtype, reference_offset(value, in_place))
-            else:
-                held = torch.empty(value.shape, dtype=value.dtype, device=device)
-            held.copy_(value)
-            set_tensor(model, canonical, held, routes.is_param[canonical])
-    bar.close()
-    if store is not None:
-        store.finalize()
-    retie(model, routes)
-    return {"missing": missing, "unexpected": unexpected}
-
-
-def _dtype_kind(dtype: torch.dtype) -> str:
-    """``floating``, ``complex``, ``bool`` or ``integer``: floats convert to the run's dtype, other kinds never do."""
-    if dtype.is_floating_point:
-        return "floating-point"
-    if dtype.is_complex:
-        return "complex"
-    return "bool" if dtype == torch.bool else "integer"
 
 
 @dataclass
@@ -182,7 +86,8 @@ class OffloadState:
 
 
 def resolve_strategy(kind: str, value: Any, config: Any = None) -> Any:
-    """The ``kind`` strategy (placement, storage or policy) ``value`` names, built with ``config``; a built one as given."""
+    """The ``kind`` strategy (placement, storage or policy) ``value`` names, built with ``config``; a built one as
+    given."""
     if isinstance(value, str):
         from offload_core.registry.manager import get_registry
 
@@ -304,7 +209,7 @@ def load_checkpoint_and_dispatch(
     """
     from offload_core.loading.allocator import return_freed_memory_to_os
     from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.loading.conversion import convert_checkpoint
+    from offload_core.loading.converted import convert_checkpoint
     from offload_core.values import parse_dtype
 
     return_freed_memory_to_os()

@@ -1,4 +1,5 @@
-"""Build models without allocating their weights: parameters (and buffers if asked) created inside land on a device such as meta."""
+"""Build models without allocating their weights: parameters (and buffers if asked) created inside land on a device such
+as meta."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ _PARAMETER_DEVICE: ContextVar[torch.device | None] = ContextVar("offload_core_pa
 
 
 def _to_block_device(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-    """Parameter-registration hook: the parameter on the block's device (same class and attributes), or None to keep it."""
+    """Parameter-registration hook: the parameter on the block's device (same class and attributes), or None to keep
+    it."""
     device = _PARAMETER_DEVICE.get()
     if device is None or param is None or param.device == device:
         return None

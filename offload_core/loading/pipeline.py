@@ -37,7 +37,8 @@ def _import_diffusers() -> Any:
 
 
 def read_index(path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
-    """The pipeline class name and ``{component: (library, class name)}`` of ``model_index.json`` (empty slots left out)."""
+    """The pipeline class name and ``{component: (library, class name)}`` of ``model_index.json`` (empty slots left
+    out)."""
     file = path / PIPELINE_INDEX
     try:
         index = json.loads(file.read_text(encoding="utf-8"))
@@ -113,7 +114,8 @@ def _routed_class(cls: type) -> type:
 
 @dataclass
 class EmptyPipeline:
-    """A pipeline whose module components hold meta weights (``modules``), the dtype they run in and their no-split classes."""
+    """A pipeline whose module components hold meta weights (``modules``), the dtype they run in and their no-split
+    classes."""
 
     pipeline: Any
     modules: PipelineModules
@@ -171,14 +173,25 @@ def build_empty_pipeline(path: str | Path, dtype: torch.dtype | None = None) -> 
 
 def component_no_split(empty: EmptyPipeline, whole_limit: int | None, dtype: torch.dtype | None) -> list[str]:
     """No-split classes for the pipeline: a component of at most ``whole_limit`` bytes (None: any) moves whole (its
-    class is a block, so chained policies chain whole components); a larger one splits at its own blocks."""
+    class is a block, so chained policies chain whole components); a larger one splits at its own blocks, less
+    those with an instance over a limit above 0 (a UNet's up block can be a third of it), whose inner blocks
+    and modules are the units instead."""
     from offload_core.planning import compute_module_sizes
 
     sizes = compute_module_sizes(empty.modules, dtype=dtype)
     classes: list[str] = []
     for name, module in empty.modules.named_children():
         whole = whole_limit is None or sizes.get(name, 0) <= whole_limit
-        for cls in [type(module).__name__] if whole else empty.block_classes[name]:
+        if whole:
+            chosen = [type(module).__name__]
+        else:
+            too_large = {
+                type(inner).__name__
+                for inner_name, inner in module.named_modules(prefix=name)
+                if whole_limit and sizes.get(inner_name, 0) > whole_limit
+            }
+            chosen = [cls for cls in empty.block_classes[name] if cls not in too_large]
+        for cls in chosen:
             if cls not in classes:
                 classes.append(cls)
     return classes

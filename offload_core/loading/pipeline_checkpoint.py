@@ -1,4 +1,5 @@
-"""A diffusers pipeline folder's weights read as one checkpoint: every component's tensors under ``<component>.<name>``."""
+"""A diffusers pipeline folder's weights read as one checkpoint: every component's tensors under
+``<component>.<name>``."""
 
 from __future__ import annotations
 

@@ -7,15 +7,21 @@ from typing import Any, Mapping
 
 import torch
 
+from offload_core.module_hooks.policy import Policy
 from offload_core.loading.pipeline import EmptyPipeline, attach_entries, build_empty_pipeline, component_no_split
 
 
-def whole_limit(budgets: Mapping[Any, int], device: torch.device) -> int | None:
-    """The largest component that moves whole: half the execution device's budget (the rest holds what runs beside
-    it); None (any) when that device has no budget."""
+def whole_limit(budgets: Mapping[Any, int], device: torch.device, policy: Policy | None = None) -> int | None:
+    """The largest component (or block) that moves whole: the execution device's budget shared by the units the
+    policy holds in flight at once and what runs beside them (half of it for a policy holding one unit); None
+    (any) when that device has no budget."""
+    from offload_core.loading.reserve import units_in_flight
+
     key = "cpu" if device.type == "cpu" else (device.index or 0)
     budget = budgets.get(key)
-    return None if budget is None else budget // 2
+    if budget is None:
+        return None
+    return budget // (units_in_flight(policy, device) + 1)
 
 
 def open_pipeline(
@@ -54,17 +60,17 @@ def pipeline_from_pretrained(
     no_split_module_classes: list[str] | None = None,
 ) -> Any:
     """The diffusers pipeline of ``path``, its components planned in one device map within ``max_memory`` and
-    dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a model's."""
-    from offload_core.loading.dispatch import default_execution_device
+    dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a
+    model's."""
+    from offload_core.loading.dispatch import default_execution_device, resolve_strategy
     from offload_core.loading.pretrained import plan_and_dispatch
     from offload_core.planning import get_max_memory
     from offload_core.values import parse_dtype
 
     device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     budgets = get_max_memory(max_memory)
-    empty, checkpoint, no_split = open_pipeline(
-        path, parse_dtype(dtype), whole_limit(budgets, device), no_split_module_classes
-    )
+    limit = whole_limit(budgets, device, resolve_strategy("policy", policy))
+    empty, checkpoint, no_split = open_pipeline(path, parse_dtype(dtype), limit, no_split_module_classes)
     plan_and_dispatch(
         empty.modules,
         checkpoint,

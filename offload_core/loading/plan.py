@@ -4,6 +4,7 @@ its checks, the bytes predicted to move per token and the page-cache plan."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -13,6 +14,8 @@ from torch import nn
 from offload_core.errors import ConfigError
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.values import format_size, parse_dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,7 +53,8 @@ class Plan:
         }
 
     def residency(self) -> Any:
-        """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or None."""
+        """The kept set the page-cache plan asks for (:func:`offload_core.storage.residency.make_residency`), or
+        None."""
         from offload_core.storage.residency import make_residency
 
         return make_residency(self.page_cache)
@@ -77,7 +81,8 @@ def make_plan(
     """The plan of the empty ``model`` loaded from the opened ``checkpoint``: ``device_map`` when given, else the
     policy's own (checked against ``budgets``), else the placement's within ``budgets`` less what the policy keeps
     in flight. ``max_memory``: the budgets as the user gave them (``budgets`` is that less ``headroom`` on the
-    device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it. ``page_cache`` None plans no kept set."""
+    device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it.
+    ``page_cache`` None plans no kept set."""
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.reserve import reserve_for
     from offload_core.planning import (
@@ -93,6 +98,7 @@ def make_plan(
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
     reserve = reserve_for(model, checkpoint, policy, storage, execution_device, no_split, dtype, budgets.get("cpu"))
+    warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
     if device_map is None:
         request = PlacementRequest(
@@ -190,10 +196,38 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
     if headroom:
         memory += f" less headroom {format_size(headroom)}"
     raise ConfigError(
-        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) does not "
-        f"fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; "
-        f"set max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
+        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) "
+        f"does not fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; set "
+        f"max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
     )
+
+
+def warn_reserve_over_budget(
+    reserve: Mapping[Any, int], budgets: Mapping[Any, int], max_memory: Mapping[Any, int], block: int, policy_name: str
+) -> None:
+    """One warning line per device whose budget cannot hold the units the policy keeps in flight: the placement
+    puts nothing there and the run still takes them, over the budget by the difference."""
+    for dev, held in reserve.items():
+        if dev not in budgets or held <= budgets[dev]:
+            continue
+        given = max_memory.get(dev, budgets[dev])
+        needed = given + held - budgets[dev]
+        log.warning(
+            "hook=%s holds %s on %s for units in flight (the largest unsplittable block is %s), over "
+            "max_memory.%s=%s%s: the run will go over it by %s; raise max_memory.%s to at least %d (%s), or choose a "
+            "policy that holds fewer units (hook.depth, hook=align_per_call)",
+            policy_name,
+            format_size(held),
+            dev,
+            format_size(block),
+            dev,
+            format_size(given),
+            " less headroom" if budgets[dev] != given else "",
+            format_size(held - budgets[dev]),
+            dev,
+            needed,
+            format_size(needed),
+        )
 
 
 def check_own_map_budgets(

@@ -71,11 +71,40 @@ def reserve_for(
         and all(item.parts is not None for item in converted.values())
         and not (dtype is not None and kernels_depend_on_alignment(dtype))
     )
-    stored_differs = any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys()) or (
-        bool(converted) and not spliced
+    stored_differs = (
+        any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
+        or (bool(converted) and not spliced)
+        or (execution_device.type == "cpu" and copies_to_reference_offsets(model, checkpoint, dtype))
     )
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
     return reservation(
         policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget, no_split
     )
+
+
+def copies_to_reference_offsets(model: nn.Module, checkpoint: Any, dtype: torch.dtype | None) -> bool:
+    """Whether a store reading ``checkpoint`` in place must copy some tensor to hand it to a CPU run: the in-memory
+    load copies every tensor to an aligned address (a model not loaded by mapping, a diffusers component), the
+    tensor lies at another offset in its file, and this machine's kernels depend on where a weight starts
+    (:func:`offload_core.alignment.misplaced`, decided before anything is mapped)."""
+    from offload_core.alignment import ALIGNMENT, kernels_depend_on_alignment, maps_checkpoint
+
+    if maps_checkpoint(model) or not getattr(checkpoint, "is_safetensors", False):
+        return False
+    for key in checkpoint.keys():
+        kind = dtype if dtype is not None and checkpoint.dtype(key).is_floating_point else checkpoint.dtype(key)
+        start = checkpoint.safetensors_file(checkpoint.file_of(key)).byte_range(key)[0]
+        if start % ALIGNMENT and kernels_depend_on_alignment(kind):
+            return True
+    return False
+
+
+def units_in_flight(policy: Policy | None, execution_device: torch.device) -> int:
+    """How many units ``policy`` (None: one) holds on the execution device at once, read from its own
+    :meth:`~offload_core.module_hooks.policy.Policy.reserve` for units of one byte that are copies."""
+    if policy is None:
+        return 1
+    need = InFlight(execution_device, block_bytes=1, module_bytes=1, store_converts=True)
+    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+    return max(1, int(policy.reserve(need).get(key, 1)))

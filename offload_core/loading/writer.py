@@ -18,7 +18,8 @@ __all__ = ["plan_shards", "write_safetensors_shards", "write_sharded_safetensors
 
 
 def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
-    """Split ``(name, nbytes)`` in order into shards of at most ``max_shard_size`` bytes (a larger tensor gets its own)."""
+    """Split ``(name, nbytes)`` in order into shards of at most ``max_shard_size`` bytes (a larger tensor gets its
+    own)."""
     shards: list[list[str]] = []
     current: list[str] = []
     used = 0
@@ -40,7 +41,8 @@ def write_safetensors_shards(
     metadata: Mapping[str, str] | None = None,
     extra_index_metadata: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``shards`` (lists of names) as HF-layout safetensors, asking ``produce(name)`` for one shard's tensors at a time.
+    """Write ``shards`` (lists of names) as HF-layout safetensors, asking ``produce(name)`` for one shard's tensors at a
+    time.
 
     Files are written and fsynced in a temp dir next to ``directory``, then moved into place (see
     :func:`offload_core.atomic.atomic_write`): the whole dir is renamed when ``directory`` does not
@@ -95,7 +97,8 @@ def write_sharded_safetensors(
     max_shard_size: int,
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``state_dict`` to ``directory`` as ``model-0000i-of-0000N.safetensors`` + index (or one ``model.safetensors``).
+    """Write ``state_dict`` to ``directory`` as ``model-0000i-of-0000N.safetensors`` + index (or one
+    ``model.safetensors``).
 
     Tensors that share storage as the same view (tied weights) are written once, under their first
     name; the others are left out of the files (the index's metadata lists them under ``"tied"``, and

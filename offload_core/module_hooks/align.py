@@ -1,4 +1,5 @@
-"""align_per_call: bring a unit's offloaded tensors and the inputs to the execution device before forward, drop them after."""
+"""align_per_call: bring a unit's offloaded tensors and the inputs to the execution device before forward, drop them
+after."""
 
 from __future__ import annotations
 

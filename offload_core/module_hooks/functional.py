@@ -1,4 +1,5 @@
-"""functional_call (as vLLM's --cpu-offload-gb does it): offloaded parameters are passed to ``torch.func.functional_call``; the module's own parameters are never rebound."""
+"""functional_call (as vLLM's --cpu-offload-gb does it): offloaded parameters are passed to
+``torch.func.functional_call``; the module's own parameters are never rebound."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ _CALL_PREFIX = "block."
 
 
 class _InnerCall(nn.Module):
-    """Runs ``forward`` with ``block``'s tensors swapped by functional_call, without going through ``block.__call__``."""
+    """Runs ``forward`` with ``block``'s tensors swapped by functional_call, without going through
+    ``block.__call__``."""
 
     def __init__(self, block: nn.Module, forward: Callable) -> None:
         super().__init__()

@@ -120,7 +120,8 @@ class Policy(StrategyBase):
         return sum(unit_bytes)
 
     def plan_lines(self) -> list[str]:
-        """Lines the policy adds to the printed plan (what it holds back and why), after :meth:`reserve`. None by default."""
+        """Lines the policy adds to the printed plan (what it holds back and why), after :meth:`reserve`. None by
+        default."""
         return []
 
     def own_device_map(self, model: nn.Module, execution_device: torch.device) -> dict[str, int | str] | None:

@@ -1,4 +1,5 @@
-"""Planning: sizes of a model's tensors and modules, memory budgets, and device maps that say where each weight lives."""
+"""Planning: sizes of a model's tensors and modules, memory budgets, and device maps that say where each weight
+lives."""
 
 from offload_core.planning.budgets import get_balanced_memory, get_max_memory
 from offload_core.planning.device_map import (

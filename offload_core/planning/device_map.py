@@ -17,7 +17,8 @@ DeviceMap = dict[str, "int | str"]
 
 
 def normalize_device_map(device_map: Mapping[str, Any]) -> DeviceMap:
-    """A copy of ``device_map`` with int GPU ids (``"0"``, ``"cuda:0"`` -> ``0``); unknown devices raise DeviceMapError."""
+    """A copy of ``device_map`` with int GPU ids (``"0"``, ``"cuda:0"`` -> ``0``); unknown devices raise
+    DeviceMapError."""
     cleaned: DeviceMap = {}
     bad = []
     for key, value in device_map.items():
@@ -117,8 +118,8 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Any], *, strict:
             devices = {device_of(device_map, f) if local else _module_device(device_map, f) for f in full}
             if len(devices) > 1:
                 raise DeviceMapError(
-                    f"device map puts one module registered as {_short(names)} on several devices ({sorted(map(str, devices))}): "
-                    "it is one module, give all its names the same device"
+                    f"device map puts one module registered as {_short(names)} on several devices "
+                    f"({sorted(map(str, devices))}): it is one module, give all its names the same device"
                 )
 
 

@@ -1,4 +1,5 @@
-"""The fill algorithm that turns a model and per-device budgets into a device map (accelerate's ``infer_auto_device_map``)."""
+"""The fill algorithm that turns a model and per-device budgets into a device map (accelerate's
+``infer_auto_device_map``)."""
 
 from __future__ import annotations
 
@@ -146,7 +147,8 @@ class _Filler:
                 self.offloaded.append((unit, device))
 
     def first_fitting(self, device: int | str, todo: list[Unit]) -> list[Unit] | None:
-        """``fallback_allocation``: the first unsplittable unit of ``todo`` (breadth first) that fits, with its partners."""
+        """``fallback_allocation``: the first unsplittable unit of ``todo`` (breadth first) that fits, with its
+        partners."""
         queue = list(todo)
         while queue:
             name, obj = queue.pop(0)
@@ -278,7 +280,8 @@ def infer_auto_device_map(
         if buffers > room:
             warnings.warn(
                 f"Current model requires {buffers} bytes of buffer for offloaded layers, which seems does not fit any "
-                "GPU's remaining memory. If you are experiencing a OOM later, please consider using offload_buffers=True.",
+                "GPU's remaining memory. "
+                "If you are experiencing a OOM later, please consider using offload_buffers=True.",
                 stacklevel=2,
             )
     if not clean_result:

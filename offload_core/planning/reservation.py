@@ -1,4 +1,5 @@
-"""What the planner holds back for a policy's units in flight: the facts it gives a policy (InFlight) and the usual answer (reserve_units)."""
+"""What the planner holds back for a policy's units in flight: the facts it gives a policy (InFlight) and the usual
+answer (reserve_units)."""
 
 from __future__ import annotations
 

@@ -136,7 +136,8 @@ def get_max_layer_size(
 def largest_block_size(
     model: nn.Module, no_split_module_classes: Iterable[str], dtype: torch.dtype | str | None = None
 ) -> int:
-    """Bytes of the largest unit of ``model`` that a placement never splits (a no-split block, a leaf module or a direct tensor)."""
+    """Bytes of the largest unit of ``model`` that a placement never splits (a no-split block, a leaf module or a direct
+    tensor)."""
     sizes = compute_module_sizes(model, dtype=dtype)
     units: list[Named] = [
         *model.named_parameters(recurse=False),

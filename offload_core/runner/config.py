@@ -38,8 +38,8 @@ class ModelConfig:
 
 @dataclass
 class PipelineConfig:
-    """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``, ``prompts``,
-    ``batch_size`` and ``seed``."""
+    """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``,
+    ``prompts``, ``batch_size`` and ``seed``."""
 
     negative_prompt: Optional[str] = None
     num_inference_steps: int = 20
@@ -48,7 +48,9 @@ class PipelineConfig:
     width: Optional[int] = None
     guidance_scale: float = 7.5
     #: components no larger than this move whole (chained: each stays until the next is called); larger ones split at
-    #: their own blocks. auto: half the execution device's budget; a size; 0 splits every component at its blocks
+    #: their own blocks, a block over it at its inner blocks. auto: the execution device's budget shared by the
+    #: policy's units in flight and what runs beside them (half for chained); a size; 0 splits every component at
+    #: its blocks
     whole_components: str = "auto"
 
 

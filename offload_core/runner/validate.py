@@ -1,4 +1,5 @@
-"""Checks of a run's own options at the edge (generation ranges, prompt, headroom, device maps, module classes), each failing with one line."""
+"""Checks of a run's own options at the edge (generation ranges, prompt, headroom, device maps, module classes), each
+failing with one line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ``speculative`` options, in one place: the config group's schema and presets, and how a value is read and checked."""
+"""The ``speculative`` options, in one place: the config group's schema and presets, and how a value is read and
+checked."""
 
 from __future__ import annotations
 

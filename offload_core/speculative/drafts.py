@@ -136,7 +136,8 @@ def draft_config(path: str | Path) -> Any:
 
 
 def draft_bytes(path: str | Path, dtype: torch.dtype) -> int:
-    """Bytes the draft checkpoint's weights take resident in ``dtype`` (counted on an empty model; tied weights once)."""
+    """Bytes the draft checkpoint's weights take resident in ``dtype`` (counted on an empty model; tied weights
+    once)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -1,4 +1,5 @@
-"""A catalogue of bad inputs through ``run.py``'s entry: each ends in one line, exit 2, no traceback, and the user's files unchanged.
+"""A catalogue of bad inputs through ``run.py``'s entry: each ends in one line, exit 2, no traceback, and the user's
+files unchanged.
 
 Each case runs the CLI in this process (``hydra_main``, as ``python run.py`` does); a few run as real
 subprocesses. The user's files (their checkpoint copy, device maps, folders) are hashed before and after.

@@ -1,4 +1,5 @@
-"""The memory budget holds: peak anonymous RSS minus the baseline stays within max_memory.cpu, loading and generating."""
+"""The memory budget holds: peak anonymous RSS minus the baseline stays within max_memory.cpu, loading and
+generating."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The fidelity matrix: every placement × store × module-hook policy gives the in-memory model's tokens and bit-identical logits."""
+"""The fidelity matrix: every placement × store × module-hook policy gives the in-memory model's tokens and
+bit-identical logits."""
 
 from __future__ import annotations
 

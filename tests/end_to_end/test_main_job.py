@@ -1,4 +1,5 @@
-"""The main job end to end: SmolLM2 with part of it on disk answers like the in-memory model, in this process and as `python run.py`."""
+"""The main job end to end: SmolLM2 with part of it on disk answers like the in-memory model, in this process and as
+`python run.py`."""
 
 from __future__ import annotations
 

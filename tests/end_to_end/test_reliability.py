@@ -1,4 +1,5 @@
-"""Faults survived: kill -9 while writing, a full disk, Ctrl-C, two runs on one offload folder, and 2,000 forward calls per policy."""
+"""Faults survived: kill -9 while writing, a full disk, Ctrl-C, two runs on one offload folder, and 2,000 forward calls
+per policy."""
 
 from __future__ import annotations
 

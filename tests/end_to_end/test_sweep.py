@@ -1,4 +1,5 @@
-"""Sweeps: every combination runs, a failed one is a row (not a crashed sweep), and the summary is the same whichever launcher ran it."""
+"""Sweeps: every combination runs, a failed one is a row (not a crashed sweep), and the summary is the same whichever
+launcher ran it."""
 
 from __future__ import annotations
 

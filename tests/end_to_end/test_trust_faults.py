@@ -1,4 +1,5 @@
-"""Faults through the public entry points: SIGTERM, a stale checkpoint with the same size and mtime, tampered folders reused by a real run, and a second dispatch into a folder this process already uses."""
+"""Faults through the public entry points: SIGTERM, a stale checkpoint with the same size and mtime, tampered folders
+reused by a real run, and a second dispatch into a folder this process already uses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""accelerate's big-model API on our functions: signatures, error types, keyword behaviours, and budgets kept with ties."""
+"""accelerate's big-model API on our functions: signatures, error types, keyword behaviours, and budgets kept with
+ties."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Checkpoint parsing that trusts nothing: overlapping data ranges (hidden behind 0-byte tensors too), shard names leaving the folder, garbage ``.bin`` files, and a fingerprint that notices rewritten shards."""
+"""Checkpoint parsing that trusts nothing: overlapping data ranges (hidden behind 0-byte tensors too), shard names
+leaving the folder, garbage ``.bin`` files, and a fingerprint that notices rewritten shards."""
 
 from __future__ import annotations
 

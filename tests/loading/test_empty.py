@@ -1,4 +1,5 @@
-"""Empty init: parameters (and buffers if asked) land on the meta device; nothing of nn.Module is patched, nothing outlives the block."""
+"""Empty init: parameters (and buffers if asked) land on the meta device; nothing of nn.Module is patched, nothing
+outlives the block."""
 
 from __future__ import annotations
 

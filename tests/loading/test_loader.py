@@ -1,4 +1,5 @@
-"""The loader: single, sharded and legacy .bin checkpoints; the in-place store writes nothing; dtype conversion; ties."""
+"""The loader: single, sharded and legacy .bin checkpoints; the in-place store writes nothing; dtype conversion;
+ties."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.errors import OffloadError
 from offload_core.loading.checkpoint import Checkpoint
-from offload_core.loading.conversion import ConvertedCheckpoint, convert_checkpoint, key_conversion
+from offload_core.loading.conversion import key_conversion
+from offload_core.loading.converted import ConvertedCheckpoint, convert_checkpoint
 from offload_core.planning import compute_module_sizes
 
 from tests.checkpoints import FAST, MODELS, PLACEMENTS, POLICIES, STORES, Saved, minilm_folder

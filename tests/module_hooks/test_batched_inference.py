@@ -22,7 +22,8 @@ ROWS, PROMPT, NEW = 8, 20, 3
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A 2-layer bf16 Llama whose untied output embedding (32000 x 256: 16 MiB; a copy per row is 128 MiB) dwarfs the slack."""
+    """A 2-layer bf16 Llama whose untied output embedding (32000 x 256: 16 MiB; a copy per row is 128 MiB) dwarfs the
+    slack."""
     config = LlamaConfig(
         hidden_size=256,
         intermediate_size=512,

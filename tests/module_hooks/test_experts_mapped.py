@@ -1,6 +1,6 @@
-"""Experts computed where their bytes lie: fused expert tensors spliced from the safetensors shards' pages once per load,
-CPU experts layers on the store's mapped views, routed rows asked for before they are read, guesses that stop when
-they do not pay; tokens always the in-memory model's."""
+"""Experts computed where their bytes lie: fused expert tensors spliced from the safetensors shards' pages once per
+load, CPU experts layers on the store's mapped views, routed rows asked for before they are read, guesses that stop
+when they do not pay; tokens always the in-memory model's."""
 
 from __future__ import annotations
 

@@ -64,3 +64,28 @@ def test_expert_slots_are_the_offloaded_tensors_indexed_by_expert():
     ]
     assert slots[0].original is fused.gate_up_proj
     assert [s.full for s in expert_slots("", fused, {"down_proj": "k2"})] == ["down_proj"]
+
+
+class Block(nn.Module):
+    """A MoE block called with the routing whose experts are a child: not itself a fused experts module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 4
+        self.experts = Fused(4, 6)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.experts(hidden_states, top_k_index, top_k_weights)
+
+
+def test_only_a_modules_own_parameters_make_it_fused_and_count_in_its_rows():
+    block = Block()
+    assert not is_fused_experts(block) and is_fused_experts(block.experts)
+    assert expert_sizes(block) == (240 + 5, 1)  # 8 x 6 + 12 = 60 floats and the int8 table, in one module
+    outer = Fused(4, 6)
+    outer.inner = Fused(4, 10)  # each its own layer: 60 and 92 floats an expert, never added together
+    assert expert_sizes(outer) == (368 + 5, 2)
+
+
+def test_a_module_of_one_expert_has_one_row():
+    assert expert_sizes(Fused(1, 6)) == (240 + 5, 1) and most_experts(Fused(1, 6)) == 1

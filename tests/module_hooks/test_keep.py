@@ -1,5 +1,6 @@
-"""Every policy that streams blocks, with a kept set: streamed blocks are dropped after use, kept ones served from the page cache, the kept set
-shrinks at the next forward when (faked) available memory falls, and outputs stay bit-identical."""
+"""Every policy that streams blocks, with a kept set: streamed blocks are dropped after use, kept ones served from the
+page cache, the kept set shrinks at the next forward when (faked) available memory falls, and outputs stay
+bit-identical."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""prefetch on a GPU: the block pool on the device, the pinned staging ring on a side stream, events; skipped without CUDA."""
+"""prefetch on a GPU: the block pool on the device, the pinned staging ring on a side stream, events; skipped without
+CUDA."""
 
 from __future__ import annotations
 

@@ -41,7 +41,9 @@ def test_every_policy_and_store_gives_the_in_memory_images(
 def third_on_cpu(pipeline_dir) -> dict:
     """The sequential placement's map with a cpu budget of about a third of the pipeline: every component is split
     between the cpu and the disk."""
-    pipeline = offload_core.from_pretrained(pipeline_dir, max_memory={"cpu": 150_000}, storage="safetensors")
+    pipeline = offload_core.from_pretrained(
+        pipeline_dir, max_memory={"cpu": 150_000}, storage="safetensors", policy="align_per_call"
+    )
     return dict(pipeline.hf_device_map)
 
 

@@ -1,5 +1,6 @@
 """The fill on models small enough to work by hand: what each device holds back, what it says, the flags of
-``infer_auto_device_map``. Sizes are float32: a 16 x 16 linear is 272 floats (1,088 bytes), a 4 x 4 one 20 (80 bytes)."""
+``infer_auto_device_map``. Sizes are float32: a 16 x 16 linear is 272 floats (1,088 bytes), a 4 x 4 one 20 (80
+bytes)."""
 
 from __future__ import annotations
 

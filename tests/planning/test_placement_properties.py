@@ -1,4 +1,5 @@
-"""Property test of the fill: random small models with ties, shared modules, no-split blocks and buffers, random budgets."""
+"""Property test of the fill: random small models with ties, shared modules, no-split blocks and buffers, random
+budgets."""
 
 from __future__ import annotations
 

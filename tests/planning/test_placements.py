@@ -1,4 +1,5 @@
-"""The three built-in placements on a tiny Llama built on meta: GPU budgets planned on CPU, ties, balance and budgets."""
+"""The three built-in placements on a tiny Llama built on meta: GPU budgets planned on CPU, ties, balance and
+budgets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every built-in placement, store and module-hook policy passes the contract checks plugin authors use (offload_core.testing)."""
+"""Every built-in placement, store and module-hook policy passes the contract checks plugin authors use
+(offload_core.testing)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Plugin manager: built-ins registered like third parties, duplicates and unknown names fail loudly, entry points load."""
+"""Plugin manager: built-ins registered like third parties, duplicates and unknown names fail loudly, entry points
+load."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Batched generation: the prompts file, left padding, the planned KV cache and the largest batch that fits, the time
-prediction from a calibration; whole batched runs (every policy, outputs equal to memory in the same batches) are slow."""
+prediction from a calibration; whole batched runs (every policy, outputs equal to memory in the same batches) are
+slow."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every option of every config group composes; wrong names, keys and types fail at compose time with Hydra's message."""
+"""Every option of every config group composes; wrong names, keys and types fail at compose time with Hydra's
+message."""
 
 from __future__ import annotations
 

@@ -124,3 +124,60 @@ def test_a_calibration_whose_probe_terms_are_damaged_is_not_trusted():
         {"probe": {"k": {"outside_decode_s": float("inf")}}},
     ):
         assert "'probe'" in calibration_problem(bad)
+
+
+@pytest.fixture
+def busy_machine(monkeypatch):
+    """Other work holds every core: a load average of 5 per core, over the default bound of 2."""
+    monkeypatch.delenv("OFFLOAD_CORE_BUSY_LOAD")
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0 * cores, 5.0 * cores, 5.0 * cores))
+    return f"load average {5.0 * cores:.1f} on {cores} cores"
+
+
+def test_a_run_on_a_busy_machine_is_compared_but_not_learned_from(corrections, busy_machine, capsys):
+    learned = learn.learn("k", "label", learn.corrected({}, PREDICTED), MEASURED)
+    assert learned["learned"] is False and learned["prediction"]["step"]["measured"] == 0.08
+    assert not corrections.exists() and learn.read() == {}
+    assert (
+        capsys.readouterr().err
+        == f"offload_core: the machine is busy ({busy_machine}): this run's times are not learned from\n"
+    )
+    line = learn.comparison_line(learned)
+    assert line.endswith("(cost model only; not learned from: the machine is busy)")
+
+
+def test_the_busy_bound_is_the_load_per_core(monkeypatch):
+    from offload_core.runner.plan.busy import busy
+
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.5 * cores, 0.0, 0.0))
+    monkeypatch.setenv("OFFLOAD_CORE_BUSY_LOAD", "3")
+    assert busy() is None
+    monkeypatch.setenv("OFFLOAD_CORE_BUSY_LOAD", "2")
+    assert busy() == f"load average {2.5 * cores:.1f} on {cores} cores"
+    monkeypatch.delenv("OFFLOAD_CORE_BUSY_LOAD")  # the default: 2 per core
+    assert busy() is not None
+    monkeypatch.setenv("OFFLOAD_CORE_BUSY_LOAD", "inf")
+    assert busy() is None
+
+
+def test_a_calibration_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, monkeypatch, busy_machine, capsys):
+    import torch
+
+    from offload_core.runner.plan.calibrate import calibrate, calibration_file
+    from offload_core.runner.plan.model import open_model
+
+    run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    args = (run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), {}, {"decode": (1, 1)})
+    found = calibrate(*args)
+    assert found["compute"]["decode"]["block_s"] > 0  # this run predicts from it
+    assert not calibration_file().exists()
+    assert capsys.readouterr().err == (
+        f"offload_core: the machine is busy ({busy_machine}): this run's calibration is used for it only, not kept; "
+        "a quieter run measures again\n"
+    )
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    calibrate(*args)
+    assert calibration_file().exists() and capsys.readouterr().err == ""

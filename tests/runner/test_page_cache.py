@@ -1,4 +1,5 @@
-"""run(cfg) with page_cache: the plan shows the kept and streamed bytes, metrics.json the disk reads and the kept set's figures."""
+"""run(cfg) with page_cache: the plan shows the kept and streamed bytes, metrics.json the disk reads and the kept set's
+figures."""
 
 from __future__ import annotations
 

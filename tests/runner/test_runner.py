@@ -1,5 +1,5 @@
-"""run(cfg) on small synthetic models: plan only, a user's device map, reservations per store and policy, the prefetch pool's budget;
-the whole runs are marked slow."""
+"""run(cfg) on small synthetic models: plan only, a user's device map, reservations per store and policy, the prefetch
+pool's budget; the whole runs are marked slow."""
 
 from __future__ import annotations
 

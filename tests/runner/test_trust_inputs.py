@@ -118,7 +118,10 @@ def test_a_single_prompt_plans_its_kv_cache_as_a_batch_of_one(tmp_path):
     small = [*base, "max_memory.cpu=3MiB"]
     with pytest.raises(
         ConfigError,
-        match=r"more than max_memory.cpu=3.00 MiB leaves beside 768.00 KiB for the runtime; use max_new_tokens=(\d+) or less",
+        match=(
+            r"more than max_memory.cpu=3.00 MiB leaves beside 768.00 KiB for the runtime; "
+            r"use max_new_tokens=(\d+) or less"
+        ),
     ) as caught:
         run(_cfg([*small, "max_new_tokens=2000"]), output_dir=tmp_path / "f", plot=False)
     fits = int(re.search(r"use max_new_tokens=(\d+) or less", str(caught.value)).group(1))

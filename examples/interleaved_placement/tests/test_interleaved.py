@@ -1,4 +1,5 @@
-"""The interleaved placement keeps every k-th block resident, stays within budget, and passes offload_core's contract checks."""
+"""The interleaved placement keeps every k-th block resident, stays within budget, and passes offload_core's contract
+checks."""
 
 from __future__ import annotations
 

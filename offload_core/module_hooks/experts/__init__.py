@@ -1,4 +1,5 @@
-"""experts: expert-granular offload for MoE models; only the experts the router selected are read, a few stay cached, the next layer's are guessed ahead."""
+"""experts: expert-granular offload for MoE models; only the experts the router selected are read, a few stay
+cached, the next layer's are guessed ahead."""
 
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.lists import expert_lists

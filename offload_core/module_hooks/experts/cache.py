@@ -1,4 +1,5 @@
-"""The expert cache: a few experts per MoE layer kept in host memory, chosen by use frequency with recency to break ties (LFRU)."""
+"""The expert cache: a few experts per MoE layer kept in host memory, chosen by use frequency with recency to break
+ties (LFRU)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Expert-granular loading: before a fused MoE experts module runs, only the experts its routing selected are read from the store.
+"""Expert-granular loading: before a fused MoE experts module runs, only the experts its routing selected are read
+from the store.
 
 A transformers experts module holds its weights as parameters indexed by expert (``gate_up_proj[E, …]``,
 ``down_proj[E, …]``) and is called with the routing (``top_k_index``); it touches only the rows of the

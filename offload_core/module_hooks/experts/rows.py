@@ -1,4 +1,5 @@
-"""Per-layer expert tensors on a CPU run: full shape over reserved address space, where a row takes memory only once written and gives it back when released."""
+"""Per-layer expert tensors on a CPU run: full shape over reserved address space, where a row takes memory only once
+written and gives it back when released."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class ReservedRows:
     """
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, offset: int = 0) -> None:
-        """``offset``: where the tensor starts modulo :data:`ALIGNMENT` (its reference offset, :mod:`offload_core.alignment`)."""
+        """``offset``: where the tensor starts modulo :data:`ALIGNMENT` (its reference offset,
+        :mod:`offload_core.alignment`)."""
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.row_bytes = self.shape[1:].numel() * dtype.itemsize
@@ -63,7 +65,8 @@ class RowsLayer(ExpertLayer):
         self.routed: list[int] = []
 
     def read_row(self, expert: int) -> int:
-        """Read expert ``expert`` from the store into its rows (the reader thread for a guess, else the compute thread)."""
+        """Read expert ``expert`` from the store into its rows (the reader thread for a guess, else the compute
+        thread)."""
         for key, rows in self.rows.items():
             read_expert(self.store, key, expert, rows.tensor[expert])
         self.counters.add_bytes(len(self.rows), self.row_bytes)

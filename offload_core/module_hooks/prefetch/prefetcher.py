@@ -1,8 +1,8 @@
-"""The reader thread: brings predicted units in ahead of use (mapped pages or copies into the block pool) and hands them to the units as they run."""
+"""The reader thread: brings predicted units in ahead of use (mapped pages or copies into the block pool) and hands
+them to the units as they run."""
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from concurrent.futures import Future
@@ -13,26 +13,16 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, send_to_device
+from offload_core.module_hooks.prefetch.layout import _aligned, _max_nesting, _nbytes
 from offload_core.module_hooks.prefetch.pool import BlockPool
 from offload_core.module_hooks.prefetch.trace import Trace
 from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRing, Streams, flat_bytes
 from offload_core.module_hooks.keeper import PageCacheKeeper
 from offload_core.module_hooks.reader import Reader
-from offload_core.module_hooks.units import TransferStats, Unit, find_units, tensor_spec
+from offload_core.module_hooks.units import TransferStats, Unit, tensor_spec
 from offload_core.storage.base import Store
 from offload_core.storage.pagecache import resident
 from offload_core.storage.residency import Residency
-
-#: byte alignment of each tensor inside a block buffer (CUDA kernels want 256-byte aligned operands)
-ALIGN = 256
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
 
 
 @dataclass
@@ -356,34 +346,6 @@ class Prefetcher:
             self._blocks = None
         if self.staging is not None:
             self.staging.clear()
-
-
-def pool_shape(model: nn.Module, no_split: Any, dtype: torch.dtype | None, device: torch.device) -> tuple[int, int]:
-    """``(nesting, capacity)`` of the pool a prefetcher would make for ``model`` were every tensor offloaded (an upper
-    bound for any placement): the longest chain of block units inside one another, and the largest unit's bytes with
-    each tensor aligned as :meth:`Prefetcher._layout` lays it out (and a reference offset on a CPU)."""
-    tensors = {
-        **dict(model.named_parameters(remove_duplicate=False)),
-        **dict(model.named_buffers(remove_duplicate=False)),
-    }
-    units = find_units(model, {name: name for name in tensors}, no_split, "block")
-
-    def nbytes(t: torch.Tensor) -> int:
-        itemsize = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
-        return _aligned(t.numel() * itemsize + (ALIGN if device.type == "cpu" else 0))
-
-    capacity = max((sum(nbytes(tensors[name]) for name in {*u.keys}) for u in units), default=0)
-    return _max_nesting(units), capacity
-
-
-def _max_nesting(units: list[Unit]) -> int:
-    """The most units that can be loaded at once: the longest chain of units inside one another."""
-    names = [u.name for u in units]
-
-    def depth(name: str) -> int:
-        return 1 + sum(1 for other in names if other != name and (other == "" or name.startswith(other + ".")))
-
-    return max((depth(n) for n in names), default=1)
 
 
 class PrefetchHook(ModuleHook):

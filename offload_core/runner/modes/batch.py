@@ -16,7 +16,8 @@ from offload_core.runner.settings import Sampling
 
 
 def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of token ids as one (batch, longest) tensor padded on the left with ``pad_id``, and its attention mask."""
+    """``rows`` of token ids as one (batch, longest) tensor padded on the left with ``pad_id``, and its attention
+    mask."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -105,7 +106,8 @@ def p90(values: list[float]) -> float:
 
 
 def batch_figures(run: BatchRun, moved: dict[str, int], batch_size: int) -> dict[str, Any]:
-    """The figures of a batched generation: aggregate tokens/s, latency median and p90, bytes moved per generated token."""
+    """The figures of a batched generation: aggregate tokens/s, latency median and p90, bytes moved per generated
+    token."""
     count = max(run.generated, 1)
     step = statistics.median(run.step_s) if run.step_s else float("nan")
     return {

@@ -109,10 +109,10 @@ def print_batch_result(result: Any) -> None:
     """Print the batch's figures (throughput, latency, bytes moved, memory) and where the outputs went."""
     f = result.figures
     print(
-        f"\n{f['prompts']} prompts in batches of {f['batch_size']}: {f['aggregate_tokens_per_s']:.1f} tok/s aggregate | "
-        f"latency median {f['latency_median_s']:.2f} s, p90 {f['latency_p90_s']:.2f} s | load {f['load_s']:.2f} s | "
-        f"moved {format_size(int(f['bytes_moved_per_token']))}/token | peak anon RSS +{format_size(f['peak_anon_rss_bytes'])} "
-        f"(planned KV cache {format_size(f['planned_kv_cache_bytes'])})"
+        f"\n{f['prompts']} prompts in batches of {f['batch_size']}: {f['aggregate_tokens_per_s']:.1f} tok/s aggregate "
+        f"| latency median {f['latency_median_s']:.2f} s, p90 {f['latency_p90_s']:.2f} s | load {f['load_s']:.2f} s | "
+        f"moved {format_size(int(f['bytes_moved_per_token']))}/token | peak anon RSS "
+        f"+{format_size(f['peak_anon_rss_bytes'])} (planned KV cache {format_size(f['planned_kv_cache_bytes'])})"
     )
     if result.matches_in_memory is not None:
         print(f"same tokens as in memory, every prompt: {result.matches_in_memory}")

@@ -64,7 +64,8 @@ def describe(
 
 
 def in_memory_output(run_model: RunModel, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The task's result from the reference model (:func:`offload_core.runner.modes.generate.reference_model`) on ``device``."""
+    """The task's result from the reference model (:func:`offload_core.runner.modes.generate.reference_model`) on
+    ``device``."""
     from offload_core.runner.modes.generate import reference_model
 
     model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)

@@ -63,7 +63,8 @@ def generate_rows(
 
 
 def pad_token_id(model) -> int | None:
-    """The id generation pads finished rows with: the generation config's pad token, else the model's end of sequence."""
+    """The id generation pads finished rows with: the generation config's pad token, else the model's end of
+    sequence."""
     pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = getattr(model.config, "eos_token_id", None)

@@ -73,7 +73,8 @@ class Journal:
 
     @classmethod
     def open(cls, folder: Path, prompts: list[str], batch_size: int, run: dict[str, Any], resume: bool) -> "Journal":
-        """Start ``folder``'s journal, or (``resume``) read and check the one there and go on after its last whole batch."""
+        """Start ``folder``'s journal, or (``resume``) read and check the one there and go on after its last whole
+        batch."""
         folder.mkdir(parents=True, exist_ok=True)
         journal = cls(folder, prompts)
         if resume:

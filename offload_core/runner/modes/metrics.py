@@ -1,4 +1,5 @@
-"""Memory and time readings for a run: peak anonymous and file-backed RSS (sampled with psutil), GPU peaks, token timings."""
+"""Memory and time readings for a run: peak anonymous and file-backed RSS (sampled with psutil), GPU peaks, token
+timings."""
 
 from __future__ import annotations
 

@@ -16,14 +16,15 @@ from offload_core.runner.modes.results import RunResult
 from offload_core.runner.settings import Settings, Strategies
 
 
-def whole_components(settings: Settings) -> int | None:
-    """``pipeline.whole_components`` in bytes (auto: half the execution device's budget; None: no limit)."""
+def whole_components(settings: Settings, policy: Any) -> int | None:
+    """``pipeline.whole_components`` in bytes (auto: the execution device's budget shared by the policy's units in
+    flight and what runs beside them; None: no limit)."""
     from offload_core.loading.pipeline_load import whole_limit
     from offload_core.values import parse_size
 
     value = str(settings.pipeline["whole_components"])
     if value == "auto":
-        return whole_limit(settings.budgets, settings.execution_device)
+        return whole_limit(settings.budgets, settings.execution_device, policy)
     return parse_size(value, what="pipeline.whole_components")
 
 
@@ -91,7 +92,10 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     settings = forward_headroom(settings)  # headroom=auto: a pipeline's activations are not planned from a KV cache
     path = resolve_checkpoint(settings.model)
     empty, checkpoint, no_split = open_pipeline(
-        path, settings.dtype, whole_components(settings), settings.model.get("no_split_module_classes")
+        path,
+        settings.dtype,
+        whole_components(settings, strategies.policy),
+        settings.model.get("no_split_module_classes"),
     )
     run_model = RunModel(empty.modules, empty.dtype, no_split, Path(path), task="text_to_image")
     with checkpoint:

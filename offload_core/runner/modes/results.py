@@ -108,7 +108,8 @@ def print_result(result: RunResult, policy_name: str) -> None:
     print(
         f"load {f['load_s']:.2f} s | first token {f['time_to_first_token_s']:.3f} s | "
         f"decode {f['decode_tokens_per_s']:.1f} tok/s | peak anon RSS +{format_size(f['peak_anon_rss_bytes'])} | "
-        f"file-backed RSS +{format_size(f['peak_file_rss_bytes'])} | moved {format_size(int(f['bytes_moved_per_token']))}/token"
+        f"file-backed RSS +{format_size(f['peak_file_rss_bytes'])} | moved "
+        f"{format_size(int(f['bytes_moved_per_token']))}/token"
     )
     counters = f.get(policy_name)
     if counters:

@@ -19,6 +19,7 @@ from torch import nn
 
 from offload_core import devices
 from offload_core.atomic import fsync_path, write_text_atomic
+from offload_core.runner.plan.busy import busy
 
 PROBE_BYTES = 64 * 2**20
 #: what :func:`disk_bandwidth` measures per filesystem
@@ -41,8 +42,9 @@ def _numbers(value: Any) -> bool:
 
 
 def calibration_problem(data: Any) -> str | None:
-    """What is wrong with the shape of a read ``calibration.json`` (None when it has the shape :func:`calibrate` writes):
-    ``disks``: device id -> bandwidths, ``h2d_bps``: device -> bytes/s, ``compute``: model key -> shape -> times."""
+    """What is wrong with the shape of a read ``calibration.json`` (None when it has the shape :func:`calibrate`
+    writes): ``disks``: device id -> bandwidths, ``h2d_bps``: device -> bytes/s, ``compute``: model key -> shape ->
+    times."""
     if not isinstance(data, dict):
         return "it is not a JSON object"
     disks, h2d, compute = data.get("disks", {}), data.get("h2d_bps", {}), data.get("compute", {})
@@ -153,8 +155,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _best_of(fn: Any, device: torch.device, reps: int = 5) -> float:
-    """Seconds of ``fn()``'s median of ``reps`` calls, after one untimed call (which builds kernels for the shape): what a
-    run sees on a busy machine, where the fastest call is an optimistic guess."""
+    """Seconds of ``fn()``'s median of ``reps`` calls, after one untimed call (which builds kernels for the shape): what
+    a run sees on a busy machine, where the fastest call is an optimistic guess."""
     import statistics
 
     fn()
@@ -193,8 +195,9 @@ def compute_times(
     model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device, rows: int, tokens: int
 ) -> dict[str, float]:
     """Seconds one block of ``model`` (copies with random weights, cycled through as a run's blocks are) takes on
-    ``device`` over ``rows`` sequences of ``tokens`` tokens (``block_s``), and the output embedding over the last position of each row, laid out as
-    generation slices it (``head_s``); the model's rotary embedding gives the positions when it has one."""
+    ``device`` over ``rows`` sequences of ``tokens`` tokens (``block_s``), and the output embedding over the last
+    position of each row, laid out as generation slices it (``head_s``); the model's rotary embedding gives the
+    positions when it has one."""
     meta_block = first_block(model, no_split)
     if meta_block is None:
         return {}
@@ -236,7 +239,8 @@ def _probe(measure: Callable[[dict[str, float]], dict[str, float]], blocks: dict
         return measure(blocks)
     except Exception as exc:  # noqa: BLE001 - any architecture, store or policy: the term is left out, the run goes on
         print(
-            f"  the dispatched probe could not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            f"  the dispatched probe could not run ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
         )
         return {}
 
@@ -313,5 +317,13 @@ def calibrate(
                 "tries again): the prediction leaves out the per-tensor and outside-the-blocks costs"
             )
     if changed:
-        _write_cached(data)
+        loaded = busy()
+        if loaded is None:
+            _write_cached(data)
+        else:
+            print(
+                f"offload_core: the machine is busy ({loaded}): this run's calibration is used for it only, not kept; "
+                "a quieter run measures again",
+                file=sys.stderr,
+            )
     return found

@@ -5,7 +5,8 @@ predicts what this machine really does.
 A correction is the median of the last :data:`KEPT` ratios measured / predicted by the cost model (load, first token,
 decoding step), per configuration: the model's shape and dtype, the device and threads, placement, store, policy and
 their options, the budgets, ``page_cache``, the batch's shape and ``max_new_tokens``. The file is validated on read: a
-damaged one, or one written on another machine, is ignored with one line and made again."""
+damaged one, or one written on another machine, is ignored with one line and made again. A run on a busy machine
+(:func:`offload_core.runner.plan.busy.busy`) is compared but not learned from."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from offload_core.atomic import write_text_atomic
+from offload_core.runner.plan.busy import busy
 
 VERSION = 1
 #: ratios kept per configuration and figure (the correction is their median)
@@ -150,7 +152,8 @@ def corrected(entry: dict[str, Any], predicted: dict[str, float]) -> dict[str, f
 
 
 def compare(predicted: dict[str, Any], figures: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per figure that was both predicted and measured: predicted, measured and the error (predicted - measured) / measured."""
+    """Per figure that was both predicted and measured: predicted, measured and the error (predicted - measured) /
+    measured."""
     found = {}
     for name, (key, measured_key) in FIGURES.items():
         guess, measured = predicted.get(key), figures.get(measured_key)
@@ -181,6 +184,13 @@ def learn(key: str, label: str, predicted: dict[str, Any], figures: dict[str, An
     found = compare(predicted, figures)
     if not found:
         return {}
+    loaded = busy()
+    if loaded is not None:
+        print(
+            f"offload_core: the machine is busy ({loaded}): this run's times are not learned from",
+            file=sys.stderr,
+        )
+        return {"prediction": found, "prediction_runs": int(predicted.get("prediction_runs", 0)), "learned": False}
     entries = read()
     entry = entries.setdefault(key, {"label": label, "ratios": {}})
     for name, values in found.items():
@@ -194,7 +204,7 @@ def learn(key: str, label: str, predicted: dict[str, Any], figures: dict[str, An
         )
     except OSError as exc:  # a read-only cache: the run's figures stand, nothing is learned
         print(f"offload_core: the prediction correction was not saved ({exc.strerror or exc})", file=sys.stderr)
-    return {"prediction": found, "prediction_runs": int(predicted.get("prediction_runs", 0))}
+    return {"prediction": found, "prediction_runs": int(predicted.get("prediction_runs", 0)), "learned": True}
 
 
 def comparison_line(learned: dict[str, Any]) -> str:
@@ -211,8 +221,12 @@ def comparison_line(learned: dict[str, Any]) -> str:
     source = (
         f"corrected by {runs} earlier run{'s' if runs != 1 else ''} of this configuration"
         if runs
-        else "cost model only; learned for the next run of this configuration"
+        else "cost model only"
     )
+    if learned.get("learned") is False:
+        source += "; not learned from: the machine is busy"
+    elif not runs:
+        source += "; learned for the next run of this configuration"
     return f"predicted vs measured: {cells} ({source})"
 
 

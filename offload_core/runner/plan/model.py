@@ -1,4 +1,5 @@
-"""The model a run names: its local checkpoint folder, its task, and the model of that task built with every weight on the meta device."""
+"""The model a run names: its local checkpoint folder, its task, and the model of that task built with every weight on
+the meta device."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The run's plan, made before anything is loaded: the device map, the bytes held back for units in flight, and what it predicts."""
+"""The run's plan, made before anything is loaded: the device map, the bytes held back for units in flight, and what it
+predicts."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def read_device_map(path: str) -> dict:
 
 def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str = "generated token") -> None:
     """Print the chosen strategies (a user's ``device_map`` file in place of the placement, which it replaces) and the
-    plan (with the device map's keys in a plan-only run); ``per``: what one forward makes (an encoder's is a forward)."""
+    plan (with the device map's keys in a plan-only run); ``per``: what one forward makes (an encoder's is a
+    forward)."""
     from offload_core.storage.residency import page_cache_text
     from offload_core.runner.plan.report import plan_text
 

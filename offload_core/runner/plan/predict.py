@@ -93,9 +93,9 @@ def predict_time(
     (:mod:`offload_core.runner.plan.probe`) where it ran: what lies outside the blocks (embedding, norms, the generate
     loop) and a fixed cost per offloaded tensor the policy brings in (its hooks, the store's read path, the reader's
     overlap: ``plan.predicted_loads_per_token`` of them); the first token adds what a process's first generation
-    pays once (unless the probe ran in this process: it paid it), the load a fixed cost per tensor. Then the plan's reads from the disk itself
-    (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the larger of the two) for a
-    policy that ``overlaps_io``. Empty when no block could be timed."""
+    pays once (unless the probe ran in this process: it paid it), the load a fixed cost per tensor. Then the plan's
+    reads from the disk itself (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the
+    larger of the two) for a policy that ``overlaps_io``. Empty when no block could be timed."""
     compute = calibration.get("compute") or {}
     if any("block_s" not in compute.get(name, {}) for name in ("prefill", "decode")):
         return {}
@@ -213,6 +213,7 @@ def print_prediction(predicted: dict[str, float], rows: int) -> None:
         step, runs = predicted["predicted_step_s"], predicted.get("prediction_runs", 0)
         learned = f" (corrected by {runs} earlier run{'s' if runs != 1 else ''} on this machine)" if runs else ""
         print(
-            f"predicted: load {predicted['predicted_load_s']:.2f} s | first token {predicted['predicted_ttft_s']:.3f} s | "
+            f"predicted: load {predicted['predicted_load_s']:.2f} s | "
+            f"first token {predicted['predicted_ttft_s']:.3f} s | "
             f"{step:.3f} s per decoding step ({rows / step:.1f} tok/s at batch {rows}){learned}"
         )

@@ -49,7 +49,8 @@ def plan_text(
     the reservation held back, and the predicted bytes moved per generated token.
 
     ``summary`` is :func:`offload_core.planning.summarize_device_map`'s result; ``plan`` holds
-    ``reserve`` (device -> bytes) and optionally ``headroom`` (bytes held back from the budget of the device that computes).
+    ``reserve`` (device -> bytes) and optionally ``headroom`` (bytes held back from the budget of the device that
+    computes).
     """
     lines = []
     keys = _grouped_keys(device_map) if device_map is not None else {}

@@ -1,6 +1,7 @@
 """The memory a generating run needs beside its weights, planned the same way for every run (a single prompt is a
 batch of one): its KV cache and activations held back from the execution device's budget, and a run that cannot fit
-its context or its budget refused before anything is loaded, naming the largest ``max_new_tokens`` (or batch) that fits."""
+its context or its budget refused before anything is loaded, naming the largest ``max_new_tokens`` (or batch) that
+fits."""
 
 from __future__ import annotations
 

@@ -1,0 +1,54 @@
+"""The targets a comparison (``bench/compare.py``) is held to, and whether each of our systems meets them."""
+
+from __future__ import annotations
+
+
+def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = False) -> dict:
+    """Each target, for each of our systems it applies to: the figure, the bound and whether it is met."""
+    targets: dict[str, dict] = {}
+
+    def put(name, system, value, bound, met_if):
+        if value is None:
+            return
+        met = value >= bound if met_if == ">=" else value <= bound
+        targets.setdefault(name, {})[system] = {"value": value, "bound": bound, "met": met}
+
+    for system, row in medians.items():
+        if gpu and system != "inmem":
+            # The GPU bound: streaming the offloaded bytes at the pinned H2D bandwidth of the same run.
+            if not system.endswith(":fit"):
+                put(
+                    "GPU: per-token time <= 1.18 x offloaded bytes / pinned H2D bandwidth",
+                    system,
+                    row["h2d_token_over_ideal"],
+                    1.18,
+                    "<=",
+                )
+                put("GPU: peak GPU memory <= budget", system, row["peak_gpu_bytes"], budget_bytes, "<=")
+        if not system.startswith("ours:"):
+            if system == "accelerate" and not gpu:
+                put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
+            continue
+        if system.endswith(":fit"):
+            slower = 1 / row["decode_vs_inmem"] - 1 if row["decode_vs_inmem"] else None
+            put("nothing offloaded: module-hook overhead <= 3% of decode time", system, slower, 0.03, "<=")
+            continue
+        if gpu:
+            put("GPU: decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
+            continue
+        put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
+        if cold:
+            put(
+                "cold: per-token time <= 1.25 x offloaded bytes / sequential bandwidth",
+                system,
+                row["cold_token_over_ideal"],
+                1.25,
+                "<=",
+            )
+        else:
+            put("warm decode >= 0.9 x in-memory", system, row["decode_vs_inmem"], 0.9, ">=")
+            put("warm decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
+            put(
+                "load to first token <= 0.25 x accelerate", system, row["load_to_first_token_vs_accelerate"], 0.25, "<="
+            )
+    return targets
