@@ -112,7 +112,8 @@ class Store(Mapping):
         return None
 
     def file_ranges(self, name: str, start: int, end: int) -> list[tuple[Path, int, int]]:
-        """Where bytes ``[start, end)`` of :meth:`mapped_view` lie on disk: ``(file, start, end)`` per piece ([] unknown)."""
+        """Where bytes ``[start, end)`` of :meth:`mapped_view` lie on disk: ``(file, start, end)`` per piece ([]
+        unknown)."""
         return []
 
     def drop(self, name: str) -> bool:

@@ -1,4 +1,5 @@
-"""Write one file's bytes: from memory, or from a span of another file copied by the kernel (``copy_file_range``, else ``sendfile``)."""
+"""Write one file's bytes: from memory, or from a span of another file copied by the kernel (``copy_file_range``, else
+``sendfile``)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
-"""An offload folder: one raw data file per tensor plus accelerate's ``index.json``, written atomically and reused when still valid.
+"""An offload folder: one raw data file per tensor plus accelerate's ``index.json``, written atomically and reused when
+still valid.
 
 Layout (accelerate's, as ``load_offloaded_weights`` reads it, for tensors whose entry has no ``offset``): ``index.json``
-maps each tensor name to ``{"dtype": ..., "shape": [...]}`` (plus, ours, ``"offset"`` where the tensor's reference address
-offset is not 0: see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes, after ``offset`` zero bytes, so that
-its mapping lies at the reference offset and is used as it is, never copied. Beside them, files of our own: ``.offload_core``
-(our tag: the names of every file we wrote, so only those are ever removed), ``.offload_complete`` (written last: the
-fingerprint of what the folder holds and each file's xxh3-128 checksum and stamp, verified before the folder is reused: a
-file whose stamp (size, mtime, ctime, inode) is unchanged is trusted, any other is hashed again), and ``.lock``. No file
-in the folder is opened through a symlink. Reading and checking the index, tag and marker, and removing exactly
-our files: :mod:`offload_core.storage.folder_record`.
+maps each tensor name to ``{"dtype": ..., "shape": [...]}`` (plus, ours, ``"offset"`` where the tensor's reference
+address offset is not 0: see :mod:`offload_core.alignment`); ``<name>.dat`` holds its bytes, after ``offset`` zero
+bytes, so that its mapping lies at the reference offset and is used as it is, never copied. Beside them, files of our
+own: ``.offload_core`` (our tag: the names of every file we wrote, so only those are ever removed),
+``.offload_complete`` (written last: the fingerprint of what the folder holds and each file's xxh3-128 checksum and
+stamp, verified before the folder is reused: a file whose stamp (size, mtime, ctime, inode) is unchanged is trusted, any
+other is hashed again), and ``.lock``. No file in the folder is opened through a symlink. Reading and checking the
+index, tag and marker, and removing exactly our files: :mod:`offload_core.storage.folder_record`.
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ class FolderStore(FileMaps, Store):
         self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...], offset: int
     ) -> None:
         """Write one tensor's file atomically (a temp file, then a rename; named in the tag before it is written), its
-        bytes after ``offset`` zero bytes: mapped from the file's page-aligned start, they lie at their reference offset."""
+        bytes after ``offset`` zero bytes: mapped from the file's page-aligned start, they lie at their reference
+        offset."""
         path = safe_file_name(self.folder, name)
         try:
             self._tag(path.name)
@@ -234,7 +236,8 @@ class FolderStore(FileMaps, Store):
         )
 
     def _abort(self) -> None:
-        """Best effort, never raising: our data files, index, marker and tag go; the folder too if we made it and it is empty."""
+        """Best effort, never raising: our data files, index, marker and tag go; the folder too if we made it and it
+        is empty."""
         remove_record(self.folder)
         self._written.clear()
         self._tagged.clear()

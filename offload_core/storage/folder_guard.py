@@ -1,4 +1,5 @@
-"""What keeps an offload folder safe to share: its lock (one per folder per process, shared by stores in one process), symlink-refusing opens and scans, and content checksums."""
+"""What keeps an offload folder safe to share: its lock (one per folder per process, shared by stores in one process),
+symlink-refusing opens and scans, and content checksums."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""An offload folder's record of itself: ``index.json``, the tag ``.offload_core`` (every file we wrote, so only those are
-ever removed) and the completion marker ``.offload_complete`` (the fingerprint, each file's checksum and stamp): reading
-them, deciding whether the folder can be reused, and removing exactly our files (see :mod:`offload_core.storage.folder`).
+"""An offload folder's record of itself: ``index.json``, the tag ``.offload_core`` (every file we wrote, so only those
+are ever removed) and the completion marker ``.offload_complete`` (the fingerprint, each file's checksum and stamp):
+reading them, deciding whether the folder can be reused, and removing exactly our files (see
+:mod:`offload_core.storage.folder`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The page cache seen from a mapped tensor: whether its pages are in memory (``mincore``), reading them in ahead of use and dropping them after (``madvise``, ``posix_fadvise``)."""
+"""The page cache seen from a mapped tensor: whether its pages are in memory (``mincore``), reading them in ahead of use
+and dropping them after (``madvise``, ``posix_fadvise``)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ _MADV_POPULATE_READ = 22  # Linux 5.14+: read the pages in (from disk if needed)
 
 @lru_cache(maxsize=1)
 def libc() -> ctypes.CDLL | None:
-    """The C library with ``madvise``, ``mincore`` and ``fallocate`` typed; None off Linux or where it cannot be found."""
+    """The C library with ``madvise``, ``mincore`` and ``fallocate`` typed; None off Linux or where it cannot be
+    found."""
     name = ctypes.util.find_library("c")
     if name is None or not sys.platform.startswith("linux"):
         return None
@@ -83,13 +85,13 @@ def resident(tensor: torch.Tensor) -> bool:
 def populate(tensor: torch.Tensor, path: str | os.PathLike[str] | None = None, offset: int = 0) -> bool:
     """Bring a CPU tensor's file-backed pages into memory ahead of use, on the calling (reader) thread.
 
-    When ``mincore`` shows the tensor already in memory, nothing is done (walking the pages of every
-    offloaded byte on every token is costly). Otherwise, given the file the tensor maps (``path``, its
-    bytes starting at ``offset``), the tensor's byte range is first asked for with ``POSIX_FADV_WILLNEED``
-    (in read-ahead-window pieces: :func:`advise_ranges`), which queues the whole range at once (a deeper queue than the page faults' readahead windows:
-    ``bench/readpath.py``); then ``MADV_POPULATE_READ`` waits for the pages and maps them (the GIL is
-    released meanwhile). Kernels without it get the ``MADV_WILLNEED`` hint, which some disks ignore.
-    Returns False where madvise is unavailable.
+    When ``mincore`` shows the tensor already in memory, nothing is done (walking the pages of every offloaded byte on
+    every token is costly). Otherwise, given the file the tensor maps (``path``, its bytes starting at ``offset``), the
+    tensor's byte range is first asked for with ``POSIX_FADV_WILLNEED`` (in read-ahead-window pieces:
+    :func:`advise_ranges`), which queues the whole range at once (a deeper queue than the page faults' readahead
+    windows: ``bench/readpath.py``); then ``MADV_POPULATE_READ`` waits for the pages and maps them (the GIL is released
+    meanwhile). Kernels without it get the ``MADV_WILLNEED`` hint, which some disks ignore. Returns False where madvise
+    is unavailable.
     """
     lib = libc()
     if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":

@@ -16,8 +16,8 @@ from offload_core.errors import StorageError
 from offload_core.storage.folder_guard import LOCK, FolderLock
 from tests.waits import wait_until
 
-#: holds ``argv[1]/.lock`` (flock), the bytes ``argv[3]`` (hex) written in it, from the moment it creates ``argv[2]`` until its stdin
-#: closes
+#: holds ``argv[1]/.lock`` (flock), the bytes ``argv[3]`` (hex) written in it, from the moment it creates ``argv[2]``
+#: until its stdin closes
 _HOLDER = """
 import fcntl, os, sys
 fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_CREAT, 0o644)

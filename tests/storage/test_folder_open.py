@@ -1,5 +1,5 @@
-"""Opening an offload folder, line by line: why it is reused or rebuilt (check_reusable's exact answers), what is logged,
-and the one-line errors of a folder that cannot be used."""
+"""Opening an offload folder, line by line: why it is reused or rebuilt (check_reusable's exact answers), what is
+logged, and the one-line errors of a folder that cannot be used."""
 
 from __future__ import annotations
 

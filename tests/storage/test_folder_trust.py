@@ -1,4 +1,5 @@
-"""A damaged, tampered or shared offload folder: never trusted when it changed, nothing outside it written, starts that take turns."""
+"""A damaged, tampered or shared offload folder: never trusted when it changed, nothing outside it written, starts that
+take turns."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The kept set and the streamed set: the split by budget, shrinking under (faked) memory pressure, and dropping a mapped tensor's pages."""
+"""The kept set and the streamed set: the split by budget, shrinking under (faked) memory pressure, and dropping a
+mapped tensor's pages."""
 
 from __future__ import annotations
 

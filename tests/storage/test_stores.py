@@ -1,4 +1,5 @@
-"""Stores round-trip every dtype exactly; the memmap folder is atomic, reusable, and never touches files it did not write."""
+"""Stores round-trip every dtype exactly; the memmap folder is atomic, reusable, and never touches files it did not
+write."""
 
 from __future__ import annotations
 
