@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from offload_core.alignment import empty_at, maps_checkpoint, reference_offset
+from offload_core.alignment import empty_at, maps_checkpoint
 from offload_core.errors import CheckpointError
-from offload_core.storage import Store, convert_dtype
+from offload_core.storage import Store
+from offload_core.storage.base import read_tensor
 from offload_core.loading.routes import TensorRoutes, retie, set_tensor
 
 log = logging.getLogger(__name__)
@@ -91,19 +92,21 @@ def load_checkpoint_in_model(
                 if store is not None and not store.reused:
                     store.add_from_checkpoint(canonical, checkpoint, key, dtype)
                 continue
-            value = convert_dtype(checkpoint.get(key), dtype)
-            device = routes.resident[canonical]
-            if device.type == "cpu":  # where the in-memory load has it: this machine's kernels may depend on it
-                held = empty_at(value.shape, value.dtype, reference_offset(value, in_place))
-            else:
-                held = torch.empty(value.shape, dtype=value.dtype, device=device)
-            held.copy_(value)
+            held = read_tensor(checkpoint, key, dtype, in_place, _allocator(routes.resident[canonical]))
             set_tensor(model, canonical, held, routes.is_param[canonical])
     bar.close()
     if store is not None:
         store.finalize()
     retie(model, routes)
     return {"missing": missing, "unexpected": unexpected}
+
+
+def _allocator(device: torch.device) -> Any:
+    """Memory for a resident tensor on ``device``: on the CPU where the in-memory load has it (at its reference
+    offset: this machine's kernels may depend on it)."""
+    if device.type == "cpu":
+        return empty_at
+    return lambda shape, dtype, offset: torch.empty(shape, dtype=dtype, device=device)
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:

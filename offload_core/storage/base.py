@@ -7,11 +7,11 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from offload_core.alignment import address_offset, misplaced
+from offload_core.alignment import address_offset, misplaced, reference_offset
 from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
 
@@ -47,6 +47,29 @@ def converts(stored: torch.dtype, dtype: torch.dtype | None) -> bool:
 def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """Cast floating tensors to ``dtype`` (integers and bools keep theirs); no copy when nothing changes."""
     return tensor.to(dtype) if converts(tensor.dtype, dtype) else tensor
+
+
+def read_tensor(
+    checkpoint: Any,
+    key: str,
+    dtype: torch.dtype | None,
+    in_place: bool,
+    allocate: Callable[[tuple[int, ...], torch.dtype, int], torch.Tensor],
+) -> torch.Tensor:
+    """Checkpoint tensor ``key`` in ``dtype``, copied into ``allocate(shape, dtype, offset)`` (``offset``: its
+    reference offset; ``in_place``: the model's in-memory load uses the checkpoint's tensors where they lie). A
+    converted tensor whose parts are placed in it (per-expert tensors fused) is filled part by part: never built
+    whole beside the memory that holds it, which would take its bytes twice while it loads."""
+    parts = getattr(checkpoint, "parts", None)
+    parts = parts(key) if parts is not None else None
+    if parts:  # built by the conversion, it would lie in a new allocation: reference offset 0
+        stored = checkpoint.dtype(key)
+        held = allocate(tuple(checkpoint.shape(key)), dtype if converts(stored, dtype) else stored, 0)
+        for index, source in parts:
+            held[index].copy_(source)
+        return held
+    value = convert_dtype(checkpoint.get(key), dtype)
+    return allocate(tuple(value.shape), value.dtype, reference_offset(value, in_place)).copy_(value)
 
 
 class Store(Mapping):

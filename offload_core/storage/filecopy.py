@@ -11,7 +11,7 @@ from pathlib import Path
 
 from offload_core.storage.pagecache import libc
 
-__all__ = ["KERNEL_COPY", "FileSpan", "Padded", "write_file"]
+__all__ = ["KERNEL_COPY", "FileSpan", "FileSpans", "Padded", "write_file"]
 
 #: Linux: ``copy_file_range`` and a ``sendfile`` that writes to files copy file to file in the kernel
 KERNEL_COPY = hasattr(os, "copy_file_range")
@@ -53,6 +53,21 @@ class FileSpan:
                     )
 
 
+@dataclass(frozen=True)
+class FileSpans:
+    """File spans written one after another: a tensor whose parts, in its byte order, lie in checkpoint files (a
+    converted tensor's per-expert sources), copied file to file without being assembled in memory."""
+
+    spans: tuple[FileSpan, ...]
+
+    def __len__(self) -> int:
+        return sum(len(span) for span in self.spans)
+
+    def copy_to(self, fd: int) -> None:
+        for span in self.spans:
+            span.copy_to(fd)
+
+
 def _copy_range(source: int, target: int, offset: int, count: int) -> int:
     """``copy_file_range``; 0 where it cannot join the two files."""
     try:
@@ -85,13 +100,13 @@ class Padded:
     any alignment up to a page)."""
 
     lead: int
-    data: bytes | memoryview | FileSpan
+    data: bytes | memoryview | FileSpan | FileSpans
 
     def __len__(self) -> int:
         return self.lead + len(self.data)
 
 
-def write_file(path: Path, data: bytes | memoryview | FileSpan | Padded) -> None:
+def write_file(path: Path, data: bytes | memoryview | FileSpan | FileSpans | Padded) -> None:
     """Write ``data`` to a new file at ``path``, its blocks reserved first (flushing to the disk is the caller's)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with open(fd, "wb") as f:  # never through a symlink
@@ -100,7 +115,7 @@ def write_file(path: Path, data: bytes | memoryview | FileSpan | Padded) -> None
             f.write(bytes(data.lead))
             f.flush()
             data = data.data
-        if isinstance(data, FileSpan):
+        if isinstance(data, (FileSpan, FileSpans)):
             data.copy_to(f.fileno())
         else:
             f.write(data)

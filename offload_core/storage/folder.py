@@ -35,7 +35,7 @@ from offload_core.alignment import ALIGNMENT, address_offset, misplaced, placed,
 from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
 from offload_core.storage.base import FileMaps, Store, StoreContext, convert_dtype, converts
-from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, Padded, write_file
+from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, FileSpans, Padded, write_file
 from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
 from offload_core.storage.folder_guard import (
     LOCK,
@@ -60,6 +60,7 @@ from offload_core.storage.folder_record import (
     write_tag,
 )
 from offload_core.storage.pagecache import drop, populate
+from offload_core.storage.splice import Part, in_order
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +183,13 @@ class FolderStore(FileMaps, Store):
         self._write(name, memoryview(data), tensor.dtype, tensor.shape, offset)
 
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
-        """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`);
-        one that is converted, or comes from a ``.bin`` file, is written through :meth:`put`."""
+        """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`),
+        and so is one whose parts tile it (per-expert tensors fused: never assembled in memory); one that is
+        converted otherwise, or comes from a ``.bin`` file, is written through :meth:`put`."""
+        spans = self._spans_of_parts(checkpoint, key, dtype)
+        if spans is not None:  # built by the conversion, it would lie in a new allocation: reference offset 0
+            self._write(name, spans, checkpoint.dtype(key), checkpoint.shape(key), 0)
+            return
         if (
             not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False))
             or converts(checkpoint.dtype(key), dtype)
@@ -198,8 +204,23 @@ class FolderStore(FileMaps, Store):
         offset = start % ALIGNMENT if self.maps_checkpoint and end > start else 0
         self._write(name, FileSpan(shard, start, end), checkpoint.dtype(key), checkpoint.shape(key), offset)
 
+    @staticmethod
+    def _spans_of_parts(checkpoint: Any, key: str, dtype: torch.dtype | None) -> FileSpans | None:
+        """The file spans of a converted tensor's parts in its byte order, where they tile it in its stored dtype."""
+        ranges = getattr(checkpoint, "part_ranges", None)
+        if ranges is None or not KERNEL_COPY or converts(checkpoint.dtype(key), dtype):
+            return None
+        parts = [Part(index, Path(file), start, end) for index, file, start, end in ranges(key) or []]
+        ordered = in_order(torch.Size(checkpoint.shape(key)), checkpoint.dtype(key), parts)
+        return None if ordered is None else FileSpans(tuple(FileSpan(p.path, p.start, p.end) for p in ordered))
+
     def _write(
-        self, name: str, data: memoryview | FileSpan, dtype: torch.dtype, shape: tuple[int, ...], offset: int
+        self,
+        name: str,
+        data: memoryview | FileSpan | FileSpans,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        offset: int,
     ) -> None:
         """Write one tensor's file atomically (a temp file, then a rename; named in the tag before it is written), its
         bytes after ``offset`` zero bytes: mapped from the file's page-aligned start, they lie at their reference

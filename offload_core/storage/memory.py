@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import torch
 
 from offload_core import devices
-from offload_core.alignment import address_offset, empty_at, reference_offset
-from offload_core.storage.base import Store, StoreContext, convert_dtype
+from offload_core.alignment import address_offset, empty_at
+from offload_core.storage.base import Store, StoreContext, read_tensor
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +41,19 @@ class HostMemoryStore(Store):
         self._keep(name, tensor, address_offset(tensor) if tensor.is_contiguous() else 0)
 
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
-        value = convert_dtype(checkpoint.get(key), dtype)
-        self._keep(name, value, reference_offset(value, self.maps_checkpoint))
+        self._held(name, read_tensor(checkpoint, key, dtype, self.maps_checkpoint, self._allocate))
 
     def _keep(self, name: str, tensor: torch.Tensor, offset: int) -> None:
-        # One allocation in the final (pinned) memory, at the reference offset (this machine's kernels may
-        # depend on it), and one copy from the source: never a pinned copy beside an unpinned one.
-        if self.arena is not None:  # a GPU computes with it: where it starts does not change results
-            held = self.arena.take(tensor.shape, tensor.dtype)
-        else:
-            held = empty_at(tensor.shape, tensor.dtype, offset)
-        held.copy_(tensor)
+        # One allocation in the final (pinned) memory and one copy from the source: never a pinned copy beside an
+        # unpinned one.
+        self._held(name, self._allocate(tuple(tensor.shape), tensor.dtype, offset).copy_(tensor))
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
+        """Memory for one tensor: in the pinned arena (a GPU computes with it: where it starts does not change
+        results), else at the reference offset (this machine's kernels may depend on it)."""
+        return self.arena.take(shape, dtype) if self.arena is not None else empty_at(shape, dtype, offset)
+
+    def _held(self, name: str, held: torch.Tensor) -> None:
         self._tensors[name] = held
         self.bytes_written += held.numel() * held.element_size()
 

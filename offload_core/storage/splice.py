@@ -76,6 +76,12 @@ def layout(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[tup
     return placed
 
 
+def in_order(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[Part] | None:
+    """The parts in the tensor's byte order where they tile it exactly (:func:`layout`), else None."""
+    placed = layout(torch.Size(shape), dtype, parts) if parts else None
+    return None if placed is None else [part for part, _ in sorted(placed, key=lambda item: item[1])]
+
+
 class Spliced:
     """A ``shape`` tensor over a private mapping in which each part's whole pages map its file, copy-on-write.
 
