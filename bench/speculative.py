@@ -91,6 +91,7 @@ def one_run(prompt: str, mode: str, budget: str, cold: bool, tokens: int, out: P
         "target_passes",
         "acceptance_rate",
         "drafted_tokens",
+        "drafts_skipped",
         "accepted_tokens",
         "bytes_moved_per_token",
         "predicted_s_per_token",
@@ -144,6 +145,13 @@ def fmt(value, digits=2):
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def quiet(meta: dict) -> str:
+    """ "quiet" where nothing but the benchmark loaded the machine (1-minute load average under the cores before
+    and after), else "loaded shared": its figures are then indicative only."""
+    cores = os.cpu_count() or 1
+    return "quiet" if max(meta["load_before"][0], meta["load_after"][0]) < cores else "loaded shared"
+
+
 def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
     rows = medians(rows)
     speedups(rows)
@@ -152,10 +160,10 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
         f"# Speculative decoding under offload: SmolLM2-135M-Instruct ({meta['tokens']} new tokens, greedy)",
         "",
         f"`{meta['command']}`, {meta['date']}. Store safetensors, policy align_per_call, float32. "
-        f"**Taken on a loaded shared machine** ({os.cpu_count()} cores; load average before "
+        f"**Taken on a {quiet(meta)} machine** ({os.cpu_count()} cores; load average before "
         f"{', '.join(f'{x:.1f}' for x in meta['load_before'])}, after "
-        f"{', '.join(f'{x:.1f}' for x in meta['load_after'])}): the figures are indicative: decode tokens/s is the "
-        "median of the runs (alternating modes), range beside it.",
+        f"{', '.join(f'{x:.1f}' for x in meta['load_after'])}). Decode tokens/s is the median of the runs "
+        "(alternating modes), range beside it; skipped: prompt-lookup drafts not checked because they would not pay.",
         "",
         "Budgets: half = max_memory.cpu=300MiB (about half the 513 MiB model streamed), small = 200MiB. Cold: the "
         "checkpoint dropped from the page cache before the run and page_cache=0 (every offloaded block read from "
@@ -164,14 +172,14 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
         "SmolLM2's tokenizer exists on this machine, so speculative=draft is not measured.",
         "",
         "| prompt | budget | cache | mode | decode tok/s (median) | runs: range | x none | tokens/pass | acceptance | "
-        "drafted | moved/token MiB | disk read/token MiB | disk MB/s | plan s/token | same as plain greedy in memory | "
-        "same as in memory, same speculation |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "drafted | skipped | moved/token MiB | disk read/token MiB | disk MB/s | plan s/token | "
+        "same as plain greedy in memory | same as in memory, same speculation |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['prompt']} | {r['budget']} | {r['cache']} | {r['mode']} | refused: {r['error']} ||||||||||||"
+                f"| {r['prompt']} | {r['budget']} | {r['cache']} | {r['mode']} | refused: {r['error']} |||||||||||||"
             )
             continue
         moved = r.get("bytes_moved_per_token")
@@ -189,6 +197,7 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
                     fmt(r.get("tokens_per_pass")),
                     fmt(r.get("acceptance_rate")),
                     fmt(r.get("drafted_tokens")),
+                    fmt(r.get("drafts_skipped")),
                     fmt(moved / 2**20 if moved is not None else None, 1),
                     fmt(mib(r.get("disk_read_bytes_per_generated_token")), 1),
                     fmt(r["read_bandwidth_bytes_per_s"] / 1e6 if r.get("read_bandwidth_bytes_per_s") else None, 0),
@@ -199,19 +208,20 @@ def write_report(path: Path, meta: dict, rows: list[dict]) -> None:
                 ]
             ).strip()
         )
-    lines += ["", "## Targets (cold page cache)", ""]
+    lines += ["", "## Targets (the speed-up of repeat with a cold page cache; the rest with either)", ""]
     for r in rows:
-        if r["cache"] != "cold" or "error" in r or r["mode"] == "none":
+        if "error" in r or r["mode"] == "none":
             continue
         if r["prompt"] == "repeat":
-            ok = (r.get("tokens_per_pass") or 0) >= 3 and (r.get("speedup_vs_none") or 0) >= 2.5
-            goal = ">= 3 tokens/pass and >= 2.5x none"
+            cold = r["cache"] == "cold"
+            ok = (r.get("tokens_per_pass") or 0) >= 3 and (not cold or (r.get("speedup_vs_none") or 0) >= 2.5)
+            goal = ">= 3 tokens/pass and >= 2.5x none" if cold else ">= 3 tokens/pass"
         elif r["prompt"] == "summarise":
             ok, goal = (r.get("tokens_per_pass") or 0) >= 1.5, ">= 1.5 tokens/pass"
         else:
             ok, goal = (r.get("speedup_vs_none") or 0) >= 0.95, ">= 0.95x none"
         lines.append(
-            f"- {r['prompt']}, {r['budget']}, {r['mode']}: {goal}: {'met' if ok else 'NOT met'} "
+            f"- {r['prompt']}, {r['budget']}, {r['cache']}, {r['mode']}: {goal}: {'met' if ok else 'NOT met'} "
             f"({fmt(r.get('tokens_per_pass'))} tokens/pass, {fmt(r.get('speedup_vs_none'))}x)"
         )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")

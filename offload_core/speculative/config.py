@@ -27,7 +27,8 @@ class SpeculativeConfig:
     layers: int = 0
     #: prompt_lookup: the longest n-gram matched against the text so far
     ngram: int = 2
-    #: false: always draft ``tokens`` (prompt_lookup) / keep transformers' constant schedule (draft, self)
+    #: false: always draft and check ``tokens`` (prompt_lookup; true: a draft is checked only where the passes
+    #: timed say it pays) / keep transformers' constant schedule (draft, self)
     adaptive: bool = True
     #: drafting stops for the rest of a generation when, after ``probe`` passes that checked drafts, fewer than
     #: this share of the drafted tokens were accepted (0: never stops; prompt_lookup's preset); the target then

@@ -5,6 +5,7 @@ candidate generator), and the adaptive number of prompt-lookup tokens."""
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -12,17 +13,22 @@ import torch
 from torch import nn
 
 from offload_core.speculative.config import SpeculativeConfig, read_speculative
+from offload_core.speculative.pays import DraftValue
 
 
 class Speculation:
     """``config`` applied to ``target`` (with ``draft`` for the draft and self modes): ``kwargs`` go to
     ``target.generate``; generate inside :meth:`counting`, then read :meth:`figures`."""
 
-    def __init__(self, config: SpeculativeConfig, target: nn.Module, draft: nn.Module | None = None) -> None:
-        self.config, self.target, self.draft = config, target, draft
+    def __init__(
+        self, config: SpeculativeConfig, target: nn.Module, draft: nn.Module | None = None, replay: str | None = None
+    ) -> None:
+        self.config, self.target, self.draft, self.replay = config, target, draft, replay
         self.passes = self.drafted = self.accepted = self.verifications = 0
         self.lookup_tokens = int(config.tokens)  # prompt lookup: tokens drafted next (adapts)
         self.stopped = False  # drafting stopped for this generation: acceptance below min_acceptance
+        self.value = DraftValue()  # prompt lookup: whether a draft pays, from the passes timed
+        self._started: tuple[int, float] | None = None
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -42,22 +48,36 @@ class Speculation:
         """Count the target's passes and the candidate generator's drafts while the block runs, from zero."""
         self.passes = self.drafted = self.accepted = self.verifications = 0
         self.lookup_tokens, self.stopped = int(self.config.tokens), False
+        self.value = DraftValue(replay=self.replay)
         if self.draft is not None:  # transformers keeps the adapted count on the draft: each generate starts afresh
             self.draft.generation_config.num_assistant_tokens = int(self.config.tokens)
             self.draft.generation_config.num_assistant_tokens_schedule = (
                 "heuristic" if self.config.adaptive else "constant"
             )
-        handle = self.target.register_forward_pre_hook(self._count_pass)
+        handles = [
+            self.target.register_forward_pre_hook(self._count_pass, with_kwargs=True),
+            self.target.register_forward_hook(self._time_pass),
+        ]
         # transformers builds its candidate generator per generate call; the instance attribute wraps the one it builds
         self.target._get_candidate_generator = self._candidate_generator
         try:
             yield self
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             del self.target._get_candidate_generator
 
-    def _count_pass(self, module: nn.Module, args: tuple) -> None:
+    def _count_pass(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.passes += 1
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        # the first pass (the prompt) is not a decoding pass: left out of the times
+        self._started = (ids.shape[-1], time.perf_counter()) if self.passes > 1 and ids is not None else None
+
+    def _time_pass(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._started is not None:
+            tokens, started = self._started
+            self.value.timed(tokens, time.perf_counter() - started)
+            self._started = None
 
     def _candidate_generator(self, *args: Any, **kwargs: Any) -> Any:
         generator = type(self.target)._get_candidate_generator(self.target, *args, **kwargs)
@@ -73,6 +93,9 @@ class Speculation:
                 generator.num_output_tokens = self.lookup_tokens
             out = get(input_ids, **kw)
             last[0] = int(out[0].shape[-1] - input_ids.shape[-1])
+            if lookup and self.config.adaptive and last[0] and not self.value.pays(last[0]):
+                last[0] = 0  # this draft would cost its pass more than it is expected to win: one token decoded
+                return input_ids, None
             self.drafted += last[0]
             return out
 
@@ -84,6 +107,7 @@ class Speculation:
             self.verifications += int(last[0] > 0)
             if lookup and last[0]:
                 self.lookup_tokens = next_lookup_tokens(self.lookup_tokens, last[0], matched, int(self.config.tokens))
+                self.value.checked(matched)
             low = self.accepted < float(self.config.min_acceptance) * self.drafted
             self.stopped = self.verifications >= int(self.config.probe) and low
             return update(input_ids, scores, num_matches)
@@ -106,6 +130,8 @@ class Speculation:
             "accepted_tokens": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else math.nan,
             "drafting_stopped": self.stopped,
+            "drafts_skipped": self.value.skipped,
+            "draft_decisions": self.value.decisions,
         }
 
 
@@ -116,20 +142,25 @@ def next_lookup_tokens(current: int, drafted: int, matched: int, most: int) -> i
 
 
 def prepare(
-    value: Any, target: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    value: Any,
+    target: nn.Module,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    replay: str | None = None,
 ) -> Speculation:
     """The :class:`Speculation` ``value`` (see :func:`read_speculative`) asks of ``target``: for ``draft`` the
-    checkpoint loaded on ``device`` (default: where the target runs), for ``self`` the target's first layers shared."""
+    checkpoint loaded on ``device`` (default: where the target runs), for ``self`` the target's first layers shared;
+    ``replay``: another run's ``draft_decisions``, to check the drafts it checked."""
     from offload_core.speculative.drafts import load_draft, self_draft, self_layers
 
     config = read_speculative(value)
     if config.name == "self":
-        return Speculation(config, target, self_draft(target, self_layers(target, config.layers)))
+        return Speculation(config, target, self_draft(target, self_layers(target, config.layers)), replay)
     if config.name == "draft":
         dtype = dtype or next(target.parameters()).dtype
         device = torch.device(device) if device is not None else _run_device(target)
-        return Speculation(config, target, load_draft(config.path, target, dtype, device))
-    return Speculation(config, target)
+        return Speculation(config, target, load_draft(config.path, target, dtype, device), replay)
+    return Speculation(config, target, replay=replay)
 
 
 def _run_device(target: nn.Module) -> torch.device:

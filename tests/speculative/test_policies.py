@@ -40,9 +40,9 @@ def _spec(mode, checkpoints):
     return {**spec, "min_acceptance": 0.0}
 
 
-def _in_memory(path, spec=None, device="cpu"):
+def _in_memory(path, spec=None, device="cpu", replay=None):
     model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
-    speculation = prepare(spec, model)
+    speculation = prepare(spec, model, replay=replay)
     with torch.inference_mode():
         out = speculation.generate(models.PROMPT.to(device), max_new_tokens=NEW, do_sample=False)
     return out[0, models.PROMPT.shape[1] :].tolist(), speculation
@@ -67,10 +67,11 @@ def _offloaded(path, spec, policy, storage, device_map, tmp_path, device="cpu"):
 
 
 def _check(path, spec, policy, storage, device_map, tmp_path, device="cpu"):
-    expected, reference = _in_memory(path, spec, device)
     tokens, speculation = _offloaded(path, spec, policy, storage, device_map, tmp_path, device)
-    assert tokens == expected
     figures = speculation.figures(len(tokens))
+    # the drafts the offloaded run checked (decided by the passes it timed) checked again in memory
+    expected, reference = _in_memory(path, spec, device, replay=figures["draft_decisions"])
+    assert tokens == expected
     assert figures == reference.figures(len(expected))
     assert figures["target_passes"] + figures["accepted_tokens"] == len(tokens) == NEW
     assert figures["accepted_tokens"] <= figures["drafted_tokens"]

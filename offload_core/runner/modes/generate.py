@@ -115,14 +115,15 @@ def in_memory_tokens(
     task: str = "causal_lm",
     device: torch.device = torch.device("cpu"),
     speculative: Any = None,
+    replay: str | None = None,
 ) -> list[int]:
     """Tokens of the reference model (:func:`reference_model`) on ``device``, generated plainly or with
-    ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`)."""
+    ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`; ``replay``: the run's draft decisions)."""
     from offload_core.speculative import prepare
 
     model = reference_model(checkpoint, task, dtype, device)
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
-    speculation = prepare(speculative, model, dtype, device) if speculative is not None else None
+    speculation = prepare(speculative, model, dtype, device, replay) if speculative is not None else None
     tokens, _ = generate(model, input_ids, sampling, device, speculation)
     del model
     return tokens

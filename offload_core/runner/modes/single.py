@@ -62,7 +62,7 @@ def compare_in_memory(job: Prepared, tokens: list[int], result: RunResult) -> No
     """The in-memory model's tokens on the same prompt (and, with speculation, under the same speculation)."""
     settings, run_model = job.settings, job.run_model
 
-    def reference(speculative: Any = None) -> list[int]:
+    def reference(speculative: Any = None, replay: str | None = None) -> list[int]:
         return in_memory_tokens(
             run_model.checkpoint_dir,
             run_model.dtype,
@@ -71,6 +71,7 @@ def compare_in_memory(job: Prepared, tokens: list[int], result: RunResult) -> No
             run_model.task,
             settings.execution_device,
             speculative,
+            replay,
         )
 
     figures = result.figures

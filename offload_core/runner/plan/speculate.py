@@ -106,12 +106,13 @@ def predicted(spec: SpeculativeConfig, times: dict[str, float]) -> dict[str, flo
 
 
 def compare(figures: dict, spec: SpeculativeConfig, tokens: list[int], reference: Any) -> None:
-    """With speculation: the in-memory model running the same speculation (``reference(spec)``) must give the same
-    tokens bit for bit; against plain greedy decoding (``figures['in_memory_tokens']``) the differing positions are
-    counted (a several-token pass may round differently from one-token steps)."""
+    """With speculation: the in-memory model running the same speculation (``reference(spec, decisions)``: the
+    drafts the run checked, checked again) must give the same tokens bit for bit; against plain greedy decoding
+    (``figures['in_memory_tokens']``) the differing positions are counted (a several-token pass may round
+    differently from one-token steps)."""
     if not spec.active:
         return
-    same = reference(spec)
+    same = reference(spec, figures.get("draft_decisions"))
     plain = figures["in_memory_tokens"]
     figures["in_memory_speculative_tokens"] = same
     figures["matches_in_memory_speculative"] = same == tokens
