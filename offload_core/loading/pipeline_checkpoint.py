@@ -54,14 +54,14 @@ class _PrefixedFile:
 
 
 class PipelineCheckpoint(Checkpoint):
-    """The components' checkpoints (``parts``: component name -> :class:`Checkpoint`) as one, keys prefixed by
+    """The components' checkpoints (``components``: component name -> :class:`Checkpoint`) as one, keys prefixed by
     component; tensors are the components' own zero-copy views, so every store reads them in place."""
 
     def __init__(self, root: Path, parts: dict[str, Checkpoint]) -> None:
         files = [file for part in parts.values() for file in part.files]
         key_files = {f"{name}.{key}": part.file_of(key) for name, part in parts.items() for key in part.keys()}
         super().__init__(root, root, files, key_files, None, all(p.is_safetensors for p in parts.values()))
-        self.parts = parts
+        self.components = parts
         self._owner = {file: name for name, part in parts.items() for file in part.files}
 
     @classmethod
@@ -78,7 +78,7 @@ class PipelineCheckpoint(Checkpoint):
 
     def _split(self, key: str) -> tuple[Checkpoint, str]:
         prefix, _, raw = key.partition(".")
-        part = self.parts.get(prefix)
+        part = self.components.get(prefix)
         if part is None:
             raise KeyError(f"{key!r} is not a tensor of pipeline {self.root}")
         return part, raw
@@ -86,13 +86,13 @@ class PipelineCheckpoint(Checkpoint):
     def shards(self) -> list[tuple[Path, list[str]]]:
         return [
             (file, [f"{name}.{key}" for key in keys])
-            for name, part in self.parts.items()
+            for name, part in self.components.items()
             for file, keys in part.shards()
         ]
 
     def safetensors_file(self, path: Any) -> Any:
         name = self._owner[Path(path)]
-        return _PrefixedFile(self.parts[name].safetensors_file(path), name)
+        return _PrefixedFile(self.components[name].safetensors_file(path), name)
 
     def file_of(self, key: str) -> Path:
         part, raw = self._split(key)
@@ -117,12 +117,12 @@ class PipelineCheckpoint(Checkpoint):
     def fingerprint(self) -> dict[str, Any]:
         return {
             "path": str(self.root.resolve()),
-            "components": {name: part.fingerprint() for name, part in self.parts.items()},
+            "components": {name: part.fingerprint() for name, part in self.components.items()},
         }
 
     def close(self) -> None:
-        for part in self.parts.values():
+        for part in self.components.values():
             part.close()
 
     def __repr__(self) -> str:
-        return f"PipelineCheckpoint({str(self.root)!r}, components {', '.join(self.parts)})"
+        return f"PipelineCheckpoint({str(self.root)!r}, components {', '.join(self.components)})"

@@ -61,7 +61,7 @@ def read_tensor(
     converted tensor whose parts are placed in it (per-expert tensors fused) is filled part by part: never built
     whole beside the memory that holds it, which would take its bytes twice while it loads."""
     parts = getattr(checkpoint, "parts", None)
-    parts = parts(key) if parts is not None else None
+    parts = parts(key) if callable(parts) else None
     if parts:  # built by the conversion, it would lie in a new allocation: reference offset 0
         stored = checkpoint.dtype(key)
         held = allocate(tuple(checkpoint.shape(key)), dtype if converts(stored, dtype) else stored, 0)

@@ -208,7 +208,7 @@ class FolderStore(FileMaps, Store):
     def _spans_of_parts(checkpoint: Any, key: str, dtype: torch.dtype | None) -> FileSpans | None:
         """The file spans of a converted tensor's parts in its byte order, where they tile it in its stored dtype."""
         ranges = getattr(checkpoint, "part_ranges", None)
-        if ranges is None or not KERNEL_COPY or converts(checkpoint.dtype(key), dtype):
+        if not callable(ranges) or not KERNEL_COPY or converts(checkpoint.dtype(key), dtype):
             return None
         parts = [Part(index, Path(file), start, end) for index, file, start, end in ranges(key) or []]
         ordered = in_order(torch.Size(checkpoint.shape(key)), checkpoint.dtype(key), parts)

@@ -57,7 +57,7 @@ def test_budget_is_used_and_reported(main_job):
     # 200 MiB budget less the planned KV cache and activations and the runtime's slack, no reservation needed for a
     # zero-copy mapped read on CPU.
     planned = result.figures["planned_kv_cache_bytes"] + result.figures["planned_activation_bytes"] + RUNTIME_SLACK
-    assert result.plan["headroom"] == planned < 16 * 2**20
+    assert result.plan["headroom"] == planned < 48 * 2**20
     assert cpu["bytes"] <= 200 * 2**20 - planned
     assert cpu["bytes"] > 0.6 * 200 * 2**20
     assert result.plan["reserve"] == {"cpu": 0}
