@@ -147,3 +147,30 @@ def test_from_pretrained_checks_the_execution_device_as_the_command_line_does(tm
         with pytest.raises(ConfigError) as api:
             offload_core.from_pretrained(path, max_memory={"cpu": "1MiB"}, execution_device=given)
         assert str(api.value) == str(cli.value)
+
+
+def test_a_block_that_could_not_be_timed_is_said_and_timed_again_next_run(tmp_path, monkeypatch, capsys):
+    import torch
+    import transformers
+
+    from offload_core.runner.plan import calibrate as calibration
+
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    cpu, folders = torch.device("cpu"), {"checkpoint": tmp_path}
+    args = (model, ["LlamaDecoderLayer"], torch.float32, cpu, folders, {"decode": (1, 1)})
+    real = calibration.compute_times
+
+    def fails(*a, **k):
+        raise RuntimeError("this block wants a mask\nand more")
+
+    monkeypatch.setattr(calibration, "compute_times", fails)
+    assert calibration.calibrate(*args)["compute"]["decode"] == {}
+    out = capsys.readouterr().out
+    assert "no time prediction: a block of this model could not be timed (RuntimeError: this block wants a mask)" in out
+    monkeypatch.setattr(calibration, "compute_times", real)
+    assert calibration.calibrate(*args)["compute"]["decode"]["block_s"] > 0  # not kept as "cannot": timed now

@@ -292,17 +292,17 @@ def calibrate(
     found["compute"] = {}
     for name, (rows, tokens) in shapes.items():
         key = f"{rows}x{tokens}"
-        if refresh or key not in timed:
+        if refresh or not timed.get(key):  # one that could not be timed is tried again: it was not kept
             try:
                 timed[key] = compute_times(model, no_split, dtype, device, rows, tokens)
-            except (
-                TypeError,
-                ValueError,
-                RuntimeError,
-            ):  # a block whose forward wants more than hidden states and positions
-                timed[key] = {}
-            changed = True
-        found["compute"][name] = timed[key]
+                changed = True
+            except (TypeError, ValueError, RuntimeError) as exc:  # a block whose forward wants more than hidden states
+                timed.pop(key, None)
+                print(
+                    f"  no time prediction: a block of this model could not be timed ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''})"
+                )
+        found["compute"][name] = timed.get(key, {})
     if probe is not None:
         probes = data.setdefault("probe", {})
         key = f"{_model_key(model, dtype, device)}|{probe[0]}"
