@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+from offload_core import dispatch_model
 
 
 def tiny_llama():
@@ -31,3 +36,17 @@ DISK = {
     "model.rotary_emb": "cpu",
     "lm_head": "cpu",
 }
+
+
+def dispatched(model: torch.nn.Module, device_map: dict, policy: Any, folder: Path, storage: str = "memmap"):
+    """``model`` dispatched by ``device_map`` with ``policy`` and ``storage`` (an offload folder under ``folder``),
+    its decoder layers kept whole."""
+    dispatch_model(
+        model,
+        device_map,
+        storage=storage,
+        policy=policy,
+        offload_folder=folder / "off",
+        no_split_module_classes=["LlamaDecoderLayer"],
+    )
+    return model

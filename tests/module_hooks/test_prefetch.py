@@ -7,7 +7,7 @@ import torch
 
 from offload_core import dispatch_model
 from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig, Trace
-from tests.module_hooks.prefetch_model import DISK
+from tests.module_hooks.prefetch_model import DISK, dispatched
 from tests.module_hooks.prefetch_model import tiny_llama as _model
 
 
@@ -30,14 +30,7 @@ def test_prefetch_hits_after_the_first_pass_and_matches_in_memory(tmp_path):
     with torch.no_grad():
         expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     model = _model()
-    dispatch_model(
-        model,
-        DISK,
-        storage="memmap",
-        policy=Prefetch(PrefetchConfig(depth=2)),
-        offload_folder=tmp_path / "off",
-        no_split_module_classes=["LlamaDecoderLayer"],
-    )
+    dispatched(model, DISK, Prefetch(PrefetchConfig(depth=2)), tmp_path)
     prefetcher = model.offload_state.handle.prefetcher
     with torch.no_grad():
         got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)

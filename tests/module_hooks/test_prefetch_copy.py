@@ -11,9 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from offload_core import dispatch_model
 from offload_core.module_hooks.prefetch import BlockPool, Prefetch, PrefetchConfig, Prefetcher, StagingRing, Streams
-from tests.module_hooks.prefetch_model import DISK
+from tests.module_hooks.prefetch_model import DISK, dispatched
 from tests.module_hooks.prefetch_model import tiny_llama as _model
 from tests.waits import blocked_in
 
@@ -101,14 +100,7 @@ def test_pool_path_matches_in_memory_and_moves_a_tied_weight_once(tmp_path, stag
     seen = _weights_seen_in_forward(model.lm_head)
     # depth 1: the embedding is scheduled while lm_head runs, so it always finds the tied weight there
     policy = _prefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"), staging=staging)
-    dispatch_model(
-        model,
-        TIED_DISK,
-        storage="memmap",
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        no_split_module_classes=["LlamaDecoderLayer"],
-    )
+    dispatched(model, TIED_DISK, policy, tmp_path)
     state = model.offload_state
     prefetcher = state.handle.prefetcher
     assert [u.name for u in prefetcher.units] == [
@@ -264,14 +256,7 @@ def test_the_gpu_event_protocol_orders_every_copy_and_every_reuse(tmp_path):
     after its last copy."""
     model = _model()
     policy = _StagedPrefetch(PrefetchConfig(depth=1, pool=True, staging_chunk="4KiB"))
-    dispatch_model(
-        model,
-        TIED_DISK,
-        storage="memmap",
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        no_split_module_classes=["LlamaDecoderLayer"],
-    )
+    dispatched(model, TIED_DISK, policy, tmp_path)
     prefetcher = model.offload_state.handle.prefetcher
     accel = prefetcher.accel = prefetcher.staging.accel = _LoggingAccelerator()
     with torch.no_grad():
@@ -302,14 +287,7 @@ def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
 
     model = _model()
     reference = _model()
-    dispatch_model(
-        model,
-        TIED_DISK,
-        storage="memmap",
-        policy=Prefetch(PrefetchConfig(depth=1, pool=True)),
-        offload_folder=tmp_path / "off",
-        no_split_module_classes=["LlamaDecoderLayer"],
-    )
+    dispatched(model, TIED_DISK, Prefetch(PrefetchConfig(depth=1, pool=True)), tmp_path)
     prefetcher = model.offload_state.handle.prefetcher
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
@@ -360,14 +338,7 @@ def test_a_forward_with_autograd_on_runs_on_the_pool(tmp_path):
     so a forward that records autograd (no ``no_grad``) runs and gives the in-memory logits."""
     reference = _model()
     model = _model()
-    dispatch_model(
-        model,
-        DISK,
-        storage="memmap",
-        policy=Prefetch(PrefetchConfig(depth=1, pool=True)),
-        offload_folder=tmp_path / "off",
-        no_split_module_classes=["LlamaDecoderLayer"],
-    )
+    dispatched(model, DISK, Prefetch(PrefetchConfig(depth=1, pool=True)), tmp_path)
     ids = torch.tensor([[1, 2, 3]])
     logits = model(ids).logits
     assert logits.requires_grad and torch.equal(logits.detach(), reference(ids).logits.detach())

@@ -15,17 +15,13 @@ from offload_core.errors import StorageError
 from offload_core.storage import StoreContext
 from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
 from tests.logs import records_of
+from tests.storage.folders import build_folder
 
 TENSORS = {"a": torch.arange(8.0), "b": torch.ones(2, 3)}
 
 
 def build(folder: Path, version: int) -> FolderStore:
-    store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint={"v": version}))
-    if not store.reused:
-        for name, tensor in TENSORS.items():
-            store.put(name, tensor)
-        store.finalize()
-    return store
+    return build_folder(folder, {"v": version}, tensors=TENSORS)
 
 
 def test_a_rebuild_removes_the_tagged_files_of_our_shapes_and_nothing_else(tmp_path):

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,17 +18,12 @@ from offload_core.storage import StoreContext
 from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
 from offload_core.storage.folder_guard import LOCK, FolderLock, stamp
 from tests.logs import records_of
+from tests.storage.folders import build_folder
 
 TENSORS = {"a": torch.arange(8.0), "b": torch.ones(2, 3), "e": torch.empty(0, 4)}
 
 
-def build(folder: Path | None, fingerprint: dict | None = None) -> FolderStore:
-    store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint=fingerprint or {"v": 1}))
-    if not store.reused:
-        for name, tensor in TENSORS.items():
-            store.put(name, tensor)
-        store.finalize()
-    return store
+build = partial(build_folder, tensors=TENSORS)
 
 
 def test_a_seal_that_cannot_write_its_marker_logs_and_the_next_run_rebuilds(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -12,24 +13,17 @@ import torch
 
 import offload_core.storage.folder_record as folder_record
 from offload_core.errors import StorageError
-from offload_core.storage import StoreContext
-from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
+from offload_core.storage.folder import COMPLETE, INDEX, TAG
 from offload_core.storage.folder_guard import stamp
 from offload_core.storage.folder_record import check_reusable
 from tests.logs import records_of
+from tests.storage.folders import build_folder
 
 TENSORS = {"a": torch.arange(8.0), "b": torch.ones(2, 3)}
 FINGERPRINT = {"store": "memmap/3", "v": 1}
 
 
-def build(folder: Path, fingerprint: dict | None = None, verify: bool = True) -> FolderStore:
-    context = StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint=fingerprint or {"v": 1})
-    store = FolderStore(context, verify=verify)
-    if not store.reused:
-        for name, tensor in TENSORS.items():
-            store.put(name, tensor)
-        store.finalize()
-    return store
+build = partial(build_folder, tensors=TENSORS)
 
 
 def edit(path: Path, change) -> None:

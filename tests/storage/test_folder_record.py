@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,17 +20,12 @@ from offload_core.storage import StoreContext
 from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
 from offload_core.storage.folder_guard import checksum, stamp
 from offload_core.storage.folder_record import read_index, tagged_files
+from tests.storage.folders import build_folder
 
 TENSORS = {"a": torch.arange(8.0), "b": torch.ones(2, 3)}
 
 
-def build(folder: Path, fingerprint: dict | None = None) -> FolderStore:
-    store = FolderStore(StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint=fingerprint or {"v": 1}))
-    if not store.reused:
-        for name, tensor in TENSORS.items():
-            store.put(name, tensor)
-        store.finalize()
-    return store
+build = partial(build_folder, tensors=TENSORS)
 
 
 def record(folder: Path) -> dict:

@@ -8,27 +8,20 @@ import json
 import multiprocessing
 import os
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from offload_core.errors import StorageError
-from offload_core.storage import StoreContext
 from offload_core.storage.folder import COMPLETE, INDEX, TAG, FolderStore
+from tests.storage.folders import build_folder
 
 TENSORS = {"a": torch.arange(64.0), "b": torch.arange(64.0) * 2, "c": torch.ones(3, 5, dtype=torch.bfloat16)}
 
 
-def build(folder: Path, fingerprint: dict | None = None, verify: bool = True) -> FolderStore:
-    store = FolderStore(
-        StoreContext(names=list(TENSORS), offload_folder=folder, fingerprint=fingerprint or {"v": 1}), verify=verify
-    )
-    if not store.reused:
-        for name, tensor in TENSORS.items():
-            store.put(name, tensor)
-        store.finalize()
-    return store
+build = partial(build_folder, tensors=TENSORS)
 
 
 def built(folder: Path) -> None:
