@@ -32,7 +32,6 @@ class DraftValue:
         self.won = float(prior)
         self.patience = 1  # drafts skipped before the next is checked anyway
         self.skipped_in_row = 0
-        self.skipped = 0  # drafts skipped in all
         self.decisions = ""  # one letter a draft: c checked, s skipped
         self._replay = replay
 
@@ -56,9 +55,13 @@ class DraftValue:
             return self._decided(replayed)
         return self._decided(self._pays(drafted))
 
+    @property
+    def skipped(self) -> int:
+        """Drafts skipped in all."""
+        return self.decisions.count("s")
+
     def _decided(self, checked: bool) -> bool:
         self.decisions += "c" if checked else "s"
-        self.skipped += not checked
         return checked
 
     def _pays(self, drafted: int) -> bool:

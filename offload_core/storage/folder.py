@@ -60,7 +60,7 @@ from offload_core.storage.folder_record import (
     write_tag,
 )
 from offload_core.storage.pagecache import drop, populate
-from offload_core.storage.splice import Part, in_order
+from offload_core.storage.splice import checkpoint_parts, in_order
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +207,9 @@ class FolderStore(FileMaps, Store):
     @staticmethod
     def _spans_of_parts(checkpoint: Any, key: str, dtype: torch.dtype | None) -> FileSpans | None:
         """The file spans of a converted tensor's parts in its byte order, where they tile it in its stored dtype."""
-        ranges = getattr(checkpoint, "part_ranges", None)
-        if not callable(ranges) or not KERNEL_COPY or converts(checkpoint.dtype(key), dtype):
+        parts = checkpoint_parts(checkpoint, key)
+        if not parts or not KERNEL_COPY or converts(checkpoint.dtype(key), dtype):
             return None
-        parts = [Part(index, Path(file), start, end) for index, file, start, end in ranges(key) or []]
         ordered = in_order(torch.Size(checkpoint.shape(key)), checkpoint.dtype(key), parts)
         return None if ordered is None else FileSpans(tuple(FileSpan(p.path, p.start, p.end) for p in ordered))
 

@@ -15,7 +15,7 @@ from offload_core.alignment import misplaced, placed, reference_offset
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
 from offload_core.storage.pagecache import advise_ranges, drop, drop_spans, populate, read_in, resident, will_need
-from offload_core.storage.splice import Part, Spliced
+from offload_core.storage.splice import Spliced, checkpoint_parts
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,12 @@ class InPlaceStore(Store):
         return self._spliced[name]
 
     def _splice(self, name: str) -> Spliced | None:
-        ranges = getattr(self.checkpoint, "part_ranges", lambda key: None)(self._refs[name])
-        if not ranges:
+        parts = checkpoint_parts(self.checkpoint, self._refs[name])
+        if not parts:
             return None
         shape, dtype = self.spec(name)
         with torch.inference_mode(False):
-            spliced = Spliced.build(
-                shape, dtype, [Part(index, Path(file), start, end) for index, file, start, end in ranges]
-            )
+            spliced = Spliced.build(shape, dtype, parts)
             if spliced is not None:
                 spliced.copy_edges([source for _, source in self.checkpoint.parts(self._refs[name])])
         return spliced

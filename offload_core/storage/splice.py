@@ -15,6 +15,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,6 +75,14 @@ def layout(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[tup
     if total != meta.numel() * dtype.itemsize or any(b > c for (_, b), (c, _) in zip(ranges, ranges[1:])):
         return None
     return placed
+
+
+def checkpoint_parts(checkpoint: Any, key: str) -> list[Part]:
+    """Where the parts of a converted checkpoint tensor lie (``checkpoint.part_ranges``); [] where the checkpoint
+    reads it whole."""
+    ranges = getattr(checkpoint, "part_ranges", None)
+    found = ranges(key) if callable(ranges) else None
+    return [Part(index, Path(file), start, end) for index, file, start, end in found or []]
 
 
 def in_order(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[Part] | None:
