@@ -138,8 +138,12 @@ def _default_dtype(path: Path, names: list[str]) -> torch.dtype:
 
 def build_empty_pipeline(path: str | Path, dtype: torch.dtype | None = None) -> EmptyPipeline:
     """The pipeline of ``path`` with every module component built on the meta device in ``dtype`` (None: the
-    checkpoint's); tokenizers and schedulers are loaded as the pipeline loads them."""
+    checkpoint's); tokenizers and schedulers are loaded as the pipeline loads them. From here on, large allocations
+    are mapped apart (:data:`offload_core.loading.pipeline_memory.PIPELINE_MMAP_THRESHOLD`)."""
     from offload_core.loading.empty import init_empty_weights
+    from offload_core.loading.pipeline_memory import PIPELINE_MMAP_THRESHOLD, mmap_threshold
+
+    mmap_threshold(PIPELINE_MMAP_THRESHOLD)
 
     path = Path(path).expanduser()
     diffusers = _import_diffusers()

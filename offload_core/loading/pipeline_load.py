@@ -28,13 +28,21 @@ def open_pipeline(
     path: str | Path, dtype: torch.dtype | None, limit: int | None, no_split: list[str] | None = None
 ) -> tuple[EmptyPipeline, Any, list[str]]:
     """The empty pipeline, its components' weights as one checkpoint, and the no-split classes its plan uses
-    (``no_split`` when given, else each component of at most ``limit`` bytes whole: :func:`component_no_split`)."""
+    (:func:`open_components`)."""
+    empty = build_empty_pipeline(path, dtype)
+    return (empty, *open_components(empty, path, limit, no_split))
+
+
+def open_components(
+    empty: EmptyPipeline, path: str | Path, limit: int | None, no_split: list[str] | None = None
+) -> tuple[Any, list[str]]:
+    """The components' weights of the pipeline folder ``path`` as one checkpoint, and the no-split classes its plan
+    uses: ``no_split`` when given, else each component of at most ``limit`` bytes whole (:func:`component_no_split`)."""
     from offload_core.loading.pipeline_checkpoint import PipelineCheckpoint
 
-    empty = build_empty_pipeline(path, dtype)
     classes = list(no_split) if no_split else component_no_split(empty, limit, empty.dtype)
     checkpoint = PipelineCheckpoint.open_components(Path(path).expanduser(), list(empty.modules._modules))
-    return empty, checkpoint, classes
+    return checkpoint, classes
 
 
 def finish_dispatch(empty: EmptyPipeline, device: torch.device) -> Any:
@@ -58,19 +66,30 @@ def pipeline_from_pretrained(
     progress: bool = False,
     page_cache: int | str | None = None,
     no_split_module_classes: list[str] | None = None,
+    headroom: int | str | None = "auto",
+    plan_call: Mapping[str, Any] | None = None,
 ) -> Any:
     """The diffusers pipeline of ``path``, its components planned in one device map within ``max_memory`` and
     dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a
-    model's."""
+    model's. ``headroom`` ``"auto"``: the activations of ``plan_call`` (the pipeline call's keyword arguments;
+    default: one image of the pipeline's default size), traced on the empty pipeline, and the runtime's slack are
+    held back from the execution device's budget (a size: that)."""
     from offload_core.loading.dispatch import default_execution_device, resolve_strategy
+    from offload_core.loading.pipeline_memory import default_call, pipeline_headroom
     from offload_core.loading.pretrained import plan_and_dispatch
     from offload_core.planning import get_max_memory
+    from offload_core.planning.headroom import less_headroom, read_headroom
     from offload_core.values import parse_dtype
 
     device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     budgets = get_max_memory(max_memory)
-    limit = whole_limit(budgets, device, resolve_strategy("policy", policy))
-    empty, checkpoint, no_split = open_pipeline(path, parse_dtype(dtype), limit, no_split_module_classes)
+    empty = build_empty_pipeline(path, parse_dtype(dtype))
+    held = read_headroom(headroom)
+    if held is None:
+        key = "cpu" if device.type == "cpu" else (device.index or 0)
+        held = pipeline_headroom(empty, {**default_call(), **(plan_call or {})}, budgets.get(key))
+    limit = whole_limit(less_headroom(budgets, held, device), device, resolve_strategy("policy", policy))
+    checkpoint, no_split = open_components(empty, path, limit, no_split_module_classes)
     plan_and_dispatch(
         empty.modules,
         checkpoint,
@@ -85,5 +104,6 @@ def pipeline_from_pretrained(
         no_split=no_split,
         progress=progress,
         page_cache=page_cache,
+        headroom=held,
     )
     return finish_dispatch(empty, device)

@@ -25,6 +25,8 @@ def from_pretrained(
     progress: bool = False,
     page_cache: int | str | None = None,
     speculative: Any = None,
+    headroom: int | str | None = "auto",
+    plan_call: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
     plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
@@ -45,6 +47,12 @@ def from_pretrained(
     ``policy`` None is ``prefetch`` (it measured fastest on CPU: bench/results/diffusion-192.md); ``chained`` moves a
     component whole when called and keeps it until the next one is called (components up to half the execution
     device's budget move whole; larger ones split at their own blocks).
+
+    ``headroom`` is held back from the execution device's budget for what runs beside the weights (bytes or a size
+    such as ``"512MiB"``); ``"auto"`` holds nothing for a transformers model (its KV cache depends on the call) and,
+    for a pipeline, the activations of the call ``plan_call`` gives (the pipeline's keyword arguments, such as
+    ``{"height": 1024, "width": 1024, "num_images_per_prompt": 2}``; default one image of its default size), traced
+    on fake tensors before loading, and the runtime's slack.
 
     ``speculative`` (``"prompt_lookup"``, ``"self"``, ``"draft"`` or a dict/``SpeculativeConfig`` such as
     ``{"name": "draft", "path": ...}``) prepares speculative decoding as ``run.py``'s ``speculative=``: a draft's
@@ -74,13 +82,20 @@ def from_pretrained(
             execution_device=execution_device,
             progress=progress,
             page_cache=page_cache,
+            headroom=headroom,
+            plan_call=plan_call,
         )
+    if plan_call is not None:
+        from offload_core.errors import ConfigError
+
+        raise ConfigError(f"plan_call plans a diffusers pipeline's call; {path} is a transformers checkpoint: drop it")
     policy = policy or "align_per_call"
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.execution_device import default_execution_device
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
     from offload_core.planning import get_max_memory, no_split_classes
     from offload_core.planning.budgets import check_budgets, check_execution_device
+    from offload_core.planning.headroom import read_headroom
     from offload_core.values import parse_dtype
 
     config = read_config(path, what="path")
@@ -117,6 +132,7 @@ def from_pretrained(
         progress=progress,
         page_cache=page_cache,
         speculative=speculative,
+        headroom=read_headroom(headroom) or 0,
     )
 
 
@@ -136,6 +152,7 @@ def plan_and_dispatch(
     progress: bool,
     page_cache: int | str | None,
     speculative: Any = None,
+    headroom: int = 0,
 ) -> nn.Module:
     """Plan ``model`` (empty) within ``max_memory`` unless ``device_map`` is given, and load the opened ``checkpoint``
     into it with ``storage`` and ``policy`` (closing the checkpoint if that fails), prepared for ``speculative``
@@ -143,13 +160,15 @@ def plan_and_dispatch(
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch, resolve_strategy
     from offload_core.loading.plan import make_plan
     from offload_core.planning import get_max_memory
+    from offload_core.planning.headroom import less_headroom
     from offload_core.speculative import prepare, read_speculative
     from offload_core.speculative.drafts import check_self_resident, draft_bytes, hold_draft
 
     policy_name = policy if isinstance(policy, str) else type(policy).__name__
     storage, policy = resolve_strategy("storage", storage), resolve_strategy("policy", policy)
     try:
-        budgets = get_max_memory(max_memory) if device_map is None or page_cache is not None else {}
+        given = get_max_memory(max_memory) if device_map is None or page_cache is not None else {}
+        budgets = less_headroom(given, headroom, device) if headroom else given
         spec = read_speculative(speculative)
         if spec.name == "draft" and budgets:  # its weights; the lengths its KV cache needs are not known here
             key = "cpu" if device.type == "cpu" else (device.index or 0)
@@ -165,6 +184,8 @@ def plan_and_dispatch(
             policy=policy,
             execution_device=device,
             budgets=budgets,
+            max_memory=given,
+            headroom=headroom,
             no_split=no_split,
             dtype=dtype,
             device_map=device_map,

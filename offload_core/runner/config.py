@@ -87,8 +87,8 @@ class RunConfig:
     #: budget per device: {"cpu": "200MiB", "0": "10GiB"}; sizes are strings or bytes
     max_memory: Dict[str, Any] = field(default_factory=lambda: {"cpu": "200MiB"})
     #: held back from the budget of the device that computes (the cpu, or the GPU) for activations, KV cache and
-    #: logits: auto plans them for the prompt (or the batch) and max_new_tokens (48MiB for a run that does not
-    #: generate); a size holds that back instead
+    #: logits: auto plans them for the prompt (or the batch) and max_new_tokens, for a diffusers pipeline traces its
+    #: call's activations (48MiB for another run that does not generate); a size holds that back instead
     headroom: str = "auto"
     #: auto (the checkpoint's), float32, bfloat16, float16
     dtype: str = "auto"

@@ -123,7 +123,8 @@ def _section(cfg: Any, key: str) -> dict:
 def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     """Parse ``cfg`` (a composed config) once; a value that cannot be used is a :class:`ConfigError`."""
     from offload_core.runner.overrides import check_keys
-    from offload_core.runner.validate import check_generation, check_headroom
+    from offload_core.planning.headroom import check_headroom
+    from offload_core.runner.validate import check_generation
 
     check_keys(cfg)
     check_generation(cfg)

@@ -10,7 +10,7 @@ import torch
 
 from offload_core import devices
 from offload_core.errors import ConfigError, DeviceMapError
-from offload_core.values import device_key, format_size
+from offload_core.values import device_key
 
 #: the largest seed ``torch.manual_seed`` takes (a 64-bit unsigned integer)
 MAX_SEED = 2**64 - 1
@@ -31,18 +31,6 @@ def check_generation(cfg: Any) -> None:
         raise ConfigError(f"top_k={cfg.top_k} is negative: give 0 (no limit) or a positive number of tokens")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise ConfigError(f"top_p={cfg.top_p} must lie in (0, 1]: give a probability mass such as 0.9")
-
-
-def check_headroom(max_memory: dict, headroom: int, execution_device: torch.device) -> None:
-    """The headroom comes out of the budget of the device the run computes on (the cpu, or its GPU): one that
-    leaves nothing is refused."""
-    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
-    budget = max_memory.get(key)
-    if budget is not None and headroom >= budget:
-        raise ConfigError(
-            f"headroom ({format_size(headroom)}) leaves nothing of max_memory.{key} ({format_size(budget)}): "
-            f"lower headroom or raise max_memory.{key}"
-        )
 
 
 def check_device_map_devices(device_map: dict, execution_device: torch.device) -> None:

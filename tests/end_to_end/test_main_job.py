@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from offload_core.runner.job import run
-from offload_core.runner.plan.run_memory import RUNTIME_SLACK
+from offload_core.planning.headroom import RUNTIME_SLACK
 from tests import ROOT
 
 

@@ -83,6 +83,7 @@ def test_a_policy_whose_units_in_flight_do_not_fit_the_budget_says_so_in_one_lin
             storage="safetensors",
             policy="prefetch",
             no_split_module_classes=["UNet2DConditionModel", "CLIPTextModel", "AutoencoderKL"],
+            headroom=0,
         )
     pipeline.offload_state.remove()
     assert len(said) == 1 and "\n" not in said[0], said

@@ -39,10 +39,10 @@ def test_every_policy_and_store_gives_the_in_memory_images(
 
 @pytest.fixture(scope="module")
 def third_on_cpu(pipeline_dir) -> dict:
-    """The sequential placement's map with a cpu budget of about a third of the pipeline: every component is split
-    between the cpu and the disk."""
+    """The sequential placement's map with a cpu budget of about a third of the pipeline, all of it for weights:
+    every component is split between the cpu and the disk."""
     pipeline = offload_core.from_pretrained(
-        pipeline_dir, max_memory={"cpu": 150_000}, storage="safetensors", policy="align_per_call"
+        pipeline_dir, max_memory={"cpu": 150_000}, storage="safetensors", policy="align_per_call", headroom=0
     )
     return dict(pipeline.hf_device_map)
 

@@ -19,7 +19,7 @@ from offload_core.runner.modes.batch import left_padded, trim
 from offload_core.runner.plan.batches import Batches
 from offload_core.runner.job import run
 from offload_core.runner.plan.predict import predict_time
-from offload_core.runner.plan.run_memory import runtime_slack
+from offload_core.planning.headroom import runtime_slack
 from offload_core.runner.config import register_configs
 
 from tests import ROOT

@@ -42,23 +42,44 @@ def call_kwargs(section: dict) -> dict[str, Any]:
     return kwargs
 
 
+def image_call(settings: Settings, prompts: list[str], output_type: str) -> dict[str, Any]:
+    """The pipeline call's arguments for ``prompts`` (one batch), a negative prompt given once per prompt."""
+    call = {**call_kwargs(settings.pipeline), "prompt": prompts, "output_type": output_type}
+    if call.get("negative_prompt") is not None:
+        call["negative_prompt"] = [call["negative_prompt"]] * len(prompts)
+    return call
+
+
 def make_images(
     pipeline: Any, prompts: list[str], settings: Settings, output_type: str, steps: "StepTimer | None" = None
 ) -> torch.Tensor:
     """Every prompt's image, ``batch_size`` prompts per call, each call's generator seeded with ``seed`` plus its
     first prompt's index; one tensor (N, C, H, W) for ``output_type="pt"``, else a list of images."""
-    kwargs = call_kwargs(settings.pipeline)
     images: list[Any] = []
     size = max(settings.batch_size, 1)
     for start in range(0, len(prompts), size):
-        chunk = prompts[start : start + size]
-        negative = kwargs.get("negative_prompt")
-        call = {**kwargs, **({"negative_prompt": [negative] * len(chunk)} if negative is not None else {})}
         generator = torch.Generator("cpu").manual_seed(settings.sampling.seed + start)
         extra = {"callback_on_step_end": steps} if steps is not None else {}
-        out = pipeline(prompt=chunk, generator=generator, output_type=output_type, **call, **extra)
+        out = pipeline(**image_call(settings, prompts[start : start + size], output_type), generator=generator, **extra)
         images.extend(list(out.images))
     return torch.stack(images) if output_type == "pt" else images
+
+
+def planned_headroom(settings: Settings, empty: Any, prompts: list[str]) -> Settings:
+    """``settings`` with ``headroom=auto`` resolved to the activations of the run's largest call, traced on the
+    empty pipeline (:func:`offload_core.loading.pipeline_memory.pipeline_headroom`), checked against the budget."""
+    import dataclasses
+
+    from offload_core.loading.pipeline_memory import pipeline_headroom
+    from offload_core.planning.headroom import check_headroom
+
+    if settings.headroom is not None:
+        return settings
+    call = image_call(settings, prompts[: max(settings.batch_size, 1)], "pt")
+    budget = settings.max_memory.get(settings.budget_key)
+    headroom = pipeline_headroom(empty, call, budget)
+    check_headroom(settings.max_memory, headroom, settings.execution_device)
+    return dataclasses.replace(settings, headroom=headroom)
 
 
 class StepTimer:
@@ -85,17 +106,16 @@ class StepTimer:
 def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> RunResult:
     """The run of ``settings`` (whose ``model.path`` is a pipeline folder): plan, dispatch, images, metrics."""
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
-    from offload_core.loading.pipeline_load import finish_dispatch, open_pipeline
+    from offload_core.loading.pipeline import build_empty_pipeline
+    from offload_core.loading.pipeline_load import finish_dispatch, open_components
     from offload_core.runner.modes.metrics import MemoryMonitor
-    from offload_core.runner.plan.run_memory import forward_headroom
 
-    settings = forward_headroom(settings)  # headroom=auto: a pipeline's activations are not planned from a KV cache
     path = resolve_checkpoint(settings.model)
-    empty, checkpoint, no_split = open_pipeline(
-        path,
-        settings.dtype,
-        whole_components(settings, strategies.policy),
-        settings.model.get("no_split_module_classes"),
+    prompts = pipeline_prompts(settings)
+    empty = build_empty_pipeline(path, settings.dtype)
+    settings = planned_headroom(settings, empty, prompts)  # headroom=auto: the call's activations, traced
+    checkpoint, no_split = open_components(
+        empty, path, whole_components(settings, strategies.policy), settings.model.get("no_split_module_classes")
     )
     run_model = RunModel(empty.modules, empty.dtype, no_split, Path(path), task="text_to_image")
     with checkpoint:
@@ -104,7 +124,6 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
         if settings.plan_only:
             write_plan(settings, run_model, plan)
             return RunResult.of_plan(plan, settings.output_dir, {})
-        prompts = pipeline_prompts(settings)
         started = time.perf_counter()
         load_checkpoint_and_dispatch(
             empty.modules,

@@ -10,26 +10,9 @@ from typing import Any
 
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import BatchMemory, batch_memory, largest_batch
+from offload_core.planning.headroom import FORWARD_HEADROOM, check_headroom, runtime_slack
 from offload_core.runner.settings import Settings
-from offload_core.runner.validate import check_headroom
 from offload_core.values import format_size
-
-#: held back from the cpu budget under ``headroom=auto`` by a run that does not generate (one forward over its texts)
-FORWARD_HEADROOM = 48 * 2**20
-#: held back from the cpu budget beside the planned KV cache and activations: what the allocator, torch and the
-#: stores use on their own, and keep after a generation (the small synthetic model's peak anonymous RSS was 5.4 MiB
-#: over its plan; mixtral-2.6g's grew by 25-35 MiB over its weights in its first generate, kept after it, and so
-#: peaked 0.4 MB over a 0.65 GB budget with 8 MiB held back), at most a quarter of a smaller budget (a tiny model)
-RUNTIME_SLACK = 32 * 2**20
-#: held back from a GPU budget beside the KV cache, activations and one block: cuBLAS's workspace and the caching
-#: allocator's rounding (the 1.1B preset on an H100 peaked 4 MiB over a 1 GB budget without it)
-GPU_RUNTIME_SLACK = 40 * 2**20
-
-
-def runtime_slack(budget: int | None, gpu: bool = False) -> int:
-    """:data:`RUNTIME_SLACK` (:data:`GPU_RUNTIME_SLACK` for a ``gpu`` budget), or a quarter of a smaller ``budget``."""
-    slack = GPU_RUNTIME_SLACK if gpu else RUNTIME_SLACK
-    return slack if budget is None else min(slack, budget // 4)
 
 
 def forward_headroom(settings: Settings) -> Settings:

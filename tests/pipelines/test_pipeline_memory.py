@@ -1,0 +1,162 @@
+"""A pipeline's activations planned before loading: traced on fake tensors they equal what a real call's tensors
+hold; ``headroom=auto`` holds them (and the runtime's slack) back from the budget, growing with the image; a
+pipeline that cannot be traced is planned with the fixed headroom and one warning; the empty pipeline is left as it
+was."""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import offload_core
+from offload_core.errors import ConfigError
+from offload_core.loading.pipeline import ENTRY_METHODS, build_empty_pipeline
+from offload_core.loading.pipeline_memory import LiveBytes, pipeline_headroom, trace_activations
+from offload_core.planning.headroom import FORWARD_HEADROOM, runtime_slack
+from offload_core.runner.config import register_configs
+from offload_core.runner.job import run
+
+from tests import ROOT
+from tests.logs import records_of
+from tests.pipelines.conftest import CALL, images
+
+
+def test_live_bytes_count_a_storage_once_and_free_it_with_its_last_view():
+    with LiveBytes() as live:
+        a = torch.ones(1000)  # 4000 bytes
+        view = a[:10]  # the same storage
+        b = a * 2
+        del a  # the view still holds it
+        c = b + 1  # three storages: the peak
+        del view, b
+        d = c * 3
+    assert live.peak == 12_000 and live.live == 8_000
+    del c, d
+
+
+def _real_peak(pipeline_dir) -> int:
+    """The largest bytes a real in-memory call's component calls hold (inputs and what they make), by the same
+    count the trace uses."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(pipeline_dir, torch_dtype=torch.float32)
+    peaks = [0]
+    for component in (pipeline.text_encoder, pipeline.unet, pipeline.vae):
+        for method in ("forward", *ENTRY_METHODS):
+            original = getattr(component, method, None)
+            if callable(original):
+
+                def counted(*args, _original=original, **kwargs):
+                    inputs = sum(t.untyped_storage().nbytes() for t in (*args, *kwargs.values()) if torch.is_tensor(t))
+                    with LiveBytes() as live:
+                        out = _original(*args, **kwargs)
+                    peaks[0] = max(peaks[0], inputs + live.peak)
+                    return out
+
+                setattr(component, method, counted)
+    images(pipeline)
+    return peaks[0]
+
+
+def test_the_trace_holds_what_a_real_call_holds_and_leaves_the_empty_pipeline_as_it_was(pipeline_dir):
+    empty = build_empty_pipeline(pipeline_dir)
+    call = {key: value for key, value in CALL.items()}
+    traced = trace_activations(empty, call)
+    assert traced == _real_peak(pipeline_dir)
+    assert all(p.device.type == "meta" for p in empty.modules.parameters())
+    assert not any(method in m.__dict__ for m in empty.modules.children() for method in ("forward", *ENTRY_METHODS))
+    # the image's area and the batch: more of both, more activations
+    assert trace_activations(empty, {**call, "height": 32, "width": 32}) > traced
+    assert trace_activations(empty, {**call, "prompt": [CALL["prompt"]] * 3}) > traced
+
+
+def test_a_pipeline_that_cannot_be_traced_gets_the_fixed_headroom_and_one_warning(pipeline_dir, monkeypatch):
+    from diffusers import UNet2DConditionModel
+
+    forward = UNet2DConditionModel.forward
+
+    def data_dependent(self, sample, *args, **kwargs):
+        if float(sample.abs().max()) > 1e9:  # a value read on the host: fake tensors have none
+            sample = sample / 2
+        return forward(self, sample, *args, **kwargs)
+
+    monkeypatch.setattr(UNet2DConditionModel, "forward", data_dependent)
+    empty = build_empty_pipeline(pipeline_dir)
+    with records_of("offload_core.loading.pipeline_memory", logging.WARNING) as said:
+        held = pipeline_headroom(empty, dict(CALL), 10**9)
+    assert held == FORWARD_HEADROOM + runtime_slack(10**9, pipeline=True)
+    assert (
+        len(said) == 1 and said[0].startswith("could not trace the pipeline's activations (") and "headroom=" in said[0]
+    )
+    assert all(p.device.type == "meta" for p in empty.modules.parameters())
+
+
+def _plan(pipeline_dir, tmp_path, *overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(
+            config_name="config",
+            overrides=[f"model.path={pipeline_dir}", "model=local", "plan_only=true", *overrides],
+        )
+    return run(cfg, output_dir=tmp_path, plot=False)
+
+
+def test_run_py_holds_the_calls_activations_beside_the_weights(pipeline_dir, tmp_path):
+    budget = 1_500_000
+    small = _plan(pipeline_dir, tmp_path / "16", f"max_memory.cpu={budget}", "pipeline.height=16", "pipeline.width=16")
+    large = _plan(pipeline_dir, tmp_path / "48", f"max_memory.cpu={budget}", "pipeline.height=48", "pipeline.width=48")
+    empty = build_empty_pipeline(pipeline_dir)
+    call = {"prompt": ["a photo of a red cat"], "num_inference_steps": 20, "guidance_scale": 7.5, "output_type": "pt"}
+    for result, size in ((small, 16), (large, 48)):
+        traced = trace_activations(empty, {**call, "height": size, "width": size})
+        assert result.plan["headroom"] == traced + runtime_slack(budget, pipeline=True)
+        assert result.summary["devices"]["cpu"]["bytes"] <= budget - result.plan["headroom"]
+    assert large.plan["headroom"] > small.plan["headroom"]
+    assert large.summary["devices"]["cpu"]["bytes"] < small.summary["devices"]["cpu"]["bytes"]
+
+
+def test_from_pretrained_holds_the_planned_calls_activations_and_gives_the_in_memory_images(pipeline_dir, reference):
+    budget = 300_000
+    pipeline = offload_core.from_pretrained(
+        pipeline_dir, max_memory={"cpu": budget}, policy="prefetch", plan_call={"height": 16, "width": 16}
+    )
+    plan = pipeline.offload_modules.offload_plan
+    try:
+        assert torch.equal(images(pipeline), reference)
+    finally:
+        pipeline.offload_state.remove()
+    traced = trace_activations(
+        build_empty_pipeline(pipeline_dir), {"prompt": "a", "num_inference_steps": 2, "height": 16, "width": 16}
+    )
+    assert plan.headroom == traced + runtime_slack(budget, pipeline=True)
+    assert plan.summary["devices"]["cpu"]["bytes"] <= budget - plan.headroom
+
+
+def test_plan_call_is_refused_for_a_transformers_checkpoint(tmp_path):
+    from offload_core.testing import tiny_tied_llama
+
+    tiny_tied_llama(tmp_path)
+    with pytest.raises(ConfigError, match="^plan_call plans a diffusers pipeline's call; .* drop it$"):
+        offload_core.from_pretrained(tmp_path, plan_call={"height": 16})
+
+
+def _in_heap(address: int) -> bool:
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            return start <= address < end
+    return False
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator")
+def test_once_a_pipeline_is_built_large_allocations_are_mapped_apart(pipeline_dir):
+    # mapped apart, an allocation goes back to the system when freed; in glibc's heap it can stay (fragmented)
+    raised = torch.empty(16 << 20, dtype=torch.uint8)
+    del raised  # freeing a mapped 16 MiB raises glibc's own threshold to it (unless a fixed one was set)
+    build_empty_pipeline(pipeline_dir)
+    activation = torch.empty(2 << 20, dtype=torch.uint8)  # 2 MiB: glibc's heap would serve it (and keep it)
+    assert not _in_heap(activation.data_ptr())
