@@ -85,6 +85,7 @@ def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_
     block = next(m for m in run_model.model.modules() if type(m).__name__ in run_model.no_split)
     assert terms["loads_per_forward"] == PROBE_BLOCKS * len(list(block.parameters()))
     assert terms["per_load_decode_s"] >= 0 and terms["outside_decode_s"] > 0 and terms["first_call_s"] >= 0
+    assert terms["first_touch_per_byte_s"] >= 0
     assert terms["probe_tensors"] > PROBE_BLOCKS * len(list(block.parameters())) and terms["probe_load_s"] > 0
     assert 0 < terms["probe_offloaded_bytes"] < terms["probe_bytes"]
     assert not list(tmp_path.iterdir())  # its files are removed
@@ -136,3 +137,44 @@ def test_the_prediction_adds_the_probe_terms_per_tensor_loaded():
         4, Plan(), Storage(), Policy(), torch.device("cpu"), {**calibration, "probe": probe, "probed_here": True}
     )
     assert here["predicted_ttft_s"] == pytest.approx(0.04 + 0.02 + 9 * 0.001)  # the warm-up was paid by the probe
+
+
+def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_reach():
+    import torch
+
+    from offload_core.runner.plan.predict import predict_time
+
+    class Plan:
+        summary = {"devices": {"cpu": {"bytes": 10}, "disk": {"bytes": 10**7}}}
+        page_cache = {"predicted_disk_bytes_per_token": 0}
+        predicted_bytes_per_token = 10**7
+
+    class Storage:
+        def __init__(self, reads_from):
+            self.reads_from, self.pinned = reads_from, False
+
+    class Policy:
+        overlaps_io = False
+
+    disk = {"write_bps": 1e9, "cold_read_bps": 1e9, "warm_read_bps": 1e10, "map_touch_bps": 1e10}
+    calibration = {
+        "checkpoint": disk,
+        "offload_folder": disk,
+        "compute": {"prefill": {"block_s": 0.01}, "decode": {"block_s": 0.001}},
+    }
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    mapped = predict_time(4, Plan(), Storage("checkpoint"), Policy(), cpu, calibration)
+    assert mapped["predicted_first_touch_s"] == pytest.approx(1e-3)  # 10 MB at 10 GB/s, faulted in once
+    assert mapped["predicted_ttft_s"] == pytest.approx(0.04 + 1e-3)
+    assert mapped["predicted_step_s"] == pytest.approx(0.004)
+    held = predict_time(4, Plan(), Storage("memory"), Policy(), cpu, calibration)
+    assert held["predicted_first_touch_s"] == 0 and held["predicted_ttft_s"] == pytest.approx(0.04)
+    # the probe measured it through the run's store and policy: its figure wins, on a GPU too
+    terms = ("outside_prefill_s", "outside_decode_s", "per_load_prefill_s", "per_load_decode_s")
+    probed = {**calibration, "probe": {**dict.fromkeys(terms, 0.0), "first_touch_per_byte_s": 3e-10}}
+    assert predict_time(4, Plan(), Storage("checkpoint"), Policy(), cpu, probed)["predicted_first_touch_s"] == (
+        pytest.approx(3e-3)
+    )
+    assert predict_time(4, Plan(), Storage("memory"), Policy(), gpu, {**probed, "h2d_bps": 1e12})[
+        "predicted_first_touch_s"
+    ] == pytest.approx(3e-3)

@@ -4,6 +4,8 @@ slow."""
 
 from __future__ import annotations
 
+import io
+import contextlib
 import json
 import re
 
@@ -290,6 +292,15 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
     assert calibrate(*args) == first and calibration_file().stat().st_mtime_ns == written  # cached
     again = calibrate(*args, refresh=True)
     assert calibration_file().stat().st_mtime_ns != written and again["compute"].keys() == first["compute"].keys()
+    # a filesystem measured by an older rule (no first-touch rate) is measured again, not called damaged
+    assert first["offload_folder"]["map_touch_bps"] > 0
+    data = json.loads(calibration_file().read_text())
+    for disk in data["disks"].values():
+        del disk["map_touch_bps"]
+    calibration_file().write_text(json.dumps(data))
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        assert calibrate(*args)["checkpoint"]["map_touch_bps"] > 0
+    assert "damaged" not in said.getvalue()
 
 
 def test_batch_memory_worked_by_hand():

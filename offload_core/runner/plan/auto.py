@@ -161,10 +161,11 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
     else:
         p = candidate.predicted
         per_batch = p["predicted_ttft_s"] + max(max_new_tokens - 1, 0) * p["predicted_step_s"]
-        # the process's one-time warm-up is the same for every candidate (and paid already where a probe ran here)
-        candidate.total_s = (
-            p["predicted_load_s"] + math.ceil(prompts / rows) * per_batch - p.get("predicted_first_call_s", 0.0)
-        )
+        batches = math.ceil(prompts / rows)
+        # the process's one-time warm-up is the same for every candidate (and paid already where a probe ran here);
+        # the weights' first touch is paid by the first batch only
+        once = p.get("predicted_first_call_s", 0.0) + (batches - 1) * p.get("predicted_first_touch_s", 0.0)
+        candidate.total_s = p["predicted_load_s"] + batches * per_batch - once
     return candidate
 
 

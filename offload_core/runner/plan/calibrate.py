@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import mmap
 import os
 import sys
 import tempfile
@@ -22,8 +23,8 @@ from offload_core.atomic import fsync_path, write_text_atomic
 from offload_core.runner.plan.busy import busy
 
 PROBE_BYTES = 64 * 2**20
-#: what :func:`disk_bandwidth` measures per filesystem
-DISK_KEYS = frozenset({"write_bps", "cold_read_bps", "warm_read_bps"})
+#: what :func:`disk_bandwidth` measures per filesystem (a cached entry without each is measured again)
+DISK_KEYS = frozenset({"write_bps", "cold_read_bps", "warm_read_bps", "map_touch_bps"})
 CHUNK = 4 * 2**20
 
 
@@ -48,7 +49,7 @@ def calibration_problem(data: Any) -> str | None:
     if not isinstance(data, dict):
         return "it is not a JSON object"
     disks, h2d, compute = data.get("disks", {}), data.get("h2d_bps", {}), data.get("compute", {})
-    if not isinstance(disks, dict) or not all(_numbers(v) and DISK_KEYS <= v.keys() for v in disks.values()):
+    if not isinstance(disks, dict) or not all(_numbers(v) for v in disks.values()):
         return "'disks' is not an object of bandwidths per filesystem"
     if not _numbers(h2d):
         return "'h2d_bps' is not an object of bandwidths per device"
@@ -116,9 +117,30 @@ def disk_bandwidth(folder: Path) -> dict[str, float]:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         cold = _read_all(path)
         warm = min(_read_all(path) for _ in range(2))
+        touch = min(_touch_mapped(path) for _ in range(2))
     finally:
         path.unlink(missing_ok=True)
-    return {"write_bps": PROBE_BYTES / write, "cold_read_bps": PROBE_BYTES / cold, "warm_read_bps": PROBE_BYTES / warm}
+    return {
+        "write_bps": PROBE_BYTES / write,
+        "cold_read_bps": PROBE_BYTES / cold,
+        "warm_read_bps": PROBE_BYTES / warm,
+        "map_touch_bps": PROBE_BYTES / touch,
+    }
+
+
+def _touch_mapped(path: Path) -> float:
+    """Seconds to map ``path`` (in the page cache) and touch each of its pages once: what a process pays the first
+    time it computes on weights read through a mapping (a page fault per page; SmolLM2's first forward in a fresh
+    process took 55 ms over its later ones, its 0.54 GB at this rate)."""
+    import numpy
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        pages = numpy.frombuffer(mapped, dtype=numpy.uint8)[:: mmap.PAGESIZE]
+        started = time.perf_counter()
+        int(pages.sum())
+        seconds = time.perf_counter() - started
+        del pages
+    return seconds
 
 
 def h2d_bandwidth(device: torch.device) -> float:
@@ -186,8 +208,9 @@ def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -
     return copy_
 
 
-#: rows the output embedding is timed with at most (the time of more rows is scaled): a strided last-position
-#: slice makes torch's CPU matmul copy the weight once per row
+#: rows the output embedding is timed with at most (the time of more rows is scaled), one position each (generation
+#: computes the logits of the last position only): timed on a strided slice of the prompt's positions, a bfloat16
+#: head with random weights took 150 ms where the model's own took 2.4 ms, and the first token was predicted 1.9x
 HEAD_ROWS = 8
 
 
@@ -196,7 +219,7 @@ def compute_times(
 ) -> dict[str, float]:
     """Seconds one block of ``model`` (copies with random weights, cycled through as a run's blocks are) takes on
     ``device`` over ``rows`` sequences of ``tokens`` tokens (``block_s``), and the output embedding over the last
-    position of each row, laid out as generation slices it (``head_s``); the model's rotary embedding gives the
+    position of each row (``head_s``); the model's rotary embedding gives the
     positions when it has one."""
     meta_block = first_block(model, no_split)
     if meta_block is None:
@@ -223,14 +246,14 @@ def compute_times(
         if isinstance(meta_head, nn.Linear):
             head = _materialized(meta_head, dtype, device)
             timed = min(rows, HEAD_ROWS)
-            last = torch.randn(timed, tokens, hidden, dtype=dtype, device=device)[:, -1:, :]
+            last = torch.randn(timed, 1, hidden, dtype=dtype, device=device)
             times["head_s"] = _best_of(lambda: head(last), device) * rows / timed
     return times
 
 
 def _model_key(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     text = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(f"compute-v4|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"compute-v5|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
 
 
 def _probe(measure: Callable[[dict[str, float]], dict[str, float]], blocks: dict[str, float]) -> dict[str, float]:
@@ -278,7 +301,7 @@ def calibrate(
         if not os.access(target, os.W_OK) or os.statvfs(target).f_flag & os.ST_RDONLY:
             target = existing_folder(Path(tempfile.gettempdir()))  # the run reports the folder itself; probe beside it
         key = str(os.stat(target).st_dev)
-        if refresh or key not in disks:
+        if refresh or not DISK_KEYS <= disks.get(key, {}).keys():
             disks[key] = disk_bandwidth(target)
             changed = True
         found[role] = disks[key]

@@ -66,6 +66,22 @@ def io_s(
     return seconds
 
 
+def first_touch_s(
+    calibration: dict[str, Any], bytes_per_token: int, reads_from: str, execution_device: torch.device
+) -> float:
+    """Seconds the first forward pays, once, for the offloaded weights it is the first to reach: per byte as the
+    dispatched probe measured it through the run's store and policy (the pages of weights read through a mapping
+    faulted in, the policy's first calls); without a probe, a CPU run's page faults at the filesystem's calibrated
+    ``map_touch_bps`` (none for a store holding them in memory)."""
+    per_byte = (calibration.get("probe") or {}).get("first_touch_per_byte_s")
+    if per_byte is not None:
+        return bytes_per_token * per_byte
+    if reads_from == "memory" or devices.is_accelerator(execution_device) or not bytes_per_token:
+        return 0.0
+    rate = calibration.get("checkpoint" if reads_from == "checkpoint" else "offload_folder", {}).get("map_touch_bps")
+    return bytes_per_token / rate if rate else 0.0
+
+
 def load_s(calibration: dict[str, Any], total: int, offloaded: int, reads_from: str) -> float:
     """Seconds to load: every byte read from the checkpoint (page-cached when it fits), the resident part copied
     again into memory, and a store that writes an offload folder writing the offloaded part."""
@@ -93,7 +109,8 @@ def predict_time(
     (:mod:`offload_core.runner.plan.probe`) where it ran: what lies outside the blocks (embedding, norms, the generate
     loop) and a fixed cost per offloaded tensor the policy brings in (its hooks, the store's read path, the reader's
     overlap: ``plan.predicted_loads_per_token`` of them); the first token adds what a process's first generation
-    pays once (unless the probe ran in this process: it paid it), the load a fixed cost per tensor. Then the plan's
+    pays once (unless the probe ran in this process: it paid it) and the first touch of the weights it reads through
+    a mapping (:func:`first_touch_s`), the load a fixed cost per tensor. Then the plan's
     reads from the disk itself (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the
     larger of the two) for a policy that ``overlaps_io``. Empty when no block could be timed."""
     compute = calibration.get("compute") or {}
@@ -119,6 +136,7 @@ def predict_time(
         return max(work, io) if policy.overlaps_io else work + io
 
     first_call = 0.0 if calibration.get("probed_here") else probe.get("first_call_s", 0.0)
+    first_touch = first_touch_s(calibration, moved, storage.reads_from, execution_device)
     load = load_s(calibration, total, offloaded, storage.reads_from)
     if probe.get("probe_tensors"):  # loading's fixed cost per tensor, beyond the probe's own bytes
         bytes_s = load_s(calibration, probe["probe_bytes"], probe["probe_offloaded_bytes"], storage.reads_from)
@@ -126,9 +144,10 @@ def predict_time(
         load += tensors * max(probe["probe_load_s"] - bytes_s, 0.0) / probe["probe_tensors"]
     return {
         "predicted_load_s": load,
-        "predicted_ttft_s": forward("prefill") + first_call,
+        "predicted_ttft_s": forward("prefill") + first_call + first_touch,
         "predicted_step_s": forward("decode"),
         "predicted_first_call_s": first_call,
+        "predicted_first_touch_s": first_touch,
     }
 
 
