@@ -164,19 +164,25 @@ def predicted_bytes_per_token(
     dtype = parse_dtype(dtype)
     tensors = route_tensors(model, normalize_device_map(device_map), device)
     units = find_units(model, tensors.offloaded, no_split_classes(model, no_split_module_classes), policy.granularity)
-    if count:
-        return int(policy.predict_moved([len({slot.key for slot in unit.slots}) for unit in units]))
-    return int(policy.predict_moved([_unit_bytes(unit, dtype) for unit in units]))
+    shares = policy.read_shares(model)
+    return int(policy.predict_moved([_unit_reads(unit, dtype, shares, count) for unit in units]))
 
 
-def _unit_bytes(unit: Any, dtype: torch.dtype | None) -> int:
-    """A unit's offloaded bytes, each store key once (two names tied inside one unit are read once)."""
+def _unit_reads(unit: Any, dtype: torch.dtype | None, shares: Mapping[str, tuple[float, int]], count: bool) -> float:
+    """A unit's offloaded bytes read per forward (``count``: the reads), each store key once (two names tied inside
+    one unit are read once), a tensor the policy reads in part (``shares``: by name) at its share."""
     from offload_core.planning.sizing import tensor_bytes
 
     originals: dict[str, Any] = {}
+    names: dict[str, str] = {}
     for slot in unit.slots:
         originals.setdefault(slot.key, slot.original)
-    return sum(tensor_bytes(t, dtype) for t in originals.values())
+        names.setdefault(slot.key, slot.full)
+    total = 0.0
+    for key, tensor in originals.items():
+        share, reads = shares.get(names[key], (1.0, 1))
+        total += reads if count else share * tensor_bytes(tensor, dtype)
+    return total
 
 
 def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_block: int, headroom: int) -> None:

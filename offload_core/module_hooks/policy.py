@@ -119,6 +119,16 @@ class Policy(StrategyBase):
         """Bytes brought in per forward, given each offloaded unit's bytes: every unit once."""
         return sum(unit_bytes)
 
+    def takes_part_in(self, model: nn.Module) -> bool:
+        """Whether ``auto=true`` considers this policy for ``model`` (one that would run it as another policy does
+        says no). Yes by default."""
+        return True
+
+    def read_shares(self, model: nn.Module) -> dict[str, tuple[float, int]]:
+        """Per tensor (by its name in ``model``) the policy reads only part of each forward: the share of its bytes
+        read and how many reads that takes. None by default: every offloaded tensor is read whole, once."""
+        return {}
+
     def plan_lines(self) -> list[str]:
         """Lines the policy adds to the printed plan (what it holds back and why), after :meth:`reserve`. None by
         default."""

@@ -55,7 +55,7 @@ def test_a_strategy_that_does_not_declare_itself_stays_out_of_auto(compose_run, 
     hooks = {c.hook["name"] for c in tried}
     registry = get_registry()
     assert hooks == {n for n in registry.names("policy") if registry.get("policy", n).factory.auto}
-    assert "experts" not in hooks and {"align_per_call", "prefetch"} <= hooks
+    assert {"align_per_call", "prefetch", "experts"} <= hooks
     assert sorted(c.hook.get("depth") for c in tried if c.hook["name"] == "prefetch") == [1, 2]
     assert {c.storage["name"] for c in tried} == {"memmap"}  # given: kept
     with_prompts = read_settings(compose_run([*TINY, "auto=true", "prompts=bench/prompts.txt"]), tmp_path)
@@ -85,7 +85,6 @@ def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_
     block = next(m for m in run_model.model.modules() if type(m).__name__ in run_model.no_split)
     assert terms["loads_per_forward"] == PROBE_BLOCKS * len(list(block.parameters()))
     assert terms["per_load_decode_s"] >= 0 and terms["outside_decode_s"] > 0 and terms["first_call_s"] >= 0
-    assert terms["first_touch_per_byte_s"] >= 0
     assert terms["probe_tensors"] > PROBE_BLOCKS * len(list(block.parameters())) and terms["probe_load_s"] > 0
     assert 0 < terms["probe_offloaded_bytes"] < terms["probe_bytes"]
     assert not list(tmp_path.iterdir())  # its files are removed
@@ -169,12 +168,48 @@ def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_
     assert mapped["predicted_step_s"] == pytest.approx(0.004)
     held = predict_time(4, Plan(), Storage("memory"), Policy(), cpu, calibration)
     assert held["predicted_first_touch_s"] == 0 and held["predicted_ttft_s"] == pytest.approx(0.04)
-    # the probe measured it through the run's store and policy: its figure wins, on a GPU too
-    terms = ("outside_prefill_s", "outside_decode_s", "per_load_prefill_s", "per_load_decode_s")
-    probed = {**calibration, "probe": {**dict.fromkeys(terms, 0.0), "first_touch_per_byte_s": 3e-10}}
-    assert predict_time(4, Plan(), Storage("checkpoint"), Policy(), cpu, probed)["predicted_first_touch_s"] == (
-        pytest.approx(3e-3)
+    assert (
+        predict_time(4, Plan(), Storage("checkpoint"), Policy(), gpu, {**calibration, "h2d_bps": 1e12})[
+            "predicted_first_touch_s"
+        ]
+        == 0
+    )  # a GPU run's copies read the pages: in its copy time
+
+
+def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for_a_dense_model(compose_run, tmp_path):
+    from offload_core.module_hooks.experts.lists import routed_shares
+    from offload_core.runner.plan.model import open_model
+    from offload_core.runner.plan.plan import make_plan
+    from offload_core.runner.settings import build_strategies, read_settings
+    from tests.speculative.models import mixtral
+
+    moe = mixtral(tmp_path / "moe")
+    common = ["model=local", f"model.path={moe}", "progress=false", "max_new_tokens=2", "headroom=0"]
+    moved = {}
+    for hook in ("prefetch", "experts"):
+        settings = read_settings(compose_run([*common, "max_memory.cpu=1KiB", f"hook={hook}"]), tmp_path / hook)
+        run_model = open_model(settings.model, settings.dtype)
+        from offload_core.loading.checkpoint import Checkpoint
+
+        with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
+            moved[hook] = make_plan(settings, build_strategies(settings), run_model, checkpoint)
+    shares = routed_shares(run_model.model)
+    experts = sum(p.numel() * p.element_size() for n, p in run_model.model.named_parameters() if n in shares)
+    assert shares and {share for share, _ in shares.values()} == {2 / 4}  # top-2 of 4 experts
+    # every expert offloaded: experts reads the routed half of them, prefetch all of them
+    saved = moved["prefetch"].predicted_bytes_per_token - moved["experts"].predicted_bytes_per_token
+    assert saved == pytest.approx(experts / 2, rel=0.01)
+    # each fused expert tensor read as two routed rows instead of once whole
+    extra = moved["experts"].predicted_loads_per_token - moved["prefetch"].predicted_loads_per_token
+    assert extra == sum(reads - 1 for _, reads in shares.values()) == len(shares)
+    # auto=true ranks experts among the MoE's candidates; a dense model's table leaves it out
+    out = tmp_path / "auto-moe"
+    run(
+        compose_run([*common, "max_memory.cpu=200KiB", "storage=safetensors", "plan_only=true", "auto=true"]),
+        output_dir=out,
+        plot=False,
     )
-    assert predict_time(4, Plan(), Storage("memory"), Policy(), gpu, {**probed, "h2d_bps": 1e12})[
-        "predicted_first_touch_s"
-    ] == pytest.approx(3e-3)
+    assert any("hook=experts" in row["configuration"] for row in json.loads((out / "auto.json").read_text()))
+    dense = tmp_path / "auto-dense"
+    run(compose_run([*TINY, "storage=safetensors", "plan_only=true", "auto=true"]), output_dir=dense, plot=False)
+    assert not any("hook=experts" in row["configuration"] for row in json.loads((dense / "auto.json").read_text()))

@@ -111,3 +111,25 @@ class ListedExpertHook(ModuleHook):
     def detach_hook(self, module: nn.Module) -> None:
         self.cache.resident.pop(self.position, None)
         self.unit.release()
+
+
+def routed_shares(model: nn.Module) -> dict[str, tuple[float, int]]:
+    """Per expert tensor of ``model`` (a fused experts module's per-expert parameters, a list of experts' members'
+    parameters): the share of its bytes a token's routing reads, ``num_experts_per_tok`` (the model's config; all
+    where it names none) of the experts, and the reads that takes (a fused tensor's routed rows are read one by one)."""
+    from offload_core.module_hooks.experts.loader import is_fused_experts
+
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    shares: dict[str, tuple[float, int]] = {}
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            routed = min(top_k, module.num_experts) if isinstance(top_k, int) else module.num_experts
+            for local, tensor in module.named_parameters(recurse=False):
+                if tensor.dim() == 3 and tensor.shape[0] == module.num_experts:
+                    shares[f"{name}.{local}" if name else local] = (routed / module.num_experts, routed)
+    for name, container in expert_lists(model):
+        members = len(container)
+        routed = min(top_k, members) if isinstance(top_k, int) else members
+        for local, _ in container.named_parameters():
+            shares[f"{name}.{local}"] = (routed / members, routed / members)
+    return shares

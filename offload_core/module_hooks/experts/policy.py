@@ -11,7 +11,12 @@ from torch import nn
 
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module
 from offload_core.module_hooks.experts.cache import ExpertCache
-from offload_core.module_hooks.experts.lists import ListedExpertHook, listed_expert_sizes, listed_expert_units
+from offload_core.module_hooks.experts.lists import (
+    ListedExpertHook,
+    listed_expert_sizes,
+    listed_expert_units,
+    routed_shares,
+)
 from offload_core.module_hooks.experts.loader import (
     Buffers,
     ExpertCounters,
@@ -131,8 +136,9 @@ class TokenCounter(ModuleHook):
 class Experts(Prefetch):
     """Policy: block-granular prefetch, except the experts of MoE layers: only the routed ones are read."""
 
-    #: left out of ``auto=true``: the time prediction does not yet count routed experts (it would charge every expert)
-    auto = False
+    #: ``auto=true`` considers it for a model with experts, its moved bytes counted for the routed ones
+    #: (:meth:`read_shares`)
+    auto = True
 
     def __init__(self, config: ExpertsConfig) -> None:
         from offload_core.errors import ConfigError
@@ -150,6 +156,15 @@ class Experts(Prefetch):
             )
         self.cache_note = ""
         self.slots = AUTO_SLOTS if config.cache_slots is None else config.cache_slots
+
+    def takes_part_in(self, model: nn.Module) -> bool:
+        """Only a model with experts: on another it reads as ``prefetch`` does."""
+        return bool(routed_shares(model))
+
+    def read_shares(self, model: nn.Module) -> dict[str, tuple[float, int]]:
+        """Each expert tensor is read for the routed experts only: ``num_experts_per_tok`` of its experts a token
+        (as many reads for a fused tensor, one per routed expert), the router's choice taken as even."""
+        return routed_shares(model)
 
     def reserve(self, need: InFlight) -> dict:
         """Prefetch's reservation for the blocks, and from the cpu budget the expert cache (``cache_slots``

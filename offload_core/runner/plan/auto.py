@@ -130,14 +130,17 @@ def settings_of(settings: Settings, candidate: Candidate) -> Settings:
     )
 
 
-def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> Candidate:
+def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> Candidate | None:
     """Plan and predict ``candidate`` (nothing loaded); a plan that cannot be made, or one over the cpu budget, is its
-    ``problem``."""
-    from offload_core.runner.plan.prepare import prepare, prediction_shape
+    ``problem``; None for a policy that does not take part for this model (:meth:`Policy.takes_part_in`)."""
+    from offload_core.runner.plan.prepare import predict_plan, prepare, prediction_shape
 
     chosen = settings_of(settings, candidate)
     try:
-        with prepare(chosen, build_strategies(chosen)) as job:
+        with prepare(chosen, build_strategies(chosen), predict=False) as job:
+            if not job.strategies.policy.takes_part_in(job.run_model.model):
+                return None  # it would run as another policy: left out of the table
+            predict_plan(job)
             plan, storage = job.plan, job.strategies.storage
             devices = plan.summary["devices"]
             on_disk = devices.get("disk", {}).get("bytes", 0)
@@ -179,10 +182,12 @@ def choose(settings: Settings, overrides: list[str]) -> tuple[Settings, list[dic
     prompts = len(read_prompts(settings.prompts_file)) if settings.prompts_file else 1
     tried = []
     for candidate in candidates(settings, given, prompts):
-        tried.append(evaluate(settings, candidate, settings.sampling.max_new_tokens))
+        if evaluate(settings, candidate, settings.sampling.max_new_tokens) is None:
+            continue
+        tried.append(candidate)
         twin = page_cache_twin(candidate, given)
         if twin is not None:
-            tried.append(evaluate(settings, twin, settings.sampling.max_new_tokens))
+            tried.append(evaluate(settings, twin, settings.sampling.max_new_tokens) or twin)
     ranked = sorted(tried, key=lambda c: (bool(c.problem), c.total_s))
     table = [c.row(rank) for rank, c in enumerate(ranked, 1)]
     write_table(settings, table)

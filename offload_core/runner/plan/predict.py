@@ -69,13 +69,11 @@ def io_s(
 def first_touch_s(
     calibration: dict[str, Any], bytes_per_token: int, reads_from: str, execution_device: torch.device
 ) -> float:
-    """Seconds the first forward pays, once, for the offloaded weights it is the first to reach: per byte as the
-    dispatched probe measured it through the run's store and policy (the pages of weights read through a mapping
-    faulted in, the policy's first calls); without a probe, a CPU run's page faults at the filesystem's calibrated
-    ``map_touch_bps`` (none for a store holding them in memory)."""
-    per_byte = (calibration.get("probe") or {}).get("first_touch_per_byte_s")
-    if per_byte is not None:
-        return bytes_per_token * per_byte
+    """Seconds the first forward of a CPU run pays, once, to map the offloaded weights it computes on where they lie:
+    a page fault per page, at the filesystem's calibrated ``map_touch_bps``; later forwards find them mapped. None on
+    a GPU (its copies read them) or for a store holding them in memory. (The dispatched probe's first offloaded
+    generation is no measure of it: that is mostly the policy's one-time setup, which does not grow with the bytes;
+    scaled by them, it predicted functional_call's first token 6x.)"""
     if reads_from == "memory" or devices.is_accelerator(execution_device) or not bytes_per_token:
         return 0.0
     rate = calibration.get("checkpoint" if reads_from == "checkpoint" else "offload_folder", {}).get("map_touch_bps")

@@ -81,9 +81,14 @@ def prepare(
         speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device)
         job = Prepared(settings, strategies, run_model, checkpoint, batches, input_ids, plan, held)
         if predict:
-            plan.predicted_time = predicted_time(job)
-            plan.predicted_time.update(speculate.predicted(spec, plan.predicted_time))
+            predict_plan(job)
         yield job
+
+
+def predict_plan(job: Prepared) -> None:
+    """The plan's predicted times (:func:`predicted_time`), and what its speculation changes in them."""
+    job.plan.predicted_time = predicted_time(job)
+    job.plan.predicted_time.update(speculate.predicted(job.settings.speculative, job.plan.predicted_time))
 
 
 def check_run_task(settings: Settings, run_model: RunModel, checkpoint: Any) -> None:

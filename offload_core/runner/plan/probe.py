@@ -6,8 +6,6 @@ and then with both blocks offloaded through the run's store and policy. What the
 - ``per_load_*_s``: what each offloaded tensor brought in costs on top (the policy's hooks, the store's read path,
   the reader thread's overlap), per tensor loaded;
 - ``first_call_s``: what a process's first generation pays once on its first token (kernels built, caches made);
-- ``first_touch_per_byte_s``: what the offloaded model's first generation pays beyond that, per offloaded byte (the
-  pages of weights read through a mapping faulted in, the policy's first calls);
 - ``probe_load_s`` with ``probe_tensors``, ``probe_bytes`` and ``probe_offloaded_bytes``: its load, timed as a
   run's (the dispatch through the store and policy), from which the cost model takes loading's fixed cost per
   tensor beyond the bytes read and written.
@@ -31,7 +29,7 @@ from transformers import StoppingCriteria
 from offload_core import devices
 
 #: the cache key's version: a probe measured by an older rule is measured again
-PROBE_VERSION = 5
+PROBE_VERSION = 4
 #: the probe's blocks and vocabulary (its output embedding is timed apart, at the real size)
 PROBE_BLOCKS = 2
 PROBE_VOCAB = 256
@@ -181,7 +179,7 @@ def probe_times(
             sizes["probe_offloaded_bytes"] = offloaded.offload_state.offloaded_bytes()
             with offloaded.offload_state as state:
                 state.stats.reset()
-                first, step, first_touch = _timed(offloaded, ids)
+                first, step, _ = _timed(offloaded, ids)
                 loads = state.stats.snapshot()["loads"] / ((REPEATS + 1) * PROBE_TOKENS)
     if not loads:
         raise ValueError("the probe's offloaded blocks were never loaded")
@@ -192,6 +190,5 @@ def probe_times(
         "per_load_decode_s": max(step - memory_step, 0.0) / loads,
         "loads_per_forward": loads,
         "first_call_s": warmup,
-        "first_touch_per_byte_s": first_touch / max(sizes["probe_offloaded_bytes"], 1),
         **sizes,
     }
