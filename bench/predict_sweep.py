@@ -49,10 +49,13 @@ COLUMNS = [
 
 
 def model_args(spec: str) -> list[str]:
-    """``smollm2`` or ``synthetic:<preset>`` as run.py options."""
+    """``smollm2``, ``synthetic:<preset>`` or ``local:<checkpoint folder>`` (the MoE preset bench/moe.py builds)
+    as run.py options."""
     if spec == "smollm2":
         return ["model=smollm2"]
     kind, _, preset = spec.partition(":")
+    if kind == "local":
+        return ["model=local", f"model.path={preset}"]
     return [f"model={kind}", f"model.preset={preset or 'tiny'}"]
 
 
@@ -76,7 +79,7 @@ def model_bytes(spec: str, env: dict[str, str], work: Path, timeout: int) -> int
     """The model's bytes, from a plan-only run with room for all of it."""
     found = run_py(
         [*model_args(spec), "plan_only=true", "max_memory.cpu=1TB"],
-        work / f"size-{spec.replace(':', '-')}",
+        work / f"size-{spec.replace(':', '-').replace('/', '-')}",
         env,
         timeout,
     )
@@ -272,7 +275,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tag", default="full")
-    parser.add_argument("--models", default="smollm2,synthetic:0.3b", help="smollm2 and/or synthetic:<preset>")
+    parser.add_argument(
+        "--models", default="smollm2,synthetic:0.3b", help="smollm2, synthetic:<preset> and/or local:<folder>"
+    )
     parser.add_argument("--policies", default=POLICIES)
     parser.add_argument("--stores", default="memmap,safetensors")
     parser.add_argument("--budgets", default="0.3,0.6", help="max_memory.cpu as fractions of the model's bytes")

@@ -60,6 +60,6 @@ def offload_register_module_hook_policies(register: Register) -> None:
     ``attach`` (required), ``granularity``, ``offload_buffers``, ``keeps_page_cache``, ``overlaps_io``,
     ``reserve``, ``predict_moved``, ``read_shares``, ``takes_part_in``, ``plan_lines``, ``own_device_map``,
     ``own_map_remedy``. Its handle reports counters through ``PolicyHandle.counters()`` (none by default),
-    which the runner prints and writes to ``metrics.json``. ``register(name, factory, config)`` adds one policy. All implementations
-    are called; results are ignored (use ``register``).
+    which the runner prints and writes to ``metrics.json``. ``register(name, factory, config)`` adds one
+    policy. All implementations are called; results are ignored (use ``register``).
     """

@@ -293,7 +293,7 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
     again = calibrate(*args, refresh=True)
     assert calibration_file().stat().st_mtime_ns != written and again["compute"].keys() == first["compute"].keys()
     # a filesystem measured by an older rule (no first-touch rate) is measured again, not called damaged
-    assert first["offload_folder"]["map_touch_bps"] > 0
+    assert first["offload_folder"]["map_touch_bps"] > 0 and first["offload_folder"]["copy_bps"] > 0
     data = json.loads(calibration_file().read_text())
     for disk in data["disks"].values():
         del disk["map_touch_bps"]

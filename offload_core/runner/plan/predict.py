@@ -86,8 +86,9 @@ def load_s(calibration: dict[str, Any], total: int, offloaded: int, reads_from: 
     ckpt = calibration["checkpoint"]
     seconds = total / ckpt["warm_read_bps" if fits_page_cache(total) else "cold_read_bps"]
     seconds += (total - offloaded) / ckpt["warm_read_bps"]
-    if reads_from == "offload_folder":
-        seconds += offloaded / calibration["offload_folder"]["write_bps"]
+    if reads_from == "offload_folder":  # written unflushed while loading (copied file to file where it can)
+        folder = calibration["offload_folder"]
+        seconds += offloaded / folder.get("copy_bps", folder["write_bps"])
     return seconds
 
 
