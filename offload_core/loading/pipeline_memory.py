@@ -219,7 +219,8 @@ def pipeline_headroom(empty: EmptyPipeline, call: dict[str, Any], budget: int | 
 
 def mmap_threshold(nbytes: int) -> bool:
     """Under glibc, allocations of ``nbytes`` and more from now on get their own mapping, returned to the system
-    when freed (a fixed threshold: glibc's own grows); whether it was set (False on another C library)."""
+    when freed, unless free memory in its heap serves them (a fixed threshold: glibc's own grows); whether it was
+    set (False on another C library)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
