@@ -36,6 +36,7 @@ class PageCacheKeeper:
         self.units = units
         self.warm = warm and isinstance(store, Store)
         self._bytes = {unit.name: unit_bytes(unit) for unit in units}
+        self._warmed: set[str] = set()  # kept units whose pages were read in and have not been dropped since
         residency.assign([(unit.name, self._bytes[unit.name]) for unit in units])
         for unit in units:
             unit.observer = self
@@ -50,12 +51,17 @@ class PageCacheKeeper:
                 self.drop(unit)
 
     def fetching(self, unit: Unit) -> None:
-        """``unit`` is about to be used: count a kept unit as served from the page cache, and read its pages in."""
-        if self.residency.is_kept(unit.name):
+        """``unit`` is about to be used: count a kept unit as served from the page cache, and read its pages in;
+        a kept unit's once, until they are dropped (asking again walks every page of it each token: SmolLM2's
+        decoding step took 0.054 s with it against 0.044 s without)."""
+        kept = self.residency.is_kept(unit.name)
+        if kept:
             self.residency.kept_served += self._bytes.get(unit.name, 0)
-        if self.warm:
+        if self.warm and unit.name not in self._warmed:
             for key in unit.keys:
                 self.store.warm(key)
+            if kept:
+                self._warmed.add(unit.name)
 
     def used(self, unit: Unit) -> None:
         """``unit`` has run: a streamed unit's pages leave the page cache."""
@@ -63,6 +69,7 @@ class PageCacheKeeper:
             self.drop(unit)
 
     def drop(self, unit: Unit) -> None:
+        self._warmed.discard(unit.name)
         if not isinstance(self.store, Store):
             return
         for key in unit.keys:
