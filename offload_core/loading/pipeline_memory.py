@@ -201,7 +201,8 @@ def default_call() -> dict[str, Any]:
 def pipeline_headroom(empty: EmptyPipeline, call: dict[str, Any], budget: int | None) -> int:
     """What a pipeline run holds back from the ``budget`` of the device it computes on (CPU or GPU): the activations
     of ``call`` traced on the empty pipeline, and a pipeline's runtime slack; a pipeline that cannot be traced gets
-    the fixed headroom of a forward instead, and a warning line saying so."""
+    the fixed headroom of a forward instead, and a warning line saying so. At most half the budget (a warning
+    line when it is capped): the weights keep the other half."""
     try:
         activations = trace_activations(empty, call)
     except Exception as error:  # any pipeline code that cannot run on fake tensors: planned with a fixed allowance
@@ -214,7 +215,16 @@ def pipeline_headroom(empty: EmptyPipeline, call: dict[str, Any], budget: int | 
             format_size(FORWARD_HEADROOM),
         )
         activations = FORWARD_HEADROOM
-    return activations + runtime_slack(budget, pipeline=True)
+    needed = activations + runtime_slack(budget, pipeline=True)
+    if budget is not None and needed > budget // 2:
+        logger.warning(
+            "the pipeline's activations and runtime (%s) are over half of its budget (%s): holding back half, so the "
+            "run may go over it; raise max_memory, or give headroom=<size>",
+            format_size(needed),
+            format_size(budget),
+        )
+        return budget // 2
+    return needed
 
 
 def mmap_threshold(nbytes: int) -> bool:
