@@ -79,15 +79,14 @@ def pipeline_from_pretrained(
     from offload_core.loading.pretrained import plan_and_dispatch
     from offload_core.planning import get_max_memory
     from offload_core.planning.headroom import less_headroom, read_headroom
-    from offload_core.values import parse_dtype
+    from offload_core.values import device_key, parse_dtype
 
     device = torch.device(execution_device) if execution_device is not None else default_execution_device()
     budgets = get_max_memory(max_memory)
     empty = build_empty_pipeline(path, parse_dtype(dtype))
     held = read_headroom(headroom)
     if held is None:
-        key = "cpu" if device.type == "cpu" else (device.index or 0)
-        held = pipeline_headroom(empty, {**default_call(), **(plan_call or {})}, budgets.get(key))
+        held = pipeline_headroom(empty, {**default_call(), **(plan_call or {})}, budgets.get(device_key(device)))
     limit = whole_limit(less_headroom(budgets, held, device), device, resolve_strategy("policy", policy))
     checkpoint, no_split = open_components(empty, path, limit, no_split_module_classes)
     plan_and_dispatch(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from offload_core.errors import ConfigError
-from offload_core.values import format_size, parse_size
+from offload_core.values import device_key, format_size, parse_size
 
 #: held back from the cpu budget under ``headroom=auto`` by a run that does not generate (one forward over its texts)
 FORWARD_HEADROOM = 48 * 2**20
@@ -40,7 +40,7 @@ def runtime_slack(budget: int | None, gpu: bool = False, pipeline: bool = False)
 def check_headroom(max_memory: dict, headroom: int, execution_device: torch.device) -> None:
     """The headroom comes out of the budget of the device the run computes on (the cpu, or its GPU): one that
     leaves nothing is refused."""
-    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+    key = device_key(execution_device)
     budget = max_memory.get(key)
     if budget is not None and headroom >= budget:
         raise ConfigError(
@@ -60,5 +60,5 @@ def read_headroom(value: int | str | None) -> int | None:
 def less_headroom(budgets: dict[Any, int], headroom: int, execution_device: torch.device) -> dict[Any, int]:
     """``budgets`` with ``headroom`` taken from the budget of the device that computes (checked to leave some)."""
     check_headroom(budgets, headroom, execution_device)
-    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+    key = device_key(execution_device)
     return {**budgets, key: budgets[key] - headroom} if key in budgets else dict(budgets)
