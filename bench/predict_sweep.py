@@ -284,14 +284,21 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
+    parser.add_argument(
+        "--keep-calibration", action="store_true", help="use the machine's calibration.json instead of a fresh one"
+    )
     parser.add_argument("--note", default="", help="a line for the report (the machine's state)")
     parser.add_argument("--out", default=str(HERE / "results"), help="the folder the report goes to")
     args = parser.parse_args()
     out = Path(args.out) / f"predict-sweep-{args.tag}"
     with tempfile.TemporaryDirectory(prefix="predict-sweep-") as tmp:
         work = Path(tmp)
-        # a fresh corrections file: first runs are the cost model's alone; the machine's calibration is kept
+        # a fresh corrections file: first runs are the cost model's alone; and unless told to keep the machine's,
+        # a fresh calibration, measured by the sweep's first run of each model as on a new machine (one measured
+        # another day, under another load, is no measure of the cost model)
         env = {**os.environ, "OFFLOAD_CORE_CORRECTIONS": str(work / "corrections.json")}
+        if not args.keep_calibration:
+            env["OFFLOAD_CORE_CALIBRATION"] = str(work / "calibration.json")
         started = time.time()
         rows, picks = sweep(args, env, work)
     header = [

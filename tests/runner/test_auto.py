@@ -155,7 +155,7 @@ def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_
     class Policy:
         overlaps_io = False
 
-    disk = {"write_bps": 1e9, "cold_read_bps": 1e9, "warm_read_bps": 1e10, "map_touch_bps": 1e10}
+    disk = {"write_bps": 1e9, "cold_read_bps": 1e9, "warm_read_bps": 1e10, "first_touch_bps": 1e10}
     calibration = {
         "checkpoint": disk,
         "offload_folder": disk,
@@ -213,3 +213,29 @@ def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for
     dense = tmp_path / "auto-dense"
     run(compose_run([*TINY, "storage=safetensors", "plan_only=true", "auto=true"]), output_dir=dense, plot=False)
     assert not any("hook=experts" in row["configuration"] for row in json.loads((dense / "auto.json").read_text()))
+
+
+def test_the_first_touch_rate_is_measured_on_the_cached_pages_of_the_file_itself(tmp_path):
+    import os
+
+    from offload_core.runner.plan.first_touch import sampled_touch_bps
+    from offload_core.runner.plan.predict import with_checkpoint_touch
+
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(os.urandom(8 * 2**20))
+    os.sync()
+    with open(shard, "rb") as f:
+        f.read()  # in the page cache
+        cached = sampled_touch_bps([shard, tmp_path / "missing.safetensors"])
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if cached is None:
+        pytest.skip("no mincore here")
+    assert cached > 0
+    assert sampled_touch_bps([shard]) is None  # not cached: its first touch is a read from the disk
+    assert sampled_touch_bps([]) is None
+    calibration = {"checkpoint": {"first_touch_bps": 1.0, "warm_read_bps": 2.0}, "compute": {}}
+    assert with_checkpoint_touch(calibration, tmp_path) == calibration  # nothing cached to measure: kept
+    shard.read_bytes()
+    measured = with_checkpoint_touch(calibration, tmp_path)["checkpoint"]
+    assert measured["first_touch_bps"] > 1.0 and measured["warm_read_bps"] == 2.0
+    assert calibration["checkpoint"]["first_touch_bps"] == 1.0  # the cached calibration is not changed

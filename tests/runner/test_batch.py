@@ -293,13 +293,13 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
     again = calibrate(*args, refresh=True)
     assert calibration_file().stat().st_mtime_ns != written and again["compute"].keys() == first["compute"].keys()
     # a filesystem measured by an older rule (no first-touch rate) is measured again, not called damaged
-    assert first["offload_folder"]["map_touch_bps"] > 0 and first["offload_folder"]["copy_bps"] > 0
+    assert first["offload_folder"]["first_touch_bps"] > 0 and first["offload_folder"]["copy_bps"] > 0
     data = json.loads(calibration_file().read_text())
     for disk in data["disks"].values():
-        del disk["map_touch_bps"]
+        del disk["first_touch_bps"]
     calibration_file().write_text(json.dumps(data))
     with contextlib.redirect_stderr(io.StringIO()) as said:
-        assert calibrate(*args)["checkpoint"]["map_touch_bps"] > 0
+        assert calibrate(*args)["checkpoint"]["first_touch_bps"] > 0
     assert "damaged" not in said.getvalue()
 
 

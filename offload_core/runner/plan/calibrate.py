@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import mmap
 import os
 import sys
 import tempfile
@@ -24,12 +23,16 @@ from offload_core.runner.plan.busy import busy
 
 PROBE_BYTES = 64 * 2**20
 #: what :func:`disk_bandwidth` measures per filesystem (a cached entry without each is measured again)
-DISK_KEYS = frozenset({"write_bps", "cold_read_bps", "warm_read_bps", "map_touch_bps", "copy_bps"})
+DISK_KEYS = frozenset({"write_bps", "cold_read_bps", "warm_read_bps", "first_touch_bps", "copy_bps"})
 CHUNK = 4 * 2**20
 
 
 def calibration_file() -> Path:
-    """``calibration.json`` beside the model cache (``$OFFLOAD_CORE_CACHE`` or ``~/.cache/offload_core``)."""
+    """``$OFFLOAD_CORE_CALIBRATION``, else ``calibration.json`` beside the model cache (``$OFFLOAD_CORE_CACHE`` or
+    ``~/.cache/offload_core``)."""
+    env = os.environ.get("OFFLOAD_CORE_CALIBRATION")
+    if env:
+        return Path(env).expanduser()
     from offload_core.loading.sources import cache_root
 
     return cache_root() / "calibration.json"
@@ -117,8 +120,7 @@ def disk_bandwidth(folder: Path) -> dict[str, float]:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         cold = _read_all(path)
         warm = min(_read_all(path) for _ in range(2))
-        touch = min(_touch_mapped(path) for _ in range(2))
-        copy = _copy_once(path)
+        copy, touch = _copy_once(path)
     finally:
         path.unlink(missing_ok=True)
     return {
@@ -126,15 +128,18 @@ def disk_bandwidth(folder: Path) -> dict[str, float]:
         "write_bps": PROBE_BYTES / write,
         "cold_read_bps": PROBE_BYTES / cold,
         "warm_read_bps": PROBE_BYTES / warm,
-        "map_touch_bps": PROBE_BYTES / touch,
+        # where it cannot be measured (not cached after the copy), as fast as reading from the page cache
+        "first_touch_bps": touch or PROBE_BYTES / warm,
     }
 
 
-def _copy_once(path: Path) -> float:
+def _copy_once(path: Path) -> tuple[float, float | None]:
     """Seconds to copy ``path`` (in the page cache) to a new file beside it as an offload folder is written while a
     run loads: file to file in the kernel where it can, not flushed (the folder is flushed after loading, or never
     when it is temporary; SmolLM2's 0.4 GB offloaded loaded in 0.25-0.29 s where the flushed write rate said
-    1.19 s)."""
+    1.19 s); and the copy's first-touch rate (:mod:`offload_core.runner.plan.first_touch`: a run computes on its
+    offload folder's pages as the copy left them)."""
+    from offload_core.runner.plan.first_touch import sampled_touch_bps
     from offload_core.storage.filecopy import FileSpan
 
     target = path.with_name(path.name + ".copy")
@@ -142,24 +147,10 @@ def _copy_once(path: Path) -> float:
     try:
         with open(target, "wb") as out:
             FileSpan(path, 0, PROBE_BYTES).copy_to(out.fileno())
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        return seconds, sampled_touch_bps([target])
     finally:
         target.unlink(missing_ok=True)
-
-
-def _touch_mapped(path: Path) -> float:
-    """Seconds to map ``path`` (in the page cache) and touch each of its pages once: what a process pays the first
-    time it computes on weights read through a mapping (a page fault per page; SmolLM2's first forward in a fresh
-    process took 55 ms over its later ones, its 0.54 GB at this rate)."""
-    import numpy
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-        pages = numpy.frombuffer(mapped, dtype=numpy.uint8)[:: mmap.PAGESIZE]
-        started = time.perf_counter()
-        int(pages.sum())
-        seconds = time.perf_counter() - started
-        del pages
-    return seconds
 
 
 def h2d_bandwidth(device: torch.device) -> float:

@@ -70,13 +70,14 @@ def first_touch_s(
     calibration: dict[str, Any], bytes_per_token: int, reads_from: str, execution_device: torch.device
 ) -> float:
     """Seconds the first forward of a CPU run pays, once, to map the offloaded weights it computes on where they lie:
-    a page fault per page, at the filesystem's calibrated ``map_touch_bps``; later forwards find them mapped. None on
+    their residency asked and a page fault per window, at ``first_touch_bps`` (:mod:`.first_touch`: measured on the
+    checkpoint's own pages for a store reading it in place); later forwards find them mapped. None on
     a GPU (its copies read them) or for a store holding them in memory. (The dispatched probe's first offloaded
     generation is no measure of it: that is mostly the policy's one-time setup, which does not grow with the bytes;
     scaled by them, it predicted functional_call's first token 6x.)"""
     if reads_from == "memory" or devices.is_accelerator(execution_device) or not bytes_per_token:
         return 0.0
-    rate = calibration.get("checkpoint" if reads_from == "checkpoint" else "offload_folder", {}).get("map_touch_bps")
+    rate = calibration.get("checkpoint" if reads_from == "checkpoint" else "offload_folder", {}).get("first_touch_bps")
     return bytes_per_token / rate if rate else 0.0
 
 
@@ -179,6 +180,8 @@ def calibrate_and_predict(
     except OSError as exc:  # a probe that cannot be written (a full disk): the run goes on without a prediction
         print(f"  no time prediction: calibration failed ({exc.strerror or exc})")
         return {}
+    if strategies.storage.reads_from == "checkpoint":
+        calibration = with_checkpoint_touch(calibration, run_model.checkpoint_dir)
     return predict_time(
         count_blocks(run_model.model, run_model.no_split),
         plan,
@@ -188,6 +191,17 @@ def calibrate_and_predict(
         calibration,
         cold,
     )
+
+
+def with_checkpoint_touch(calibration: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
+    """``calibration`` with the first-touch rate of the checkpoint's own cached pages (how they came into the page
+    cache decides it: 10-40 GB/s on this machine), where it can be measured."""
+    from offload_core.runner.plan.first_touch import sampled_touch_bps
+
+    rate = sampled_touch_bps(sorted(Path(checkpoint_dir).glob("*.safetensors")))
+    if rate is None:
+        return calibration
+    return {**calibration, "checkpoint": {**calibration["checkpoint"], "first_touch_bps": rate}}
 
 
 def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> tuple[str, Any]:
