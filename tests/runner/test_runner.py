@@ -167,3 +167,27 @@ def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):
     assert result.figures["offloaded_bytes"] > 0
     prefetch = result.figures["prefetch"]  # also in metrics.json and printed
     assert prefetch["hits"] > prefetch["misses"] > 0 and prefetch["late"] <= prefetch["hits"]
+
+
+def test_a_run_s_full_collections_leave_out_what_was_made_before_it_and_take_it_back_after():
+    import gc
+    import weakref
+
+    from offload_core.runner.modes.context import frozen_heap
+
+    class Node:
+        pass
+
+    def garbage_cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    before = garbage_cycle()  # unreachable, collectable only by the cycle collector
+    with frozen_heap():
+        during = garbage_cycle()
+        gc.collect()
+        assert before() is not None  # frozen: a full pass did not walk it
+        assert during() is None  # made in the run: collected as ever
+    gc.collect()
+    assert before() is None  # given back to the collector when the run ends

@@ -108,6 +108,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.pipeline import build_empty_pipeline
     from offload_core.loading.pipeline_load import finish_dispatch, open_components
+    from offload_core.runner.modes.context import frozen_heap
     from offload_core.runner.modes.metrics import MemoryMonitor
 
     path = resolve_checkpoint(settings.model)
@@ -118,7 +119,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
         empty, path, whole_components(settings, strategies.policy), settings.model.get("no_split_module_classes")
     )
     run_model = RunModel(empty.modules, empty.dtype, no_split, Path(path), task="text_to_image")
-    with checkpoint:
+    with checkpoint, frozen_heap():
         plan = make_plan(settings, strategies, run_model, checkpoint)
         print_plan(settings, strategies, plan)
         if settings.plan_only:
