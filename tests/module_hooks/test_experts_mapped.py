@@ -220,3 +220,43 @@ def test_guesses_in_memory_already_wake_no_reader(mixtral, tmp_path):
     model.offload_state.remove()
     assert torch.equal(got, want)
     assert counters["expert_guess_hits"] > 0 and not running
+
+
+def test_a_held_expert_whose_pages_were_taken_back_is_read_in_not_faulted_in(mixtral, tmp_path):
+    """Cold (the pages dropped before every token, as the kernel may take back page cache): an expert the cache holds
+    is read in with its file ranges asked for at once, counted as a miss, never computed on by page faults (each
+    fault reads a read-ahead window around it, most of it experts no token chose)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    path, ids, want, total, _, dtype = mixtral
+    model = offload_core.from_pretrained(
+        path,
+        device_map={"": "disk"},
+        storage="memmap",
+        dtype=dtype,
+        policy=Experts(ExpertsConfig(guess="none", cache_slots=2)),
+        offload_folder=tmp_path / "off",
+    )
+    handle, store = model.offload_state.handle, model.offload_state.store
+    assert all(isinstance(layer, MappedLayer) for layer in handle.layers)
+    keys = [key for layer in handle.layers for key in layer.views]
+
+    class DropBeforeEachToken(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            assert all(store.drop(key) for key in keys)
+            assert not any(pagecache.resident(view) for layer in handle.layers for view in layer.views.values())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with torch.no_grad():
+        got = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([DropBeforeEachToken()]),
+        )
+    counters = handle.counters()
+    model.offload_state.remove()
+    assert torch.equal(got, want)
+    assert counters["expert_misses"] > 0 and counters["expert_hits"] == 0

@@ -61,17 +61,24 @@ class MappedLayer(ExpertLayer):
             return
         ahead = [e for e in experts if e not in self.guess and self.cache.get(e) is None]
         # Rows already in memory need no reader (waking a thread beside the compute's costs more than a mincore).
-        cold = [e for e in ahead if not all(resident(view[e]) for view in self.views.values())]
+        cold = [e for e in ahead if not self.in_memory(e)]
         self.guess.update({expert: DONE for expert in ahead})
         if cold:
             future = self.reader.submit(self.read_in, cold)
             self.guess.update({expert: future for expert in cold})
 
+    def in_memory(self, expert: int) -> bool:
+        """Whether every page of ``expert``'s rows is in the page cache (one ``mincore`` per tensor)."""
+        return all(resident(view[expert]) for view in self.views.values())
+
     def load(self, args: tuple, kwargs: dict) -> None:
         experts = self.selected(args, kwargs)
         self.score_guess(experts)
         self.cache.request(experts)
-        missing = [e for e in experts if self.cache.get(e) is None and e not in self.guess]
+        # A held expert costs page cache, which the kernel (or a cold benchmark) may have taken back: one whose pages
+        # are gone is read in as a miss is (all at once, in file order), not faulted in while it computes (a fault
+        # reads a read-ahead window around it: 8 MiB on this disk, most of it neighbouring experts no token chose).
+        missing = [e for e in experts if e not in self.guess and (self.cache.get(e) is None or not self.in_memory(e))]
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         whole = bool(missing) and len(missing) >= self.whole_fraction * self.num_experts
         if whole:  # most experts (a long prompt): every row, one pass over the tensors
