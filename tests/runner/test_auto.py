@@ -80,7 +80,6 @@ def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_
         1,
         8,
         tmp_path,
-        {"prefill": 0.0, "decode": 0.0},
     )
     block = next(m for m in run_model.model.modules() if type(m).__name__ in run_model.no_split)
     assert terms["loads_per_forward"] == PROBE_BLOCKS * len(list(block.parameters()))

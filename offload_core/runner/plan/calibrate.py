@@ -224,6 +224,24 @@ def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -
 HEAD_ROWS = 8
 
 
+def block_seconds(
+    model: nn.Module, blocks: list[nn.Module], dtype: torch.dtype, device: torch.device, rows: int, tokens: int
+) -> float:
+    """Seconds each of ``blocks`` (of ``model``, cycled through in turn) takes on ``device`` over ``rows`` sequences of
+    ``tokens`` random hidden states, the positions from the model's rotary embedding when it has one."""
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is not None:
+        with torch.device(device):
+            rotary = type(rotary)(model.config)
+    hidden = model.config.get_text_config().hidden_size
+    with torch.inference_mode():
+        x = torch.randn(rows, tokens, hidden, dtype=dtype, device=device)
+        kwargs: dict[str, Any] = {}
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(x, torch.arange(tokens, device=device)[None])
+        return _best_of(lambda: [b(x, **kwargs) for b in blocks], device) / len(blocks)
+
+
 def compute_times(
     model: nn.Module, no_split: list[str], dtype: torch.dtype, device: torch.device, rows: int, tokens: int
 ) -> dict[str, float]:
@@ -239,18 +257,9 @@ def compute_times(
     blocks = [block] + [
         _materialized(meta_block, dtype, device) for _ in range(min(ROTATION_COPIES, ROTATION_BYTES // size) - 1)
     ]
-    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
-    if rotary is not None:
-        with torch.device(device):
-            rotary = type(rotary)(model.config)
     hidden = model.config.get_text_config().hidden_size
-    times: dict[str, float] = {}
+    times: dict[str, float] = {"block_s": block_seconds(model, blocks, dtype, device, rows, tokens)}
     with torch.inference_mode():
-        x = torch.randn(rows, tokens, hidden, dtype=dtype, device=device)
-        kwargs: dict[str, Any] = {}
-        if rotary is not None:
-            kwargs["position_embeddings"] = rotary(x, torch.arange(tokens, device=device)[None])
-        times["block_s"] = _best_of(lambda: [b(x, **kwargs) for b in blocks], device) / len(blocks)
         del block, blocks
         meta_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(meta_head, nn.Linear):
@@ -266,10 +275,10 @@ def _model_key(model: nn.Module, dtype: torch.dtype, device: torch.device) -> st
     return hashlib.sha256(f"compute-v5|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
 
 
-def _probe(measure: Callable[[dict[str, float]], dict[str, float]], blocks: dict[str, float]) -> dict[str, float]:
+def _probe(measure: Callable[[], dict[str, float]]) -> dict[str, float]:
     """The dispatched probe's terms, or none (and one line saying why) where it cannot run."""
     try:
-        return measure(blocks)
+        return measure()
     except Exception as exc:  # noqa: BLE001 - any architecture, store or policy: the term is left out, the run goes on
         print(
             f"  the dispatched probe could not run ({type(exc).__name__}: "
@@ -294,12 +303,12 @@ def calibrate(
     folders: dict[str, Path],
     shapes: dict[str, tuple[int, int]],
     refresh: bool = False,
-    probe: tuple[str, Callable[[dict[str, float]], dict[str, float]]] | None = None,
+    probe: tuple[str, Callable[[], dict[str, float]]] | None = None,
 ) -> dict[str, Any]:
     """The calibration for this machine and model: per ``folders`` entry (``offload_folder``, ``checkpoint``) its
     filesystem's bandwidths, ``h2d_bps`` on a GPU run, and per named ``(rows, tokens)`` shape in ``shapes`` the
     :func:`compute_times` under ``compute``; with ``probe`` (a key naming the store, the policy and the shape, and
-    the function that measures them given a bare block's seconds per shape: :mod:`offload_core.runner.plan.probe`)
+    the function that measures them: :mod:`offload_core.runner.plan.probe`)
     its terms under ``probe`` (empty where it could not run, said in one line). Each is measured once and cached
     (``refresh`` measures again)."""
     data = _read_cached()
@@ -340,8 +349,7 @@ def calibrate(
         probes = data.setdefault("probe", {})
         key = f"{_model_key(model, dtype, device)}|{probe[0]}"
         if refresh or key not in probes:
-            blocks = {name: found["compute"].get(name, {}).get("block_s", 0.0) for name in shapes}
-            probes[key] = _probe(probe[1], blocks)
+            probes[key] = _probe(probe[1])
             changed = found["probed_here"] = True
         found["probe"] = probes[key]
         if not probes[key]:

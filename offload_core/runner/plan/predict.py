@@ -223,7 +223,7 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
     if not os.access(folder, os.W_OK):
         folder = existing_folder(Path(tempfile.gettempdir()))
 
-    def measure(block_s: dict[str, float]) -> dict[str, float]:
+    def measure() -> dict[str, float]:
         registry = get_registry()
         return probe_times(
             run_model,
@@ -233,7 +233,6 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
             rows,
             tokens,
             folder,
-            block_s,
         )
 
     return key, measure

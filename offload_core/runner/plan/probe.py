@@ -2,7 +2,8 @@
 and then with both blocks offloaded through the run's store and policy. What the cost model reads from it:
 
 - ``outside_*_s``: a forward's cost beyond its blocks and output embedding (the embedding, norms, masks, the generate
-  loop), in memory;
+  loop), in memory: the in-memory generation less its own two blocks timed bare, hot in the CPU's cache as they ran
+  (less the run's calibrated block, timed cycling through memory, large blocks left nothing outside);
 - ``per_load_*_s``: what each offloaded tensor brought in costs on top (the policy's hooks, the store's read path,
   the reader thread's overlap), per tensor loaded;
 - ``first_call_s``: what a process's first generation pays once on its first token (kernels built, caches made);
@@ -29,7 +30,7 @@ from transformers import StoppingCriteria
 from offload_core import devices
 
 #: the cache key's version: a probe measured by an older rule is measured again
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 #: the probe's blocks and vocabulary (its output embedding is timed apart, at the real size)
 PROBE_BLOCKS = 2
 PROBE_VOCAB = 256
@@ -128,17 +129,16 @@ def probe_times(
     rows: int,
     tokens: int,
     folder: Path,
-    block_s: dict[str, float],
 ) -> dict[str, float]:
     """The probe's terms (see the module's doc) for the run's model, a fresh ``storage`` and ``policy`` built as
-    the run's, on ``execution_device`` for ``rows`` sequences of ``tokens`` prompt tokens; ``block_s``: one bare
-    block's calibrated seconds per shape (``prefill``, ``decode``). Its files are written in a temporary folder
-    under ``folder`` (where the checkpoint lies) and removed."""
+    the run's, on ``execution_device`` for ``rows`` sequences of ``tokens`` prompt tokens. Its files are written in a
+    temporary folder under ``folder`` (where the checkpoint lies) and removed."""
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.tasks import build_empty, read_config
 
     from offload_core.planning import largest_block_size
+    from offload_core.runner.plan.calibrate import block_seconds
     from offload_core.values import format_size
 
     block = largest_block_size(run_model.model, run_model.no_split, dtype=run_model.dtype)
@@ -154,6 +154,12 @@ def probe_times(
     with tempfile.TemporaryDirectory(prefix=".offload-probe-", dir=folder) as tmp:
         model.save_pretrained(Path(tmp) / "model")
         memory_first, memory_step, warmup = _timed(model.to(execution_device), ids)
+        # its own blocks, timed bare as they ran (hot in the CPU's cache): the rest of a step is outside them
+        own = [m for m in model.modules() if type(m).__name__ in run_model.no_split]
+        own_s = {
+            shape: PROBE_BLOCKS * block_seconds(model, own, run_model.dtype, execution_device, rows, length)
+            for shape, length in (("prefill", tokens), ("decode", 1))
+        }
         sizes = {
             "probe_tensors": len(model.state_dict()),
             "probe_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
@@ -184,8 +190,8 @@ def probe_times(
     if not loads:
         raise ValueError("the probe's offloaded blocks were never loaded")
     return {
-        "outside_prefill_s": max(memory_first - PROBE_BLOCKS * block_s["prefill"], 0.0),
-        "outside_decode_s": max(memory_step - PROBE_BLOCKS * block_s["decode"], 0.0),
+        "outside_prefill_s": max(memory_first - own_s["prefill"], 0.0),
+        "outside_decode_s": max(memory_step - own_s["decode"], 0.0),
         "per_load_prefill_s": max(first - memory_first, 0.0) / loads,
         "per_load_decode_s": max(step - memory_step, 0.0) / loads,
         "loads_per_forward": loads,
