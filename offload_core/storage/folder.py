@@ -290,6 +290,7 @@ class FolderStore(FileMaps, Store):
             self._sealer.start()
 
     def _seal(self) -> None:
+        _yield_to_the_run()
         self._lock.reading()
         try:
             sums, stamps = {}, {}
@@ -377,3 +378,19 @@ class FolderStore(FileMaps, Store):
                 self.folder.rmdir()  # only when empty: a folder we made for a write that failed
             except OSError:
                 pass
+
+
+def _yield_to_the_run() -> None:
+    """The calling thread (the folder's sealer) runs only where the run leaves a core and the disk idle: lowest CPU
+    priority and idle I/O class, where the system lets a thread lower its own. Sealing a 2 GB folder (checksums, then
+    every byte flushed) beside the first tokens halved their speed on 2 cores: 0.110 s a decoding step against
+    0.050 s with nothing beside it."""
+    import psutil
+
+    try:
+        task = psutil.Process(threading.get_native_id())
+        task.nice(19)
+        if hasattr(psutil, "IOPRIO_CLASS_IDLE"):
+            task.ionice(psutil.IOPRIO_CLASS_IDLE)
+    except (psutil.Error, OSError, ValueError):
+        pass  # a priority that cannot be lowered costs the run time, never data
