@@ -1,12 +1,11 @@
 """What a process pays the first time it computes on weights read through a mapping: the kept set's residency asked
-once (``mincore``) and a page fault per window as the pages are mapped. Its rate depends on how the pages came into
-the page cache as much as on the machine: pages a file's own writing left there (large folios) map 10-30 times faster
-than pages read in by ``POSIX_FADV_WILLNEED`` (one page each), so it is measured on the run's own file where it can
-be (a sample of the checkpoint's largest shard, cached), and on a freshly copied file (as an offload folder is
-written) otherwise.
+once (``mincore``) and a page fault per window as the pages are mapped. Its rate depends on the file's pages (how
+they came into the page cache) as much as on the machine: on this one disk, 9-11 GB/s on SmolLM2's and the MoE
+preset's shards, 26 GB/s on the calibration's 64 MiB probe file, 40 GB/s on a synthetic checkpoint. So it is
+measured on the run's own file where it can be (a cached stretch of the checkpoint's largest shard), and on a freshly
+copied file (as an offload folder is written) otherwise.
 
-SmolLM2's checkpoint on this machine: 9-11 GB/s, where a freshly written probe file said 26 GB/s and the first token
-was predicted 35 ms too fast (0.146 s against 0.175-0.184 s)."""
+Timed on the probe file, SmolLM2's first token was predicted 35 ms too fast (0.146 s against 0.175-0.184 s)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: bytes of a file the rate is measured on (its middle, page aligned)
+#: the most bytes of a file the rate is measured on
 SAMPLE_BYTES = 32 * 2**20
 
 
