@@ -240,6 +240,7 @@ def test_a_held_expert_whose_pages_were_taken_back_is_read_in_not_faulted_in(mix
     handle, store = model.offload_state.handle, model.offload_state.store
     assert all(isinstance(layer, MappedLayer) for layer in handle.layers)
     keys = [key for layer in handle.layers for key in layer.views]
+    store.wait_until_sealed()  # flushed: the kernel drops clean pages only
 
     class DropBeforeEachToken(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
