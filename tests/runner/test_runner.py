@@ -183,11 +183,15 @@ def test_a_run_s_full_collections_leave_out_what_was_made_before_it_and_take_it_
         a.other, b.other = b, a
         return weakref.ref(a)
 
-    before = garbage_cycle()  # unreachable, collectable only by the cycle collector
-    with frozen_heap():
-        during = garbage_cycle()
+    gc.disable()  # no automatic pass between making the garbage and freezing it
+    try:
+        before = garbage_cycle()  # unreachable, collectable only by the cycle collector
+        with frozen_heap():
+            during = garbage_cycle()
+            gc.collect()
+            assert before() is not None  # frozen: a full pass did not walk it
+            assert during() is None  # made in the run: collected as ever
         gc.collect()
-        assert before() is not None  # frozen: a full pass did not walk it
-        assert during() is None  # made in the run: collected as ever
-    gc.collect()
-    assert before() is None  # given back to the collector when the run ends
+        assert before() is None  # given back to the collector when the run ends
+    finally:
+        gc.enable()
