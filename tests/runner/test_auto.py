@@ -165,6 +165,11 @@ def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_
     assert mapped["predicted_first_touch_s"] == pytest.approx(1e-3)  # 10 MB at 10 GB/s, faulted in once
     assert mapped["predicted_ttft_s"] == pytest.approx(0.04 + 1e-3)
     assert mapped["predicted_step_s"] == pytest.approx(0.004)
+    half_cold = {**calibration, "checkpoint": {**disk, "cached_share": 0.5}}
+    cold = predict_time(4, Plan(), Storage("checkpoint"), Policy(), cpu, half_cold)
+    assert cold["predicted_first_touch_s"] == pytest.approx(1e-3 + 5e6 / 1e9)  # the uncached half from the disk
+    assert cold["predicted_step_s"] == mapped["predicted_step_s"]  # read once: later tokens find it cached
+    assert cold["predicted_load_s"] == pytest.approx(mapped["predicted_load_s"] + 5 / 1e9 - 5 / 1e10)
     held = predict_time(4, Plan(), Storage("memory"), Policy(), cpu, calibration)
     assert held["predicted_first_touch_s"] == 0 and held["predicted_ttft_s"] == pytest.approx(0.04)
     assert (
@@ -218,7 +223,7 @@ def test_the_first_touch_rate_is_measured_on_the_cached_pages_of_the_file_itself
     import os
 
     from offload_core.runner.plan.first_touch import sampled_touch_bps
-    from offload_core.runner.plan.predict import with_checkpoint_touch
+    from offload_core.runner.plan.predict import with_checkpoint_pages
 
     shard = tmp_path / "model.safetensors"
     shard.write_bytes(os.urandom(8 * 2**20))
@@ -233,8 +238,9 @@ def test_the_first_touch_rate_is_measured_on_the_cached_pages_of_the_file_itself
     assert sampled_touch_bps([shard]) is None  # not cached: its first touch is a read from the disk
     assert sampled_touch_bps([]) is None
     calibration = {"checkpoint": {"first_touch_bps": 1.0, "warm_read_bps": 2.0}, "compute": {}}
-    assert with_checkpoint_touch(calibration, tmp_path) == calibration  # nothing cached to measure: kept
+    cold = with_checkpoint_pages(calibration, tmp_path)["checkpoint"]
+    assert cold["first_touch_bps"] == 1.0 and cold["cached_share"] == 0  # nothing cached to time: the rate kept
     shard.read_bytes()
-    measured = with_checkpoint_touch(calibration, tmp_path)["checkpoint"]
-    assert measured["first_touch_bps"] > 1.0 and measured["warm_read_bps"] == 2.0
-    assert calibration["checkpoint"]["first_touch_bps"] == 1.0  # the cached calibration is not changed
+    measured = with_checkpoint_pages(calibration, tmp_path)["checkpoint"]
+    assert measured["first_touch_bps"] > 1.0 and measured["cached_share"] == 1 and measured["warm_read_bps"] == 2.0
+    assert calibration["checkpoint"] == {"first_touch_bps": 1.0, "warm_read_bps": 2.0}  # the cached one unchanged

@@ -79,3 +79,26 @@ def sampled_touch_bps(files: list[Path], sample: int = SAMPLE_BYTES) -> float | 
                 best = min(best, time.perf_counter() - started)
                 del pages
     return length / best
+
+
+def cached_share(files: list[Path]) -> float | None:
+    """The share of the bytes of ``files`` in the page cache now (``mincore`` over each), or None where it cannot be
+    told: what a run's first reads of them find there rather than on the disk (after a reboot, nothing)."""
+    import numpy
+
+    from offload_core.storage.pagecache import libc
+
+    lib = libc()
+    files = [f for f in files if f.is_file() and f.stat().st_size >= mmap.PAGESIZE]
+    if lib is None or not files:
+        return None
+    cached = total = 0
+    for path in files:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            pages = numpy.frombuffer(mapped, dtype=numpy.uint8)
+            resident = _resident_pages(lib, pages.ctypes.data, len(pages))
+            del pages
+        if resident is None:
+            return None
+        cached, total = cached + int(resident.sum()), total + len(resident)
+    return cached / total
