@@ -222,7 +222,7 @@ def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for
 def test_the_first_touch_rate_is_measured_on_the_cached_pages_of_the_file_itself(tmp_path):
     import os
 
-    from offload_core.runner.plan.first_touch import sampled_touch_bps
+    from offload_core.runner.plan.first_touch import file_pages
     from offload_core.runner.plan.predict import with_checkpoint_pages
 
     shard = tmp_path / "model.safetensors"
@@ -230,13 +230,13 @@ def test_the_first_touch_rate_is_measured_on_the_cached_pages_of_the_file_itself
     os.sync()
     with open(shard, "rb") as f:
         f.read()  # in the page cache
-        cached = sampled_touch_bps([shard, tmp_path / "missing.safetensors"])
+        cached = file_pages([shard, tmp_path / "missing.safetensors"])
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if cached is None:
+    if not cached:
         pytest.skip("no mincore here")
-    assert cached > 0
-    assert sampled_touch_bps([shard]) is None  # not cached: its first touch is a read from the disk
-    assert sampled_touch_bps([]) is None
+    assert cached["first_touch_bps"] > 0 and cached["cached_share"] == 1
+    assert file_pages([shard]) == {"cached_share": 0}  # not cached: its first touch is a read from the disk
+    assert file_pages([]) == {}
     calibration = {"checkpoint": {"first_touch_bps": 1.0, "warm_read_bps": 2.0}, "compute": {}}
     cold = with_checkpoint_pages(calibration, tmp_path)["checkpoint"]
     assert cold["first_touch_bps"] == 1.0 and cold["cached_share"] == 0  # nothing cached to time: the rate kept

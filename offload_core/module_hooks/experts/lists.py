@@ -120,16 +120,20 @@ def routed_shares(model: nn.Module) -> dict[str, tuple[float, int]]:
     from offload_core.module_hooks.experts.loader import is_fused_experts
 
     top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+
+    def routed_of(experts: int) -> int:
+        return min(top_k, experts) if isinstance(top_k, int) else experts
+
     shares: dict[str, tuple[float, int]] = {}
     for name, module in model.named_modules():
         if is_fused_experts(module):
-            routed = min(top_k, module.num_experts) if isinstance(top_k, int) else module.num_experts
+            routed = routed_of(module.num_experts)
             for local, tensor in module.named_parameters(recurse=False):
                 if tensor.dim() == 3 and tensor.shape[0] == module.num_experts:
                     shares[f"{name}.{local}" if name else local] = (routed / module.num_experts, routed)
     for name, container in expert_lists(model):
         members = len(container)
-        routed = min(top_k, members) if isinstance(top_k, int) else members
+        routed = routed_of(members)
         for local, _ in container.named_parameters():
             shares[f"{name}.{local}"] = (routed / members, routed / members)
     return shares

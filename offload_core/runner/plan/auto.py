@@ -186,8 +186,9 @@ def choose(settings: Settings, overrides: list[str]) -> tuple[Settings, list[dic
             continue
         tried.append(candidate)
         twin = page_cache_twin(candidate, given)
-        if twin is not None:
-            tried.append(evaluate(settings, twin, settings.sampling.max_new_tokens) or twin)
+        if twin is not None:  # the same policy: it takes part as its twin does
+            evaluate(settings, twin, settings.sampling.max_new_tokens)
+            tried.append(twin)
     ranked = sorted(tried, key=lambda c: (bool(c.problem), c.total_s))
     table = [c.row(rank) for rank, c in enumerate(ranked, 1)]
     write_table(settings, table)

@@ -139,7 +139,7 @@ def _copy_once(path: Path) -> tuple[float, float | None]:
     when it is temporary; SmolLM2's 0.4 GB offloaded loaded in 0.25-0.29 s where the flushed write rate said
     1.19 s); and the copy's first-touch rate (:mod:`offload_core.runner.plan.first_touch`: a run computes on its
     offload folder's pages as the copy left them)."""
-    from offload_core.runner.plan.first_touch import sampled_touch_bps
+    from offload_core.runner.plan.first_touch import file_pages
     from offload_core.storage.filecopy import FileSpan
 
     target = path.with_name(path.name + ".copy")
@@ -148,7 +148,7 @@ def _copy_once(path: Path) -> tuple[float, float | None]:
         with open(target, "wb") as out:
             FileSpan(path, 0, PROBE_BYTES).copy_to(out.fileno())
         seconds = time.perf_counter() - started
-        return seconds, sampled_touch_bps([target])
+        return seconds, file_pages([target]).get("first_touch_bps")
     finally:
         target.unlink(missing_ok=True)
 

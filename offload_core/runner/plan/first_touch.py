@@ -44,32 +44,29 @@ def _longest_run(resident: Any) -> tuple[int, int]:
     return int(starts[i]), int(ends[i] - starts[i])
 
 
-def sampled_touch_bps(files: list[Path], sample: int = SAMPLE_BYTES) -> float | None:
-    """Bytes/s a fresh mapping of the largest of ``files`` takes to be asked for its residency (``mincore``) and to
-    have every page faulted in, timed on up to ``sample`` bytes of its longest run of cached pages (the best of two
-    fresh mappings): None where it cannot be told (no ``mincore``) or under a megabyte of it is cached (then its first
-    touch is a read from the disk, predicted as one)."""
+def _residency(lib: ctypes.CDLL, path: Path) -> Any:
+    """Per page of the file at ``path``, whether it is in the page cache (None where it cannot be told)."""
     import numpy
 
-    from offload_core.storage.pagecache import libc
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        pages = numpy.frombuffer(mapped, dtype=numpy.uint8)
+        resident = _resident_pages(lib, pages.ctypes.data, len(pages))
+        del pages
+    return resident
 
-    lib = libc()
-    files = [f for f in files if f.is_file() and f.stat().st_size >= mmap.PAGESIZE]
-    if lib is None or not files:
+
+def _touch_bps(lib: ctypes.CDLL, path: Path, resident: Any, sample: int) -> float | None:
+    """Bytes/s a fresh mapping of ``path`` takes to be asked for its residency and to have every page faulted in,
+    timed on up to ``sample`` bytes of its longest run of cached pages (``resident``; the best of two fresh
+    mappings): None where under a megabyte of it is cached (then its first touch is a read from the disk)."""
+    import numpy
+
+    first, count = _longest_run(resident)
+    length = min(count * mmap.PAGESIZE, sample, os.path.getsize(path) - first * mmap.PAGESIZE)
+    if length < 2**20:
         return None
-    largest = max(files, key=lambda f: f.stat().st_size)
-    with open(largest, "rb") as f:
-        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-            pages = numpy.frombuffer(mapped, dtype=numpy.uint8)
-            resident = _resident_pages(lib, pages.ctypes.data, len(pages))
-            del pages
-        if resident is None:
-            return None
-        first, count = _longest_run(resident)
-        length = min(count * mmap.PAGESIZE, sample, os.path.getsize(largest) - first * mmap.PAGESIZE)
-        if length < 2**20:
-            return None
-        best = float("inf")
+    best = float("inf")
+    with open(path, "rb") as f:
         for _ in range(2):
             with mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=first * mmap.PAGESIZE) as mapped:
                 pages = numpy.frombuffer(mapped, dtype=numpy.uint8)
@@ -81,24 +78,23 @@ def sampled_touch_bps(files: list[Path], sample: int = SAMPLE_BYTES) -> float | 
     return length / best
 
 
-def cached_share(files: list[Path]) -> float | None:
-    """The share of the bytes of ``files`` in the page cache now (``mincore`` over each), or None where it cannot be
-    told: what a run's first reads of them find there rather than on the disk (after a reboot, nothing)."""
-    import numpy
-
+def file_pages(files: list[Path], sample: int = SAMPLE_BYTES) -> dict[str, float]:
+    """What the page cache holds of ``files`` now, each file asked once (``mincore``): ``cached_share``, the share of
+    their bytes in it (what a run's first reads find there rather than on the disk: after a reboot, nothing), and
+    ``first_touch_bps``, the rate the largest file's cached pages map at (:func:`_touch_bps`). Each left out where it
+    cannot be told (no ``mincore``, no file, too little cached to time)."""
     from offload_core.storage.pagecache import libc
 
     lib = libc()
     files = [f for f in files if f.is_file() and f.stat().st_size >= mmap.PAGESIZE]
     if lib is None or not files:
-        return None
-    cached = total = 0
-    for path in files:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-            pages = numpy.frombuffer(mapped, dtype=numpy.uint8)
-            resident = _resident_pages(lib, pages.ctypes.data, len(pages))
-            del pages
-        if resident is None:
-            return None
-        cached, total = cached + int(resident.sum()), total + len(resident)
-    return cached / total
+        return {}
+    residency = {path: _residency(lib, path) for path in files}
+    if any(resident is None for resident in residency.values()):
+        return {}
+    found = {"cached_share": sum(int(r.sum()) for r in residency.values()) / sum(len(r) for r in residency.values())}
+    largest = max(files, key=lambda f: f.stat().st_size)
+    rate = _touch_bps(lib, largest, residency[largest], sample)
+    if rate is not None:
+        found["first_touch_bps"] = rate
+    return found

@@ -205,11 +205,9 @@ def with_checkpoint_pages(calibration: dict[str, Any], checkpoint_dir: Path) -> 
     its cached pages map at (how they came into the page cache decides it: 9-40 GB/s on this machine), and
     ``cached_share``, the share of its bytes in the page cache (a checkpoint read after a reboot comes from the disk:
     SmolLM2's first token took 0.60 s where 0.15 s was predicted for it cached)."""
-    from offload_core.runner.plan.first_touch import cached_share, sampled_touch_bps
+    from offload_core.runner.plan.first_touch import file_pages
 
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    found = {"first_touch_bps": sampled_touch_bps(files), "cached_share": cached_share(files)}
-    found = {key: value for key, value in found.items() if value is not None}
+    found = file_pages(sorted(Path(checkpoint_dir).glob("*.safetensors")))
     if not found:
         return calibration
     return {**calibration, "checkpoint": {**calibration["checkpoint"], **found}}
