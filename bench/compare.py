@@ -233,6 +233,7 @@ def aggregate(
         )
         if ok:
             row["device_bytes"] = ok[0].get("device_bytes")
+            row["device_map"] = ok[0].get("device_map")
         medians[system] = row
 
     def ratio(a, b):

@@ -119,12 +119,34 @@ def run(args, path: Path, cold: bool) -> Path:
     return HERE / "results" / f"compare-{tag}.json"
 
 
-def ideal_bytes(config: dict, offloaded: float) -> float:
-    """Disk bytes one decode token needs: the offloaded bytes, less the experts no token is routed to in the
-    offloaded decoder layers (whole layers counted from the offloaded bytes; the rest non-expert)."""
+def ideal_bytes(config: dict, offloaded: float, device_map: dict | None = None) -> float:
+    """Disk bytes one decode token needs: the offloaded non-expert bytes and the routed share (top-k of the experts)
+    of the offloaded expert tensors. From the run's device map where it has one (each tensor on ``disk``); else
+    whole decoder layers counted from the offloaded bytes, the rest non-expert."""
     experts, other = layer_split(config)
+    share = config["num_experts_per_tok"] / config["num_local_experts"]
+    if device_map:
+        from offload_core.planning import device_of
+
+        return sum(
+            size * (share if ".experts." in name else 1.0)
+            for name, size in _tensor_bytes(config).items()
+            if device_of(device_map, name) == "disk"
+        )
     layers = min(config["num_hidden_layers"], int(offloaded // (experts + other)))
-    return offloaded - layers * experts * (1 - config["num_experts_per_tok"] / config["num_local_experts"])
+    return offloaded - layers * experts * (1 - share)
+
+
+def _tensor_bytes(config: dict) -> dict[str, int]:
+    """Bytes of every parameter of the preset's model in bf16, by name (built on the meta device)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**config, max_position_embeddings=4096, tie_word_embeddings=False)
+        )
+    return {name: p.numel() * 2 for name, p in model.named_parameters()}
 
 
 def report(preset: str, files: list[Path]) -> None:
@@ -161,7 +183,9 @@ def report(preset: str, files: list[Path]) -> None:
         for system, row in medians.items():
             mine = [r for r in runs if r.get("system") == system]
             tps = row.get("decode_tokens_per_s")
-            ideal = ideal_bytes(config, row.get("offloaded_bytes") or 0) if system != "inmem" else 0
+            ideal = (
+                ideal_bytes(config, row.get("offloaded_bytes") or 0, row.get("device_map")) if system != "inmem" else 0
+            )
             disk = row.get("disk_read_bytes_per_decode_token")
             ratio = disk / ideal if disk is not None and ideal else None
             seq = row.get("sequential_read_bytes_per_s")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: F401
 
 from offload_core.runner.modes.metrics import MemoryMonitor, rss_split
@@ -217,6 +218,8 @@ def main() -> None:
     elif kind == "accelerate":
         import accelerate  # noqa: F401  (imported before the baseline, like everything else)
     config = AutoConfig.from_pretrained(spec["checkpoint"])
+    for architecture in config.architectures or []:  # its modeling module too, imported lazily by transformers
+        getattr(transformers, architecture, None)
     cuda = on_gpu(spec)
     input_ids = prompt_ids(spec["prompt"], config.vocab_size, spec.get("batch", 1)).to(execution_device(spec))
     h2d = None
@@ -291,6 +294,7 @@ def main() -> None:
         "offloaded_bytes": info["offloaded_bytes"],
         "store_bytes_written": info["store_bytes_written"],
         "device_bytes": info["device_bytes"],
+        "device_map": {name: str(device) for name, device in (getattr(model, "hf_device_map", None) or {}).items()},
         "offload_file_count": len(info["offload_files"]),
         "converting_tensors": info.get("converting", 0),
     }

@@ -38,6 +38,8 @@ class Plan:
     predicted_loads_per_token: int = 0
     #: predicted_load_s, predicted_ttft_s, predicted_step_s (see :func:`offload_core.runner.plan.predict.predict_time`)
     predicted_time: dict[str, float] = field(default_factory=dict)
+    #: what re-dealing the placement's map by bytes read per token changed (:mod:`offload_core.planning.shares`)
+    redealt: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
@@ -48,6 +50,7 @@ class Plan:
             "predicted_bytes_per_token": self.predicted_bytes_per_token,
             "predicted_loads_per_token": self.predicted_loads_per_token,
             "conversion": list(self.conversion),
+            "redealt": self.redealt,
             "page_cache": self.page_cache,
             **self.predicted_time,
         }
@@ -92,6 +95,7 @@ def make_plan(
         normalize_device_map,
         summarize_device_map,
     )
+    from offload_core.planning.shares import redeal_by_reads
     from offload_core.storage.residency import page_cache_plan
 
     budgets = dict(budgets)
@@ -99,6 +103,7 @@ def make_plan(
     block = largest_block_size(model, no_split, dtype=dtype)
     reserve = reserve_for(model, checkpoint, policy, storage, execution_device, no_split, dtype, budgets.get("cpu"))
     warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
+    redeal = None
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
     if device_map is None:
         request = PlacementRequest(
@@ -109,7 +114,11 @@ def make_plan(
             special_dtypes=None,
             reserve=reserve,
         )
-        device_map = placement.make_device_map(request)
+        device_map = normalize_device_map(placement.make_device_map(request))
+        redeal = redeal_by_reads(
+            model, device_map, policy.read_shares(model), execution_device, budgets, reserve, dtype
+        )
+        device_map = device_map if redeal is None else redeal.device_map
     device_map = normalize_device_map(dict(device_map))
     check_device_map(model, device_map, strict=strict)
     summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
@@ -130,7 +139,8 @@ def make_plan(
             page_cache, summary, execution_device, policy.keeps_page_cache, max_memory.get("cpu", 0), block
         )
     )
-    return Plan(device_map, summary, reserve, headroom, block, predicted, lines, kept, loads)
+    redealt = redeal.line() if redeal is not None else ""
+    return Plan(device_map, summary, reserve, headroom, block, predicted, lines, kept, loads, redealt=redealt)
 
 
 def predicted_bytes_per_token(

@@ -126,7 +126,8 @@ class Policy(StrategyBase):
 
     def read_shares(self, model: nn.Module) -> dict[str, tuple[float, int]]:
         """Per tensor (by its name in ``model``) the policy reads only part of each forward: the share of its bytes
-        read and how many reads that takes. None by default: every offloaded tensor is read whole, once."""
+        read and how many reads that takes. None by default: every offloaded tensor is read whole, once. The plan keeps
+        the tensors read whole where the run computes before these (:mod:`offload_core.planning.shares`)."""
         return {}
 
     def plan_lines(self) -> list[str]:

@@ -86,6 +86,8 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str 
             per=per,
         )
     )
+    if plan.redealt:
+        print(f"  {plan.redealt}")
     for line in plan.conversion:
         print(f"  conversion: {line}")
     for line in strategies.policy.plan_lines():
