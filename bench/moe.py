@@ -126,15 +126,22 @@ def ideal_bytes(config: dict, offloaded: float, device_map: dict | None = None) 
     experts, other = layer_split(config)
     share = config["num_experts_per_tok"] / config["num_local_experts"]
     if device_map:
-        from offload_core.planning import device_of
-
-        return sum(
-            size * (share if ".experts." in name else 1.0)
-            for name, size in _tensor_bytes(config).items()
-            if device_of(device_map, name) == "disk"
-        )
+        return routed_bytes_needed(config, device_map)
     layers = min(config["num_hidden_layers"], int(offloaded // (experts + other)))
     return offloaded - layers * experts * (1 - share)
+
+
+def routed_bytes_needed(config: dict, device_map: dict) -> float:
+    """Bytes a decode token reads of the tensors ``device_map`` puts on the disk: each whole, but an expert tensor's
+    routed share (top-k of the experts)."""
+    from offload_core.planning import device_of
+
+    share = config["num_experts_per_tok"] / config["num_local_experts"]
+    return sum(
+        size * (share if ".experts." in name else 1.0)
+        for name, size in _tensor_bytes(config).items()
+        if device_of(device_map, name) == "disk"
+    )
 
 
 def _tensor_bytes(config: dict) -> dict[str, int]:

@@ -21,6 +21,9 @@ import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from moe import routed_bytes_needed  # noqa: E402
+
 CACHE = Path(os.environ.get("OFFLOAD_CORE_CACHE", Path.home() / ".cache" / "offload_core"))
 
 #: about 31 GB in bf16: 38 layers of 8 experts (top-2) of 2048 x 8192
@@ -119,7 +122,9 @@ def report(data: dict, out: Path) -> None:
         mine = [r for r in runs if r["system"] == system]
         cached = sum(r.get("experts_expert_hits", 0) for r in mine) / max(len(mine), 1)
         generated = max((r.get("generated_tokens") or 1 for r in mine), default=1)
-        if system.startswith("ours:experts"):  # the routed experts not found in the cache, and the rest of each layer
+        if system.startswith("ours:experts") and row.get("device_map"):  # the routed share of what is on disk
+            needed = routed_bytes_needed(CONFIG, row["device_map"]) - cached / generated * expert
+        elif system.startswith("ours:experts"):  # the routed experts not found in the cache, and the rest of each layer
             needed = layers * (layer - (e - k) * expert) - cached / generated * expert
         else:  # block-granular: every offloaded byte
             needed = row.get("offloaded_bytes") or 0

@@ -170,7 +170,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     elif spec["store"] == "memmap":
         files = sorted(str(p) for p in Path(store.folder).glob("*.dat"))
     elif spec["store"] == "safetensors":
-        files = sorted({str(ckpt.file_of(k)) for k in state.routes.store_keys if k in ckpt})
+        files = sorted({str(ckpt.file_of(k)) for k in checkpoint_keys(model, ckpt, state.routes.store_keys)})
     else:
         files = []
     ranges = pagecache.whole_files(files)
@@ -178,8 +178,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         # the offloaded tensors' own bytes within the shards (the shards also hold resident tensors)
         ranges = [
             (str(ckpt.file_of(k)), *ckpt.safetensors_file(ckpt.file_of(k)).byte_range(k))
-            for k in state.routes.store_keys
-            if k in ckpt
+            for k in checkpoint_keys(model, ckpt, state.routes.store_keys)
         ]
     devices = plan.summary["devices"]
     info = {
@@ -198,6 +197,18 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         ),
     }
     return model, info
+
+
+def checkpoint_keys(model, ckpt, keys) -> list[str]:
+    """The checkpoint tensors behind the store's ``keys``: a key the checkpoint holds, or the sources of a tensor
+    built from several (a fused expert tensor from its per-expert tensors)."""
+    from offload_core.loading.conversion import key_conversion
+
+    converted = key_conversion(model, ckpt).converted
+    found = []
+    for key in keys:
+        found += [key] if key in ckpt else list(converted[key].sources) if key in converted else []
+    return found
 
 
 def main() -> None:

@@ -87,7 +87,7 @@ def make_plan(
     device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it.
     ``page_cache`` None plans no kept set."""
     from offload_core.loading.conversion import key_conversion
-    from offload_core.loading.reserve import reserve_for
+    from offload_core.loading.reserve import reserve_for, splice_copies
     from offload_core.planning import (
         PlacementRequest,
         check_device_map,
@@ -129,6 +129,11 @@ def make_plan(
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)
     lines = conversion.summary().lines()
+    if copies := splice_copies(model, checkpoint, storage, dtype):
+        lines.append(
+            f"{format_size(copies)} of the parts lie at other page offsets than the rest of their tensor (edges, "
+            f"a shard boundary): copied once, held back from the cpu budget"
+        )
     if conversion.converted:
         names = sorted(conversion.converted)
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))

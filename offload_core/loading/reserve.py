@@ -57,7 +57,6 @@ def reserve_for(
     largest module, and whether any tensor is stored otherwise than the model holds it (another dtype, or
     several checkpoint tensors). Held back on the devices the policy names only, so a large embedding never
     keeps a whole model off the cpu tier."""
-    from offload_core.alignment import kernels_depend_on_alignment
     from offload_core.loading.conversion import key_conversion
     from offload_core.planning import largest_block_size
     from offload_core.storage.base import converts
@@ -66,11 +65,7 @@ def reserve_for(
     # is a copy when a store that reads in place hands it out; unless it is only placement of safetensors
     # parts, which the store maps where they lie (storage.splice), wherever the kernels ignore alignment.
     converted = key_conversion(model, checkpoint).converted
-    spliced = (
-        getattr(checkpoint, "is_safetensors", False)
-        and all(item.parts is not None for item in converted.values())
-        and not (dtype is not None and kernels_depend_on_alignment(dtype))
-    )
+    spliced = splices(checkpoint, converted, dtype)
     stored_differs = (
         any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
         or (bool(converted) and not spliced)
@@ -78,9 +73,54 @@ def reserve_for(
     )
     block = largest_block_size(model, no_split, dtype=dtype)
     module_bytes = largest_block_size(model, [], dtype=dtype)
-    return reservation(
+    reserve = reservation(
         policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget, no_split
     )
+    copies = splice_copies(model, checkpoint, storage, dtype)
+    if copies:
+        reserve["cpu"] = reserve.get("cpu", 0) + copies
+    return reserve
+
+
+def splices(checkpoint: Any, converted: dict[str, Any], dtype: torch.dtype | None) -> bool:
+    """Whether a store reading ``checkpoint`` in place maps the ``converted`` tensors where their parts lie
+    (:mod:`offload_core.storage.splice`): safetensors parts that are only placed, on kernels that ignore alignment."""
+    from offload_core.alignment import kernels_depend_on_alignment
+
+    return (
+        getattr(checkpoint, "is_safetensors", False)
+        and all(item.parts is not None for item in converted.values())
+        and not (dtype is not None and kernels_depend_on_alignment(dtype))
+    )
+
+
+def splice_copies(model: nn.Module, checkpoint: Any, storage: Storage, dtype: torch.dtype | None) -> int:
+    """Bytes ``storage`` holds as copies for the tensors it splices from ``checkpoint``'s parts
+    (:func:`offload_core.storage.splice.copied_bytes`: edges, and the parts that lie in another shard than most of
+    their tensor's bytes), counted for every assembled tensor whether offloaded or not; 0 for a store that does not
+    read the checkpoint in place."""
+    from pathlib import Path
+
+    from offload_core.loading.conversion import key_conversion
+    from offload_core.storage.splice import Part, copied_bytes
+
+    converted = key_conversion(model, checkpoint).converted
+    if storage.reads_from != "checkpoint" or not splices(checkpoint, converted, dtype):
+        return 0
+    shapes = {name: tensor.shape for name, tensor in model.state_dict(keep_vars=True).items()}
+    total = 0
+    for name, item in converted.items():
+        if item.parts and name in shapes:
+            parts = [
+                Part(
+                    index,
+                    Path(checkpoint.file_of(key)),
+                    *checkpoint.safetensors_file(checkpoint.file_of(key)).byte_range(key),
+                )
+                for key, index in item.parts
+            ]
+            total += copied_bytes(shapes[name], checkpoint.dtype(item.parts[0][0]), parts)
+    return total
 
 
 def copies_to_reference_offsets(model: nn.Module, checkpoint: Any, dtype: torch.dtype | None) -> bool:

@@ -18,7 +18,8 @@ from offload_core.values import format_size
 
 @dataclass
 class _Item:
-    """Tensors that move together: one module's direct tensors, and every tensor tied to one of them."""
+    """Tensors that move together: one module's direct tensors (a tensor read in part alone), and every tensor tied
+    to one of them."""
 
     names: list[str] = field(default_factory=list)
     bytes: int = 0
@@ -59,14 +60,17 @@ def _items(model: nn.Module, sizes: Mapping[str, int], shares: Mapping[str, tupl
             key = parent[key]
         return key
 
+    def group(name: str) -> str:  # a tensor read in part moves alone; the others with their module's tensors
+        return name if name in shares else name.rpartition(".")[0]
+
     names = [name for name, _ in named_module_tensors(model, recurse=True, remove_duplicate=False)]
-    for name in names:  # a tied tensor joins the module of its first name
-        a, b = root(name.rpartition(".")[0]), root(aliases[name].rpartition(".")[0])
+    for name in names:  # a tied tensor joins the group of its first name
+        a, b = root(group(name)), root(group(aliases[name]))
         if a != b:
             parent[a] = b
     items: dict[str, _Item] = {}
     for name in names:
-        item = items.setdefault(root(name.rpartition(".")[0]), _Item())
+        item = items.setdefault(root(group(name)), _Item())
         item.names.append(name)
         if aliases[name] == name:
             item.bytes += sizes[name]
@@ -90,7 +94,7 @@ def redeal_by_reads(
     Only tensors the map put on those tiers or on the disk move. Room: on a CPU run the cpu budget less what is
     reserved for units in flight (the placement may have left room a whole block did not fit in); on a GPU run the
     bytes the placement put on the computing GPU (a placement that keeps it low stays low) and the cpu budget less
-    its reservation. Tensors that move together (a module's direct tensors, tied tensors) are never split."""
+    its reservation. Tensors that move together (a module's direct tensors read whole, tied tensors) are never split."""
     if not shares:
         return None
     sizes = compute_module_sizes(model, dtype=dtype)

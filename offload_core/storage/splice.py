@@ -91,12 +91,45 @@ def in_order(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[P
     return None if placed is None else [part for part, _ in sorted(placed, key=lambda item: item[1])]
 
 
+def _lead(placed: list[tuple[Part, int]]) -> int:
+    """The tensor's address modulo the page size that lets the most bytes map their files: the residue most of the
+    parts' bytes share (the parts of one shard share one; a tensor whose parts lie in two shards has two)."""
+    by_residue: dict[int, int] = {}
+    for part, at in placed:
+        residue = (part.start - at) % PAGE
+        by_residue[residue] = by_residue.get(residue, 0) + part.end - part.start
+    return max(by_residue, key=lambda residue: (by_residue[residue], -residue))
+
+
+def _mapped(part: Part, at: int, lead: int) -> tuple[int, int] | None:
+    """The byte range ``[lo, hi)`` of a tensor at an address ``lead`` past a page boundary whose pages can map the
+    part's file, or None where none can (the part falls otherwise in its pages, or holds no whole page)."""
+    a, b = lead + at, lead + at + part.end - part.start
+    lo, hi = -(-a // PAGE) * PAGE, b // PAGE * PAGE
+    return (lo - lead, hi - lead) if (part.start - at) % PAGE == lead and hi > lo else None
+
+
+def copied_bytes(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> int:
+    """Bytes of a spliced ``shape`` tensor that are copies, held in anonymous memory for as long as the tensor lives:
+    each mapped part's edges, and whole the parts that fall otherwise in their pages than the most bytes do. 0 where
+    it is not spliced (its parts not a layout of the tensor)."""
+    placed = layout(torch.Size(shape), dtype, parts) if parts else None
+    if placed is None:
+        return 0
+    lead, copied = _lead(placed), 0
+    for part, at in placed:
+        mapped = _mapped(part, at, lead)
+        copied += part.end - part.start - (mapped[1] - mapped[0] if mapped is not None else 0)
+    return copied
+
+
 class Spliced:
     """A ``shape`` tensor over a private mapping in which each part's whole pages map its file, copy-on-write.
 
-    The mapping starts where the first part's file offset falls in its page, so that every part whose file
-    offset falls alike (all parts of one checkpoint layer, typically) maps its interior pages; the bytes of
-    a part's first and last page, and a part that falls otherwise, are copied once (anonymous memory).
+    The mapping starts where most of the parts' bytes fall in their pages (:func:`_lead`), so that every part whose
+    file offset falls alike (all parts of one shard) maps its interior pages; the bytes of a part's first and last
+    page, and a part that falls otherwise (a tensor whose parts lie in two shards), are copied once (anonymous
+    memory, :func:`copied_bytes`: the plan holds them back from the cpu budget).
     Build with :meth:`build`, which answers None where this cannot be done (off Linux, the parts not a
     layout of the tensor).
     """
@@ -104,25 +137,29 @@ class Spliced:
     def __init__(self, shape: torch.Size, dtype: torch.dtype, placed: list[tuple[Part, int]]) -> None:
         self.shape, self.dtype = torch.Size(shape), dtype
         self.nbytes = self.shape.numel() * dtype.itemsize
-        first, at = min(placed, key=lambda item: item[1])
-        self.lead = (first.start - at) % PAGE  # the tensor's address modulo the page size
+        self.lead = _lead(placed)  # the tensor's address modulo the page size
         self.map = mmap.mmap(-1, self.lead + self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + self.lead
         lib, fn = libc(), _mmap_fn()
         lib.madvise(self.address - self.lead, self.lead + self.nbytes, _MADV_NOHUGEPAGE)
         self.pieces: list[Piece] = []
         for part, at in placed:
-            a, b = self.address + at, self.address + at + part.end - part.start
-            lo, hi = -(-a // PAGE) * PAGE, b // PAGE * PAGE
-            mapped = None
-            if (part.start - at) % PAGE == self.lead and hi > lo:
+            mapped = _mapped(part, at, self.lead)
+            if mapped is not None:
+                lo, hi = self.address + mapped[0], self.address + mapped[1]
                 fd = os.open(part.path, os.O_RDONLY)
                 try:
-                    got = fn(lo, hi - lo, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED, fd, part.start + lo - a)
+                    got = fn(
+                        lo,
+                        hi - lo,
+                        _PROT_READ | _PROT_WRITE,
+                        _MAP_PRIVATE | _MAP_FIXED,
+                        fd,
+                        part.start + mapped[0] - at,
+                    )
                 finally:
                     os.close(fd)
-                if got == lo:
-                    mapped = (lo - self.address, hi - self.address)
+                mapped = mapped if got == lo else None
             self.pieces.append(Piece(part, at, mapped))
         with torch.inference_mode(False):  # kept across calls: a normal tensor
             flat = torch.frombuffer(self.map, dtype=torch.uint8, count=self.nbytes, offset=self.lead)

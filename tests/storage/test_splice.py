@@ -1,0 +1,102 @@
+"""A tensor spliced from parts of several files maps the pages most of its bytes can map; what it copies instead
+(edges, parts that fall otherwise in their pages) is what ``copied_bytes`` says, and the plan holds it back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig
+
+import offload_core
+from offload_core.storage.splice import PAGE, Part, Spliced, copied_bytes
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="splicing maps files: Linux only")
+
+
+def _file_backed(address: int, length: int, path: Path) -> int:
+    """Bytes of ``[address, address + length)`` that this process maps from ``path``."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) == 6 and fields[5].strip() == str(path):
+                total += max(0, min(end, address + length) - max(start, address))
+    return total
+
+
+def _write(path: Path, lead: int, chunks: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``chunks`` written one after the other after ``lead`` bytes; their byte ranges."""
+    ranges, offset = [], lead
+    with open(path, "wb") as out:
+        out.write(b"\0" * lead)
+        for chunk in chunks:
+            data = chunk.numpy().tobytes()
+            out.write(data)
+            ranges.append((offset, offset + len(data)))
+            offset += len(data)
+    return ranges
+
+
+def test_the_pages_most_bytes_share_are_mapped_and_the_rest_is_counted_as_copied(tmp_path):
+    # row 0 lies in one file, rows 1-3 in another that places them otherwise in their pages: the first row's file
+    # would have decided before; now the three rows map, and row 0 is the copy
+    width = 2 * PAGE // 4
+    want = torch.randn(4, width)
+    few, many = tmp_path / "few.bin", tmp_path / "many.bin"
+    (first,) = _write(few, 200, [want[0]])
+    rest = _write(many, 104, [want[1], want[2], want[3]])
+    parts = [Part((0,), few, *first)] + [Part((i + 1,), many, *r) for i, r in enumerate(rest)]
+    spliced = Spliced.build(want.shape, torch.float32, parts)
+    assert spliced is not None
+    spliced.copy_edges(list(want))
+    assert torch.equal(spliced.tensor, want)
+    mapped = {path: _file_backed(spliced.address, spliced.nbytes, path) for path in (few, many)}
+    assert mapped[few] == 0 and mapped[many] >= 3 * PAGE  # each of the three rows maps its interior page at least
+    assert copied_bytes(want.shape, torch.float32, parts) == spliced.nbytes - mapped[many]
+
+
+def test_the_plan_holds_back_what_the_spliced_tensors_copy(tmp_path):
+    config = MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+    )
+    torch.manual_seed(0)
+    path = tmp_path / "ckpt"
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="100KB")
+    assert len(list(path.glob("*.safetensors"))) > 1
+    plans = {}
+    for store in ("safetensors", "memmap"):
+        model = offload_core.from_pretrained(
+            path,
+            device_map={"": "disk"},
+            storage=store,
+            policy="align_per_call",
+            offload_folder=tmp_path / "off",
+            dtype=torch.bfloat16,
+        )
+        try:
+            plans[store] = model.offload_plan.reserve.get("cpu", 0)
+            if store == "safetensors":
+                held = model.offload_state.store
+                with torch.no_grad():
+                    model(torch.ones(1, 3, dtype=torch.long))
+                copied = 0
+                for name in held:
+                    spliced = held.spliced(name)
+                    if spliced is not None:
+                        files = {piece.part.path for piece in spliced.pieces}
+                        backed = sum(_file_backed(spliced.address, spliced.nbytes, f) for f in files)
+                        copied += spliced.nbytes - backed
+        finally:
+            model.offload_state.remove()
+    assert copied > 0
+    assert plans["safetensors"] - plans["memmap"] >= copied
