@@ -191,7 +191,7 @@ class Experts(Prefetch):
             self.cache_note = (
                 f"experts: computed on the store's views ({layers} MoE layers, {format_size(row)} experts): "
                 f"only routed rows are read or mapped, nothing is held from the cpu budget; "
-                + _prefetch_or_experts(need, experts, top_k)
+                + _page_cache_note(need, experts, top_k)
             )
             return reserve
         if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
@@ -275,10 +275,10 @@ class Experts(Prefetch):
         )
 
 
-def _prefetch_or_experts(need: InFlight, experts: int, top_k: int) -> str:
-    """When block prefetch is the better choice for this CPU run: warm, with the whole model in the page cache, it
-    computes on the same cached pages and keeps them mapped (measured as fast or faster:
-    bench/results/moe-interleaved-mixtral-2.6g-2.md); otherwise experts reads top_k of every layer's experts."""
+def _page_cache_note(need: InFlight, experts: int, top_k: int) -> str:
+    """What experts gains on this CPU run: with the whole model in the page cache, once warm every policy computes on
+    the same cached pages and experts gains little (measured side by side: bench/results/compare-moe-mixtral-2.6g.md);
+    otherwise, and cold, it reads top_k of every layer's experts where a block policy reads them all."""
     import psutil
 
     model = sum(
@@ -289,12 +289,13 @@ def _prefetch_or_experts(need: InFlight, experts: int, top_k: int) -> str:
     if model <= available:
         return (
             f"the whole model ({format_size(model)}) fits in the page cache ({format_size(available)} available): "
-            f"once warm, block prefetch (hook=prefetch) computes on the same cached pages and measured as fast or "
-            f"faster; experts reads less only while pages are not cached ({top_k} of {experts} experts per layer)"
+            f"once warm every policy computes on the same cached pages (chained and functional_call as fast as "
+            f"experts, prefetch slower, measured); experts reads less while pages are not cached ({top_k} of "
+            f"{experts} experts per layer)"
         )
     return (
         f"the model ({format_size(model)}) is larger than the memory available ({format_size(available)}): experts "
-        f"reads {top_k} of {experts} experts per layer where block prefetch would read them all"
+        f"reads {top_k} of {experts} experts per layer where a block policy would read them all"
     )
 
 
