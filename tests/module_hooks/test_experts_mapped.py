@@ -19,6 +19,7 @@ from offload_core.module_hooks.experts.loader import (
 from offload_core.module_hooks.experts.mapped import MappedLayer
 from offload_core.planning import compute_module_sizes
 from offload_core.storage import pagecache
+from tests.maps import file_backed
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "f32"])
@@ -51,18 +52,6 @@ def mixtral(request, tmp_path_factory):
     return path, ids, tokens, compute_module_sizes(reference)[""], reference, request.param
 
 
-def _file_backed(address: int, length: int, path: str) -> int:
-    """Bytes of ``[address, address + length)`` that this process maps from ``path``."""
-    total = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if len(fields) == 6 and fields[5].strip() == path:
-                total += max(0, min(end, address + length) - max(start, address))
-    return total
-
-
 def test_fused_experts_are_spliced_from_the_shard_and_survive_a_drop(mixtral):
     path, _, _, _, reference, dtype = mixtral
     model = offload_core.from_pretrained(path, device_map={"": "disk"}, storage="safetensors", dtype=dtype)
@@ -75,7 +64,7 @@ def test_fused_experts_are_spliced_from_the_shard_and_survive_a_drop(mixtral):
         want = reference.get_parameter(name)
         assert torch.equal(spliced.tensor, want) and torch.equal(store[name], want)
         shard = str(spliced.pieces[0].part.path)
-        assert _file_backed(spliced.address, spliced.nbytes, shard) > spliced.nbytes // 2  # the shard's own pages
+        assert file_backed(spliced.address, spliced.nbytes, shard) > spliced.nbytes // 2  # the shard's own pages
         assert store.drop(name)  # the mapped pages go; the copied edges are not zeroed
         assert torch.equal(spliced.tensor, want)
         assert store.spliced(name) is spliced  # once per load

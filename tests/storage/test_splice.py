@@ -11,20 +11,9 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 
 import offload_core
 from offload_core.storage.splice import PAGE, Part, Spliced, copied_bytes
+from tests.maps import file_backed
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="splicing maps files: Linux only")
-
-
-def _file_backed(address: int, length: int, path: Path) -> int:
-    """Bytes of ``[address, address + length)`` that this process maps from ``path``."""
-    total = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if len(fields) == 6 and fields[5].strip() == str(path):
-                total += max(0, min(end, address + length) - max(start, address))
-    return total
 
 
 def _write(path: Path, lead: int, chunks: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -53,7 +42,7 @@ def test_the_pages_most_bytes_share_are_mapped_and_the_rest_is_counted_as_copied
     assert spliced is not None
     spliced.copy_edges(list(want))
     assert torch.equal(spliced.tensor, want)
-    mapped = {path: _file_backed(spliced.address, spliced.nbytes, path) for path in (few, many)}
+    mapped = {path: file_backed(spliced.address, spliced.nbytes, path) for path in (few, many)}
     assert mapped[few] == 0 and mapped[many] >= 3 * PAGE  # each of the three rows maps its interior page at least
     assert copied_bytes(want.shape, torch.float32, parts) == spliced.nbytes - mapped[many]
 
@@ -94,7 +83,7 @@ def test_the_plan_holds_back_what_the_spliced_tensors_copy(tmp_path):
                     spliced = held.spliced(name)
                     if spliced is not None:
                         files = {piece.part.path for piece in spliced.pieces}
-                        backed = sum(_file_backed(spliced.address, spliced.nbytes, f) for f in files)
+                        backed = sum(file_backed(spliced.address, spliced.nbytes, f) for f in files)
                         copied += spliced.nbytes - backed
         finally:
             model.offload_state.remove()
