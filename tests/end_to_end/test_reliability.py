@@ -337,6 +337,8 @@ def test_2000_forward_calls_keep_memory_and_file_descriptors_flat(policy, tmp_pa
     dispatch_model(
         model, device_map, storage="memmap", policy=policy, offload_folder=tmp_path / "off", execution_device="cpu"
     )
+    # the new folder is sealed by a thread of the lowest priority, which opens each file while it checksums it
+    model.offload_state.store.wait_until_sealed()
     with torch.inference_mode():
         for _ in range(100):  # warm up: caches, maps and threads settle
             model(x)
