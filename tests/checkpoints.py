@@ -20,6 +20,20 @@ def _llama_like(config_cls, **extra):
     return lambda: config_cls(**{**TINY, "num_key_value_heads": 2, **extra})
 
 
+def paged_mixtral(layers: int = 3) -> transformers.MixtralConfig:
+    """A Mixtral whose per-expert tensors span whole pages (16 KiB and more in float32), so that stores can map them."""
+    return transformers.MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+    )
+
+
 #: name -> (config factory, Auto class, kind)
 MODELS = {
     "llama": (_llama_like(transformers.LlamaConfig), "AutoModelForCausalLM", "causal"),

@@ -98,12 +98,16 @@ def splice_copies(model: nn.Module, checkpoint: Any, storage: Storage, dtype: to
     """Bytes ``storage`` holds as copies for the tensors it splices from ``checkpoint``'s parts
     (:func:`offload_core.storage.splice.copied_bytes`: edges, and the parts that lie in another shard than most of
     their tensor's bytes), counted for every assembled tensor whether offloaded or not; 0 for a store that does not
-    read the checkpoint in place."""
+    read the checkpoint in place. ``checkpoint``: the opened checkpoint, or one already converted to the model's
+    names (``load_checkpoint_and_dispatch`` passes that)."""
     from pathlib import Path
 
     from offload_core.loading.conversion import key_conversion
+    from offload_core.loading.converted import ConvertedCheckpoint
     from offload_core.storage.splice import Part, copied_bytes
 
+    if isinstance(checkpoint, ConvertedCheckpoint):  # the opened checkpoint, whose names are the parts'
+        checkpoint = checkpoint.checkpoint
     converted = key_conversion(model, checkpoint).converted
     if storage.reads_from != "checkpoint" or not splices(checkpoint, converted, dtype):
         return 0

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from offload_core import init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.errors import ConfigError
 from offload_core.module_hooks.experts import ExpertCache, Experts, ExpertsConfig, is_fused_experts
-from offload_core.planning import compute_module_sizes
+from offload_core.planning import compute_module_sizes, device_of
 from tests.checkpoints import Saved
 
 
@@ -320,12 +320,7 @@ def test_without_a_cache_a_cpu_run_reads_each_routed_expert_once_into_its_row(sa
     assert torch.equal(got, want)
     assert counters["expert_hits"] == 0 and counters["expert_whole_reads"] == 0
 
-    def placed(name: str) -> str:  # the device of the map's nearest entry at or above ``name``
-        return next(
-            device_map[p] for p in (name.rsplit(".", k)[0] for k in range(name.count(".") + 1)) if p in device_map
-        )
-
-    assert {placed(f"model.layers.{i}.mlp.experts") for i in routed} == {
+    assert {device_of(device_map, f"model.layers.{i}.mlp.experts") for i in routed} == {
         "disk"
     }  # every layer's experts come from the store
     assert counters["expert_misses"] == sum(len(experts) for experts in routed.values()) == 2 * len(routed) > 0  # top 2

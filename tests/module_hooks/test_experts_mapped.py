@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import AutoModelForCausalLM
 
 import offload_core
 from offload_core.alignment import kernels_depend_on_alignment
@@ -19,22 +19,14 @@ from offload_core.module_hooks.experts.loader import (
 from offload_core.module_hooks.experts.mapped import MappedLayer
 from offload_core.planning import compute_module_sizes
 from offload_core.storage import pagecache
+from tests.checkpoints import paged_mixtral
 from tests.maps import file_backed
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def mixtral(request, tmp_path_factory):
     """A Mixtral whose per-expert tensors span whole pages (16 KiB and more), saved by transformers in ``dtype``."""
-    config = MixtralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-    )
+    config = paged_mixtral()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():

@@ -7,10 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import AutoModelForCausalLM
 
 import offload_core
+from offload_core import init_empty_weights
+from offload_core.loading.checkpoint import Checkpoint
+from offload_core.loading.converted import convert_checkpoint
+from offload_core.loading.dispatch import resolve_strategy
+from offload_core.loading.reserve import splice_copies
 from offload_core.storage.splice import PAGE, Part, Spliced, copied_bytes
+from tests.checkpoints import paged_mixtral
 from tests.maps import file_backed
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="splicing maps files: Linux only")
@@ -48,19 +54,9 @@ def test_the_pages_most_bytes_share_are_mapped_and_the_rest_is_counted_as_copied
 
 
 def test_the_plan_holds_back_what_the_spliced_tensors_copy(tmp_path):
-    config = MixtralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-    )
     torch.manual_seed(0)
     path = tmp_path / "ckpt"
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="100KB")
+    AutoModelForCausalLM.from_config(paged_mixtral(2)).to(torch.bfloat16).save_pretrained(path, max_shard_size="100KB")
     assert len(list(path.glob("*.safetensors"))) > 1
     plans = {}
     for store in ("safetensors", "memmap"):
@@ -89,3 +85,9 @@ def test_the_plan_holds_back_what_the_spliced_tensors_copy(tmp_path):
             model.offload_state.remove()
     assert copied > 0
     assert plans["safetensors"] - plans["memmap"] >= copied
+    # load_checkpoint_and_dispatch plans with the checkpoint already converted to the model's names: the same bytes
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(paged_mixtral(2))
+    opened, store = Checkpoint.open(path), resolve_strategy("storage", "safetensors")
+    held_back = splice_copies(meta, opened, store, torch.bfloat16)
+    assert held_back == splice_copies(meta, convert_checkpoint(meta, opened), store, torch.bfloat16) >= copied
