@@ -123,12 +123,11 @@ def ideal_bytes(config: dict, offloaded: float, device_map: dict | None = None) 
     """Disk bytes one decode token needs: the offloaded non-expert bytes and the routed share (top-k of the experts)
     of the offloaded expert tensors. From the run's device map where it has one (each tensor on ``disk``); else
     whole decoder layers counted from the offloaded bytes, the rest non-expert."""
-    experts, other = layer_split(config)
-    share = config["num_experts_per_tok"] / config["num_local_experts"]
     if device_map:
         return routed_bytes_needed(config, device_map)
+    experts, other = layer_split(config)
     layers = min(config["num_hidden_layers"], int(offloaded // (experts + other)))
-    return offloaded - layers * experts * (1 - share)
+    return offloaded - layers * experts * (1 - config["num_experts_per_tok"] / config["num_local_experts"])
 
 
 def routed_bytes_needed(config: dict, device_map: dict) -> float:

@@ -170,16 +170,14 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     elif spec["store"] == "memmap":
         files = sorted(str(p) for p in Path(store.folder).glob("*.dat"))
     elif spec["store"] == "safetensors":
-        files = sorted({str(ckpt.file_of(k)) for k in checkpoint_keys(model, ckpt, state.routes.store_keys)})
+        keys = checkpoint_keys(model, ckpt, state.routes.store_keys)
+        files = sorted({str(ckpt.file_of(k)) for k in keys})
     else:
         files = []
     ranges = pagecache.whole_files(files)
     if spec["store"] == "safetensors" and store is not None:
         # the offloaded tensors' own bytes within the shards (the shards also hold resident tensors)
-        ranges = [
-            (str(ckpt.file_of(k)), *ckpt.safetensors_file(ckpt.file_of(k)).byte_range(k))
-            for k in checkpoint_keys(model, ckpt, state.routes.store_keys)
-        ]
+        ranges = [(str(ckpt.file_of(k)), *ckpt.safetensors_file(ckpt.file_of(k)).byte_range(k)) for k in keys]
     devices = plan.summary["devices"]
     info = {
         "dispatch_s": dispatch_s,

@@ -24,6 +24,7 @@ class _Item:
     names: list[str] = field(default_factory=list)
     bytes: int = 0
     read: float = 0.0  # bytes read per token when offloaded
+    partial: bool = False  # holds a tensor read in part
 
     @property
     def density(self) -> float:
@@ -75,6 +76,7 @@ def _items(model: nn.Module, sizes: Mapping[str, int], shares: Mapping[str, tupl
         if aliases[name] == name:
             item.bytes += sizes[name]
             item.read += sizes[name] * shares.get(name, (1.0, 1))[0]
+            item.partial = item.partial or name in shares
     return list(items.values())
 
 
@@ -111,16 +113,10 @@ def redeal_by_reads(
         if len(where) == 1 and (tier := where.pop()) in used:
             movable.append((item, tier))
             used[tier] += item.bytes
-    room = {
-        tier: (
-            max(used[tier], budgets["cpu"] - reserve.get("cpu", 0))
-            if tier == "cpu" and "cpu" in budgets
-            else float("inf")
-            if tier == "disk"
-            else used[tier]
-        )
-        for tier in tiers
-    }
+    room: dict[int | str, float] = dict(used)  # a GPU holds no more than the placement put there
+    room["disk"] = float("inf")
+    if "cpu" in budgets:  # the cpu budget's room, which a block too large to fit may have left
+        room["cpu"] = max(used["cpu"], budgets["cpu"] - reserve.get("cpu", 0))
     taken = {tier: 0 for tier in tiers}
     placed: dict[int, int | str] = {}
     for item, _ in sorted(movable, key=lambda pair: -pair[0].density):  # stable: module order among equals
@@ -146,7 +142,7 @@ def redeal_by_reads(
         except DeviceMapError:
             continue
     whole_kept = sum(
-        item.bytes for item, tier in movable if tier != main and placed[id(item)] == main and item.density == 1.0
+        item.bytes for item, tier in movable if tier != main and placed[id(item)] == main and not item.partial
     )
     partial_out = sum(item.bytes for item, tier in movable if tier == main and placed[id(item)] != main)
     return Redeal(compress_device_map(tensor_devices), reads(before), reads(placed), whole_kept, partial_out)
