@@ -94,6 +94,10 @@ def test_a_run_records_its_prediction_and_the_next_run_predicts_from_it(correcti
             "storage=safetensors",
         ]
     )
+    # a first run calibrates and probes this configuration, so the two runs below plan on the same machine figures
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OFFLOAD_CORE_CORRECTIONS", str(tmp_path / "warm-up.json"))
+        run(cfg, output_dir=tmp_path / "0")
     first = run(cfg, output_dir=tmp_path / "1")
     out = capsys.readouterr().out
     written = json.loads((tmp_path / "1" / "metrics.json").read_text())
@@ -105,11 +109,13 @@ def test_a_run_records_its_prediction_and_the_next_run_predicts_from_it(correcti
     out = capsys.readouterr().out
     assert second.figures["prediction_runs"] == 1 and "corrected by 1 earlier run" in out
     for name in ("load", "ttft", "step"):
-        measured = first.figures["prediction"][name]["measured"]
-        assert second.figures["prediction"][name]["predicted"] == pytest.approx(measured)
-        assert abs(second.figures["prediction"][name]["predicted"] - measured) < abs(
-            first.figures["prediction"][name]["predicted"] - measured
-        )
+        before, after = first.figures["prediction"][name], second.figures["prediction"][name]
+        # the second run's cost model times what the first run measured over what its cost model said (the cost
+        # model reads the page cache as it is at each plan, so the two models can differ a little)
+        ratio = before["measured"] / before["model_predicted"]
+        assert after["predicted"] == pytest.approx(after["model_predicted"] * ratio)
+        assert after["predicted"] == pytest.approx(before["measured"], rel=0.05)
+        assert abs(after["predicted"] - before["measured"]) < abs(before["predicted"] - before["measured"])
 
 
 def test_a_calibration_whose_probe_terms_are_damaged_is_not_trusted():
