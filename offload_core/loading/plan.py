@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -40,6 +40,10 @@ class Plan:
     predicted_time: dict[str, float] = field(default_factory=dict)
     #: what re-dealing the placement's map by bytes read per token changed (:mod:`offload_core.planning.shares`)
     redealt: str = ""
+    #: the policy the plan was made for: the one given, or it holding fewer units in flight (:func:`fit_in_flight`)
+    policy: Policy | None = None
+    #: what holding fewer units in flight changed (empty: nothing)
+    lightened: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
@@ -51,6 +55,7 @@ class Plan:
             "predicted_loads_per_token": self.predicted_loads_per_token,
             "conversion": list(self.conversion),
             "redealt": self.redealt,
+            "lightened": self.lightened,
             "page_cache": self.page_cache,
             **self.predicted_time,
         }
@@ -101,7 +106,11 @@ def make_plan(
     budgets = dict(budgets)
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
-    reserve = reserve_for(model, checkpoint, policy, storage, execution_device, no_split, dtype, budgets.get("cpu"))
+    policy, reserve, lightened = fit_in_flight(
+        policy,
+        budgets,
+        lambda p: reserve_for(model, checkpoint, p, storage, execution_device, no_split, dtype, budgets.get("cpu")),
+    )
     warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
     redeal = None
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
@@ -145,7 +154,51 @@ def make_plan(
         )
     )
     redealt = redeal.line() if redeal is not None else ""
-    return Plan(device_map, summary, reserve, headroom, block, predicted, lines, kept, loads, redealt=redealt)
+    return Plan(
+        device_map,
+        summary,
+        reserve,
+        headroom,
+        block,
+        predicted,
+        lines,
+        kept,
+        loads,
+        redealt=redealt,
+        policy=policy,
+        lightened=lightened,
+    )
+
+
+def fit_in_flight(
+    policy: Policy, budgets: Mapping[Any, int], reserve_of: Callable[[Policy], dict[Any, int]]
+) -> tuple[Policy, dict[Any, int], str]:
+    """The policy to plan with, its reservation and a line saying what changed: where what ``policy`` holds in flight
+    (``reserve_of(policy)``) is over a device's budget, the policy holding fewer (:meth:`Policy.lighter`, one step at a
+    time) as far as brings every device it can under its budget. A budget is a limit the run keeps; how far a policy
+    reads ahead is only its speed. A device that no lighter policy brings under stays over (the plan then warns by how
+    much), and where none helps the policy is as given."""
+
+    def over(held: dict[Any, int]) -> set[Any]:
+        return {dev for dev, size in held.items() if dev in budgets and size > budgets[dev]}
+
+    reserve = reserve_of(policy)
+    steps: list[tuple[Policy, str, dict[Any, int]]] = []
+    lighter = policy.lighter() if over(reserve) else None
+    while lighter is not None:
+        steps.append((*lighter, reserve_of(lighter[0])))
+        lighter = lighter[0].lighter()
+    if not steps or over(steps[-1][2]) >= over(reserve):
+        return policy, reserve, ""
+    stuck = over(steps[-1][2])
+    candidate, changed, held = next(step for step in steps if over(step[2]) <= stuck)
+    dev = sorted(over(reserve) - stuck, key=str)[0]
+    return (
+        candidate,
+        held,
+        f"{changed}: the units in flight as configured take {format_size(reserve[dev])} on {dev}, over the "
+        f"{format_size(budgets[dev])} max_memory.{dev} leaves for weights; now {format_size(held[dev])}",
+    )
 
 
 def predicted_bytes_per_token(

@@ -210,10 +210,10 @@ def plan_and_dispatch(
             offload_folder=offload_folder,
             dtype=dtype,
             storage=storage,
-            policy=policy,
+            policy=plan.policy,
             execution_device=device,
             progress=progress,
-            offload_buffers=policy.offload_buffers,
+            offload_buffers=plan.policy.offload_buffers,
             residency=plan.residency(),
         )
         model.speculation = prepare(spec, model, dtype, device)

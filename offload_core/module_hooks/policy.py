@@ -115,6 +115,11 @@ class Policy(StrategyBase):
         """Bytes the units in flight take on each device (held back from the budgets): one block."""
         return reserve_units(need, need.block_bytes)
 
+    def lighter(self) -> tuple[Policy, str] | None:
+        """This policy holding fewer units in flight, and the option that says so (``hook.depth=1``), for a plan whose
+        budget cannot hold what its :meth:`reserve` asks; None (the default): it cannot hold fewer."""
+        return None
+
     def predict_moved(self, unit_bytes: list[int]) -> int:
         """Bytes brought in per forward, given each offloaded unit's bytes: every unit once."""
         return sum(unit_bytes)

@@ -3,6 +3,7 @@ run switches as plain fields, each strategy section a dict; nothing below the ed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,11 @@ class Strategies:
     @property
     def policy_name(self) -> str:
         return self.names["hook"]
+
+    def planned(self, policy: Policy | None) -> Strategies:
+        """These strategies with the policy the plan was made for (it may hold fewer units in flight than asked:
+        :func:`offload_core.loading.plan.fit_in_flight`)."""
+        return self if policy is None or policy is self.policy else dataclasses.replace(self, policy=policy)
 
     def __str__(self) -> str:
         return " ".join(f"{group}={name}" for group, name in self.names.items())

@@ -92,3 +92,82 @@ def test_the_copy_probe_fits_a_small_gpu(fake_gpu):
     fake = fake_gpu(count=1, memory=8 * 2**20)
     assert h2d_bandwidth(fake.device(0)) > 0
     assert fake.memory_allocated(0) == 0  # the probe's buffers are given back
+
+
+def _mixtral(path):
+    """A bf16 Mixtral whose decoder layers are each a tenth of it: three in flight are more than a quarter."""
+    import torch
+    import transformers
+
+    config = transformers.MixtralConfig(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("storage", ["pinned_cpu", "safetensors"])
+def test_a_gpu_budget_that_cannot_hold_the_read_ahead_reads_less_ahead_and_stays_in_it(
+    storage, tmp_path, fake_gpu, capsys
+):
+    """Seen on an H200: prefetch held three 206 MB Mixtral layers in flight on a 0.65 GB budget, warned, and peaked at
+    0.71 GB. The plan now reads fewer blocks ahead until they fit, and says so."""
+    total = _mixtral(tmp_path / "moe")
+    budget = total // 4
+    fake_gpu(count=1, memory=8 * total)
+    register_configs()
+    overrides = [
+        "model=local",
+        f"model.path={tmp_path / 'moe'}",
+        "hook=prefetch",
+        f"storage={storage}",
+        "max_new_tokens=3",
+        "progress=false",
+        "compare_in_memory=true",
+        f"+max_memory.0={budget}",
+        f"max_memory.cpu={2 * total}",
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    result = run(cfg, output_dir=tmp_path / "run")
+    assert result.matches_in_memory is True
+    lightened = result.plan["lightened"]
+    assert lightened.startswith("hook.depth=") and f"  {lightened}" in capsys.readouterr().out
+    assert result.plan["reserve"]["0"] <= budget
+    assert result.figures["peak_gpu_bytes"]["0"] <= budget
+    # a budget that holds the read-ahead as configured changes nothing
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[*overrides[:-2], f"+max_memory.0={2 * total}", "plan_only=true"])
+    assert run(cfg, output_dir=tmp_path / "roomy").plan["lightened"] == ""
+
+
+def test_from_pretrained_loads_the_policy_its_plan_lightened(tmp_path, fake_gpu):
+    from offload_core import from_pretrained
+
+    total = _mixtral(tmp_path / "moe")
+    fake = fake_gpu(count=1, memory=8 * total)
+    model = from_pretrained(
+        tmp_path / "moe",
+        max_memory={0: total // 4, "cpu": 2 * total},
+        storage="pinned_cpu",
+        policy="prefetch",
+        execution_device=fake.device(0),
+    )
+    try:
+        plan = model.offload_plan
+        assert plan.lightened.startswith("hook.depth=") and plan.reserve[0] <= total // 4
+        depth = int(plan.lightened.split(":")[0].removeprefix("hook.depth="))
+        assert plan.policy.config.depth == depth < 2
+        assert model.offload_state.handle.prefetcher.depth == depth  # what runs is what was planned
+    finally:
+        model.offload_state.remove()

@@ -3,6 +3,7 @@ handle."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -107,6 +108,13 @@ class Prefetch(Policy):
         if need.execution_device.type != "cpu":
             reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
         return reserve
+
+    def lighter(self) -> tuple[Prefetch, str] | None:
+        """One block fewer read ahead (``depth`` 0 at the least: the blocks that run, brought in when called)."""
+        if self.config.depth <= 0:
+            return None
+        depth = self.config.depth - 1
+        return type(self)(dataclasses.replace(self.config, depth=depth)), f"hook.depth={depth}"
 
     def check_pool(self, execution_device: torch.device) -> None:
         """``pool=false`` hands the model mapped host pages as its weights: only a CPU run can compute on them."""

@@ -121,6 +121,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     run_model = RunModel(empty.modules, empty.dtype, no_split, Path(path), task="text_to_image")
     with checkpoint, frozen_heap():
         plan = make_plan(settings, strategies, run_model, checkpoint)
+        strategies = strategies.planned(plan.policy)
         print_plan(settings, strategies, plan)
         if settings.plan_only:
             write_plan(settings, run_model, plan)

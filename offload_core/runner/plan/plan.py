@@ -88,6 +88,8 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str 
     )
     if plan.redealt:
         print(f"  {plan.redealt}")
+    if plan.lightened:
+        print(f"  {plan.lightened}")
     for line in plan.conversion:
         print(f"  conversion: {line}")
     for line in strategies.policy.plan_lines():

@@ -78,6 +78,7 @@ def prepare(
         speculate.check_batches(spec, batches if settings.prompts_file else None)
         settings, held = speculate.reserve_speculation(settings, spec, run_model, input_ids.shape[1])
         plan = make_plan(settings, strategies, run_model, checkpoint)
+        strategies = strategies.planned(plan.policy)
         speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device)
         job = Prepared(settings, strategies, run_model, checkpoint, batches, input_ids, plan, held)
         if predict:
