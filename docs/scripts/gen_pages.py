@@ -75,7 +75,7 @@ with mkdocs_gen_files.open("reference/configuration.md", "w") as page:
 mkdocs_gen_files.set_edit_path("reference/configuration.md", "scripts/gen_pages.py")
 
 for source in sorted((ROOT / "bench" / "results").glob("*")):
-    if source.suffix in (".md", ".png"):
+    if source.suffix in (".md", ".png", ".log"):
         with mkdocs_gen_files.open(f"benchmarks/results/{source.name}", "wb") as out:
             out.write(source.read_bytes())
 with mkdocs_gen_files.open("benchmarks/results/README.md", "w") as out:
