@@ -4,6 +4,7 @@ blocks that left it, except those being read ahead."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -11,6 +12,7 @@ import torch
 import offload_core.module_hooks.prefetch.prefetcher as prefetcher_module
 from offload_core import dispatch_model
 from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
+from offload_core.module_hooks.reader import THREAD_PREFIX
 from offload_core.storage.residency import Residency
 from tests.module_hooks.prefetch_model import DISK
 from tests.module_hooks.prefetch_model import tiny_llama as _model
@@ -86,8 +88,8 @@ def test_a_shrinking_kept_set_drops_the_blocks_that_left_it_except_those_read_ah
     residency = Residency(budget=1 << 40, available=lambda: free["bytes"], margin=0)
     model, prefetcher = _dispatched(tmp_path, depth=1, residency=residency)
     assert list(residency.kept) == ["model.layers.0", "model.layers.1", "model.layers.3"]
-    # every block kept, so with depth 1 the window rides over kept blocks: both of the next pass's units are ahead
-    assert sorted(prefetcher.pending) == [0, 1]
+    # every block kept and in memory after a pass: none is handed to the reader, each is checked where it runs
+    assert not prefetcher.pending
     assert prefetcher.keeper.warm is False  # the reader brings the pages in, not the compute thread as a unit loads
     block = residency.kept["model.layers.0"]  # the three blocks are the same size
     free["bytes"] = block  # room for one block: layers 3, then 1 leave the kept set (from its end)
@@ -97,7 +99,8 @@ def test_a_shrinking_kept_set_drops_the_blocks_that_left_it_except_those_read_ah
         "model.layers.1",
         "model.layers.3",
     ]
-    # layer 3's pages go at once (its tensors' bytes); layer 1 is being read ahead for the pass starting: its pages stay
+    # layer 3's pages go at once (its tensors' bytes); layer 1, next in the pass starting, is read ahead: its pages stay
+    assert sorted(prefetcher.pending) == [1]
     layer3 = sum(
         prefetcher.store[key].numel() * prefetcher.store[key].element_size() for key in prefetcher.units[2].keys
     )
@@ -111,3 +114,32 @@ def test_with_every_block_streamed_the_window_is_depth_blocks(tmp_path):
     model, prefetcher = _dispatched(tmp_path, depth=1, residency=Residency(budget=0))
     assert not prefetcher.residency.kept and sorted(prefetcher.pending) == [0]
     model.offload_state.remove()
+
+
+def _reader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX + "prefetch")]
+
+
+def test_kept_blocks_in_memory_are_checked_where_they_run_and_read_ahead_again_once_their_pages_go(
+    tmp_path, monkeypatch
+):
+    """A warm run keeps every block: after the first pass none goes through the reader (its wake-ups for each block
+    slowed a two-core decode by a quarter); a block whose pages the page cache let go of is read ahead again."""
+    reference = _model()
+    model, prefetcher = _dispatched(tmp_path, depth=1, residency=Residency(budget=1 << 40))
+    hits, misses = prefetcher.hits, prefetcher.misses
+    with torch.no_grad():
+        model(IDS)
+    assert not prefetcher.pending and (prefetcher.hits, prefetcher.misses) == (hits + 3, misses)
+    assert not _reader_threads()  # with nothing to read, its thread ended
+    gone = {prefetcher.store[key].data_ptr() for key in prefetcher.units[0].keys}  # unit 0's pages went
+    monkeypatch.setattr(prefetcher_module, "resident", lambda tensor: tensor.data_ptr() not in gone)
+    prefetcher.revalidate()
+    assert list(prefetcher.pending) == [0] and _reader_threads()  # the pass's first block, handed to a new reader
+    gone.clear()
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, reference(IDS).logits)
+        assert not prefetcher.pending and prefetcher.misses == misses
+    finally:
+        model.offload_state.remove()
