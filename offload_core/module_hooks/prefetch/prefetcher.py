@@ -364,6 +364,7 @@ class Prefetcher:
         for index in list(self.pending):
             self._drop_pending(index)
         self._reader.stop()
+        self._settled.clear()  # no view of the store's pages outlives its use
         for index in list(self.held):
             self.release(index)
         # Copies still queued on the side stream write into pool buffers (and read staging buffers) that are
