@@ -105,6 +105,17 @@ README = Sybil(PARSERS, path=".", patterns=["README.md"], excludes=["*/*"], name
 pytest_collect_file = (DOCS + README).pytest()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _learned_files(tmp_path_factory):
+    """What runs in the tests measure (the calibration) and learn (prediction corrections) goes to files of the
+    session's, never the user's: the tests run loaded and learn however busy the machine is, so their figures would
+    mislead the user's next runs (the processes they start, docs examples too, inherit these)."""
+    folder = tmp_path_factory.mktemp("learned")
+    os.environ["OFFLOAD_CORE_CORRECTIONS"] = str(folder / "corrections.json")
+    os.environ["OFFLOAD_CORE_CALIBRATION"] = str(folder / "calibration.json")
+    yield
+
+
 def pytest_itemcollected(item):
     if item.path.suffix == ".md":
         item.add_marker(pytest.mark.slow)

@@ -99,14 +99,6 @@ def _no_leftover_log_files():
                 handler.close()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _corrections_file(tmp_path_factory):
-    """Runs in the tests learn their prediction corrections in a file of the session's, never the user's
-    (the processes they start inherit it)."""
-    os.environ["OFFLOAD_CORE_CORRECTIONS"] = str(tmp_path_factory.mktemp("learned") / "corrections.json")
-    yield
-
-
 @pytest.fixture(autouse=True)
 def _accelerator(request):
     """The host (no accelerator) for every test, the real one for tests marked gpu; ``fake_gpu`` installs its own."""

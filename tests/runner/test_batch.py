@@ -271,6 +271,7 @@ def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch
 
     run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("OFFLOAD_CORE_CALIBRATION")  # beside that cache, as a user's is
     folders = {"offload_folder": tmp_path / "not-yet" / "off", "checkpoint": tmp_path}
     args = (
         run_model.model,

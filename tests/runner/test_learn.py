@@ -176,6 +176,7 @@ def test_a_calibration_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path,
 
     run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("OFFLOAD_CORE_CALIBRATION")  # beside that cache, as a user's is
     args = (run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), {}, {"decode": (1, 1)})
     found = calibrate(*args)
     assert found["compute"]["decode"]["block_s"] > 0  # this run predicts from it

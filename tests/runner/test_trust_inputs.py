@@ -15,6 +15,7 @@ def test_calibration_of_another_shape_is_measured_again_with_one_line(tmp_path, 
     from offload_core.runner.plan.calibrate import _read_cached, calibration_file
 
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
+    monkeypatch.delenv("OFFLOAD_CORE_CALIBRATION")  # beside that cache, as a user's is
     good = {
         "disks": {"1": {"write_bps": 1.0, "cold_read_bps": 2.0, "warm_read_bps": 3.0}},
         "h2d_bps": {},
@@ -156,6 +157,7 @@ def test_a_block_that_could_not_be_timed_is_said_and_timed_again_next_run(tmp_pa
     from offload_core.runner.plan import calibrate as calibration
 
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
+    monkeypatch.delenv("OFFLOAD_CORE_CALIBRATION")  # beside that cache, as a user's is
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
     )
