@@ -152,7 +152,7 @@ def probe_times(
     device_map = split_map(model, run_model.no_split, on, off)
     ids = torch.randint(1, config.get_text_config().vocab_size, (rows, tokens), device=execution_device)
     with tempfile.TemporaryDirectory(prefix=".offload-probe-", dir=folder) as tmp:
-        model.save_pretrained(Path(tmp) / "model")
+        _save_quietly(model, Path(tmp) / "model")
         memory_first, memory_step, warmup = _timed(model.to(execution_device), ids)
         # its own blocks, timed bare as they ran (hot in the CPU's cache): the rest of a step is outside them
         own = [m for m in model.modules() if type(m).__name__ in run_model.no_split]
@@ -198,3 +198,17 @@ def probe_times(
         "first_call_s": warmup,
         **sizes,
     }
+
+
+def _save_quietly(model: nn.Module, path: Path) -> None:
+    """``model.save_pretrained(path)`` without transformers' progress bar: the probe is the run's own business, and a
+    run that then stops on bad input must print its one error line alone."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
