@@ -95,7 +95,7 @@ def test_the_copy_probe_fits_a_small_gpu(fake_gpu):
 
 
 def _mixtral(path):
-    """A bf16 Mixtral whose decoder layers are each a tenth of it: three in flight are more than a quarter."""
+    """A bf16 Mixtral whose decoder layers are each about a sixth of it: three in flight are more than a quarter."""
     import torch
     import transformers
 
