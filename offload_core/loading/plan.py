@@ -92,7 +92,7 @@ def make_plan(
     device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it.
     ``page_cache`` None plans no kept set."""
     from offload_core.loading.conversion import key_conversion
-    from offload_core.loading.reserve import reserve_for, splice_copies
+    from offload_core.loading.reserve import Reserver
     from offload_core.planning import (
         PlacementRequest,
         check_device_map,
@@ -106,11 +106,8 @@ def make_plan(
     budgets = dict(budgets)
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
-    policy, reserve, lightened = fit_in_flight(
-        policy,
-        budgets,
-        lambda p: reserve_for(model, checkpoint, p, storage, execution_device, no_split, dtype, budgets.get("cpu")),
-    )
+    reserve_of = Reserver.of(model, checkpoint, storage, execution_device, no_split, dtype, budgets.get("cpu"))
+    policy, reserve, lightened = fit_in_flight(policy, budgets, reserve_of)
     warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
     redeal = None
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
@@ -138,10 +135,10 @@ def make_plan(
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)
     lines = conversion.summary().lines()
-    if copies := splice_copies(model, checkpoint, storage, dtype):
+    if reserve_of.copies:
         lines.append(
-            f"{format_size(copies)} of the parts lie at other page offsets than the rest of their tensor (edges, "
-            f"a shard boundary): copied once, held back from the cpu budget"
+            f"{format_size(reserve_of.copies)} of the parts lie at other page offsets than the rest of their tensor "
+            f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
     if conversion.converted:
         names = sorted(conversion.converted)

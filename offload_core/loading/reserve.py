@@ -3,6 +3,7 @@ units in flight, given the model, the checkpoint, the store and where the run ex
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,33 +54,82 @@ def reserve_for(
     dtype: torch.dtype,
     cpu_budget: int | None = None,
 ) -> dict[Any, int]:
-    """:func:`reservation` for ``model`` loaded from ``checkpoint`` in ``dtype``: its largest no-split block, its
-    largest module, and whether any tensor is stored otherwise than the model holds it (another dtype, or
-    several checkpoint tensors). Held back on the devices the policy names only, so a large embedding never
-    keeps a whole model off the cpu tier."""
-    from offload_core.loading.conversion import key_conversion
-    from offload_core.planning import largest_block_size
-    from offload_core.storage.base import converts
+    """:func:`reservation` for ``model`` loaded from ``checkpoint`` in ``dtype`` (:class:`Reserver`)."""
+    return Reserver.of(model, checkpoint, storage, execution_device, no_split, dtype, cpu_budget)(policy)
 
-    # A tensor stored in another dtype, or built from several checkpoint tensors (per-expert MoE weights),
-    # is a copy when a store that reads in place hands it out; unless it is only placement of safetensors
-    # parts, which the store maps where they lie (storage.splice), wherever the kernels ignore alignment.
-    converted = key_conversion(model, checkpoint).converted
-    spliced = splices(checkpoint, converted, dtype)
-    stored_differs = (
-        any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
-        or (bool(converted) and not spliced)
-        or (execution_device.type == "cpu" and copies_to_reference_offsets(model, checkpoint, dtype))
-    )
-    block = largest_block_size(model, no_split, dtype=dtype)
-    module_bytes = largest_block_size(model, [], dtype=dtype)
-    reserve = reservation(
-        policy, storage, execution_device, block, module_bytes, stored_differs, model, dtype, cpu_budget, no_split
-    )
-    copies = splice_copies(model, checkpoint, storage, dtype)
-    if copies:
-        reserve["cpu"] = reserve.get("cpu", 0) + copies
-    return reserve
+
+@dataclass(frozen=True)
+class Reserver:
+    """What a placement holds back for a policy's units in flight, all but the policy worked out once (a plan asks it
+    for the policy as given and for each lighter one): ``model``'s largest no-split block, its largest module,
+    whether any tensor is stored otherwise than the model holds it (another dtype, or several checkpoint tensors),
+    and the spliced tensors' copies (:func:`splice_copies`), held back from the cpu budget. Held back on the devices
+    the policy names only, so a large embedding never keeps a whole model off the cpu tier."""
+
+    model: nn.Module
+    storage: Storage
+    execution_device: torch.device
+    no_split: list[str]
+    dtype: torch.dtype | None
+    cpu_budget: int | None
+    block: int
+    module_bytes: int
+    stored_differs: bool
+    copies: int
+
+    @classmethod
+    def of(
+        cls,
+        model: nn.Module,
+        checkpoint: Any,
+        storage: Storage,
+        execution_device: torch.device,
+        no_split: list[str],
+        dtype: torch.dtype | None,
+        cpu_budget: int | None = None,
+    ) -> Reserver:
+        from offload_core.loading.conversion import key_conversion
+        from offload_core.planning import largest_block_size
+        from offload_core.storage.base import converts
+
+        # A tensor stored in another dtype, or built from several checkpoint tensors (per-expert MoE weights),
+        # is a copy when a store that reads in place hands it out; unless it is only placement of safetensors
+        # parts, which the store maps where they lie (storage.splice), wherever the kernels ignore alignment.
+        converted = key_conversion(model, checkpoint).converted
+        stored_differs = (
+            any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
+            or (bool(converted) and not splices(checkpoint, converted, dtype))
+            or (execution_device.type == "cpu" and copies_to_reference_offsets(model, checkpoint, dtype))
+        )
+        return cls(
+            model,
+            storage,
+            execution_device,
+            no_split,
+            dtype,
+            cpu_budget,
+            block=largest_block_size(model, no_split, dtype=dtype),
+            module_bytes=largest_block_size(model, [], dtype=dtype),
+            stored_differs=stored_differs,
+            copies=splice_copies(model, checkpoint, storage, dtype),
+        )
+
+    def __call__(self, policy: Policy) -> dict[Any, int]:
+        reserve = reservation(
+            policy,
+            self.storage,
+            self.execution_device,
+            self.block,
+            self.module_bytes,
+            self.stored_differs,
+            self.model,
+            self.dtype,
+            self.cpu_budget,
+            self.no_split,
+        )
+        if self.copies:
+            reserve["cpu"] = reserve.get("cpu", 0) + self.copies
+        return reserve
 
 
 def splices(checkpoint: Any, converted: dict[str, Any], dtype: torch.dtype | None) -> bool:
