@@ -12,8 +12,10 @@ from omegaconf import MISSING
 
 from offload_core.registry.manager import Registry, get_registry
 
-#: the folder of ``config.yaml`` and the config groups' YAML options
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+#: the folder of ``config.yaml`` and the config groups' YAML options: ``offload_core/conf`` in an installed wheel (the
+#: repository's ``conf/``, packaged there by pyproject.toml), else the checkout's ``conf/`` beside the package
+_PACKAGED = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = str(_PACKAGED if (_PACKAGED / "config.yaml").is_file() else Path(__file__).resolve().parents[2] / "conf")
 
 #: registry kind -> its Hydra config group (users pick a module-hook policy with ``hook=``)
 GROUPS = {"placement": "placement", "storage": "storage", "policy": "hook"}
