@@ -22,7 +22,8 @@ def test_the_plan_predicts_per_denoising_step_and_per_image(pipeline_dir, tmp_pa
     )
     run(cfg, output_dir=tmp_path, plot=False)
     out = capsys.readouterr().out
-    assert "per generated token" not in out
+    assert "per generated token" not in out and "KV cache" not in out
+    assert "held back from the budget of the device that computes, for the activations of the pipeline's call" in out
     assert "predicted bytes moved per denoising step: " in out
     assert "predicted bytes moved per image (20 denoising steps): " in out
     assert "disk" in json.loads((tmp_path / "device_map.json").read_text()).values()

@@ -191,7 +191,8 @@ def print_pipeline_plan(
         steps,
     )
     per_image = per_call // max(min(settings.batch_size, images), 1)  # a call makes batch_size images
-    print_plan(settings, strategies, dataclasses.replace(plan, predicted_bytes_per_token=per_step), "denoising step")
+    shown = dataclasses.replace(plan, predicted_bytes_per_token=per_step)
+    print_plan(settings, strategies, shown, "denoising step", held_for="the activations of the pipeline's call")
     print(f"predicted bytes moved per image ({steps} denoising steps): {format_size(per_image)}")
     return per_step, per_image
 
