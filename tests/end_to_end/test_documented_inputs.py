@@ -1,8 +1,8 @@
 """What the docs say about the inputs users bring is what the process does: each troubleshooting row about a comma or
 an apostrophe in a swept prompt, a folder without its tokenizer, a Hub repo id the cache lacks and a bad size is read
 from docs/troubleshooting.md (its input, its message with ``…`` for what the message fills in) and checked against
-``python run.py``'s one error line; a prompt taken as typed and a Hugging Face cache snapshot read through its own
-links, as the quickstart and the table say, are run."""
+``python run.py``'s one error line (the sizes' and the typed prompt's command lines run in this process); a Hugging
+Face cache snapshot read through its own links, as the table says, is run."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests import ROOT
+from offload_core.runner.cli import hydra_main
+from tests.end_to_end.helpers import cli
 
 #: a fast model and plan for the runs whose input is only the prompt or a size
 SMALL = ["model=synthetic", "model.preset=tiny", "plan_only=true", "headroom=0", "progress=false"]
@@ -90,13 +92,15 @@ def test_a_swept_prompt_the_table_names_stops_with_its_documented_line(row, tmp_
     assert not (tmp_path / "sweep" / "0").exists()  # no job ran
 
 
-def test_a_single_run_takes_its_prompt_as_typed(tmp_path):
+def test_a_single_run_takes_its_prompt_as_typed(capsys, monkeypatch):
     """The quickstart: commas and apostrophes in one run's prompt are the prompt (``--cfg job -p prompt``)."""
     text = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
     assert "A single run takes its prompt as typed, commas and apostrophes included" in text
     for prompt in ("What's the capital of France, then?", "Paris, Lyon or Nice?"):
-        done = run(["--cfg", "job", "-p", "prompt", f"prompt={prompt}"], tmp_path)
-        assert done.returncode == 0 and done.stdout.strip() == prompt, done.stdout + done.stderr
+        monkeypatch.setattr(sys, "argv", ["run.py", "--cfg", "job", "-p", "prompt", f"prompt={prompt}"])
+        hydra_main()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert printed == ["What's the capital of France, then?", "Paris, Lyon or Nice?"], printed
 
 
 def test_a_folder_without_its_tokenizer_stops_with_the_documented_line(tmp_path):
@@ -153,15 +157,17 @@ def test_a_hub_cache_snapshot_runs_by_its_folder_and_by_its_repo_id_offline(tmp_
         assert "same tokens as in memory: True" in done.stdout.splitlines()
 
 
-def test_every_bad_size_the_table_names_stops_with_one_of_its_lines(tmp_path):
+def test_every_bad_size_the_table_names_stops_with_one_of_its_lines(tmp_path, capsys):
     """``max_memory.cpu`` below 0, ``0``, unparsable, in a unit not taken (``10G``): each gives one of the row's
-    messages, and every message of the row is given by one of them."""
+    messages, and every message of the row is given by one of them (the command line run in this process)."""
     first, *messages = documented("a size below 0")
     assert "`10G`" in first
     given = set()
     for size in ("-1", "0", "abc", "10G"):
-        line = error_line(run([*SMALL, f"max_memory.cpu={size}"], tmp_path))
-        hit = [m for m in messages if matches(line, m)]
-        assert hit, f"max_memory.cpu={size}: the docs say one of {messages}\nthe run says {line}"
+        code, err = cli([*SMALL, f"max_memory.cpu={size}"], tmp_path, capsys)
+        lines = [line for line in err.splitlines() if line.startswith("offload_core: error: ")]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+        hit = [m for m in messages if matches(lines[0], m)]
+        assert hit, f"max_memory.cpu={size}: the docs say one of {messages}\nthe run says {lines[0]}"
         given.update(hit)
     assert given == set(messages)
