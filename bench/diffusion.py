@@ -197,7 +197,7 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--width", type=int, default=192, help="UNet's first channel count (448: about 2 GB)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--size", type=int, default=64, help="image size in pixels")

@@ -149,7 +149,7 @@ def write_report(path: Path, args: argparse.Namespace, bandwidths: dict, rows: l
 def main() -> None:
     from offload_core.values import parse_size
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="30b")
     parser.add_argument("--budget", default="4GB")
     parser.add_argument("--stores", nargs="+", default=["safetensors"])

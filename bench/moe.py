@@ -7,7 +7,7 @@ runs ``bench/compare.py`` on it (fresh processes, alternated, warm and cold page
 
 Writes ``bench/results/compare-moe-<preset>[-cold].json|md|png`` (compare.py's own) and
 ``bench/results/moe-<preset>.md|png``: bytes read per decode token against the ideal, decode tok/s, peak
-anonymous RSS, expert cache hit rate and guess accuracy, and the issue's targets met or not.
+anonymous RSS, expert cache hit rate and guess accuracy, and whether the targets (``bench/targets.py``) are met.
 """
 
 from __future__ import annotations
@@ -267,16 +267,22 @@ def _gb(value) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="mixtral-2.6g", choices=sorted(PRESETS))
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--preset", default="mixtral-2.6g", choices=sorted(PRESETS), help="the checkpoint to build")
     parser.add_argument("--budget", help="max_memory.cpu (default: a quarter of the model)")
-    parser.add_argument("--tokens", type=int, default=6)
-    parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--systems", type=lambda s: s.split(","), default=SYSTEMS)
-    parser.add_argument("--warm-only", action="store_true")
-    parser.add_argument("--cold-only", action="store_true")
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--tokens", type=int, default=6, help="new tokens per run (default: 6)")
+    parser.add_argument("--reps", type=int, default=1, help="alternated repetitions per system (default: 1)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take (default: 600)")
+    parser.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=SYSTEMS,
+        help="comma-separated systems as compare.py names them (default: every policy on both stores, in memory, "
+        "accelerate)",
+    )
+    parser.add_argument("--warm-only", action="store_true", help="skip the cold page-cache runs")
+    parser.add_argument("--cold-only", action="store_true", help="skip the warm page-cache runs")
+    parser.add_argument("--report-only", action="store_true", help="redo the reports from the results' .json")
     args = parser.parse_args()
     files = [HERE / "results" / f"compare-moe-{args.preset}{suffix}.json" for suffix in ("", "-cold")]
     if not args.report_only:

@@ -61,7 +61,7 @@ def load_all(checkpoint: str, budget: int, scratch: Path, ours: list[str]) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="mixtral-2.6g")
     parser.add_argument("--steps", type=int, default=24, help="decode steps per system")
     parser.add_argument("--systems", type=lambda s: s.split(","), default=OURS, help="ours: <policy>[+k=v]:<store>")

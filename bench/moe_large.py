@@ -159,7 +159,7 @@ def _f(value) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--tokens", type=int, default=3)
     parser.add_argument("--systems", default=SYSTEMS)
     parser.add_argument("--report-only", action="store_true")

@@ -184,7 +184,7 @@ def run_group(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("groups", nargs="*", default=list(GROUPS), choices=list(GROUPS))
     parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--minutes", type=float, default=60, help="stop a group after this long (default 60)")

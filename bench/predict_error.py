@@ -31,7 +31,7 @@ def errors(rows: list[dict]) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("summary", help="a sweep's summary.csv")
     parser.add_argument("--out", help="copy the summary here (bench/results/...)")
     args = parser.parse_args()

@@ -273,7 +273,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--tag", default="full")
     parser.add_argument(
         "--models", default="smollm2,synthetic:0.3b", help="smollm2, synthetic:<preset> and/or local:<folder>"

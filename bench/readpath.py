@@ -109,7 +109,7 @@ def pread(path: Path, blocks: list, direct: bool, chunk: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--preset", default="30b")
     parser.add_argument(
         "--blocks", type=int, default=2, help="decoder blocks read per method (the last ones of a late shard)"

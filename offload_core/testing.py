@@ -165,6 +165,32 @@ def tiny_tied_llama(directory: str | Path):
     return config, model
 
 
+def tiny_mixtral(directory: str | Path, layers: int = 4):
+    """A seeded Mixtral (4 experts, top-2, per-expert tensors of 32 KiB: whole pages, as a store maps them) with a
+    small word tokenizer, saved to ``directory`` by transformers' ``save_pretrained``; returns ``(config, model)``."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    directory = Path(directory)
+    tokenizer = _tiny_clip_tokenizer(directory)
+    config = MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return config, model
+
+
 def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: Any = "memmap") -> None:
     """A module-hook policy leaves outputs unchanged: a tiny tied Llama with half its bytes on disk gives logits
     bit-identical to the in-memory model (twice, so state kept between forwards is covered), moves bytes,

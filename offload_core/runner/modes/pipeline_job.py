@@ -122,7 +122,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     with checkpoint, frozen_heap():
         plan = make_plan(settings, strategies, run_model, checkpoint)
         strategies = strategies.planned(plan.policy)
-        print_plan(settings, strategies, plan)
+        per_step, per_image = print_pipeline_plan(settings, strategies, plan, run_model, len(prompts))
         if settings.plan_only:
             write_plan(settings, run_model, plan)
             return RunResult.of_plan(plan, settings.output_dir, {})
@@ -153,6 +153,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
             elapsed = time.perf_counter() - began
             moved = state.stats.snapshot()
         figures = image_figures(prompts, steps, elapsed, load_s, moved, memory, settings.execution_device)
+        figures.update(predicted_bytes_moved_per_step=per_step, predicted_bytes_moved_per_image=per_image)
     result = RunResult.of_plan(plan, settings.output_dir, figures)
     if settings.compare_in_memory:
         reference = in_memory_images(path, empty.dtype, prompts, settings)
@@ -161,9 +162,39 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
     write_pipeline_metrics(result, prompts, labels, strategies.policy_name)
     print(
         f"{len(prompts)} image(s), {figures['time_per_image_s']:.3f} s per image, {figures['time_per_step_s']:.3f} s "
-        f"per step, {figures['bytes_moved_per_step']} bytes moved per step; wrote {settings.output_dir}"
+        f"per step, {figures['bytes_moved_per_step']} bytes moved per step, {figures['bytes_moved_per_image']} per "
+        f"image; wrote {settings.output_dir}"
     )
+    if result.matches_in_memory is not None:
+        print(f"same images as in memory (bit for bit): {result.matches_in_memory}")
     return result
+
+
+def print_pipeline_plan(
+    settings: Settings, strategies: Strategies, plan: Any, run_model: RunModel, images: int
+) -> tuple[int, int]:
+    """Print the plan with what it moves per denoising step and per image (not per generated token: a pipeline
+    generates images, its denoiser called once per step); return those two predictions in bytes."""
+    import dataclasses
+
+    from offload_core.loading.pipeline_moves import predicted_pipeline_moves
+    from offload_core.values import format_size
+
+    steps = int(settings.pipeline["num_inference_steps"])
+    per_step, per_call = predicted_pipeline_moves(
+        run_model.model,
+        plan.device_map,
+        strategies.policy,
+        settings.execution_device,
+        run_model.dtype,
+        run_model.no_split,
+        steps,
+    )
+    per_image = per_call // max(min(settings.batch_size, images), 1)  # a call makes batch_size images
+    shown = dataclasses.replace(plan, predicted_bytes_per_token=per_step)
+    print_plan(settings, strategies, shown, "denoising step", held_for="the activations of the pipeline's call")
+    print(f"predicted bytes moved per image ({steps} denoising steps): {format_size(per_image)}")
+    return per_step, per_image
 
 
 def image_figures(
@@ -181,6 +212,7 @@ def image_figures(
         "step_times_s": steps.times,
         "bytes_moved": moved["bytes"],
         "bytes_moved_per_step": sum(steps.moved) // count,
+        "bytes_moved_per_image": moved["bytes"] // max(len(prompts), 1),
         "bytes_moved_by_step": steps.moved,
         "peak_anon_rss_bytes": memory.anon_delta,
         "peak_file_rss_bytes": memory.file_delta,

@@ -61,10 +61,16 @@ def read_device_map(path: str) -> dict:
     return data
 
 
-def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str = "generated token") -> None:
+def print_plan(
+    settings: Settings,
+    strategies: Strategies,
+    plan: Plan,
+    per: str = "generated token",
+    held_for: str = "the KV cache and activations",
+) -> None:
     """Print the chosen strategies (a user's ``device_map`` file in place of the placement, which it replaces) and the
     plan (with the device map's keys in a plan-only run); ``per``: what one forward makes (an encoder's is a
-    forward)."""
+    forward); ``held_for``: what the headroom holds."""
     from offload_core.storage.residency import page_cache_text
     from offload_core.runner.plan.report import plan_text
 
@@ -84,6 +90,7 @@ def print_plan(settings: Settings, strategies: Strategies, plan: Plan, per: str 
             plan.predicted_bytes_per_token,
             plan.device_map if settings.plan_only else None,
             per=per,
+            held_for=held_for,
         )
     )
     if plan.redealt:

@@ -44,13 +44,14 @@ def plan_text(
     predicted: int | None,
     device_map: Mapping[str, int | str] | None = None,
     per: str = "generated token",
+    held_for: str = "the KV cache and activations",
 ) -> str:
     """The plan as printed before loading: per device its bytes, budget use and (with ``device_map``) its keys,
     the reservation held back, and the predicted bytes moved per generated token.
 
     ``summary`` is :func:`offload_core.planning.summarize_device_map`'s result; ``plan`` holds
     ``reserve`` (device -> bytes) and optionally ``headroom`` (bytes held back from the budget of the device that
-    computes).
+    computes, for ``held_for``).
     """
     lines = []
     keys = _grouped_keys(device_map) if device_map is not None else {}
@@ -69,8 +70,7 @@ def plan_text(
     lines.append(f"reserved for offloaded weights in flight: {reserve or 'none'}")
     if plan.get("headroom"):
         lines.append(
-            f"held back from the budget of the device that computes, for the KV cache and activations: "
-            f"{format_size(plan['headroom'])}"
+            f"held back from the budget of the device that computes, for {held_for}: {format_size(plan['headroom'])}"
         )
     if predicted is not None:
         lines.append(f"predicted bytes moved per {per}: {format_size(predicted)}")
