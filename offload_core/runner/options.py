@@ -245,6 +245,9 @@ def help_text(registry: Registry | None = None) -> str:
             keys = ", ".join(o.key.split(".", 1)[1] for o in c.options) if group != "model" else ""
             extra = f" [{group}.{{{keys}}}]" if keys else ""
             lines.append(f"  {c.name.ljust(width)}  {c.summary}{extra}")
+        if group == "model":  # one schema for every model option: its keys once
+            keys = ", ".join(o.key.split(".", 1)[1] for o in found[0].options if o.key != "model.name")
+            lines.append(f"  (each takes model.{{{keys}}})")
         lines.append("")
     lines.append("other keys (key=value):")
     for o in run_options():

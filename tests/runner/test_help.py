@@ -90,3 +90,4 @@ def test_other_keys_are_the_non_group_keys_written_as_typed():
     assert "speculative" not in keys and "pipeline" not in keys and "pipeline.num_inference_steps" in keys
     text = help_text()
     assert "max_memory={cpu: 200MiB}" in text and "``" not in text and "PipelineConfig(" not in text
+    assert "  (each takes model.{path, preset, chat_template, no_split_module_classes, task, tokenizer})" in text
