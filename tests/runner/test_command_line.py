@@ -189,3 +189,16 @@ def test_a_sweep_summary_names_metrics_of_another_shape_instead_of_failing(tmp_p
 def test_hydras_own_options_pass_through():
     args = ["-m", "hydra/launcher=joblib", "hydra.run.dir=x", "--config-name", "config", "+hydra.job.env_set.A=1"]
     assert prepare(args) == args
+
+
+def test_the_sweep_tool_counts_the_failed_jobs_and_names_them(tmp_path, capsys):
+    from offload_core.runner.sweep import main
+
+    for job, metrics in (
+        ("0", {"overrides": ["storage=memmap"], "load_s": 0.5}),
+        ("1", {"overrides": ["storage=ssd"], "error": "storage=ssd is not an option"}),
+    ):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "metrics.json").write_text(json.dumps(metrics))
+    assert main([str(tmp_path)]) == 0  # it wrote the summary; the sweep itself exited 1
+    assert capsys.readouterr().out.startswith("2 jobs ran, 1 failed: job 1 (storage=ssd) -> ")
