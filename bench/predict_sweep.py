@@ -55,7 +55,11 @@ def model_args(spec: str) -> list[str]:
         return ["model=smollm2"]
     kind, _, preset = spec.partition(":")
     if kind == "local":
-        return ["model=local", f"model.path={preset}"]
+        from offload_core.runner.inputs import TOKENIZER_FILES
+
+        # bench/moe.py's folders hold no tokenizer: their prompt is read one id per byte, as a synthetic model's
+        own = any((Path(preset) / name).is_file() for name in TOKENIZER_FILES)
+        return ["model=local", f"model.path={preset}", *([] if own else ["model.tokenizer=bytes"])]
     return [f"model={kind}", f"model.preset={preset or 'tiny'}"]
 
 

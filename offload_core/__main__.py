@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+#: ``--help``'s description: the docstring as the terminal shows it (no reST markup)
+DESCRIPTION = " ".join(__doc__.replace("``", "").split())
 
 
 def list_plugins() -> str:
-    from offload_core.registry.manager import DISABLE_ENV, KINDS, get_registry
+    from offload_core.registry.manager import DISABLE_ENV, KINDS, disable_hint, get_registry
     from offload_core.runner.config import GROUPS  # the command line's name for each kind (policy: hook=)
 
     registry = get_registry()
@@ -21,22 +25,30 @@ def list_plugins() -> str:
     lines = []
     width = max((len(p) for p in provided), default=10)
     for plugin, strategies in provided.items():
+        if not strategies and plugin in registry.failed:
+            continue  # its FAILED line says why it provides nothing
         version = registry.plugins.get(plugin, "?")
         lines.append(f"{plugin:<{width}}  {version:<10}  {', '.join(strategies) or '(no strategies)'}")
     for plugin, why in registry.failed.items():
-        lines.append(f"{plugin:<{width}}  FAILED      {why}")
+        lines.append(f"{plugin:<{width}}  FAILED      {why}; {disable_hint(plugin)}")
     lines.append(f"(disable plugins by name with {DISABLE_ENV}=name1,name2)")
     return "\n".join(lines)
+
+
+def program() -> str:
+    """How this command was started: ``offload-core`` (the installed script) or ``python -m offload_core``."""
+    return "offload-core" if Path(sys.argv[0]).name == "offload-core" else "python -m offload_core"
 
 
 def run(overrides: list[str]) -> int:
     """The main job with ``overrides`` (Hydra's command line: ``key=value``, ``-m`` for a sweep)."""
     from offload_core.runner.cli import hydra_main
 
+    command = f"{program()} run"
     saved = sys.argv
     sys.argv = ["offload-core", *overrides]
     try:
-        hydra_main()
+        hydra_main(command)
     finally:
         sys.argv = saved
     return 0
@@ -48,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
         return run(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m offload_core", description=__doc__)
+    parser = argparse.ArgumentParser(prog=program(), description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run the main job: run [key=value ...] (as python run.py; --help lists the keys)")
+    sub.add_parser("run", help="run the main job: run [key=value ...] (as python run.py; run --help lists the keys)")
     sub.add_parser("plugins", help="list loaded plugins and the strategies they provide")
     args = parser.parse_args(argv)
     try:

@@ -76,17 +76,30 @@ class Registry:
     strategies: dict[str, dict[str, Strategy]] = field(default_factory=lambda: {k: {} for k in KINDS})
     plugins: dict[str, str] = field(default_factory=dict)  # plugin name -> version
     failed: dict[str, str] = field(default_factory=dict)  # plugin name -> one-line reason
+    #: (kind, strategy name) -> the third-party plugin whose registration of it was refused (its reason in ``failed``)
+    refused: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def get(self, kind: str, name: str) -> Strategy:
-        """Return the strategy ``name`` of ``kind``; an unknown name lists the available ones."""
+        """Return the strategy ``name`` of ``kind``; an unknown name lists the available ones (and why a plugin
+        that failed to load is missing)."""
         if kind not in self.strategies:
             raise PluginError(f"unknown strategy kind {kind!r}: expected one of {', '.join(KINDS)}")
         found = self.strategies[kind].get(name)
         if found is None:
             available = ", ".join(sorted(self.strategies[kind])) or "none"
-            failed = "".join(f"; plugin {p!r} failed to load: {why}" for p, why in self.failed.items())
-            raise PluginError(f"unknown {kind} {name!r}: available are {available}{failed}")
+            raise PluginError(f"unknown {kind} {name!r}: available are {available}{self.missing_note(kind, name)}")
         return found
+
+    def missing_note(self, kind: str, name: str) -> str:
+        """Why ``name`` of ``kind`` may be missing: ``"; plugin 'x' failed to load (why): ..."`` naming the plugin
+        that offered it and could not register it, else every plugin that failed to load; "" when none failed."""
+        plugin = self.refused.get((kind, name))
+        failed = {plugin: self.failed[plugin]} if plugin in self.failed else self.failed
+        return "".join(
+            f"; plugin {p!r} failed to load ({why}), so {f'its {kind} {name!r}' if plugin else 'what it provides'} is "
+            f"missing: {disable_hint(p)}"
+            for p, why in failed.items()
+        )
 
     def create(self, kind: str, name: str, config: Any = None) -> Any:
         """Build the strategy ``name`` of ``kind`` with ``config``."""
@@ -105,6 +118,11 @@ def _version_of(module: Any, dist: importlib.metadata.Distribution | None) -> st
         return "0+unknown"
 
 
+def disable_hint(plugin: str) -> str:
+    """What to do about a third-party plugin that failed to load."""
+    return f"fix, update or uninstall it, or skip it with {DISABLE_ENV}={plugin}"
+
+
 def _disabled() -> set[str]:
     return {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
 
@@ -117,7 +135,9 @@ def build_registry(
     """Build a fresh plugin manager and registry.
 
     Built-ins are registered exactly like third-party plugins; entry points of group ``offload_core``
-    are loaded next (a failing one is recorded, not fatal); ``extra_plugins`` (modules or objects) last.
+    are loaded next; ``extra_plugins`` (modules or objects) last. An entry point that fails to import, implements a
+    plugin hook the specs lack, raises while registering or registers a strategy that breaks its contract is recorded
+    in ``failed`` (its faulty strategies left out), never fatal: the built-ins and every other plugin stay usable.
     Plugins named in ``$OFFLOAD_CORE_DISABLE_PLUGINS`` (comma-separated) are skipped.
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -125,6 +145,7 @@ def build_registry(
     registry = Registry()
     disabled = _disabled()
     sources: dict[Any, tuple[str, str]] = {}
+    third_party: set[str] = set()  # entry-point plugins: their faults are recorded, not raised
 
     def add(plugin: Any, name: str, version: str) -> None:
         if name in disabled:
@@ -146,27 +167,59 @@ def build_registry(
                 registry.failed[ep.name] = f"{type(exc).__name__}: {exc}"
                 continue
             add(plugin, ep.name, ep.dist.version if ep.dist else "unknown")
+            third_party.add(ep.name)
     for plugin in extra_plugins:
         add(plugin, getattr(plugin, "__name__", type(plugin).__name__), "local")
-    pm.check_pending()
+    _check_pending(pm, registry, sources, third_party)
+
+    def fault(plugin_name: str, why: str) -> None:
+        registry.failed[plugin_name] = "; ".join(filter(None, (registry.failed.get(plugin_name), why)))
 
     for kind, hook_name in KINDS.items():
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             plugin_name, version = sources[impl.plugin]
 
             def register(name: str, factory: type, config: type, *, _k=kind, _p=plugin_name, _v=version) -> None:
-                _check_config(_k, name, config)
+                try:
+                    _check_config(_k, name, config)
+                    adapted = as_contract(_k, name, factory)
+                except PluginError as error:
+                    if _p not in third_party:
+                        raise
+                    fault(_p, str(error))
+                    registry.refused[(_k, name)] = _p
+                    return
                 existing = registry.strategies[_k].get(name)
                 if existing is not None:
                     raise PluginError(
                         f"{_k} {name!r} is registered twice: by plugin {existing.plugin!r} and by plugin "
                         f"{_p!r}; disable one with {DISABLE_ENV}={_p}"
                     )
-                factory = as_contract(_k, name, factory)
-                registry.strategies[_k][name] = Strategy(_k, name, factory, config, _p, _v)
+                registry.strategies[_k][name] = Strategy(_k, name, adapted, config, _p, _v)
 
-            impl.function(register=register)
+            try:
+                impl.function(register=register)
+            except Exception as exc:
+                if plugin_name not in third_party or isinstance(exc, PluginError):  # a name registered twice
+                    raise
+                fault(plugin_name, f"its {hook_name} raised {type(exc).__name__}: {exc}")
     return registry
+
+
+def _check_pending(pm: pluggy.PluginManager, registry: Registry, sources: dict, third_party: set[str]) -> None:
+    """pluggy's check that every plugin hook implemented is one of the specs; a third-party plugin failing it is
+    unregistered and recorded in ``registry.failed``, any other raises."""
+    while True:
+        try:
+            pm.check_pending()
+            return
+        except pluggy.PluginValidationError as error:
+            name = sources.get(error.plugin, (None,))[0]
+            if name not in third_party:
+                raise
+            pm.unregister(error.plugin)
+            registry.plugins.pop(name, None)
+            registry.failed[name] = " ".join(str(error).split())
 
 
 def as_contract(kind: str, name: str, factory: Any) -> type:

@@ -30,8 +30,17 @@ def _error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def hydra_main() -> None:
-    """Register every plugin's config, then hand over to Hydra, which calls :func:`offload_core.runner.job.run`.
+def _say_failed_plugins() -> None:
+    """One line per third-party plugin that failed to load: the run goes on without it, never silently."""
+    from offload_core.registry.manager import disable_hint, get_registry
+
+    for plugin, why in get_registry().failed.items():
+        print_line(f"plugin {plugin!r} failed to load and is skipped ({why}); {disable_hint(plugin)}")
+
+
+def hydra_main(command: str = "python run.py") -> None:
+    """Register every plugin's config, then hand over to Hydra, which calls :func:`offload_core.runner.job.run`
+    (``command``: how the user started it, as ``--help`` names it).
 
     In a multirun, a failed job is recorded (its ``metrics.json`` holds the one-line error) and the
     sweep goes on; a single run fails with one line and exit code 2.
@@ -47,7 +56,8 @@ def hydra_main() -> None:
 
     try:
         register_configs()
-        register_help_resolver()
+        _say_failed_plugins()
+        register_help_resolver(command)
         args = prepare(sys.argv[1:])
         check_parses(args)
         check_composes(args, CONF_DIR)

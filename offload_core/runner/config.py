@@ -36,6 +36,9 @@ class ModelConfig:
     no_split_module_classes: Optional[List[str]] = None
     #: causal_lm, seq2seq_lm, masked_lm, sequence_classification or embeddings (default: from config.architectures)
     task: Optional[str] = None
+    #: what reads the prompt and texts: null (the checkpoint folder's own tokenizer files), a folder or Hub repo id
+    #: holding the model's tokenizer, or bytes (one id per UTF-8 byte: only for test models built without one)
+    tokenizer: Optional[str] = None
 
 
 @dataclass
@@ -43,11 +46,15 @@ class PipelineConfig:
     """What a diffusers pipeline run (``model.path`` holding ``model_index.json``) reads besides ``prompt``,
     ``prompts``, ``batch_size`` and ``seed``."""
 
+    #: what the image should not show (pipelines with classifier-free guidance)
     negative_prompt: Optional[str] = None
+    #: denoising steps per image
     num_inference_steps: int = 20
-    #: image size in pixels (default: the pipeline's own)
+    #: image height in pixels (default: the pipeline's own)
     height: Optional[int] = None
+    #: image width in pixels (default: the pipeline's own)
     width: Optional[int] = None
+    #: classifier-free guidance scale (1 or less: none)
     guidance_scale: float = 7.5
     #: components no larger than this move whole (chained: each stays until the next is called); larger ones split at
     #: their own blocks, a block over it at its inner blocks. auto: the execution device's budget shared by the

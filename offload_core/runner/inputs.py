@@ -1,5 +1,5 @@
-"""The run's inputs as the model reads them: prompts from a file, a prompt or texts as token ids (a model without a
-tokenizer gets one id per byte), and token ids back as text."""
+"""The run's inputs as the model reads them: the tokenizer that reads them, prompts from a file, a prompt or texts as
+token ids (one id per byte where the run asks for that), and token ids back as text."""
 
 from __future__ import annotations
 
@@ -12,8 +12,62 @@ import torch
 from offload_core.errors import ConfigError
 
 
+#: ``model.tokenizer=bytes``: text read one id per UTF-8 byte (a model built without a tokenizer, for tests)
+BYTES = "bytes"
+#: the files a folder's tokenizer is read from (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def read_tokenizer(checkpoint: Path, source: str | None = None) -> Any:
+    """The tokenizer a run reads text with: ``source`` (``model.tokenizer``: a folder or repo id) when given, else the
+    one in ``checkpoint``; None for ``bytes`` and for a model the project generated without one (``synthetic.json``).
+    A folder holding no tokenizer is one line saying what to do, never a prompt silently read one id per byte."""
+    from offload_core.loading.sources import load_tokenizer
+
+    if source == BYTES:
+        return None
+    if source:
+        return _named_tokenizer(source)
+    tokenizer = load_tokenizer(checkpoint)
+    if tokenizer is None and not (checkpoint / "synthetic.json").is_file():
+        raise ConfigError(
+            f"the checkpoint folder {str(checkpoint)!r} holds no tokenizer ({', '.join(TOKENIZER_FILES)}), so the "
+            "prompt cannot be read as text: copy the model's tokenizer files into that folder, or give "
+            "model.tokenizer=<a folder or Hub repo id holding them> (model.tokenizer=bytes reads one id per byte, "
+            "for test models only; from Python, pass token ids)"
+        )
+    return tokenizer
+
+
+def _named_tokenizer(source: str) -> Any:
+    """The tokenizer in folder ``source``, else of Hub repo id ``source`` (as transformers finds it: its cache,
+    ``HF_HUB_OFFLINE``)."""
+    from offload_core.loading.sources import load_tokenizer
+
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        tokenizer = load_tokenizer(folder)
+        if tokenizer is None:
+            raise ConfigError(
+                f"model.tokenizer={source!r} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): give the folder "
+                "or Hub repo id of the model's tokenizer"
+            )
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ConfigError(
+            f"model.tokenizer={source!r} is neither a folder nor a Hub repo id whose tokenizer can be loaded "
+            f"({reason}): give the folder or repo id of the model's tokenizer"
+        ) from None
+
+
 def byte_ids(text: str, vocab_size: int) -> list[int]:
-    """``text`` as ids for a model without a tokenizer (a synthetic one): a deterministic id per UTF-8 byte."""
+    """``text`` as ids for a model read without a tokenizer (synthetic, ``model.tokenizer=bytes``): a deterministic id
+    per UTF-8 byte."""
     return [1 + b % (vocab_size - 1) for b in text.encode()]
 
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from offload_core.registry.manager import Registry, get_registry
 from offload_core.runner import config as run_config
-from offload_core.runner.config import GROUPS, MODEL_PRESETS, ModelConfig, RunConfig
+from offload_core.runner.config import GROUPS, MODEL_PRESETS, ModelConfig, PipelineConfig, RunConfig
 
 #: model options and what each is for (the model group is the runner's, not a plugin kind)
 MODEL_OPTIONS = {
@@ -98,6 +98,19 @@ def _default(field: dataclasses.Field, instance: Any) -> str:
         return str(value).lower()
     if value == "???":
         return "(required)"
+    return _as_typed(value)
+
+
+def _as_typed(value: Any) -> str:
+    """``value`` as the command line writes it (``{cpu: 200MiB}``, ``[a,b]``, ``null``), never a Python repr."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_as_typed(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_as_typed(v) for v in value) + "]"
     return str(value)
 
 
@@ -131,8 +144,10 @@ def _summary(strategy: Any) -> str:
 
 
 def run_options() -> list[Option]:
-    """The top-level keys (``prompt``, ``max_memory``, …), without the group sections."""
-    return dataclass_options(RunConfig, skip=("placement", "storage", "hook", "model"))
+    """The top-level keys (``prompt``, ``max_memory``, …) and the ``pipeline.*`` keys, without the config groups
+    (``speculative`` among them)."""
+    top = dataclass_options(RunConfig, skip=("placement", "storage", "hook", "model", "speculative", "pipeline"))
+    return top + dataclass_options(PipelineConfig, "pipeline.")
 
 
 def choices(registry: Registry | None = None) -> list[Choice]:
@@ -154,7 +169,20 @@ def choices(registry: Registry | None = None) -> list[Choice]:
     model_keys = tuple(dataclass_options(ModelConfig, "model."))
     for name in MODEL_PRESETS:
         found.append(Choice("model", name, MODEL_OPTIONS.get(name, ""), "offload_core", model_keys))
-    return found + other_choices({c.group for c in found})
+    return found + speculative_choices() + other_choices({c.group for c in found} | {"speculative"})
+
+
+def speculative_choices() -> list[Choice]:
+    """``speculative=none|prompt_lookup|draft|self``: one line on each and the keys each reads (one schema, four
+    presets)."""
+    from offload_core.speculative.config import PRESET_KEYS, PRESETS, SUMMARIES, SpeculativeConfig
+
+    found = []
+    for name, preset in PRESETS.items():
+        keys = dataclass_options(SpeculativeConfig, "speculative.", instance=preset)
+        options = tuple(o for o in keys if o.key.split(".", 1)[1] in PRESET_KEYS[name])
+        found.append(Choice("speculative", name, SUMMARIES[name], "offload_core", options))
+    return found
 
 
 def other_choices(known: set[str]) -> list[Choice]:
@@ -217,16 +245,21 @@ def help_text(registry: Registry | None = None) -> str:
             keys = ", ".join(o.key.split(".", 1)[1] for o in c.options) if group != "model" else ""
             extra = f" [{group}.{{{keys}}}]" if keys else ""
             lines.append(f"  {c.name.ljust(width)}  {c.summary}{extra}")
+        if group == "model":  # one schema for every model option: its keys once
+            keys = ", ".join(o.key.split(".", 1)[1] for o in found[0].options if o.key != "model.name")
+            lines.append(f"  (each takes model.{{{keys}}})")
         lines.append("")
     lines.append("other keys (key=value):")
     for o in run_options():
         lines.append(f"  {o.key}={o.default}  ({o.type}) {o.doc}".rstrip())
-    return "\n".join(lines).replace("$", "$$")
+    return "\n".join(lines).replace("``", "").replace("$", "$$")  # the terminal shows no reST markup
 
 
-def register_help_resolver() -> None:
-    """Let ``conf/hydra/help/offload_core.yaml`` read :func:`help_text` as ``${offload_core_options:}``."""
+def register_help_resolver(command: str = "python run.py") -> None:
+    """Let ``conf/hydra/help/offload_core.yaml`` read :func:`help_text` as ``${offload_core_options:}`` and the
+    command the help was asked of (``python run.py``, ``offload-core run``) as ``${offload_core_command:}``."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("offload_core_options"):
         OmegaConf.register_new_resolver("offload_core_options", lambda: help_text())
+    OmegaConf.register_new_resolver("offload_core_command", lambda: command, replace=True)

@@ -22,6 +22,10 @@ INSTEAD = {
     "budget": "max_memory",
     "device": "execution_device",
 }
+#: keys whose value is free text: a single run reads a comma in one as the text's own, a sweep refuses it unquoted
+TEXT_KEYS = ("prompt", "pipeline.negative_prompt")
+#: Hydra's sweep functions (``prompt=choice(a,b)`` names its values explicitly)
+SWEEP_FUNCTIONS = re.compile(r"(choice|range|interval|glob|shuffle|sort|tag)\(")
 #: the devices conf/config.yaml declares under max_memory (another device's budget is added with Hydra's ``++``)
 DECLARED_BUDGETS = ("cpu", "disk")
 #: Hydra's own options that take the next argument as their value
@@ -75,12 +79,35 @@ def quote(value: str) -> str:
     return "'" + escaped.replace("${", "\\${") + "'"
 
 
+def typed(key: str, value: str) -> str:
+    """``key=value`` as typed in bash so that Hydra reads ``value`` as one quoted string (double quotes for Hydra
+    inside the shell's single quotes where the value allows: ``'prompt="Paris, France"'``)."""
+    hydra = f'{key}="{value}"' if not re.search(r'["\\]|\$\{', value) else f"{key}={quote(value)}"
+    return f"'{hydra}'" if "'" not in hydra else '"' + re.sub(r'([\\"$`])', r"\\\1", hydra) + '"'
+
+
+def check_sweep_text(arg: str, key: str, value: str) -> None:
+    """In a sweep, a text value holding a comma followed by a space (``prompt=Paris, France``) is a sentence as
+    often as a list of values: it is one line saying how to write either, never split silently. ``a,b`` (no space),
+    a quoted value (``"Paris, France"`` or ``"a","b"``) and ``choice(...)`` sweep as Hydra reads them."""
+    if value[:1] in ("'", '"') or SWEEP_FUNCTIONS.match(value) or not re.search(r",\s", value):
+        return
+    parts = [part.strip() for part in value.split(",")]
+    jobs = ", ".join(f"{key}={part}" for part in parts)
+    raise ConfigError(
+        f"{arg!r} in a sweep (-m) is split at its commas into {len(parts)} jobs ({jobs}): to run the one text, quote "
+        f"it for Hydra inside the shell's quotes, e.g. {typed(key, value)}; to sweep several texts, quote each "
+        f'({key}="one, two","three") or leave no space after the commas ({key}=one,two)'
+    )
+
+
 def prepare(args: list[str]) -> list[str]:
     """``args`` (``sys.argv[1:]``) as Hydra should read them, or a :class:`ConfigError` for a key the run lacks.
 
-    In a single run ``prompt=...`` is taken as typed (quoted for Hydra unless the user quoted it); in a multirun
-    a comma sweeps, so a prompt holding one must be quoted by the user, as the error says. ``max_memory.<device>=``
-    adds the device's budget or changes it (Hydra's ``++``).
+    In a single run a text (``prompt=...``, :data:`TEXT_KEYS`) is taken as typed (quoted for Hydra unless the user
+    quoted it); in a multirun a comma sweeps, so a text holding one followed by a space must be quoted by the user,
+    as the error says (:func:`check_sweep_text`). ``max_memory.<device>=`` adds the device's budget or changes it
+    (Hydra's ``++``).
     """
     multirun = any(a in ("-m", "--multirun") for a in args)
     out: list[str] = []
@@ -99,8 +126,10 @@ def prepare(args: list[str]) -> list[str]:
             continue
         if top not in run_keys():
             raise unknown_key(key, arg, value)
-        if key == "prompt" and not multirun and value[:1] not in ("'", '"'):
-            arg = f"{prefix_s}prompt={quote(value)}"
+        if key in TEXT_KEYS and multirun:
+            check_sweep_text(arg, key, value)
+        elif key in TEXT_KEYS and value[:1] not in ("'", '"'):
+            arg = f"{prefix_s}{key}={quote(value)}"
         elif (
             top == "max_memory" and key.count(".") == 1 and key.split(".")[1] not in DECLARED_BUDGETS and prefix_s == ""
         ):
@@ -184,7 +213,7 @@ def composition_error(error: BaseException) -> str:
         )
         options = [line for line in lines[start:] if start and re.fullmatch(r"[\w.-]+", line)]
         listed = f"use one of {', '.join(options)}" if options else "python -m offload_core plugins lists the options"
-        return f"{group}={option} is not an option of {group}: {listed}"
+        return f"{group}={option} is not an option of {group}: {listed}{_plugin_note(group, option)}"
     merging = next(
         (re.match(r"Error merging override (.+)", line) for line in lines if line.startswith("Error merging override")),
         None,
@@ -194,3 +223,12 @@ def composition_error(error: BaseException) -> str:
         return f"{merging.group(1)}: {reason}"
     useful = [line for line in lines if line and not line.startswith(("To append", "full_key", "object_type"))]
     return "; ".join(dict.fromkeys(useful)) or type(error).__name__
+
+
+def _plugin_note(group: str, option: str) -> str:
+    """Why option ``option`` of config group ``group`` may be missing: a third-party plugin that failed to load."""
+    from offload_core.registry.manager import get_registry
+    from offload_core.runner.config import GROUPS
+
+    kind = next((kind for kind, name in GROUPS.items() if name == group), None)
+    return get_registry().missing_note(kind, option) if kind else ""

@@ -2,8 +2,8 @@
 
 Runs as a Hydra callback (``on_multirun_end``) and reads each job's ``metrics.json``, so the summary is
 the same whichever launcher ran the jobs (basic, joblib, submitit, ray). A job folder with no
-``metrics.json`` (a job killed before it could write one) is a failed row. Also callable by hand:
-``python -m offload_core.runner.sweep <sweep dir>``.
+``metrics.json`` (a job killed before it could write one) is a failed row; a sweep with a failed row exits 1. Also
+callable by hand: ``python -m offload_core.runner.sweep <sweep dir>``.
 """
 
 from __future__ import annotations
@@ -241,14 +241,41 @@ def _labels(rows: list[dict[str, Any]], shown: list[dict[str, Any]]) -> list[str
     ]
 
 
+def counted(rows: list[dict[str, Any]]) -> str:
+    """How many jobs ran and how many of them failed, naming the failed ones (``2 jobs ran, 1 failed: job 1
+    (prompt=x)``)."""
+    failed = [r for r in rows if r["status"] == "failed"]
+    text = f"{len(rows)} job{'s' * (len(rows) != 1)} ran, {len(failed)} failed"
+    return text + (": " + ", ".join(_failed_labels(rows, failed)) if failed else "")
+
+
+def _failed_labels(rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> list[str]:
+    """``job N (the overrides that set it apart)`` for each failed row."""
+    labels = [label.split(": ", 1) for label in _labels(rows, failed)]
+    return [f"job {job} ({what})" for job, what in labels]
+
+
 class SweepSummary(Callback):
-    """Hydra callback: summarise a multirun when it ends."""
+    """Hydra callback: summarise a multirun when it ends; a sweep whose jobs failed then exits with status 1, after one
+    error line naming them (each job's error is in its row)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.exists():
-            rows = summarize(sweep_dir)
-            print(f"sweep summary: {len(rows)} runs -> {sweep_dir / 'summary.md'} (and .csv, .png)")
+        if not sweep_dir.exists():
+            return
+        rows = summarize(sweep_dir)
+        print(f"sweep summary: {counted(rows)} -> {sweep_dir / 'summary.md'} (and .csv, .png)", flush=True)
+        failed = [r for r in rows if r["status"] == "failed"]
+        if failed:
+            from offload_core.runner.console import print_line
+
+            first = failed[0]["error"]
+            print_line(
+                f"error: {len(failed)} of {len(rows)} jobs of the sweep failed; job {failed[0]['job']}: "
+                f"{first[:300]}{'…' if len(first) > 300 else ''}; every job's error is in the error column of "
+                f"{sweep_dir / 'summary.md'}"
+            )
+            raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     rows = summarize(folder)
-    print(f"{len(rows)} runs -> {folder / 'summary.md'} (and .csv, .png)")
+    print(f"{counted(rows)} -> {folder / 'summary.md'} (and .csv, .png)")
     return 0
 
 

@@ -52,6 +52,22 @@ PRESETS = {
 }
 
 
+#: each preset in one line, and the ``speculative.*`` keys it reads (``python run.py --help``, the configuration page)
+SUMMARIES = {
+    "none": "no speculation: the target generates one token per pass (the default)",
+    "prompt_lookup": "tokens drafted by copying what followed an n-gram earlier in the prompt or the text so far",
+    "draft": "tokens drafted by a small checkpoint sharing the target's tokenizer (speculative.path)",
+    "self": "tokens drafted by the target's own first layers, final norm and head",
+}
+_CHECKED = ("adaptive", "min_acceptance", "probe", "expected_acceptance")
+PRESET_KEYS = {
+    "none": (),
+    "prompt_lookup": ("tokens", "ngram", *_CHECKED),
+    "draft": ("tokens", "path", *_CHECKED),
+    "self": ("tokens", "layers", *_CHECKED),
+}
+
+
 def read_speculative(value: Any) -> SpeculativeConfig:
     """``value`` (None, a mode name, a mapping or a :class:`SpeculativeConfig`) as a checked config; a value that
     cannot be used is one :class:`ConfigError` line."""

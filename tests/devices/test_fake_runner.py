@@ -128,6 +128,7 @@ def test_a_gpu_budget_that_cannot_hold_the_read_ahead_reads_less_ahead_and_stays
     register_configs()
     overrides = [
         "model=local",
+        "model.tokenizer=bytes",
         f"model.path={tmp_path / 'moe'}",
         "hook=prefetch",
         f"storage={storage}",

@@ -97,6 +97,7 @@ def test_moe_run_exits_with_the_in_memory_tokens(model, hook, store, mixtral, tm
         sys.executable,
         str(ROOT / "run.py"),
         "model=local",
+        "model.tokenizer=bytes",
         f"model.path={mixtral}",
         f"hook={hook}",
         f"storage={store}",

@@ -66,7 +66,7 @@ def basic_sweep(tmp_path_factory):
 
 def test_every_combination_is_a_row(basic_sweep):
     proc, sweep_dir = basic_sweep
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # four of the eight jobs failed (max_memory.cpu=abc)
     rows = _csv(sweep_dir)
     assert [r["job"] for r in rows] == [str(i) for i in range(8)]
     combos = {(r["storage"], r["hook"], r["overrides"].split()[-1]) for r in rows}
@@ -87,9 +87,15 @@ def test_successful_rows_carry_figures_and_match_in_memory(basic_sweep):
 
 
 def test_a_failed_combination_is_a_row_with_its_one_line_error(basic_sweep):
-    _, sweep_dir = basic_sweep
+    proc, sweep_dir = basic_sweep
     failed = [r for r in _csv(sweep_dir) if r["status"] == "failed"]
     assert len(failed) == 4 and all("max_memory.cpu=abc" in r["overrides"] for r in failed)
+    jobs = ", ".join(f"job {r['job']} (" for r in failed)
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("sweep summary: "))
+    assert summary.startswith("sweep summary: 8 jobs ran, 4 failed: job ") and "max_memory.cpu=abc)" in summary
+    assert all(f"job {r['job']} (" in summary for r in failed), (jobs, summary)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("offload_core: error: ")]
+    assert len(errors) == 1 and errors[0].startswith("offload_core: error: 4 of 8 jobs of the sweep failed; job ")
     for row in failed:
         assert "max_memory.cpu='abc' is not a size" in row["error"] and "\n" not in row["error"]
         assert row["load_s"] == "" and row["matches_in_memory"] == ""
@@ -134,7 +140,7 @@ def test_hydra_launchers_give_the_same_summary(launcher, module, basic_sweep, tm
     proc, sweep_dir = _sweep(
         tmp_path, "storage=safetensors", "hook=chained", "max_memory.cpu=1MiB,abc", "headroom=0", launcher=launcher
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the max_memory.cpu=abc job failed
     rows = _csv(sweep_dir)
     assert list(rows[0]) == COLUMNS
     # The same combinations run in-process by the basic launcher give the same stable columns.

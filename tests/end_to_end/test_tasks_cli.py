@@ -24,7 +24,9 @@ def run_metrics(tmp_path) -> dict:
 
 @pytest.mark.parametrize("name,task", [("t5", "seq2seq_lm"), ("bert", "masked_lm"), ("mixtral", "causal_lm")])
 def test_local_folder_of_each_kind_runs_offloaded_and_matches_in_memory(saved, name, task, tmp_path, capsys):
-    code, err = cli(["model=local", f"model.path={saved(name).path}", *BUDGET], tmp_path, capsys)
+    code, err = cli(
+        ["model=local", f"model.path={saved(name).path}", "model.tokenizer=bytes", *BUDGET], tmp_path, capsys
+    )
     assert code == 0, err
     metrics = run_metrics(tmp_path)
     assert metrics["matches_in_memory"] is True
@@ -47,7 +49,9 @@ def test_sequence_classification_labels_each_text_as_in_memory(tmp_path, capsys)
     torch.manual_seed(0)
     transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "cls", max_shard_size="20KB")
     code, err = cli(
-        ["model=local", f"model.path={tmp_path / 'cls'}", *BUDGET, "texts=[good,bad,so so]"], tmp_path, capsys
+        ["model=local", f"model.path={tmp_path / 'cls'}", "model.tokenizer=bytes", *BUDGET, "texts=[good,bad,so so]"],
+        tmp_path,
+        capsys,
     )
     assert code == 0, err
     metrics = run_metrics(tmp_path)
@@ -119,6 +123,7 @@ def test_a_seq2seq_model_generates_a_prompts_file_in_batches_as_in_memory(saved,
     code, err = cli(
         [
             "model=local",
+            "model.tokenizer=bytes",
             f"model.path={saved('t5').path}",
             f"prompts={prompts}",
             "batch_size=2",

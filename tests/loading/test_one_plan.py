@@ -35,6 +35,7 @@ def _run_plan(compose_run, path, budget, placement, storage, hook, page_cache, t
     overrides = [
         "plan_only=true",
         "model=local",
+        "model.tokenizer=bytes",
         f"model.path={path}",
         f"max_memory.cpu={budget}",
         "headroom=0",
@@ -86,6 +87,7 @@ def test_a_policys_own_device_map_is_the_plan_of_both_doors(saved, compose_run, 
             [
                 "plan_only=true",
                 "model=local",
+                "model.tokenizer=bytes",
                 f"model.path={path}",
                 "max_memory.cpu=10MiB",
                 "headroom=0",

@@ -122,6 +122,7 @@ def test_the_experts_policy_plans_it_and_answers_as_in_memory(saved, compose_run
         overrides = [
             "plan_only=true",
             "model=local",
+            "model.tokenizer=bytes",
             f"model.path={moe.path}",
             f"max_memory.cpu={budget}",
             "headroom=0",

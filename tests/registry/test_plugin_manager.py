@@ -218,3 +218,78 @@ def test_each_plugin_hook_registers_into_its_group(spec, group):
     registry = build_registry(extra_plugins=[_plugin(spec, "third_party")], load_entry_points=False)
     assert "third_party" in registry.names(group)
     assert registry.get(group, "third_party").plugin == "fake_plugin"
+
+
+@pytest.fixture
+def faulty_plugins(tmp_path, monkeypatch):
+    """Installed distributions whose plugins break their contract: a placement without ``make_device_map``, a plugin
+    hook the specs lack, a plugin hook that raises."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "faulty_offload_plugins.py").write_text(
+        textwrap.dedent("""
+        from dataclasses import dataclass
+        from offload_core.hookspecs import hookimpl
+
+        @dataclass
+        class LackingConfig:
+            name: str = "lacking"
+
+        class Lacking:
+            def __init__(self, config):
+                self.config = config
+
+        class lacking:
+            @hookimpl
+            def offload_register_placements(register):
+                register("lacking", Lacking, LackingConfig)
+
+        class typo:
+            @hookimpl
+            def offload_register_storage(register):
+                pass
+
+        class raising:
+            @hookimpl
+            def offload_register_module_hook_policies(register):
+                raise RuntimeError("no GPU library here")
+    """)
+    )
+    dist = site / "faulty_offload_plugins-0.2.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-offload-plugins\nVersion: 0.2\n")
+    (dist / "entry_points.txt").write_text(
+        "[offload_core]\n"
+        + "".join(f"{name} = faulty_offload_plugins:{name}\n" for name in ("lacking", "typo", "raising"))
+    )
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def test_a_third_party_plugin_that_breaks_its_contract_is_recorded_not_fatal(faulty_plugins):
+    registry = build_registry()
+    assert registry.names("placement") == ["balanced", "balanced_low_0", "sequential"]  # the rest still load
+    assert registry.failed["lacking"].startswith("placement 'lacking': Lacking lacks make_device_map()")
+    assert "unknown hook 'offload_register_storage'" in registry.failed["typo"] and "typo" not in registry.plugins
+    assert registry.failed["raising"] == (
+        "its offload_register_module_hook_policies raised RuntimeError: no GPU library here"
+    )
+    with pytest.raises(PluginError) as caught:
+        registry.get("placement", "lacking")
+    assert str(caught.value) == (
+        "unknown placement 'lacking': available are balanced, balanced_low_0, sequential; plugin 'lacking' failed to "
+        "load (placement 'lacking': Lacking lacks make_device_map(); subclass offload_core.registry.contracts."
+        "Placement and define it), so its placement 'lacking' is missing: fix, update or uninstall it, or skip it "
+        f"with {DISABLE_ENV}=lacking"
+    )
+    with pytest.raises(
+        PluginError, match=f"plugin 'typo' failed to load .* so what it provides is missing: .*{DISABLE_ENV}=typo"
+    ):
+        registry.get("storage", "nope")
+
+
+def test_the_same_faults_in_a_plugin_given_directly_still_raise(faulty_plugins):
+    import faulty_offload_plugins
+
+    with pytest.raises(PluginError, match="Lacking lacks make_device_map"):
+        build_registry(extra_plugins=[faulty_offload_plugins.lacking], load_entry_points=False)

@@ -188,7 +188,14 @@ def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for
     from tests.speculative.models import mixtral
 
     moe = mixtral(tmp_path / "moe")
-    common = ["model=local", f"model.path={moe}", "progress=false", "max_new_tokens=2", "headroom=0"]
+    common = [
+        "model=local",
+        "model.tokenizer=bytes",
+        f"model.path={moe}",
+        "progress=false",
+        "max_new_tokens=2",
+        "headroom=0",
+    ]
     moved = {}
     for hook in ("prefetch", "experts"):
         settings = read_settings(compose_run([*common, "max_memory.cpu=1KiB", f"hook={hook}"]), tmp_path / hook)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from offload_core.errors import ConfigError
 from offload_core.runner.overrides import check_parses, prepare
@@ -63,6 +64,34 @@ def test_a_prompt_hydra_cannot_read_in_a_sweep_says_how_to_quote():
     with pytest.raises(ConfigError, match=r"""quote the value for Hydra.*e.g. "prompt=\\"What's 2\+2\?\\"\""""):
         check_parses(prepare(["-m", "prompt=What's 2+2?"]))
     assert prepare(["-m", "prompt=a,b"]) == ["-m", "prompt=a,b"]  # a comma sweeps in a multirun
+
+
+@pytest.mark.parametrize(
+    "given, shown",
+    [
+        ("prompt=Paris, France", "'prompt=\"Paris, France\"'"),
+        ("prompt=What's Paris, then?", '"prompt=\\"What\'s Paris, then?\\""'),
+        ("pipeline.negative_prompt=blurry, dark", "'pipeline.negative_prompt=\"blurry, dark\"'"),
+    ],
+)
+def test_a_swept_text_with_a_comma_and_a_space_is_refused_with_its_quoted_form(given, shown):
+    with pytest.raises(ConfigError) as caught:
+        prepare(["-m", given])
+    message = str(caught.value)
+    assert "in a sweep (-m) is split at its commas into 2 jobs" in message and f"e.g. {shown};" in message
+    key = given.split("=")[0]
+    typed = shown[1:-1].replace('\\"', '"')  # what the shell hands over
+    assert check_parses(prepare(["-m", typed])) is None
+    assert OmegaConf.select(_cfg(prepare([typed])), key) == given.split("=", 1)[1]
+
+
+@pytest.mark.parametrize("swept", ['prompt="Paris, France","Lyon"', "prompt=Paris,Lyon", "prompt=choice(a, b)"])
+def test_a_sweep_written_unambiguously_passes_as_typed(swept):
+    assert prepare(["-m", swept]) == ["-m", swept]
+
+
+def test_a_single_runs_negative_prompt_is_read_as_typed():
+    assert _cfg(prepare(["pipeline.negative_prompt=blurry, dark"])).pipeline.negative_prompt == "blurry, dark"
 
 
 def test_a_gpu_budget_needs_no_plus():
@@ -160,3 +189,16 @@ def test_a_sweep_summary_names_metrics_of_another_shape_instead_of_failing(tmp_p
 def test_hydras_own_options_pass_through():
     args = ["-m", "hydra/launcher=joblib", "hydra.run.dir=x", "--config-name", "config", "+hydra.job.env_set.A=1"]
     assert prepare(args) == args
+
+
+def test_the_sweep_tool_counts_the_failed_jobs_and_names_them(tmp_path, capsys):
+    from offload_core.runner.sweep import main
+
+    for job, metrics in (
+        ("0", {"overrides": ["storage=memmap"], "load_s": 0.5}),
+        ("1", {"overrides": ["storage=ssd"], "error": "storage=ssd is not an option"}),
+    ):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "metrics.json").write_text(json.dumps(metrics))
+    assert main([str(tmp_path)]) == 0  # it wrote the summary; the sweep itself exited 1
+    assert capsys.readouterr().out.startswith("2 jobs ran, 1 failed: job 1 (storage=ssd) -> ")

@@ -73,3 +73,21 @@ def test_a_config_group_added_later_is_listed_too(tmp_path, monkeypatch):
         store.repo.pop("zz_draft")
     assert "zz_draft=" in text and "small  Draft tokens with a small model [zz_draft.{lookahead}]" in text
     assert "colour=" in text and "blue  the blue one [colour.{shade}]" in text
+
+
+def test_each_speculative_option_has_its_own_line_and_its_own_keys():
+    text = help_text()
+    section = text.split("speculative=\n")[1].split("\n\n")[0].splitlines()
+    lines = {line.split()[0]: line for line in section}
+    assert set(lines) == {"none", "prompt_lookup", "draft", "self"}
+    assert len({line.split(None, 1)[1].split(" [")[0] for line in section}) == 4
+    assert "[" not in lines["none"] and "ngram" in lines["prompt_lookup"] and "ngram" not in lines["self"]
+    assert "path" in lines["draft"] and "layers" in lines["self"] and "layers" not in lines["draft"]
+
+
+def test_other_keys_are_the_non_group_keys_written_as_typed():
+    keys = [o.key for o in run_options()]
+    assert "speculative" not in keys and "pipeline" not in keys and "pipeline.num_inference_steps" in keys
+    text = help_text()
+    assert "max_memory={cpu: 200MiB}" in text and "``" not in text and "PipelineConfig(" not in text
+    assert "  (each takes model.{path, preset, chat_template, no_split_module_classes, task, tokenizer})" in text

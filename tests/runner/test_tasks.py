@@ -22,6 +22,7 @@ def test_plan_reports_converted_tensors_and_their_cost(saved, tmp_path, capsys):
         [
             "plan_only=true",
             "model=local",
+            "model.tokenizer=bytes",
             f"model.path={saved('mixtral').path}",
             "max_memory.cpu=60KiB",
             "headroom=1KiB",
@@ -36,7 +37,14 @@ def test_plan_reports_converted_tensors_and_their_cost(saved, tmp_path, capsys):
 
 def test_plan_of_a_checkpoint_whose_names_match_says_so(saved, tmp_path, capsys):
     cfg = _cfg(
-        ["plan_only=true", "model=local", f"model.path={saved('t5').path}", "max_memory.cpu=60KiB", "headroom=1KiB"]
+        [
+            "plan_only=true",
+            "model=local",
+            "model.tokenizer=bytes",
+            f"model.path={saved('t5').path}",
+            "max_memory.cpu=60KiB",
+            "headroom=1KiB",
+        ]
     )
     result = run(cfg, output_dir=tmp_path, plot=False)
     assert result.plan["conversion"] == ["checkpoint names match the model: nothing converted"]
@@ -45,7 +53,14 @@ def test_plan_of_a_checkpoint_whose_names_match_says_so(saved, tmp_path, capsys)
 
 def test_an_encoder_plan_counts_bytes_per_forward_not_per_generated_token(saved, tmp_path, capsys):
     cfg = _cfg(
-        ["plan_only=true", "model=local", f"model.path={saved('bert').path}", "max_memory.cpu=60KiB", "headroom=1KiB"]
+        [
+            "plan_only=true",
+            "model=local",
+            "model.tokenizer=bytes",
+            f"model.path={saved('bert').path}",
+            "max_memory.cpu=60KiB",
+            "headroom=1KiB",
+        ]
     )
     run(cfg, output_dir=tmp_path, plot=False)
     out = capsys.readouterr().out

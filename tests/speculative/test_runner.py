@@ -32,6 +32,7 @@ def checkpoints(tmp_path_factory):
 def _base(checkpoints, tmp_path, cpu="400KiB"):
     return [
         "model=local",
+        "model.tokenizer=bytes",
         f"model.path={checkpoints['target']}",
         "model.chat_template=false",
         "prompt='abcdabcdabcdabcd'",

@@ -28,13 +28,16 @@ class RunModel:
     checkpoint_dir: Path
     task: str = "causal_lm"
     task_given: bool = False
+    #: ``model.tokenizer``: None (the checkpoint folder's own), a folder or repo id, or ``bytes``
+    tokenizer_source: str | None = None
 
     @cached_property
     def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer, read on first use; None for a model without one (synthetic)."""
-        from offload_core.loading import sources
+        """The tokenizer that reads the run's text, loaded on first use; None where text is read one id per byte
+        (:func:`offload_core.runner.inputs.read_tokenizer`)."""
+        from offload_core.runner.inputs import read_tokenizer
 
-        return sources.load_tokenizer(self.checkpoint_dir)
+        return read_tokenizer(self.checkpoint_dir, self.tokenizer_source)
 
 
 def resolve_checkpoint(section: dict) -> Path:
@@ -72,4 +75,6 @@ def open_model(section: dict, dtype: torch.dtype | None) -> RunModel:
     checkpoint_dir = resolve_checkpoint(section)
     model, dtype, task = build_empty_model(checkpoint_dir, dtype, section.get("task"))
     no_split = no_split_classes(model, section.get("no_split_module_classes"))
-    return RunModel(model, dtype, no_split, checkpoint_dir, task, bool(section.get("task")))
+    return RunModel(
+        model, dtype, no_split, checkpoint_dir, task, bool(section.get("task")), section.get("tokenizer") or None
+    )

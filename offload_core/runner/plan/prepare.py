@@ -79,7 +79,8 @@ def prepare(
         settings, held = speculate.reserve_speculation(settings, spec, run_model, input_ids.shape[1])
         plan = make_plan(settings, strategies, run_model, checkpoint)
         strategies = strategies.planned(plan.policy)
-        speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device)
+        placement = None if settings.device_map_file else strategies.names["placement"]
+        speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device, placement)
         job = Prepared(settings, strategies, run_model, checkpoint, batches, input_ids, plan, held)
         if predict:
             predict_plan(job)

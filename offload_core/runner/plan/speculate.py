@@ -62,19 +62,28 @@ def reserve_speculation(settings: Any, spec: SpeculativeConfig, run_model: Any, 
     return dataclasses.replace(settings, max_memory=max_memory), held
 
 
-def check_self_resident(spec: SpeculativeConfig, run_model: Any, device_map: dict, device: torch.device) -> None:
-    """A self draft runs the target's first layers, norm and head between passes: they must not be streamed."""
+def check_self_resident(
+    spec: SpeculativeConfig, run_model: Any, device_map: dict, device: torch.device, placement: str | None = None
+) -> None:
+    """A self draft runs the target's first layers, norm and head between passes: they must not be streamed. The
+    remedy names only what would change the plan: another placement where the run's (``placement``; None: a
+    ``device_map`` file made it) is not sequential, the file where one made it."""
     if spec.name != "self":
         return
     from offload_core.speculative.drafts import check_self_resident as check
 
+    remedies = ["raise max_memory", "lower speculative.layers"]
+    if placement is None:
+        remedies.append("keep them on the execution device in the device_map file")
+    elif placement != "sequential":
+        remedies.append("use placement=sequential")
     check(
         run_model.model,
         spec.layers,
         device_map,
         device,
         "speculative=self",
-        "raise max_memory, lower speculative.layers, use placement=sequential, or set speculative=prompt_lookup",
+        ", ".join(remedies) + ", or set speculative=prompt_lookup",
     )
 
 
