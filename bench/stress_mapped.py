@@ -109,13 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         "returncode": done.returncode,
         "crashed": done.returncode < 0,
         "counts": counted,
-        "stderr_tail": done.stderr[-3000:],
+        "stderr_tail": _crash_dump(done.stderr),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(_markdown(report))
     print(_markdown(report))
     return 0 if done.returncode == 0 else 1
+
+
+def _crash_dump(stderr: str) -> str:
+    """The crash's own lines where the child crashed (faulthandler's dump, its faulting thread first), else the end."""
+    start = stderr.find("Fatal Python error")
+    return stderr[start : start + 4000] if start >= 0 else stderr[-3000:]
 
 
 def _commit() -> str:
@@ -151,7 +157,7 @@ def _markdown(report: dict) -> str:
         "",
     ]
     if status != 0:
-        lines += ["```", report["stderr_tail"].strip()[-1500:], "```", ""]
+        lines += ["```", report["stderr_tail"].strip()[:2000], "```", ""]
     return "\n".join(lines)
 
 

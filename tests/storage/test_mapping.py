@@ -98,12 +98,12 @@ def _stress(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 def test_mapped_paths_survive_drops_and_closes_from_other_threads_and_crash_without_the_rule(tmp_path):
-    done, report = _stress(tmp_path, "--seconds", "2")
+    done, report = _stress(tmp_path, "--seconds", "1")
     assert done.returncode == 0 and report["returncode"] == 0, report["stderr_tail"]
     counts = report["counts"]
     assert counts["views read"] > 0 and counts["close refused under a view"] > 0 and counts["generations"] > 1
     assert "mapping closed under a view" not in counts and "failures" not in counts
     # the same run with views made as before the rule (a reference to the mapping, no buffer export): a close
     # unmaps the pages under a view, whose next read crashes
-    _, raw = _stress(tmp_path, "--seconds", "2", "--raw")
+    _, raw = _stress(tmp_path, "--seconds", "1", "--raw")
     assert raw["returncode"] in (-signal.SIGSEGV, -signal.SIGBUS), raw
