@@ -45,7 +45,14 @@ def _checkpoint(root: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
 
 def _harass(model, stop: threading.Event, counts) -> None:
     """While ``model`` generates: drop the pages of every tensor its store maps, try to close the mappings under its
-    views (refused while a view lives)."""
+    views (refused while a view lives). An error here is a failure of the run."""
+    try:
+        _drop_and_close(model, stop, counts)
+    except BaseException as error:  # noqa: BLE001 - any error of the thread is a failure
+        counts.fail(f"harassing a model: {type(error).__name__}: {error}")
+
+
+def _drop_and_close(model, stop: threading.Event, counts) -> None:
     from offload_core.storage.mapping import mapping_of
 
     store = model.offload_state.store

@@ -45,8 +45,28 @@ PAGE = mmap.PAGESIZE
 
 
 class Mapping(mmap.mmap):
-    """A memory mapping made by this module (an ``mmap.mmap`` that can be referenced weakly): registered while it is
-    mapped, unmapped by the kernel when the last reference to it (its views' included) goes."""
+    """A memory mapping made by this module: registered while it is mapped, unmapped when the last reference to it
+    (its views' included) goes."""
+
+    def __del__(self) -> None:
+        # Runs before mmap's own deallocator unmaps it: its file pages leave the registry while they are still
+        # mapped. (A weakref callback would run after the unmap, which releases the GIL: another thread could map
+        # the same addresses and register them in between, or take heap memory there for file pages.)
+        _unregister(self.__dict__.get("_file_pages", ()))
+
+    def close(self) -> None:
+        """Unmap now: refused (``BufferError``) while a view lives. Nothing in offload_core calls it."""
+        spans = self.__dict__.get("_file_pages", [])
+        with _guard:  # its file pages leave the registry before they are unmapped, and come back if it is refused
+            ends = {start: _ends[start] for start in spans if start in _ends}
+            _unregister(spans)
+            try:
+                super().close()
+            except BufferError:
+                for start, end in ends.items():
+                    bisect.insort(_starts, start)
+                    _ends[start] = end
+                raise
 
 
 _live: weakref.WeakSet[Mapping] = weakref.WeakSet()  # every mapping of this module not yet collected
@@ -117,17 +137,20 @@ def register_file_pages(mapping: Mapping, start: int, end: int) -> None:
     base = address(mapping)
     lo, hi = base + start, base + -(-end // PAGE) * PAGE
     with _guard:
+        if lo in _ends:  # a mapping gone without its __del__ (never: Mapping.__del__ unregisters first)
+            _unregister([lo])
         bisect.insort(_starts, lo)
         _ends[lo] = hi
-    weakref.finalize(mapping, _unregister, lo)
+        mapping.__dict__.setdefault("_file_pages", []).append(lo)
 
 
-def _unregister(start: int) -> None:
+def _unregister(starts: list[int]) -> None:
     with _guard:
-        index = bisect.bisect_left(_starts, start)
-        if index < len(_starts) and _starts[index] == start:
-            del _starts[index]
-            _ends.pop(start, None)
+        for start in starts:
+            index = bisect.bisect_left(_starts, start)
+            if index < len(_starts) and _starts[index] == start:
+                del _starts[index]
+                _ends.pop(start, None)
 
 
 def file_pages(start: int, length: int) -> bool:
@@ -136,4 +159,4 @@ def file_pages(start: int, length: int) -> bool:
         return False
     with _guard:
         index = bisect.bisect_right(_starts, start) - 1
-        return index >= 0 and start + length <= _ends[_starts[index]]
+        return index >= 0 and start + length <= _ends.get(_starts[index], 0)

@@ -17,7 +17,7 @@ from offload_core.loading.safetensors_file import SafetensorsFile
 from offload_core.module_hooks.experts.rows import ReservedRows
 from offload_core.storage import StoreContext
 from offload_core.storage.folder import FolderStore
-from offload_core.storage.mapping import file_pages, map_anonymous, map_file, mapping_of, view
+from offload_core.storage.mapping import address, file_pages, map_anonymous, map_file, mapping_of, view
 from offload_core.storage.pagecache import drop, libc
 from tests import ROOT
 
@@ -40,6 +40,11 @@ def test_a_view_keeps_its_mapping_and_a_close_under_it_is_refused(tmp_path):
     del tensor
     gc.collect()
     assert not file_pages(start, 4096)  # unmapped with its last view: its pages are no longer ours to drop
+    unviewed = map_file(path)
+    start = address(unviewed)
+    assert file_pages(start, 4096)
+    unviewed.close()  # no view: unmapped now, and out of the registry before
+    assert not file_pages(start, 4096)
 
 
 def test_store_and_file_views_outlive_their_close(tmp_path):
