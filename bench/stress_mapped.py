@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # the child's modules beside this script
-from stress_paths import run_child  # noqa: E402
 
 
 def pressure_child(mib: int, seconds: float) -> subprocess.Popen | None:
@@ -65,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
+        sys.path.insert(0, str(HERE))  # the child's modules beside this script
+        from stress_paths import run_child
+
         return run_child(args.child, args.seconds, not args.no_models, args.raw, args.readers)
     pressure = args.pressure
     if pressure < 0:
