@@ -22,8 +22,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,12 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=2, help="reader threads (default 2)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "stress-mapped.json")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         sys.path.insert(0, str(HERE))  # the child's modules beside this script
         from stress_paths import run_child
 
-        return run_child(args.child, args.seconds, not args.no_models, args.raw, args.readers)
+        return run_child(args.root, args.child, args.seconds, not args.no_models, args.raw, args.readers)
     pressure = args.pressure
     if pressure < 0:
         import psutil
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     load_before = os.getloadavg()[0]
     hog = pressure_child(pressure, args.seconds + 60)
+    root = Path(tempfile.mkdtemp(prefix="stress-mapped-"))  # removed here: a crashed child cannot
     child = [
         sys.executable,
         "-X",
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         str(Path(__file__).resolve()),
         "--child",
         str(counts),
+        "--root",
+        str(root),
         "--seconds",
         str(args.seconds),
     ]
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         done = subprocess.run(child, capture_output=True, text=True, timeout=args.seconds + 600)
     finally:
+        shutil.rmtree(root, ignore_errors=True)
         if hog is not None:
             hog.kill()
             hog.wait()

@@ -8,8 +8,6 @@ import gc
 import json
 import os
 import random
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -217,30 +215,27 @@ def _counted(job, state: dict, data: Data, counts: Counts) -> None:
         state["stop"].set()
 
 
-def run_child(counts_path: Path, seconds: float, models: bool, raw: bool, readers: int) -> int:
-    """The stress for ``seconds``; 0 when every read was equal (a crash ends the process first)."""
+def run_child(root: Path, counts_path: Path, seconds: float, models: bool, raw: bool, readers: int) -> int:
+    """The stress for ``seconds`` in the folder ``root`` (the parent's: it removes it, a crash here or not); 0 when
+    every read was equal (a crash ends the process first)."""
     if raw:
         _without_the_rule()
-    root = Path(tempfile.mkdtemp(prefix="stress-mapped-"))
     counts = Counts(counts_path)
-    try:
-        data = Data(root)
-        state = {"current": Generation(data), "stop": threading.Event()}
-        jobs = [reader] * readers + [dropper, closer]
-        threads = [threading.Thread(target=_counted, args=(job, state, data, counts), daemon=True) for job in jobs]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + seconds
-        if models:
-            from stress_models import run_models
+    data = Data(root)
+    state = {"current": Generation(data), "stop": threading.Event()}
+    jobs = [reader] * readers + [dropper, closer]
+    threads = [threading.Thread(target=_counted, args=(job, state, data, counts), daemon=True) for job in jobs]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + seconds
+    if models:
+        from stress_models import run_models
 
-            run_models(root, deadline, counts)
-        while time.monotonic() < deadline and all(thread.is_alive() for thread in threads):
-            time.sleep(0.1)
-        state["stop"].set()
-        for thread in threads:
-            thread.join()
-        counts.write(force=True)
-        return 0 if not counts.failures else 2
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        run_models(root, deadline, counts)
+    while time.monotonic() < deadline and all(thread.is_alive() for thread in threads):
+        time.sleep(0.1)
+    state["stop"].set()
+    for thread in threads:
+        thread.join()
+    counts.write(force=True)
+    return 0 if not counts.failures else 2
