@@ -121,6 +121,7 @@ def mapped_read_bandwidth(ranges: Iterable[tuple[str, int, int]], chunk: int = 6
     """
     import torch
 
+    from offload_core.storage.mapping import map_file, view
     from offload_core.storage.pagecache import drop, populate
 
     ranges = [(str(p), int(a), int(b)) for p, a, b in ranges]
@@ -128,18 +129,14 @@ def mapped_read_bandwidth(ranges: Iterable[tuple[str, int, int]], chunk: int = 6
     total = 0
     started = time.perf_counter()
     for path, start, end in ranges:
-        with open(path, "rb") as handle:
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # as the stores map: private, never written
-        try:
-            whole = torch.frombuffer(mapped, dtype=torch.uint8)
-            for offset in range(start, end, chunk):
-                piece = whole[offset : min(offset + chunk, end)]
-                populate(piece)
-                drop(piece, path, offset)
-                total += piece.numel()
-            del whole, piece
-        finally:
-            mapped.close()
+        mapped = map_file(path)  # as the stores map: private, never written; unmapped with its last view
+        whole = view(mapped, torch.uint8, (len(mapped),))
+        for offset in range(start, end, chunk):
+            piece = whole[offset : min(offset + chunk, end)]
+            populate(piece)
+            drop(piece, path, offset)
+            total += piece.numel()
+        del whole, mapped
     seconds = time.perf_counter() - started
     return total / seconds, total, seconds
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from offload_core.errors import CheckpointError
+from offload_core.storage.mapping import Mapping, map_file, view
 
 __all__ = ["MAX_HEADER_BYTES", "SAFETENSORS_DTYPES", "SafetensorsFile"]
 
@@ -48,13 +48,13 @@ class SafetensorsFile:
     """One ``.safetensors`` file: the header is parsed and checked here, tensors are zero-copy views of a private mmap.
 
     The map is ``ACCESS_COPY`` (``MAP_PRIVATE``): its pages come from the page cache, and writing to a
-    returned tensor changes only this process's copy, never the file. Each returned tensor holds a
-    reference to the map, so it stays valid after :meth:`close`.
+    returned tensor changes only this process's copy, never the file. Each returned tensor holds the
+    map (:mod:`offload_core.storage.mapping`), so it stays valid after :meth:`close`.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._mmap: mmap.mmap | None = None
+        self._mmap: Mapping | None = None
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         self.metadata: dict[str, str] = {}
         self._data_start = 0
@@ -181,11 +181,10 @@ class SafetensorsFile:
         _, _, begin, end = self._entry(key)
         return self._data_start + begin, self._data_start + end
 
-    def _map(self) -> mmap.mmap:
+    def _map(self) -> Mapping:
         if self._mmap is None:
             try:
-                with open(self.path, "rb") as handle:
-                    self._mmap = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._mmap = map_file(self.path)
             except (OSError, ValueError) as error:
                 raise CheckpointError(f"cannot map {self.path}: {error}; check that the file is readable") from None
         return self._mmap
@@ -195,15 +194,11 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entry(key)
         if begin == end:
             return torch.empty(shape, dtype=dtype)
-        count = math.prod(shape)
-        return torch.frombuffer(self._map(), dtype=dtype, count=count, offset=self._data_start + begin).view(shape)
+        return view(self._map(), dtype, shape, self._data_start + begin)
 
     def close(self) -> None:
-        """Drop this object's reference to the map; it is unmapped once no returned tensor uses it.
-
-        ``torch.frombuffer`` keeps a reference to the mmap object but no buffer export, so calling
-        ``mmap.close()`` here would unmap pages under live tensors (a segfault on the next read).
-        """
+        """Drop this object's reference to the map; it is unmapped once no returned tensor uses it (never closed
+        here: :mod:`offload_core.storage.mapping`)."""
         self._mmap = None
 
     def __enter__(self) -> SafetensorsFile:

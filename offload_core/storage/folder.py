@@ -36,6 +36,7 @@ from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
 from offload_core.storage.base import FileMaps, Store, StoreContext, convert_dtype, converts
 from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, FileSpans, Padded, write_file
+from offload_core.storage.mapping import map_file, view
 from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
 from offload_core.storage.folder_guard import (
     LOCK,
@@ -331,15 +332,15 @@ class FolderStore(FileMaps, Store):
             if numel == 0:
                 tensor = torch.empty(shape, dtype=dtype)
             else:
-                # mode "c": private copy-on-write mapping, so the tensor is writable for torch and the
-                # file can never be changed through it; pages stay file-backed until written.
+                # private copy-on-write mapping, so the tensor is writable for torch and the file can never be
+                # changed through it; pages stay file-backed until written.
                 fd = open_nofollow(safe_file_name(self.folder, name))
-                with os.fdopen(fd, "rb") as handle:
-                    array = np.memmap(
-                        handle, dtype=np.uint8, mode="c", shape=(numel * dtype.itemsize,), offset=self.offset(name)
-                    )
+                try:
+                    mapped = map_file(fd, self.offset(name) + numel * dtype.itemsize)
+                finally:
+                    os.close(fd)
                 with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode this call runs in
-                    tensor = torch.from_numpy(array).view(dtype).reshape(shape)
+                    tensor = view(mapped, dtype, shape, self.offset(name))
             self._maps[name] = tensor
         return tensor
 

@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import torch
 
+from offload_core.storage.mapping import file_pages
+
 __all__ = [
     "advise_ranges",
     "coalesce",
@@ -144,12 +146,16 @@ def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> boo
 
     Only for tensors that are read-only views of a file mapping of ``path`` whose bytes start at
     ``offset`` in the file: the next read faults the pages in from disk again (time, never data).
-    Returns False where this cannot be done (off Linux, an empty or non-CPU tensor, the file gone).
+    Returns False where this cannot be done (off Linux, an empty or non-CPU tensor, the file gone), and
+    where the tensor's pages are not the file pages of a live mapping of
+    :mod:`~offload_core.storage.mapping` (memory of the heap or anonymous memory would read as zeros).
     """
     lib = libc()
     if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu" or not hasattr(os, "posix_fadvise"):
         return False
     start, length = _page_span(tensor)
+    if not file_pages(start, length):
+        return False
     lib.madvise(start, length, _MADV_DONTNEED)
     return _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_DONTNEED")
 
@@ -190,9 +196,10 @@ def advise_ranges(ranges: list[tuple[os.PathLike[str], int, int]], advice: str) 
 
 def drop_spans(spans: list[tuple[int, int, os.PathLike[str], int]]) -> bool:
     """:func:`drop` for page-aligned file mappings given as (address, length, file, file offset): unmapped from
-    this process, then dropped from the page cache. False where this cannot be done."""
+    this process, then dropped from the page cache. False where this cannot be done (a span that is not the file
+    pages of a live mapping of :mod:`~offload_core.storage.mapping` included: nothing is dropped)."""
     lib = libc()
-    if lib is None or not hasattr(os, "posix_fadvise"):
+    if lib is None or not hasattr(os, "posix_fadvise") or not all(file_pages(a, n) for a, n, _, _ in spans):
         return False
     for address, length, _, _ in spans:
         lib.madvise(address, length, _MADV_DONTNEED)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from offload_core.storage.mapping import address, map_anonymous, register_file_pages, view
 from offload_core.storage.pagecache import libc
 
 PAGE = mmap.PAGESIZE
@@ -138,8 +139,8 @@ class Spliced:
         self.shape, self.dtype = torch.Size(shape), dtype
         self.nbytes = self.shape.numel() * dtype.itemsize
         self.lead = _lead(placed)  # the tensor's address modulo the page size
-        self.map = mmap.mmap(-1, self.lead + self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + self.lead
+        self.map = map_anonymous(self.lead + self.nbytes)
+        self.address = address(self.map) + self.lead
         lib, fn = libc(), _mmap_fn()
         lib.madvise(self.address - self.lead, self.lead + self.nbytes, _MADV_NOHUGEPAGE)
         self.pieces: list[Piece] = []
@@ -160,10 +161,11 @@ class Spliced:
                 finally:
                     os.close(fd)
                 mapped = mapped if got == lo else None
+                if mapped is not None:  # its file's pages, for as long as self.map is mapped
+                    register_file_pages(self.map, self.lead + mapped[0], self.lead + mapped[1])
             self.pieces.append(Piece(part, at, mapped))
         with torch.inference_mode(False):  # kept across calls: a normal tensor
-            flat = torch.frombuffer(self.map, dtype=torch.uint8, count=self.nbytes, offset=self.lead)
-            self.tensor = flat.view(dtype).view(self.shape)
+            self.tensor = view(self.map, dtype, self.shape, self.lead)
 
     @classmethod
     def build(cls, shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> Spliced | None:

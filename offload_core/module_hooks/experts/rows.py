@@ -11,6 +11,7 @@ import torch
 from offload_core.alignment import ALIGNMENT
 from offload_core.module_hooks.experts.loader import ExpertLayer, read_expert, read_whole
 from offload_core.storage.base import Store
+from offload_core.storage.mapping import map_anonymous, view
 
 
 class ReservedRows:
@@ -32,14 +33,11 @@ class ReservedRows:
         self.row_bytes = self.shape[1:].numel() * dtype.itemsize
         self.start = offset % ALIGNMENT  # the mapping starts on a page
         size = self.start + max(self.row_bytes * self.shape[0], 1)
-        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.map = map_anonymous(size)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.map.madvise(mmap.MADV_HUGEPAGE)  # a row written after a release faults in 2 MiB at a time
         with torch.inference_mode(False):  # the experts' weights: normal tensors, as the in-memory model's
-            flat = torch.frombuffer(
-                self.map, dtype=torch.uint8, count=self.row_bytes * self.shape[0], offset=self.start
-            )
-            self.tensor = flat.view(dtype).view(self.shape)
+            self.tensor = view(self.map, dtype, self.shape, self.start)
 
     def release(self, expert: int) -> None:
         """Give back the memory of row ``expert`` (the whole pages inside it; a page shared with a
