@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
+
+import torch
 
 #: files the Hub stores with Git LFS: their blob is named by the sha256 of their bytes (others: the git blob sha1)
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
@@ -22,10 +25,20 @@ def blob_id(name: str, data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def as_hub_cache(folder: Path, cache: Path, repo_id: str, ref: str = "main", commit: str | None = None) -> Path:
-    """Lay out every file under ``folder`` in the Hub cache ``cache`` as the repo ``repo_id`` at ``ref``; returns the
-    snapshot folder (``.../snapshots/<commit>``). The commit is a digest of the files unless given."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+def as_hub_cache(
+    folder: Path,
+    cache: Path,
+    repo_id: str,
+    ref: str = "main",
+    commit: str | None = None,
+    skip: tuple[str, ...] = (),
+    hardlink: bool = False,
+) -> Path:
+    """Lay out every file under ``folder`` (but those named in ``skip``) in the Hub cache ``cache`` as the repo
+    ``repo_id`` at ``ref``; returns the snapshot folder (``.../snapshots/<commit>``). The commit is a digest of the
+    files unless given. ``hardlink``: a blob is a hard link to its file where the file system allows (a large model
+    is not copied)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in skip)
     blobs = {p.relative_to(folder).as_posix(): (blob_id(p.name, p.read_bytes()), p) for p in files}
     commit = commit or hashlib.sha1("".join(f"{k}:{v[0]}" for k, v in blobs.items()).encode()).hexdigest()
     repo = repo_folder(cache, repo_id)
@@ -34,10 +47,33 @@ def as_hub_cache(folder: Path, cache: Path, repo_id: str, ref: str = "main", com
         blob = repo / "blobs" / blob_name
         if not blob.exists():
             blob.parent.mkdir(parents=True, exist_ok=True)
-            blob.write_bytes(source.read_bytes())
+            try:
+                if not hardlink:
+                    raise OSError
+                os.link(source, blob)
+            except OSError:
+                blob.write_bytes(source.read_bytes())
         link = snapshot / relative
         link.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(os.path.relpath(blob, link.parent), link)  # relative, as huggingface_hub's _create_symlink makes it
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
     return snapshot
+
+
+def save_bin_shards(state: dict[str, torch.Tensor], folder: Path, shards: int = 2) -> None:
+    """``state`` as older transformers saved it: ``pytorch_model-0000i-of-0000n.bin`` files and
+    ``pytorch_model.bin.index.json`` (one ``pytorch_model.bin`` where ``shards`` is 1)."""
+    state = {key: tensor.clone() for key, tensor in state.items()}
+    if shards == 1:
+        torch.save(state, folder / "pytorch_model.bin")
+        return
+    keys = list(state)
+    weight_map = {}
+    for number in range(1, shards + 1):
+        part = keys[(number - 1) * len(keys) // shards : number * len(keys) // shards]
+        name = f"pytorch_model-{number:05d}-of-{shards:05d}.bin"
+        torch.save({key: state[key] for key in part}, folder / name)
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))

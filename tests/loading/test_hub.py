@@ -19,7 +19,7 @@ from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.hub import looks_like_repo_id, resolve_model_path, wanted_files
 from tests.checkpoints import TINY
 from tests.end_to_end.helpers import snapshot
-from tests.hub_cache import as_hub_cache, repo_folder
+from tests.hub_cache import as_hub_cache, repo_folder, save_bin_shards
 
 REPO = "acme/smol"
 IDS = torch.tensor([[5, 17, 99, 3, 64, 12, 7]])
@@ -32,18 +32,7 @@ def _save(model: transformers.PreTrainedModel, folder: Path, layout: str) -> Non
         model.save_pretrained(folder, max_shard_size="20KB" if layout == "safetensors-sharded" else "1GB")
         return
     model.config.save_pretrained(folder)
-    state = {key: tensor.clone() for key, tensor in model.state_dict().items()}
-    if layout == "bin":
-        torch.save(state, folder / "pytorch_model.bin")
-        return
-    keys = list(state)
-    halves = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
-    weight_map = {}
-    for number, part in enumerate(halves, 1):
-        name = f"pytorch_model-{number:05d}-of-00002.bin"
-        torch.save({key: state[key] for key in part}, folder / name)
-        weight_map.update(dict.fromkeys(part, name))
-    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_bin_shards(model.state_dict(), folder, shards=1 if layout == "bin" else 2)
 
 
 @pytest.fixture(scope="module", params=["safetensors-sharded", "safetensors-single", "bin", "bin-sharded"])
@@ -236,3 +225,14 @@ def test_the_files_downloaded_are_those_transformers_reads():
     unet = ["unet/diffusion_pytorch_model.safetensors", "unet/diffusion_pytorch_model.fp16.safetensors"]
     assert wanted_files(unet)[1] == ["unet/diffusion_pytorch_model.fp16.safetensors"]
     assert wanted_files(unet[1:])[1] == []  # only a variant: it is the weights
+
+
+def test_a_gguf_in_the_cache_resolves_to_its_snapshot_or_stays_the_file_given(offline_cache, tmp_path):
+    """A repo of GGUF files alone (no config.json) is its snapshot folder; a linked ``.gguf`` path is kept as given,
+    for the GGUF reader to open as any local GGUF file."""
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "model.Q4_1.gguf").write_bytes(b"GGUF" + bytes(60))
+    folder = as_hub_cache(tmp_path / "gguf", offline_cache, "acme/smol-gguf")
+    assert resolve_model_path("acme/smol-gguf") == folder
+    file = folder / "model.Q4_1.gguf"
+    assert file.is_symlink() and resolve_model_path(file) == file
