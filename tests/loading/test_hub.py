@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from offload_core import from_pretrained
 from offload_core.errors import CheckpointError, OffloadError, StorageError
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.hub import looks_like_repo_id, resolve_model_path, wanted_files
+from tests import ROOT
 from tests.checkpoints import TINY
 from tests.end_to_end.helpers import snapshot
 from tests.hub_cache import as_hub_cache, repo_folder, save_bin_shards
@@ -236,3 +238,12 @@ def test_a_gguf_in_the_cache_resolves_to_its_snapshot_or_stays_the_file_given(of
     assert resolve_model_path("acme/smol-gguf") == folder
     file = folder / "model.Q4_1.gguf"
     assert file.is_symlink() and resolve_model_path(file) == file
+
+
+def test_the_troubleshooting_page_quotes_the_offline_line_as_the_code_says_it(offline_cache):
+    page = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    row = next(line for line in page.splitlines() if "is neither a local folder nor a model" in line)
+    quoted = re.findall(r"`([^`]*)`", row.split(" | ")[1])[0]
+    with pytest.raises(OffloadError) as caught:
+        resolve_model_path("org/name")
+    assert all(piece in str(caught.value) for piece in quoted.split("…")), (quoted, str(caught.value))
