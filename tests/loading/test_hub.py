@@ -247,3 +247,85 @@ def test_the_troubleshooting_page_quotes_the_offline_line_as_the_code_says_it(of
     with pytest.raises(OffloadError) as caught:
         resolve_model_path("org/name")
     assert all(piece in str(caught.value) for piece in quoted.split("…")), (quoted, str(caught.value))
+
+
+# -- online: the Hub's two calls stand in here (tests never download) ------------------------------------------------
+
+
+@pytest.fixture
+def online(offline_cache, tmp_path, monkeypatch):
+    """The Hub as huggingface_hub's ``HfApi.model_info`` and ``snapshot_download`` answer it for a repo holding both
+    safetensors and ``.bin`` weights; the download lays the saved files out in the cache. Returns what they were
+    asked."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    real_snapshot_download = huggingface_hub.snapshot_download
+    saved = _tiny_folder(tmp_path / "remote")
+    files = [p.name for p in saved.iterdir()] + ["pytorch_model.bin", "original/consolidated.00.pth"]
+    commit = "c" * 40
+    asked: dict = {}
+
+    def model_info(self, repo_id, revision=None, **kwargs):
+        asked["info"] = (repo_id, revision, self.token)
+        return type("Info", (), {"sha": commit, "siblings": [type("S", (), {"rfilename": f}) for f in files]})
+
+    def snapshot_download(repo_id, **kwargs):
+        if kwargs.get("local_files_only"):
+            return real_snapshot_download(repo_id, **kwargs)
+        asked["download"] = {**kwargs, "bars_hidden": are_progress_bars_disabled()}
+        return str(as_hub_cache(saved, offline_cache, repo_id, commit=commit))
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return asked
+
+
+def test_online_a_repo_id_downloads_the_files_transformers_reads_at_the_asked_revision(online, offline_cache):
+    model = from_pretrained(REPO, revision="v1", token="hf_secret", execution_device="cpu")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert online["info"] == (REPO, "v1", "hf_secret")
+    download = online["download"]
+    assert download["revision"] == "c" * 40 and download["token"] == "hf_secret" and not download["bars_hidden"]
+    assert "*.safetensors" in download["allow_patterns"] and "*.bin" not in download["allow_patterns"]
+    resolve_model_path(REPO, progress=False)
+    assert online["download"]["bars_hidden"]
+
+
+def test_online_without_a_network_the_cached_repo_is_used_or_one_line_says_why(
+    online, offline_cache, tmp_path, capsys, monkeypatch
+):
+    import huggingface_hub
+
+    def unreachable(self, repo_id, revision=None, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    with pytest.raises(OffloadError) as caught:
+        resolve_model_path(REPO)
+    assert "\n" not in str(caught.value)
+    assert "is no local folder and could not be downloaded ([Errno -2]" in str(caught.value)
+    folder = as_hub_cache(_tiny_folder(tmp_path / "local"), offline_cache, REPO)
+    assert resolve_model_path(REPO) == folder
+    assert f"the Hub could not be reached ([Errno -2] Name or service not known); using the cached {REPO}" in (
+        capsys.readouterr().err
+    )
+
+
+def test_online_a_repo_the_hub_does_not_have_is_one_line_naming_the_token(online, monkeypatch):
+    httpx2 = pytest.importorskip("httpx2")
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    def missing(self, repo_id, revision=None, **kwargs):
+        response = httpx2.Response(404, request=httpx2.Request("GET", "http://hub.invalid/api/models/acme/nope"))
+        raise RepositoryNotFoundError("404 Client Error: Repository Not Found", response=response)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", missing)
+    with pytest.raises(OffloadError) as caught:
+        from_pretrained("acme/nope")
+    message = str(caught.value)
+    assert "\n" not in message and "the Hub repo acme/nope was not found (or is private)" in message
+    assert "HF_TOKEN" in message and "path='acme/nope'" in message
