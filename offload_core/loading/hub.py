@@ -13,7 +13,7 @@ from typing import Iterator
 from offload_core.errors import ConfigError
 from offload_core.loading.sources import ModelSourceError
 
-__all__ = ["resolve_model_path", "looks_like_repo_id"]
+__all__ = ["resolve_model_path", "looks_like_repo_id", "probe_folder"]
 
 #: what a run reads besides the weights: configs, indexes, tokenizer and chat-template files (never code, never
 #: another framework's weights)
@@ -37,6 +37,18 @@ def looks_like_repo_id(name: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def probe_folder(checkpoint: str | os.PathLike[str]) -> Path:
+    """Where a run may write its short-lived probes on the checkpoint's file system: the folder holding the checkpoint
+    folder (or file), but for a snapshot of the Hub cache (``.../models--org--name/snapshots/<commit>``) the folder
+    holding that cache, so that nothing is ever written inside the cache."""
+    path = Path(checkpoint).absolute()
+    parts = path.parts
+    for at in range(len(parts) - 2, 1, -1):
+        if parts[at] == "snapshots" and parts[at - 1].startswith(("models--", "datasets--", "spaces--")):
+            return Path(*parts[: at - 2])
+    return path.parent
 
 
 def resolve_model_path(

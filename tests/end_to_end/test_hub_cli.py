@@ -111,6 +111,8 @@ def test_a_tagged_revision_of_sharded_bin_files_runs_by_repo_id(tmp_path, capsys
     """``model.revision`` picks the tag's snapshot; ``.bin`` shards (the index naming linked files) copy to disk."""
     from huggingface_hub import constants
 
+    from offload_core.runner.plan import calibrate, probe
+
     smollm2 = sources.smollm2_checkpoint()
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
     config = transformers.LlamaConfig(**{**TINY, "vocab_size": len(tokenizer)}, num_key_value_heads=2)
@@ -126,9 +128,14 @@ def test_a_tagged_revision_of_sharded_bin_files_runs_by_repo_id(tmp_path, capsys
         as_hub_cache(folder, tmp_path / "hub", "acme/smol", ref=tag)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    probed = []  # the folders calibrate=true measures by writing in them: never inside the Hub cache
+    for module, name in [(calibrate, "disk_bandwidth"), (probe, "probe_times")]:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real: probed.append(Path(a[-1])) or real(*a))
     args = ["model=local", "model.path=acme/smol", "model.revision=v1", "storage=memmap", "max_memory.cpu=1MiB"]
-    code, err = cli([*args, "max_new_tokens=4", "compare_in_memory=true"], tmp_path, capsys)
+    code, err = cli([*args, "max_new_tokens=4", "compare_in_memory=true", "calibrate=true"], tmp_path, capsys)
     assert code == 0, err
+    assert len(probed) >= 2 and not any(p.resolve().is_relative_to((tmp_path / "hub").resolve()) for p in probed)
     metrics = run_metrics(tmp_path)
     assert metrics["matches_in_memory"] is True and metrics["devices"]["disk"]["bytes"] > 0
     assert metrics["token_ids"] == expected_tokens("acme/smol", tmp_path / "hub", 4, revision="v1")

@@ -17,7 +17,7 @@ import transformers
 from offload_core import from_pretrained
 from offload_core.errors import CheckpointError, OffloadError, StorageError
 from offload_core.loading.checkpoint import Checkpoint
-from offload_core.loading.hub import looks_like_repo_id, resolve_model_path, wanted_files
+from offload_core.loading.hub import looks_like_repo_id, probe_folder, resolve_model_path, wanted_files
 from tests import ROOT
 from tests.checkpoints import TINY
 from tests.end_to_end.helpers import snapshot
@@ -329,3 +329,10 @@ def test_online_a_repo_the_hub_does_not_have_is_one_line_naming_the_token(online
     message = str(caught.value)
     assert "\n" not in message and "the Hub repo acme/nope was not found (or is private)" in message
     assert "HF_TOKEN" in message and "path='acme/nope'" in message
+
+
+def test_probes_beside_a_snapshot_are_written_beside_the_hub_cache_never_inside_it(tmp_path):
+    snapshot_folder = tmp_path / "hf" / "hub" / "models--acme--smol" / "snapshots" / ("a" * 40)
+    assert probe_folder(snapshot_folder) == tmp_path / "hf"
+    assert probe_folder(snapshot_folder / "model.Q4_1.gguf") == tmp_path / "hf"
+    assert probe_folder(tmp_path / "models" / "smol") == tmp_path / "models"
