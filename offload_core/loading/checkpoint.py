@@ -7,7 +7,7 @@ import json
 import os
 import pickle
 import weakref
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -39,9 +39,17 @@ def _header_digest(file: Path) -> str:
     return xxhash.xxh3_128_hexdigest(head)
 
 
-def _inside(root: Path, path: Path) -> bool:
-    """Whether ``path`` (symlinks resolved) lies inside the folder ``root``."""
-    return path.resolve().is_relative_to(root.resolve()) and path.resolve() != root.resolve()
+def _is_shard_name(name: object) -> bool:
+    """Whether an index's shard ``name`` is a file name inside the checkpoint folder: relative, with no ``..`` and
+    naming a file, not the folder (``a.safetensors``, ``sub/a.safetensors``).
+
+    The file itself may be a symlink that leads anywhere readable (the Hugging Face cache's snapshot folders link
+    every file into ``../../blobs/``): a checkpoint is only ever read, and its folder's owner made its links.
+    """
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        return False
+    parts = PurePosixPath(name).parts
+    return not PurePosixPath(name).is_absolute() and ".." not in parts and parts not in ((), (".",))
 
 
 def _head(shard: Path) -> bytes:
@@ -154,12 +162,12 @@ class Checkpoint:
         shard_names = sorted(set(weight_map.values()))
         files = []
         for name in shard_names:
-            shard = root / name if isinstance(name, str) else root
-            if not isinstance(name, str) or not _inside(root, shard):
+            if not _is_shard_name(name):
                 raise CheckpointError(
                     f"{index_file.name} in {root} names shard {name!r}, which is not a file inside that folder; "
                     "fix the index's weight_map (shard names are file names in the checkpoint folder)"
                 )
+            shard = root / name
             if not shard.is_file():
                 count = sum(1 for v in weight_map.values() if v == name)
                 raise CheckpointError(

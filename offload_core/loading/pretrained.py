@@ -1,4 +1,5 @@
-"""One call from a local checkpoint folder to a ready, offloaded model of the right class: ``from_pretrained``."""
+"""One call from a checkpoint folder or Hub repo id to a ready, offloaded model of the right class:
+``from_pretrained``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def from_pretrained(
     speculative: Any = None,
     headroom: int | str | None = "auto",
     plan_call: Mapping[str, Any] | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | Path | None = None,
 ) -> nn.Module:
     """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
     plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
@@ -41,6 +46,12 @@ def from_pretrained(
     rest is streamed, each dropped once it has run (``"auto"``: the memory available less the cpu budget and a
     margin; a size such as ``"8GiB"``; ``0`` streams every block). None (or ``"lru"``) leaves what stays to the
     kernel's cache. The kept set's figures are in ``model.offload_state.handle.counters()``.
+
+    ``path`` may also be a Hugging Face Hub repo id (``"org/name"``), as in transformers: an existing local path wins;
+    otherwise the repo's snapshot folder in the Hub cache (``HF_HUB_CACHE``, ``HF_HOME`` or ``cache_dir``) at
+    ``revision`` (a branch, tag or commit; default ``main``) is used, downloaded first (with huggingface_hub's
+    progress bars) unless ``HF_HUB_OFFLINE=1`` or ``local_files_only`` forbid it. ``token`` (default ``HF_TOKEN`` or
+    the saved login) reads private or gated repos.
 
     ``policy`` None is ``align_per_call``. A diffusers pipeline folder (one with ``model_index.json``) gives the
     pipeline, its module components planned as one model (keys prefixed by component) and dispatched; its
@@ -60,8 +71,12 @@ def from_pretrained(
     resident. ``model.speculation.generate(ids, max_new_tokens=...)`` generates with it; then
     ``model.speculation.figures(new_tokens)`` gives passes, tokens per pass, drafted and accepted tokens.
     """
+    from offload_core.loading.hub import resolve_model_path
     from offload_core.loading.pipeline import is_pipeline_folder
 
+    path = resolve_model_path(
+        path, revision=revision, token=token, local_files_only=local_files_only, cache_dir=cache_dir, what="path"
+    )
     if is_pipeline_folder(path):
         from offload_core.loading.pipeline_load import pipeline_from_pretrained
 

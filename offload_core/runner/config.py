@@ -23,11 +23,16 @@ GROUPS = {"placement": "placement", "storage": "storage", "policy": "hook"}
 
 @dataclass
 class ModelConfig:
-    """Which checkpoint to run. ``path`` (any local Hugging Face checkpoint folder) wins over ``name``."""
+    """Which checkpoint to run. ``path`` (a local Hugging Face checkpoint folder, or a Hub repo id) wins over
+    ``name``."""
 
     #: smollm2 (embedded default), synthetic (random Llama of a preset size) or local (needs path)
     name: str = "smollm2"
+    #: a checkpoint folder (a Hub cache snapshot folder too) or a Hub repo id such as org/name (an existing local path
+    #: wins): taken from the Hugging Face cache, downloaded first unless HF_HUB_OFFLINE=1
     path: Optional[str] = None
+    #: the branch, tag or commit of a Hub repo id given as path (default: main)
+    revision: Optional[str] = None
     #: synthetic only: tiny, small, 0.3b, 1.1b, 30b
     preset: str = "tiny"
     #: apply the tokenizer's chat template to the prompt

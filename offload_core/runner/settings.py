@@ -140,13 +140,15 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     if headroom is not None:
         check_headroom(budgets, headroom, device)
     texts = cfg.get("texts")
+    sections = {key: _section(cfg, key) for key in ("placement", "storage", "hook", "model", "pipeline")}
+    sections["model"] = local_model(sections["model"], bool(cfg.progress))
     return Settings(
         execution_device=device,
         max_memory=budgets,
         headroom=headroom,
         dtype=parse_dtype(cfg.dtype),
         output_dir=Path(output_dir) if output_dir else Path.cwd(),
-        sections={key: _section(cfg, key) for key in ("placement", "storage", "hook", "model", "pipeline")},
+        sections=sections,
         prompt=str(cfg.prompt),
         texts=[str(text) for text in texts] if texts else None,
         prompts_file=str(cfg.prompts) if cfg.get("prompts") else None,
@@ -171,6 +173,18 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         auto=bool(cfg.get("auto", False)),
         dtype_name=str(cfg.dtype),
     )
+
+
+def local_model(section: dict, progress: bool) -> dict:
+    """The run's ``model`` section with ``path`` a local folder: a Hub repo id's snapshot folder in the Hugging Face
+    cache (downloaded first, unless ``HF_HUB_OFFLINE=1``, with ``progress`` bars), ``repo_id`` the id given."""
+    from offload_core.loading.hub import resolve_model_path
+
+    path = section.get("path")
+    if not path:
+        return section
+    folder = resolve_model_path(path, revision=section.get("revision"), progress=progress)
+    return section if folder == Path(path).expanduser() else {**section, "path": str(folder), "repo_id": str(path)}
 
 
 def run_speculative(cfg: Any) -> SpeculativeConfig:

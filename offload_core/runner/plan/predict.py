@@ -166,11 +166,12 @@ def calibrate_and_predict(
     sequences of ``prompt_tokens`` tokens generated at once (``cold``: see :func:`disk_bytes_per_forward`)."""
     import tempfile
 
+    from offload_core.loading.hub import probe_folder
     from offload_core.runner.plan.calibrate import calibrate
 
     folders = {
         "offload_folder": Path(settings.offload_folder or tempfile.gettempdir()),
-        "checkpoint": run_model.checkpoint_dir.parent,
+        "checkpoint": probe_folder(run_model.checkpoint_dir),
     }
     shapes = {"prefill": (rows, prompt_tokens), "decode": (rows, 1)}
     refresh = settings.calibrate
@@ -220,6 +221,7 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
     import os
     import tempfile
 
+    from offload_core.loading.hub import probe_folder
     from offload_core.registry.manager import get_registry
     from offload_core.runner.plan.calibrate import existing_folder
     from offload_core.runner.plan.probe import PROBE_VERSION, probe_times
@@ -228,7 +230,7 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
     key = json.dumps(
         {"v": PROBE_VERSION, "storage": storage, "hook": hook, "shape": [rows, tokens]}, sort_keys=True, default=str
     )
-    folder = existing_folder(run_model.checkpoint_dir.parent)
+    folder = existing_folder(probe_folder(run_model.checkpoint_dir))
     if not os.access(folder, os.W_OK):
         folder = existing_folder(Path(tempfile.gettempdir()))
 

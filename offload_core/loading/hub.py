@@ -1,0 +1,191 @@
+"""A model named by a Hugging Face Hub repo id (``org/name``): its snapshot folder in the local Hub cache, downloaded
+first, as transformers would, where the cache lacks it and the machine may go online."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from offload_core.errors import ConfigError
+from offload_core.loading.sources import ModelSourceError
+
+__all__ = ["resolve_model_path", "looks_like_repo_id", "probe_folder"]
+
+#: what a run reads besides the weights: configs, indexes, tokenizer and chat-template files (never code, never
+#: another framework's weights)
+READ = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+#: a diffusers variant of a weight file (``diffusion_pytorch_model.fp16.safetensors``): left out where the plain one is
+_VARIANT = re.compile(r"\.(fp16|fp32|bf16|ema|non_ema)(?=\.(safetensors|bin)$)")
+#: file endings of a path that names a file, never a repo
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".gguf")
+
+
+def looks_like_repo_id(name: str) -> bool:
+    """Whether ``name`` can be a Hub repo id (``org/name`` or ``name``), not a path (``/a``, ``./a``, ``~/a``,
+    ``a/b/c``, ``model.safetensors``)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not name or name.startswith((".", "~")) or name.endswith(_FILE_SUFFIXES):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def probe_folder(checkpoint: str | os.PathLike[str]) -> Path:
+    """Where a run may write its short-lived probes on the checkpoint's file system: the folder holding the checkpoint
+    folder (or file), but for a snapshot of the Hub cache (``.../models--org--name/snapshots/<commit>``) the folder
+    holding that cache, so that nothing is ever written inside the cache."""
+    path = Path(checkpoint).absolute()
+    parts = path.parts
+    for at in range(len(parts) - 2, 1, -1):
+        if parts[at] == "snapshots" and parts[at - 1].startswith(("models--", "datasets--", "spaces--")):
+            return Path(*parts[: at - 2])
+    return path.parent
+
+
+def resolve_model_path(
+    path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    what: str = "model.path",
+) -> Path:
+    """The local folder (or file) ``path`` names: ``path`` itself where it exists (a local path wins over a repo id,
+    as in transformers), else the snapshot folder of the Hub repo ``path`` at ``revision`` (default ``main``).
+
+    A repo in the Hub cache (``HF_HUB_CACHE``, ``HF_HOME``, or ``cache_dir``) is used as it is when
+    ``HF_HUB_OFFLINE=1`` or ``local_files_only``; otherwise the Hub is asked and what is missing is downloaded
+    (configs, tokenizer and the weights in one format: safetensors where the repo has them, else ``.bin``) with
+    huggingface_hub's progress bars (``progress``), the token ``token`` or ``HF_TOKEN`` / the saved login. ``what``
+    names the argument in error lines.
+    """
+    local = Path(path).expanduser()
+    if local.exists():
+        return local
+    name = str(path)
+    if not looks_like_repo_id(name):
+        raise ConfigError(
+            f"{what}={name!r} does not exist: give a local Hugging Face checkpoint folder or a Hub repo id (org/name)"
+        )
+    from huggingface_hub import constants
+
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else Path(constants.HF_HUB_CACHE)
+    at = f" at revision {revision!r}" if revision else ""
+    if local_files_only or constants.HF_HUB_OFFLINE:
+        found = cached_snapshot(name, revision, cache)
+        if found is not None:
+            return found
+        why, undo = (
+            ("local_files_only=True", "pass local_files_only=False")
+            if local_files_only
+            else ("HF_HUB_OFFLINE=1", "unset HF_HUB_OFFLINE")
+        )
+        raise ModelSourceError(
+            f"{what}={name!r} is neither a local folder nor a model in the Hugging Face cache ({cache}){at}, and "
+            f"{why} forbids downloading it; set {what} to a checkpoint folder, {undo} to download it, or download it "
+            f"first: hf download {name}{f' --revision {revision}' if revision else ''}"
+        )
+    return _download(name, revision, token, cache if cache_dir is not None else None, progress, what, at)
+
+
+def cached_snapshot(repo_id: str, revision: str | None, cache: Path) -> Path | None:
+    """The snapshot folder of ``repo_id`` at ``revision`` (a branch or tag through ``refs/``, or a commit) in the Hub
+    cache ``cache``, or None where the cache does not hold it."""
+    from huggingface_hub import snapshot_download, try_to_load_from_cache
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    for name in ("config.json", "model_index.json"):
+        found = try_to_load_from_cache(repo_id, name, cache_dir=cache, revision=revision)
+        if isinstance(found, str):
+            return Path(found).parent
+    try:  # a repo without a config (a GGUF file alone): its snapshot folder, where the cache holds it whole
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def wanted_files(files: list[str]) -> tuple[list[str], list[str]]:
+    """``(allow_patterns, ignore_patterns)`` of the files a run of a repo holding ``files`` reads: configs and
+    tokenizer files, and the weights as transformers picks them (safetensors where there are any, else ``.bin``),
+    a diffusers variant (``*.fp16.safetensors``) only where its plain file is missing."""
+    weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else ["*.bin"]
+    present = set(files)
+    ignore = [f for f in files if _VARIANT.search(f) and _VARIANT.sub("", f) in present]
+    return READ + weights, ignore
+
+
+def _download(
+    repo_id: str,
+    revision: str | None,
+    token: str | bool | None,
+    cache: Path | None,
+    progress: bool,
+    what: str,
+    at: str,
+) -> Path:
+    """The snapshot folder of ``repo_id`` once what a run reads of it is downloaded (or, where the Hub cannot be
+    reached, the cached one)."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        info = HfApi(token=token).model_info(repo_id, revision=revision)
+        allow, ignore = wanted_files([sibling.rfilename for sibling in info.siblings or []])
+        with _progress_bars(progress):
+            folder = snapshot_download(
+                repo_id,
+                revision=info.sha or revision,
+                cache_dir=cache,
+                token=token,
+                allow_patterns=allow,
+                ignore_patterns=ignore or None,
+            )
+        return Path(folder)
+    except RevisionNotFoundError:
+        raise ModelSourceError(
+            f"{what}={repo_id!r}: the Hub repo has no revision {revision!r}; give a branch, tag or commit it has"
+        ) from None
+    except (RepositoryNotFoundError, GatedRepoError) as error:
+        kind = "is gated" if isinstance(error, GatedRepoError) else "was not found"
+        raise ModelSourceError(
+            f"{what}={repo_id!r} is no local folder, and the Hub repo {repo_id} {kind} (or is private); check the "
+            "name, or give a token with access (HF_TOKEN, or `hf auth login`)"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - no network, the Hub down, a full disk: use the cache if it has it
+        from huggingface_hub import constants
+
+        found = cached_snapshot(repo_id, revision, cache or Path(constants.HF_HUB_CACHE))
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if found is not None:
+            print(f"offload_core: the Hub could not be reached ({reason}); using the cached {repo_id}", file=sys.stderr)
+            return found
+        raise ModelSourceError(
+            f"{what}={repo_id!r} is no local folder and could not be downloaded{at} ({reason}); check the network "
+            f"(or set {what} to a checkpoint folder), then run again or download it first: hf download {repo_id}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """huggingface_hub's progress bars as the run asks (they also obey ``HF_HUB_DISABLE_PROGRESS_BARS``)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if shown or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
