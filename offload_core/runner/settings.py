@@ -69,6 +69,8 @@ class Settings:
     auto: bool = False
     #: ``dtype`` as given (``auto``: the checkpoint's): what a resumed run must match
     dtype_name: str = "auto"
+    #: run or serve (``sections["serve"]`` holds the server's keys)
+    mode: str = "run"
 
     @property
     def model(self) -> dict:
@@ -146,7 +148,10 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         headroom=headroom,
         dtype=parse_dtype(cfg.dtype),
         output_dir=Path(output_dir) if output_dir else Path.cwd(),
-        sections={key: _section(cfg, key) for key in ("placement", "storage", "hook", "model", "pipeline")},
+        sections={
+            **{key: _section(cfg, key) for key in ("placement", "storage", "hook", "model", "pipeline")},
+            "serve": _section(cfg, "serve") if "serve" in cfg else {},
+        },
         prompt=str(cfg.prompt),
         texts=[str(text) for text in texts] if texts else None,
         prompts_file=str(cfg.prompts) if cfg.get("prompts") else None,
@@ -170,7 +175,16 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         calibrate=bool(cfg.get("calibrate", False)),
         auto=bool(cfg.get("auto", False)),
         dtype_name=str(cfg.dtype),
+        mode=run_mode(cfg),
     )
+
+
+def run_mode(cfg: Any) -> str:
+    """``mode``: run or serve."""
+    mode = str(cfg.get("mode", "run"))
+    if mode not in ("run", "serve"):
+        raise ConfigError(f"mode={mode} is not a mode: use mode=run (the default) or mode=serve (an HTTP server)")
+    return mode
 
 
 def run_speculative(cfg: Any) -> SpeculativeConfig:
