@@ -64,11 +64,18 @@ def test_requests_starting_together_get_transformers_batch_tokens(model):
     assert got[:3] == out[:, ids.shape[1] :].tolist()
 
 
-def test_offloaded_model_gives_the_in_memory_tokens_for_the_same_batch_composition(model, folder, tmp_path):
+@pytest.mark.parametrize(
+    "storage, policy",
+    [("memmap", "align_per_call"), ("safetensors", "prefetch"), ("pinned_cpu", "chained")]
+    + [("memmap", policy) for policy in ("functional_call", "experts")],
+)
+def test_offloaded_model_gives_the_in_memory_tokens_for_the_same_batch_composition(
+    model, folder, tmp_path, storage, policy
+):
     import offload_core
 
     offloaded = offload_core.from_pretrained(
-        folder, max_memory={"cpu": 1024}, storage="memmap", headroom=0, offload_folder=tmp_path / "off"
+        folder, max_memory={"cpu": 1024}, storage=storage, policy=policy, headroom=0, offload_folder=tmp_path / "off"
     )
     assert offloaded.offload_state.offloaded_bytes() > 0
     joins = {0: [0, 1], 2: [2], 5: [3]}  # requests join mid-flight; the slots (3) make the fourth wait for one
