@@ -165,3 +165,39 @@ def test_stop_strings_end_the_text_and_are_not_sent():
     pieces = [text.feed(ord(c)) for c in "abcEN"]
     assert "".join(pieces) == "abc"  # "EN" held back: it may start the stop string
     assert text.feed(ord("D")) == "" and text.stopped and text.text == "abc"
+
+
+def test_a_fault_outside_a_forward_fails_those_generating_and_the_engine_goes_on(model):
+    import threading
+
+    engine = Engine(model, None, torch.device("cpu"), slots=2, context=64)
+    real, faults = engine._decode, []
+
+    def faulty(group):
+        if not faults:
+            faults.append(group)
+            raise RuntimeError("a fault between forwards")
+        real(group)
+
+    engine._decode = faulty
+    ended = {name: threading.Event() for name in ("first", "second")}
+    events: dict[str, list] = {name: [] for name in ended}
+
+    def emit_to(name):
+        def emit(event):
+            events[name].append(event)
+            if event.done:
+                ended[name].set()
+
+        return emit
+
+    engine.start()
+    try:
+        engine.submit(Request(PROMPTS[0], greedy(), emit=emit_to("first")))
+        assert ended["first"].wait(timeout=60)
+        engine.submit(Request(PROMPTS[1], greedy(), emit=emit_to("second")))
+        assert ended["second"].wait(timeout=60)
+    finally:
+        engine.stop()
+    assert "a fault between forwards" in events["first"][-1].error
+    assert events["second"][-1].finish_reason in ("length", "stop") and not events["second"][-1].error

@@ -79,7 +79,10 @@ def build_app(engine: Engine, served: Served) -> Starlette:
         body = schema.parse(schema.CompletionRequest, await read_json(request))
         check_model(body.model, served.name)
         text = body.text()
-        ids = served.encode_text(text)
+        try:
+            ids = served.encode_text(text)
+        except Exception as error:  # a tokenizer that cannot read this text
+            raise ApiError(400, f"the prompt cannot be tokenized: {error}", "prompt") from None
         if not ids:
             raise ApiError(400, "prompt is empty: give some text", "prompt")
         response = await generate(request, body, ids, chat=False, echo=text if body.echo else "")

@@ -172,7 +172,14 @@ class Engine:
                 with self.lock:
                     if self.stopping:
                         return
-                if not self.step():
+                try:
+                    worked = self.step()
+                except Exception as error:  # a fault outside a forward: those generating fail, the server goes on
+                    self._fail([r for g in self.groups for r in g.rows], error)
+                    self.groups.clear()
+                    self.metrics.active.set(0)
+                    continue
+                if not worked:
                     with self.lock:
                         if not self.stopping and not self.waiting:
                             self.lock.wait(timeout=0.5)
