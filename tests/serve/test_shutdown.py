@@ -62,3 +62,15 @@ def test_exact_requests_equal_alone_and_sigterm_lets_them_finish(tmp_path):
     assert metrics["mode"] == "serve" and metrics["generated_tokens"] > 0
     with pytest.raises(OSError):
         call(url, "GET", "/health")
+
+
+def test_ctrl_c_stops_an_idle_server_with_exit_code_0(tmp_path):
+    import signal
+
+    proc, url = start_server(save_tiny_chat_model(tmp_path / "tiny"), tmp_path / "run", "serve.context=64")
+    assert call(url, "GET", "/health")[0] == 200
+    proc.send_signal(signal.SIGINT)
+    code, out, err = stop_server(proc)
+    assert code == 0, err[-2000:]
+    assert "stopping: no new requests; 0 generating" in out and "served 0 requests" in out
+    assert "Traceback" not in err and "interrupted" not in err
