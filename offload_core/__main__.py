@@ -1,6 +1,6 @@
 """``python -m offload_core`` (or ``offload-core``): ``run [key=value ...]`` runs the main job as ``python run.py``
-does; ``plugins`` lists loaded plugins, their versions and the strategies each provides (by the names the command line
-takes)."""
+does, ``serve [key=value ...]`` as ``python run.py mode=serve``; ``plugins`` lists loaded plugins, their versions and
+the strategies each provides (by the names the command line takes)."""
 
 from __future__ import annotations
 
@@ -60,9 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
         return run(argv[1:])
+    if argv[:1] == ["serve"]:
+        return run(["mode=serve", *argv[1:]])
     parser = argparse.ArgumentParser(prog=program(), description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the main job: run [key=value ...] (as python run.py; run --help lists the keys)")
+    sub.add_parser("serve", help="serve the model over HTTP (OpenAI's API): serve [key=value ...], as run mode=serve")
     sub.add_parser("plugins", help="list loaded plugins and the strategies they provide")
     args = parser.parse_args(argv)
     try:

@@ -38,15 +38,19 @@ def _dims(config: Any) -> tuple[int, int, int, int, int, int, int]:
     return int(text.num_hidden_layers), hidden, heads, kv_heads, head_dim, intermediate, int(text.vocab_size)
 
 
-def batch_memory(config: Any, batch: int, prompt_tokens: int, new_tokens: int, dtype: torch.dtype) -> BatchMemory:
-    """The :class:`BatchMemory` of ``batch`` sequences for a model of ``config`` running in ``dtype``."""
+def batch_memory(
+    config: Any, batch: int, prompt_tokens: int, new_tokens: int, dtype: torch.dtype, prefill_rows: int | None = None
+) -> BatchMemory:
+    """The :class:`BatchMemory` of ``batch`` sequences for a model of ``config`` running in ``dtype``; the prompt's
+    activations are counted for ``prefill_rows`` of them (default all: a server prefills its newcomers apart)."""
     layers, hidden, heads, kv_heads, head_dim, intermediate, vocab = _dims(config)
     item = torch.empty((), dtype=dtype).element_size()
     tokens = prompt_tokens + new_tokens
     kv = 2 * layers * kv_heads * head_dim * batch * tokens * item
     per_token = 2 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate
-    activations = batch * prompt_tokens * per_token * item
-    activations += batch * heads * prompt_tokens * tokens * item
+    rows = batch if prefill_rows is None else prefill_rows
+    activations = rows * prompt_tokens * per_token * item
+    activations += rows * heads * prompt_tokens * tokens * item
     activations += 2 * batch * vocab * 4
     return BatchMemory(kv, activations)
 

@@ -69,6 +69,34 @@ class PipelineConfig:
 
 
 @dataclass
+class ServeConfig:
+    """``mode=serve``: the OpenAI-compatible server (offload_core.runner.modes.serve) and its continuous batching."""
+
+    #: the address to listen on (loopback by default; 0.0.0.0 listens on every interface)
+    host: str = "127.0.0.1"
+    #: the port to listen on (0: a free port, printed when the server is ready)
+    port: int = 8000
+    #: a key every request but GET /health must carry (Authorization: Bearer <key>); default: the environment's
+    #: OFFLOAD_CORE_API_KEY, else none
+    api_key: Optional[str] = None
+    #: the name clients give as "model" (default: the model's folder name, or model.name)
+    model_name: Optional[str] = None
+    #: tokens each request may hold, prompt and completion together (capped at the model's context); its KV cache is
+    #: planned for this many
+    context: int = 1024
+    #: requests generated at once: auto (as many as the budget holds at serve.context, up to 16) or a number
+    max_batch: Any = "auto"
+    #: requests waiting for a slot beyond those generating; past it a request is answered 429
+    max_queue: int = 64
+    #: max_tokens of a request that gives none (then capped by what serve.context leaves after its prompt)
+    max_tokens: int = 256
+    #: each request computes in its own forward, so its tokens are those it gets alone (no shared pass)
+    exact: bool = False
+    #: seconds in-flight requests get to finish after SIGTERM or Ctrl-C before they are cancelled
+    shutdown_timeout: float = 30.0
+
+
+@dataclass
 class RunConfig:
     """Top-level keys of ``conf/config.yaml``."""
 
@@ -78,6 +106,10 @@ class RunConfig:
     model: ModelConfig = MISSING
     #: speculative decoding (offload_core.speculative.config.SpeculativeConfig): none, prompt_lookup, draft, self
     speculative: Any = None
+    #: run (generate, or read texts, and exit) or serve (an OpenAI-compatible server: see the serve keys)
+    mode: str = "run"
+    #: mode=serve only
+    serve: ServeConfig = field(default_factory=ServeConfig)
     #: the prompt a single run generates from (a causal_lm or seq2seq_lm model), or its one text
     prompt: str = "What is the capital of France?"
     #: the texts a masked_lm, sequence_classification or embeddings run reads at once (default: [prompt])

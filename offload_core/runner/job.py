@@ -38,10 +38,22 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         from offload_core.runner.modes.pipeline_job import run_pipeline
 
         return run_pipeline(settings, strategies, labels)
-    with prepare(settings, strategies) as job:
+    batches_of, serve = None, settings.mode == "serve"
+    if serve:  # planned for the requests served at once, each holding serve.context tokens
+        from offload_core.runner.modes.serve.options import read_options, serving_settings, slots_of
+
+        settings = serving_settings(settings)
+        batches_of = slots_of(settings, read_options(settings.sections["serve"]))
+    # a server's step time depends on its traffic: it starts without measuring the machine for a prediction
+    predict = not serve or settings.plan_only or settings.calibrate
+    with prepare(settings, strategies, batches_of=batches_of, predict=predict) as job:
         report_plan(job)
         if job.settings.plan_only:
             return plan_only(job, labels, plot)
+        if serve:
+            from offload_core.runner.modes.serve.mode import run_serve
+
+            return run_serve(job, labels)
         if not job.generates:
             return run_encoder(job, labels)
         if job.settings.prompts_file:

@@ -69,6 +69,8 @@ class Settings:
     auto: bool = False
     #: ``dtype`` as given (``auto``: the checkpoint's): what a resumed run must match
     dtype_name: str = "auto"
+    #: run or serve (``sections["serve"]`` holds the server's keys)
+    mode: str = "run"
 
     @property
     def model(self) -> dict:
@@ -142,6 +144,7 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
     texts = cfg.get("texts")
     sections = {key: _section(cfg, key) for key in ("placement", "storage", "hook", "model", "pipeline")}
     sections["model"] = local_model(sections["model"], bool(cfg.progress))
+    sections["serve"] = _section(cfg, "serve") if "serve" in cfg else {}
     return Settings(
         execution_device=device,
         max_memory=budgets,
@@ -172,6 +175,7 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         calibrate=bool(cfg.get("calibrate", False)),
         auto=bool(cfg.get("auto", False)),
         dtype_name=str(cfg.dtype),
+        mode=run_mode(cfg),
     )
 
 
@@ -185,6 +189,14 @@ def local_model(section: dict, progress: bool) -> dict:
         return section
     folder = resolve_model_path(path, revision=section.get("revision"), progress=progress)
     return section if folder == Path(path).expanduser() else {**section, "path": str(folder), "repo_id": str(path)}
+
+
+def run_mode(cfg: Any) -> str:
+    """``mode``: run or serve."""
+    mode = str(cfg.get("mode", "run"))
+    if mode not in ("run", "serve"):
+        raise ConfigError(f"mode={mode} is not a mode: use mode=run (the default) or mode=serve (an HTTP server)")
+    return mode
 
 
 def run_speculative(cfg: Any) -> SpeculativeConfig:

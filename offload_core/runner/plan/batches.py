@@ -24,6 +24,8 @@ class Batches:
     encoded: list[list[int]]
     batch_size: int
     memory: BatchMemory | None = None
+    #: sequences prefilled at once, when fewer than the batch (a server prefills its newcomers apart)
+    prefill_rows: int | None = None
 
     @property
     def longest(self) -> int:
@@ -72,7 +74,7 @@ def read_batches(settings: Settings, run_model: Any) -> tuple[Settings, Batches 
 
 def plan_batches(settings: Settings, run_model: Any, batches: Batches) -> tuple[Settings, Batches]:
     """``settings`` with the memory ``batches`` need held back (:func:`plan_run_memory`), and ``batches`` with it."""
-    settings, need = plan_run_memory(settings, run_model, batches.rows, batches.longest)
+    settings, need = plan_run_memory(settings, run_model, batches.rows, batches.longest, batches.prefill_rows)
     return settings, dataclasses.replace(batches, memory=need)
 
 

@@ -61,15 +61,18 @@ def largest_new_tokens(config: Any, budget: int, prompt_tokens: int, dtype: Any,
     return low
 
 
-def plan_run_memory(settings: Settings, run_model: Any, rows: int, longest: int) -> tuple[Settings, BatchMemory]:
+def plan_run_memory(
+    settings: Settings, run_model: Any, rows: int, longest: int, prefill_rows: int | None = None
+) -> tuple[Settings, BatchMemory]:
     """``settings`` with the memory of ``rows`` sequences of ``longest`` prompt tokens plus ``max_new_tokens`` held
     back from the execution device's budget (on a CPU run as the ``headroom``, unless the user gave one); a run past
-    the model's context, or whose memory does not fit beside one block, is a :class:`ConfigError` naming what fits."""
+    the model's context, or whose memory does not fit beside one block, is a :class:`ConfigError` naming what fits.
+    ``prefill_rows``: how many of them prefill at once (default all)."""
     from offload_core.planning import largest_block_size
 
     config, dtype, new = run_model.model.config, run_model.dtype, settings.sampling.max_new_tokens
     check_context(config, longest, new, "the longest prompt" if settings.prompts_file else "the prompt")
-    need = batch_memory(config, rows, longest, new, dtype)
+    need = batch_memory(config, rows, longest, new, dtype, prefill_rows)
     device = settings.execution_device
     key = "cpu" if device.type == "cpu" else device.index
     given = settings.headroom

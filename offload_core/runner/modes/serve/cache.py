@@ -1,0 +1,85 @@
+"""The KV cache of the requests generating together, left-padded to one width: rows that join are padded to it (or it
+to them), rows that leave are dropped, and columns no row needs any more are cut, all between forwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _layers(cache: Any) -> list[Any]:
+    return list(cache.layers)
+
+
+def check_mergeable(cache: Any) -> None:
+    """Rows of ``cache`` can be padded, joined and dropped: every layer holds the whole sequence (no sliding window)."""
+    from transformers.cache_utils import DynamicLayer
+
+    kinds = {type(layer).__name__ for layer in _layers(cache) if type(layer) is not DynamicLayer}
+    if kinds:
+        raise TypeError(f"layers of kind {', '.join(sorted(kinds))} cannot be batched across requests")
+
+
+def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
+    if columns <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = columns
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+class BatchCache:
+    """A transformers cache (``cache``) of several rows and their attention ``mask`` (rows x width, 1 where a row
+    holds a token); every row's tokens end at the last column, so the next token of every row is one new column."""
+
+    def __init__(self, cache: Any, mask: torch.Tensor) -> None:
+        self.cache = cache
+        self.mask = mask
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def positions(self) -> torch.Tensor:
+        """The position of each row's next token: the tokens it holds (its padding is not counted)."""
+        return self.mask.sum(dim=1, keepdim=True)
+
+    def grow(self) -> torch.Tensor:
+        """The mask of a forward that adds one token to every row (one more column of ones), kept as the new mask."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, 1))], dim=1)
+        return self.mask
+
+    def pad(self, columns: int) -> None:
+        """Add ``columns`` empty columns on the left of every row."""
+        if columns <= 0:
+            return
+        for layer in _layers(self.cache):
+            layer.keys = _pad_left(layer.keys, columns, 2)
+            layer.values = _pad_left(layer.values, columns, 2)
+        self.mask = _pad_left(self.mask, columns, 1)
+
+    def join(self, other: BatchCache) -> None:
+        """Append ``other``'s rows after these, the narrower padded on the left to the wider's width."""
+        width = max(self.width, other.width)
+        self.pad(width - self.width)
+        other.pad(width - other.width)
+        for mine, theirs in zip(_layers(self.cache), _layers(other.cache)):
+            mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
+            mine.values = torch.cat([mine.values, theirs.values], dim=0)
+        self.mask = torch.cat([self.mask, other.mask], dim=0)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order), then cut the leading columns none of them holds a token in."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.mask = self.mask.index_select(0, index)
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else self.width
+        self.mask = self.mask[:, start:]
+        for layer in _layers(self.cache):
+            layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))[:, :, start:]
+            layer.values = layer.values.index_select(0, index.to(layer.values.device))[:, :, start:]

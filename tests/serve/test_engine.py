@@ -1,0 +1,203 @@
+"""The serving engine without HTTP: continuous batching gives the tokens transformers gives (alone with
+serve.exact=true; for the same batch composition otherwise, offloaded or in memory), requests join and leave between
+steps, a cancelled one frees its slot, a full queue refuses, a failing request fails alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from offload_core.runner.modes.batch import left_padded
+from offload_core.runner.modes.serve.engine import Engine, QueueFull, Request
+from offload_core.runner.modes.serve.sampling import Detokenizer, Params
+from tests.serve.tiny import save_tiny_chat_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41]]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def greedy(tokens: int = NEW) -> Params:
+    return Params(max_tokens=tokens, temperature=0)
+
+
+def run_schedule(engine: Engine, joins: dict[int, list[int]], tokens: int = NEW) -> list[list[int]]:
+    """Submit ``PROMPTS[i]`` for each i in ``joins[step]`` before that step, step until idle; each request's tokens."""
+    requests = [Request(p, greedy(tokens)) for p in PROMPTS]
+    with torch.inference_mode():
+        for step in range(200):
+            for i in joins.get(step, []):
+                engine.submit(requests[i])
+            if not engine.step() and step > max(joins):
+                break
+    assert engine.idle()
+    return [r.tokens for r in requests]
+
+
+def alone(model, prompt: list[int], tokens: int = NEW) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_exact_gives_each_request_its_tokens_alone(model):
+    engine = Engine(model, None, torch.device("cpu"), slots=3, context=64, exact=True)
+    got = run_schedule(engine, {0: [0, 1], 3: [2], 4: [3]})
+    assert got == [alone(model, p) for p in PROMPTS]
+
+
+def test_requests_starting_together_get_transformers_batch_tokens(model):
+    engine = Engine(model, None, torch.device("cpu"), slots=3, context=64)
+    got = run_schedule(engine, {0: [0, 1, 2]})
+    ids, mask = left_padded(PROMPTS[:3], 0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert got[:3] == out[:, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(
+    "storage, policy",
+    [("memmap", "align_per_call"), ("safetensors", "prefetch"), ("pinned_cpu", "chained")]
+    + [("memmap", policy) for policy in ("functional_call", "experts")],
+)
+def test_offloaded_model_gives_the_in_memory_tokens_for_the_same_batch_composition(
+    model, folder, tmp_path, storage, policy
+):
+    import offload_core
+
+    offloaded = offload_core.from_pretrained(
+        folder, max_memory={"cpu": 1024}, storage=storage, policy=policy, headroom=0, offload_folder=tmp_path / "off"
+    )
+    assert offloaded.offload_state.offloaded_bytes() > 0
+    joins = {0: [0, 1], 2: [2], 5: [3]}  # requests join mid-flight; the slots (3) make the fourth wait for one
+    on_disk = run_schedule(Engine(offloaded, None, torch.device("cpu"), slots=3, context=64), joins)
+    in_memory = run_schedule(Engine(model, None, torch.device("cpu"), slots=3, context=64), joins)
+    assert on_disk == in_memory
+    assert all(len(t) == NEW for t in on_disk)
+
+
+def test_one_forward_makes_a_token_for_every_request(model):
+    engine = Engine(model, None, torch.device("cpu"), slots=4, context=64)
+    run_schedule(engine, {0: [0, 1, 2, 3]})
+    # one prefill of all four, then NEW - 1 steps each making four tokens
+    assert engine.metrics.passes_count == NEW
+    assert engine.metrics.generated_count == 4 * NEW
+
+
+def test_a_cancelled_request_frees_its_slot_and_cache_rows(model):
+    engine = Engine(model, None, torch.device("cpu"), slots=2, context=64)
+    first, second, third = (Request(p, greedy(30)) for p in PROMPTS[:3])
+    with torch.inference_mode():
+        for request in (first, second, third):
+            engine.submit(request)
+        engine.step()
+        engine.step()
+        assert engine.active == 2 and len(engine.waiting) == 1
+        engine.cancel(first)
+        engine.step()  # drops it, then the third is prefilled into its slot
+        assert engine.active == 2 and not engine.waiting
+        assert engine.groups[0].cache.rows == 2 and engine.groups[0].rows == [second, third]
+        steps = len(first.tokens)
+        for _ in range(100):
+            if not engine.step():
+                break
+    assert len(first.tokens) == steps < 30
+    assert len(second.tokens) == len(third.tokens) == 30
+
+
+def test_a_full_queue_refuses(model):
+    engine = Engine(model, None, torch.device("cpu"), slots=1, context=64, max_queue=1)
+    engine.submit(Request(PROMPTS[0], greedy()))
+    engine.submit(Request(PROMPTS[1], greedy()))
+    with pytest.raises(QueueFull):
+        engine.submit(Request(PROMPTS[2], greedy()))
+
+
+def test_a_failing_request_fails_alone(model):
+    engine = Engine(model, None, torch.device("cpu"), slots=2, context=64)
+    events: list = []
+    bad = Request(PROMPTS[0], greedy(), emit=events.append)
+    good = Request(PROMPTS[1], greedy())
+    engine.submit(bad)
+    engine.submit(good)
+
+    def broken(logits):
+        raise ValueError("this request's sampling broke")
+
+    bad.picker.pick = broken
+    with torch.inference_mode():
+        for _ in range(50):
+            if not engine.step():
+                break
+    assert bad.finish_reason == "error" and "sampling broke" in events[-1].error
+    assert good.tokens == alone(model, PROMPTS[1])
+
+
+def test_seeded_sampling_repeats_and_the_seed_matters(model):
+    def sample(seed: int) -> list[int]:
+        engine = Engine(model, None, torch.device("cpu"), slots=1, context=64)
+        request = Request(PROMPTS[0], Params(max_tokens=12, temperature=1.5, top_p=0.95, seed=seed))
+        engine.submit(request)
+        with torch.inference_mode():
+            while engine.step():
+                pass
+        return request.tokens
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_stop_strings_end_the_text_and_are_not_sent():
+    class Letters:  # a tokenizer whose token i is the letter chr(i)
+        def decode(self, tokens, skip_special_tokens=True):
+            return "".join(chr(t) for t in tokens)
+
+    text = Detokenizer(Letters(), ("END",))
+    pieces = [text.feed(ord(c)) for c in "abcEN"]
+    assert "".join(pieces) == "abc"  # "EN" held back: it may start the stop string
+    assert text.feed(ord("D")) == "" and text.stopped and text.text == "abc"
+
+
+def test_a_fault_outside_a_forward_fails_those_generating_and_the_engine_goes_on(model):
+    import threading
+
+    engine = Engine(model, None, torch.device("cpu"), slots=2, context=64)
+    real, faults = engine._decode, []
+
+    def faulty(group):
+        if not faults:
+            faults.append(group)
+            raise RuntimeError("a fault between forwards")
+        real(group)
+
+    engine._decode = faulty
+    ended = {name: threading.Event() for name in ("first", "second")}
+    events: dict[str, list] = {name: [] for name in ended}
+
+    def emit_to(name):
+        def emit(event):
+            events[name].append(event)
+            if event.done:
+                ended[name].set()
+
+        return emit
+
+    engine.start()
+    try:
+        engine.submit(Request(PROMPTS[0], greedy(), emit=emit_to("first")))
+        assert ended["first"].wait(timeout=60)
+        engine.submit(Request(PROMPTS[1], greedy(), emit=emit_to("second")))
+        assert ended["second"].wait(timeout=60)
+    finally:
+        engine.stop()
+    assert "a fault between forwards" in events["first"][-1].error
+    assert events["second"][-1].finish_reason in ("length", "stop") and not events["second"][-1].error
