@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from offload_core.registry.manager import Registry, get_registry
 from offload_core.runner import config as run_config
-from offload_core.runner.config import GROUPS, MODEL_PRESETS, ModelConfig, PipelineConfig, RunConfig
+from offload_core.runner.config import GROUPS, MODEL_PRESETS, ModelConfig, PipelineConfig, RunConfig, ServeConfig
 
 #: model options and what each is for (the model group is the runner's, not a plugin kind)
 MODEL_OPTIONS = {
@@ -144,10 +144,11 @@ def _summary(strategy: Any) -> str:
 
 
 def run_options() -> list[Option]:
-    """The top-level keys (``prompt``, ``max_memory``, …) and the ``pipeline.*`` keys, without the config groups
-    (``speculative`` among them)."""
-    top = dataclass_options(RunConfig, skip=("placement", "storage", "hook", "model", "speculative", "pipeline"))
-    return top + dataclass_options(PipelineConfig, "pipeline.")
+    """The top-level keys (``prompt``, ``max_memory``, …), the ``pipeline.*`` and the ``serve.*`` keys, without the
+    config groups (``speculative`` among them)."""
+    skip = ("placement", "storage", "hook", "model", "speculative", "pipeline", "serve")
+    top = dataclass_options(RunConfig, skip=skip)
+    return top + dataclass_options(PipelineConfig, "pipeline.") + dataclass_options(ServeConfig, "serve.", skip=())
 
 
 def choices(registry: Registry | None = None) -> list[Choice]:

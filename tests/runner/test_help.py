@@ -88,6 +88,9 @@ def test_each_speculative_option_has_its_own_line_and_its_own_keys():
 def test_other_keys_are_the_non_group_keys_written_as_typed():
     keys = [o.key for o in run_options()]
     assert "speculative" not in keys and "pipeline" not in keys and "pipeline.num_inference_steps" in keys
+    assert "serve" not in keys and "serve.port" in keys and "serve.max_batch" in keys
     text = help_text()
-    assert "max_memory={cpu: 200MiB}" in text and "``" not in text and "PipelineConfig(" not in text
-    assert "  (each takes model.{path, preset, chat_template, no_split_module_classes, task, tokenizer})" in text
+    assert "max_memory={cpu: 200MiB}" in text and "``" not in text and "Config(" not in text
+    assert (
+        "  (each takes model.{path, revision, preset, chat_template, no_split_module_classes, task, tokenizer})" in text
+    )
