@@ -67,6 +67,25 @@ def get_max_memory(
     return {d: budgets[d] for d in [*gpus, "mps", "cpu", "disk"] if d in budgets}
 
 
+def read_max_memory(value: Any, execution_device: torch.device) -> Mapping[Any, int | str] | None:
+    """``from_pretrained``'s ``max_memory``: None and dicts as given; a single size (bytes, ``2e8`` or a string such as
+    ``"200MB"``) is the budget of ``execution_device``, and on a GPU the cpu's budget beside it is its available
+    memory (as ``max_memory=None`` reads it); anything else is a ConfigError."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(
+            f"max_memory={value!r} is not a size nor a dict of sizes by device: give one size for the execution "
+            "device (e.g. '2GiB') or a dict such as {0: '10GiB', 'cpu': '20GiB'}"
+        )
+    size = parse_size(value, what="max_memory")
+    if execution_device.type == "cpu":
+        return {"cpu": size}
+    import psutil
+
+    return {execution_device.index or 0: size, "cpu": psutil.virtual_memory().available}
+
+
 def check_execution_device(value: str | torch.device) -> torch.device:
     """The device a run computes on, as given (``cpu``, ``cuda``, ``cuda:N`` or the active accelerator's own type),
     checked to exist on this machine (the one rule for ``run.py``'s ``execution_device`` and ``from_pretrained``'s);
