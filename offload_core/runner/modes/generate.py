@@ -89,11 +89,13 @@ def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, devi
     reference a run compares with computes where the run computes (a GPU's results differ from a CPU's). A model
     larger than 90% of that GPU's free memory computes on the cpu instead, and a line says so."""
     from offload_core import devices
+    from offload_core.loading.quiet import library_bars
     from offload_core.loading.tasks import auto_class
     from offload_core.planning.budgets import GPU_FREE_FRACTION
     from offload_core.values import format_size
 
-    model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
+    with library_bars(False, "transformers"):  # the run's own bars say how it loads; the reference's would be noise
+        model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
     if device.type != "cpu":
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         free, _ = devices.for_device(device).mem_get_info(device.index or 0)
