@@ -46,6 +46,8 @@ def generate_rows(
     kwargs.update(decoder_start(model))
     if speculation is not None:
         kwargs.update(speculation.kwargs)
+    # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
+    start = 1 if getattr(model.config, "is_encoder_decoder", False) else input_ids.shape[1]
     with torch.inference_mode(), speculation.counting() if speculation is not None else nullcontext():
         try:
             out = model.generate(
@@ -55,10 +57,11 @@ def generate_rows(
                 pad_token_id=pad_token_id(model),
                 **kwargs,
             )
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the tokens made so far go with it, for the run to keep
+            stop.generated = timer.rows_after(start)
+            raise
         finally:
             timer.close()
-    # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
-    start = 1 if getattr(model.config, "is_encoder_decoder", False) else input_ids.shape[1]
     return out[:, start:].tolist(), timer
 
 
