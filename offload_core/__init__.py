@@ -15,6 +15,8 @@ from offload_core.planning import (
     check_device_map,
     compute_module_sizes,
     find_tied_parameters,
+    get_balanced_memory,
+    get_max_layer_size,
     get_max_memory,
     infer_auto_device_map,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "dispatch_model",
     "find_tied_parameters",
     "from_pretrained",
+    "get_balanced_memory",
+    "get_max_layer_size",
     "get_max_memory",
     "infer_auto_device_map",
     "init_empty_weights",

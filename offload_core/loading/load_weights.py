@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,21 @@ from offload_core.storage.base import read_tensor
 from offload_core.loading.routes import TensorRoutes, retie, set_tensor
 
 log = logging.getLogger(__name__)
+
+
+def computed_by_model(model: nn.Module, keys: set[str]) -> set[str]:
+    """The checkpoint ``keys`` that the model makes itself, which transformers ignores without a word: its
+    non-persistent buffers (``position_ids``, ``inv_freq``: older checkpoints saved them), and the names its class
+    says to ignore (``_keys_to_ignore_on_load_unexpected``, and transformers' own ``position_ids`` and
+    ``rotary_emb.inv_freq`` rule for a model that has such buffers)."""
+    buffers = {name for name, _ in model.named_buffers()}
+    made = buffers - set(model.state_dict().keys())
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    for suffix, pattern in (("position_ids", r"(^|\.)position_ids$"), ("rotary_emb.inv_freq", r"rotary_emb\.inv_freq")):
+        if any(name.endswith(suffix) for name in buffers):
+            patterns.append(pattern)
+    ignored = re.compile("|".join(f"({pattern})" for pattern in patterns)) if patterns else None
+    return {key for key in keys if key in made or (ignored is not None and ignored.search(key))}
 
 
 def load_checkpoint_in_model(
@@ -49,7 +65,7 @@ def load_checkpoint_in_model(
             "check that the checkpoint matches the model's config"
         )
     wanted = {key: canonical for canonical, key in source.items()}
-    unexpected = sorted(ckpt_keys - set(routes.canonical))
+    unexpected = sorted(ckpt_keys - set(routes.canonical) - computed_by_model(model, ckpt_keys))
     if unexpected and strict:
         raise CheckpointError(
             f"checkpoint has {len(unexpected)} tensor(s) the model does not use ({', '.join(unexpected[:5])}): "

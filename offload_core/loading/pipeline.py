@@ -142,6 +142,7 @@ def build_empty_pipeline(path: str | Path, dtype: torch.dtype | None = None) -> 
     are mapped apart (:data:`offload_core.loading.pipeline_memory.PIPELINE_MMAP_THRESHOLD`)."""
     from offload_core.loading.empty import init_empty_weights
     from offload_core.loading.pipeline_memory import PIPELINE_MMAP_THRESHOLD, mmap_threshold
+    from offload_core.loading.quiet import library_bars
 
     mmap_threshold(PIPELINE_MMAP_THRESHOLD)
 
@@ -168,7 +169,8 @@ def build_empty_pipeline(path: str | Path, dtype: torch.dtype | None = None) -> 
 
                 module = cls._from_config(AutoConfig.from_pretrained(path / name, local_files_only=True))
         modules[name] = nn.Module.to(module, dtype).eval()  # the module's own ``to`` warns about float32 modules
-    pipeline = pipeline_cls.from_pretrained(path, local_files_only=True, low_cpu_mem_usage=False, **modules)
+    with library_bars(False, "diffusers"):  # its tokenizers and schedulers: no weights, nothing to watch
+        pipeline = pipeline_cls.from_pretrained(path, local_files_only=True, low_cpu_mem_usage=False, **modules)
     container = PipelineModules(modules)
     container.pipeline = pipeline
     blocks = {name: list(getattr(module, "_no_split_modules", None) or []) for name, module in modules.items()}

@@ -54,7 +54,7 @@ def finish_dispatch(empty: EmptyPipeline, device: torch.device) -> Any:
 
 def pipeline_from_pretrained(
     path: str | Path,
-    max_memory: Mapping[Any, int | str] | None,
+    max_memory: Mapping[Any, int | str] | int | float | str | None,
     placement: str | Any,
     storage: str | Any,
     policy: str | Any,
@@ -78,10 +78,12 @@ def pipeline_from_pretrained(
     from offload_core.loading.pipeline_memory import default_call, pipeline_headroom
     from offload_core.loading.pretrained import plan_and_dispatch
     from offload_core.planning import get_max_memory
+    from offload_core.planning.budgets import read_max_memory
     from offload_core.planning.headroom import less_headroom, read_headroom
     from offload_core.values import device_key, parse_dtype
 
     device = torch.device(execution_device) if execution_device is not None else default_execution_device()
+    max_memory = read_max_memory(max_memory, device)
     budgets = get_max_memory(max_memory)
     empty = build_empty_pipeline(path, parse_dtype(dtype))
     held = read_headroom(headroom)

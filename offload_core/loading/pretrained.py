@@ -12,7 +12,7 @@ from torch import nn
 
 def from_pretrained(
     path: str | Path,
-    max_memory: Mapping[Any, int | str] | None = None,
+    max_memory: Mapping[Any, int | str] | int | float | str | None = None,
     placement: str | Any = "sequential",
     storage: str | Any = "memmap",
     policy: str | Any | None = None,
@@ -36,6 +36,10 @@ def from_pretrained(
     """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
     plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
     ``hf_device_map`` (as transformers sets it) and ``offload_state``.
+
+    ``max_memory`` is a dict of budgets by device (``{0: "10GiB", "cpu": "20GiB"}``, as accelerate's), or one size
+    (``"200MB"``, ``2e8``): the execution device's budget (on a GPU run the cpu's is then its available memory); None
+    reads this machine's free memory.
 
     ``placement``, ``storage`` and ``policy`` are plugin names or built strategies; ``device_map`` (a dict)
     replaces the placement. The placement holds back what the policy's units in flight need, by the same
@@ -109,7 +113,7 @@ def from_pretrained(
     from offload_core.loading.execution_device import default_execution_device
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
     from offload_core.planning import get_max_memory, no_split_classes
-    from offload_core.planning.budgets import check_budgets, check_execution_device
+    from offload_core.planning.budgets import check_budgets, check_execution_device, read_max_memory
     from offload_core.planning.headroom import read_headroom
     from offload_core.values import parse_dtype
 
@@ -122,6 +126,7 @@ def from_pretrained(
         device = check_execution_device(execution_device)
     else:
         device = default_execution_device(device_map if isinstance(device_map, Mapping) else None)
+    max_memory = read_max_memory(max_memory, device)
     if max_memory is not None:
         check_budgets(get_max_memory(max_memory, check_devices=False), device)
     no_split = no_split_classes(model, no_split_module_classes)

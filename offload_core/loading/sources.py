@@ -137,7 +137,14 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         "size": gguf.stat().st_size,
         "version": importlib.metadata.version(SMOLLM2_DISTRIBUTION),
     }
-    return _cached_build(target, fingerprint, lambda tmp: _convert_smollm2(gguf, tmp))
+
+    def build(tmp: Path) -> None:  # the first run's long step, said before it starts
+        print(
+            f"offload_core: converting SmolLM2's GGUF file once into {target} (about 30 s)", file=sys.stderr, flush=True
+        )
+        _convert_smollm2(gguf, tmp)
+
+    return _cached_build(target, fingerprint, build)
 
 
 def _convert_smollm2(gguf: Path, out: Path) -> None:

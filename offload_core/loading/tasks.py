@@ -104,7 +104,9 @@ def infer_task(config: Any) -> str:
 
 def config_dtype(config: Any) -> torch.dtype:
     """The dtype the checkpoint's config declares (float32 when it declares none)."""
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 names it ``dtype`` (reading ``torch_dtype`` there warns that it is deprecated, even for a config
+    # that declares neither); older ones name it ``torch_dtype`` only
+    stored = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     return parse_dtype(str(stored)) if stored is not None else torch.float32
 
 

@@ -67,6 +67,25 @@ def get_max_memory(
     return {d: budgets[d] for d in [*gpus, "mps", "cpu", "disk"] if d in budgets}
 
 
+def read_max_memory(value: Any, execution_device: torch.device) -> Mapping[Any, int | str] | None:
+    """``from_pretrained``'s ``max_memory``: None and dicts as given; a single size (bytes, ``2e8`` or a string such as
+    ``"200MB"``) is the budget of ``execution_device``, and on a GPU the cpu's budget beside it is its available
+    memory (as ``max_memory=None`` reads it); anything else is a ConfigError."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(
+            f"max_memory={value!r} is not a size nor a dict of sizes by device: give one size for the execution "
+            "device (e.g. '2GiB') or a dict such as {0: '10GiB', 'cpu': '20GiB'}"
+        )
+    size = parse_size(value, what="max_memory")
+    if execution_device.type == "cpu":
+        return {"cpu": size}
+    import psutil
+
+    return {execution_device.index or 0: size, "cpu": psutil.virtual_memory().available}
+
+
 def check_execution_device(value: str | torch.device) -> torch.device:
     """The device a run computes on, as given (``cpu``, ``cuda``, ``cuda:N`` or the active accelerator's own type),
     checked to exist on this machine (the one rule for ``run.py``'s ``execution_device`` and ``from_pretrained``'s);
@@ -107,17 +126,29 @@ def check_budgets(budgets: Mapping[Any, int], execution_device: torch.device) ->
 
 
 def _no_split_block(model: torch.nn.Module, sizes: Mapping[str, int], no_split: set[str]) -> int:
-    if not no_split:
-        return 0
-    return max(
-        (sizes.get(name, 0) for name, module in model.named_modules() if type(module).__name__ in no_split), default=0
-    )
+    """The largest of the sizes of the first module of each ``no_split`` class, first in ``sizes``' order (accelerate's
+    rule: a model's blocks of one class are alike)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    first: dict[str, int] = {}
+    for name, size in sizes.items():
+        module = modules.get(name) if name else None
+        if module is not None and type(module).__name__ in no_split:
+            first.setdefault(type(module).__name__, size)
+    return max(first.values(), default=0)
 
 
-def _mean_leaf_module(model: torch.nn.Module, sizes: Mapping[str, int]) -> int:
-    leaves = [sizes.get(name, 0) for name, module in model.named_modules() if next(module.children(), None) is None]
-    leaves = [size for size in leaves if size > 0]
-    return int(sum(leaves) / max(len(leaves), 1))
+def _leaves(names: list[str]) -> list[str]:
+    """The names in ``names`` (dotted, ``""`` the root) that no other one extends by one part, the root aside."""
+    parents = {name.rsplit(".", 1)[0] for name in names if "." in name}
+    return [name for name in names if name and name not in parents]
+
+
+def _mean_leaf_module(sizes: Mapping[str, int]) -> int:
+    """The mean size of the modules that hold tensors directly and no module that holds tensors: the leaves of the
+    sizes once their own leaves, the tensors, are taken away (accelerate's rule)."""
+    tensors = set(_leaves(list(sizes)))
+    leaves = _leaves([name for name in sizes if name not in tensors])
+    return int(sum(sizes[name] for name in leaves) / max(len(leaves), 1))
 
 
 def get_balanced_memory(
@@ -128,23 +159,41 @@ def get_balanced_memory(
     special_dtypes: Mapping[str, torch.dtype | str] | None = None,
     low_zero: bool = False,
 ) -> dict[int | str, int]:
-    """``max_memory`` with every GPU but the last capped so ``model`` spreads evenly over the GPUs.
+    """``max_memory`` with every GPU but the last capped so ``model`` spreads evenly over the GPUs: accelerate's
+    function, with its results (checked against accelerate's own where it is installed).
 
     ``model`` may also be a :class:`PlacementRequest`, whose fields then stand for the other arguments.
-    Each cap is total/n plus 1.25 × the larger of the largest no-split block and the mean leaf module;
-    the last GPU keeps its full budget in case the buffer falls short. ``low_zero`` spreads over
-    GPUs 1.. instead and gives the first GPU only what they leave (possibly 0). GPU ids need not be
-    contiguous. With one GPU or none the budgets come back unchanged.
+    Each cap is total/n plus 1.25 × the larger of the first no-split block of each class and the mean leaf
+    module, n counting the GPUs with a budget above 0; the last GPU keeps its full budget in case the buffer
+    falls short. ``low_zero`` spreads over the other n - 1 GPUs and gives the first GPU (the lowest id) only what
+    they leave (possibly 0). GPU ids need not be contiguous. With one GPU or none the budgets come back
+    unchanged. ``max_memory=None`` reads this machine's memory (:func:`get_max_memory`: 90% of each GPU's free
+    memory, where accelerate takes all of it when there are several).
     """
+    if isinstance(no_split_module_classes, str):  # as accelerate takes it
+        no_split_module_classes = [no_split_module_classes]
     request = (
         model
         if isinstance(model, PlacementRequest)
         else PlacementRequest(model, max_memory, list(no_split_module_classes or []), dtype, special_dtypes)
     )
     budgets = get_max_memory(request.max_memory, check_devices=False)
-    gpus = [d for d in budgets if isinstance(d, int) and budgets[d] > 0]
+    gpus = sorted(d for d in budgets if isinstance(d, int) and budgets[d] > 0)
     if len(gpus) <= 1:
         return budgets
+    sizes = compute_module_sizes(request.model, dtype=request.dtype, special_dtypes=request.special_dtypes)
+    total = sizes[""]
+    no_split = set(request.no_split_module_classes or ())
+    buffer = int(1.25 * max(_no_split_block(request.model, sizes, no_split), _mean_leaf_module(sizes)))
+    per_gpu = total // (len(gpus) - 1 if low_zero else len(gpus)) + buffer
+    first = min(d for d in budgets if isinstance(d, int))  # GPU 0 where there is one, even with a budget of 0
+    for gpu in gpus[:-1]:
+        if not (low_zero and gpu == first):
+            budgets[gpu] = min(per_gpu, budgets[gpu])
+    if low_zero:
+        rest = sum(budgets[g] for g in gpus if g != first)
+        budgets[first] = min(max(0, total - rest), budgets[first])
+    return budgets
     sizes = compute_module_sizes(request.model, dtype=request.dtype, special_dtypes=request.special_dtypes)
     total = sizes[""]
     spread = gpus[1:] if low_zero else gpus

@@ -53,6 +53,7 @@ def hydra_main(command: str = "python run.py") -> None:
     from offload_core.runner.config import CONF_DIR, register_configs
     from offload_core.runner.options import register_help_resolver
     from offload_core.runner.overrides import check_composes, check_parses, prepare
+    from offload_core.runner.plan.batches import run_in_resumed_folder
 
     try:
         register_configs()
@@ -61,6 +62,7 @@ def hydra_main(command: str = "python run.py") -> None:
         args = prepare(sys.argv[1:])
         check_parses(args)
         check_composes(args, CONF_DIR)
+        args = run_in_resumed_folder(args)
     except OffloadError as error:
         _fail(error)
     sys.argv = [sys.argv[0], *args]

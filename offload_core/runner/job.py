@@ -11,6 +11,7 @@ from offload_core.runner.modes.encoder import run_encoder
 from offload_core.runner.modes.results import RunResult, write_outputs
 from offload_core.runner.modes.single import run_single
 from offload_core.runner.plan import speculate
+from offload_core.runner.plan.busy import busy_notice
 from offload_core.runner.plan.plan import print_plan, write_plan
 from offload_core.runner.plan.predict import print_prediction
 from offload_core.runner.plan.prepare import Prepared, prediction_shape, prepare
@@ -26,6 +27,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
     from offload_core.loading.allocator import return_freed_memory_to_os
 
     return_freed_memory_to_os()
+    busy_notice()  # first, where a busy machine's hint helps most (said once a process)
     labels = labels or {}
     settings = read_settings(cfg, output_dir)
     pipeline = is_pipeline_folder(settings.model.get("path"))

@@ -45,22 +45,22 @@ def test_the_execution_device_is_checked_in_one_line(fake_gpu):
 
 
 def test_balanced_budgets_plan_for_another_machine_silently_and_count_special_dtypes():
-    """One 16 x 16 linear: 1,088 bytes, its own only leaf, so the cap is 1,088 / 2 + 1.25 x 1,088; its weight in
-    float16 makes it 512 + 64 bytes: 576 / 2 + 1.25 x 576."""
+    """One 16 x 16 linear: 1,088 bytes, and no module below the root to take a mean of (accelerate's rule counts the
+    modules under the model), so the cap is 1,088 / 2; its weight in float16 makes it 512 + 64 bytes: 576 / 2."""
     big = 10**6
     with records_of("offload_core.planning.budgets", logging.WARNING) as said:
         get_max_memory({97: big})
     assert [line[:26] for line in said] == ["Device 97 is not available"]  # what a check of this machine says
     with records_of("offload_core.planning.budgets", logging.WARNING) as said:
-        assert get_balanced_memory(nn.Linear(16, 16), {97: big, 99: big}) == {97: 544 + 1360, 99: big}
+        assert get_balanced_memory(nn.Linear(16, 16), {97: big, 99: big}) == {97: 544, 99: big}
     assert said == []  # GPUs 97 and 99 are not on this machine: planning for another one says nothing
     assert get_balanced_memory(nn.Linear(16, 16), {0: big, 1: big}, special_dtypes={"weight": torch.float16}) == {
-        0: 288 + 720,
+        0: 288,
         1: big,
     }
     assert get_balanced_memory(nn.Linear(16, 16), {0: 1, 1: big, 2: big}) == {
         0: 1,
-        1: 362 + 1360,
+        1: 362,
         2: big,
     }  # 1 byte is a GPU: 1,088 // 3
 

@@ -134,23 +134,47 @@ def test_a_calibration_whose_probe_terms_are_damaged_is_not_trusted():
 
 @pytest.fixture
 def busy_machine(monkeypatch):
-    """Other work holds every core: a load average of 5 per core, over the default bound of 2."""
+    """Other work holds every core: a load average of 5 per core, over the default bound of 2; this process has not
+    said so yet, and torch computes with two threads."""
+    from offload_core.runner.plan import busy
+
     monkeypatch.delenv("OFFLOAD_CORE_BUSY_LOAD")
+    monkeypatch.setattr(busy, "told", False)
     cores = os.cpu_count() or 1
     monkeypatch.setattr(os, "getloadavg", lambda: (5.0 * cores, 5.0 * cores, 5.0 * cores))
-    return f"load average {5.0 * cores:.1f} on {cores} cores"
+    loaded = f"load average {5.0 * cores:.1f} on {cores} cores"
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield busy.busy_line(loaded, 2)
+    torch.set_num_threads(threads)
 
 
 def test_a_run_on_a_busy_machine_is_compared_but_not_learned_from(corrections, busy_machine, capsys):
     learned = learn.learn("k", "label", learn.corrected({}, PREDICTED), MEASURED)
     assert learned["learned"] is False and learned["prediction"]["step"]["measured"] == 0.08
     assert not corrections.exists() and learn.read() == {}
-    assert (
-        capsys.readouterr().err
-        == f"offload_core: the machine is busy ({busy_machine}): this run's times are not learned from\n"
-    )
+    assert capsys.readouterr().err == busy_machine + "\n"
+    assert "load average" in busy_machine and "OMP_NUM_THREADS=1" in busy_machine
     line = learn.comparison_line(learned)
     assert line.endswith("(cost model only; not learned from: the machine is busy)")
+    learn.learn("k", "label", learn.corrected({}, PREDICTED), MEASURED)
+    assert capsys.readouterr().err == ""  # said once a process
+
+
+def test_the_busy_line_gives_the_one_thread_hint_only_to_a_run_of_several_threads():
+    from offload_core.runner.plan.busy import busy_line
+
+    assert busy_line("load average 9.4 on 2 cores", 2) == (
+        "offload_core: the machine is busy (load average 9.4 on 2 cores): what this run measures is used for it, not "
+        "kept; torch computes with 2 threads, each waiting for a core the other work holds: one thread is often "
+        "several times faster here (OMP_NUM_THREADS=1 python run.py ...)"
+    )
+    assert busy_line("load average 9.4 on 2 cores", 1) == (
+        "offload_core: the machine is busy (load average 9.4 on 2 cores): what this run measures is used for it, not "
+        "kept"
+    )
 
 
 def test_the_busy_bound_is_the_load_per_core(monkeypatch):
@@ -171,6 +195,7 @@ def test_the_busy_bound_is_the_load_per_core(monkeypatch):
 def test_a_calibration_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, monkeypatch, busy_machine, capsys):
     import torch
 
+    from offload_core.runner.plan import calibrate as calibrate_module
     from offload_core.runner.plan.calibrate import calibrate, calibration_file
     from offload_core.runner.plan.model import open_model
 
@@ -178,13 +203,11 @@ def test_a_calibration_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path,
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("OFFLOAD_CORE_CALIBRATION")  # beside that cache, as a user's is
     args = (run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), {}, {"decode": (1, 1)})
+    monkeypatch.setattr(calibrate_module, "told", False)
     found = calibrate(*args)
     assert found["compute"]["decode"]["block_s"] > 0  # this run predicts from it
     assert not calibration_file().exists()
-    assert capsys.readouterr().err == (
-        f"offload_core: the machine is busy ({busy_machine}): this run's calibration is used for it only, not kept; "
-        "a quieter run measures again\n"
-    )
+    assert capsys.readouterr().err == f"{calibrate_module.MEASURING}\n{busy_machine}\n"
     monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
     calibrate(*args)
     assert calibration_file().exists() and capsys.readouterr().err == ""

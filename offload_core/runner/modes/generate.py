@@ -46,6 +46,8 @@ def generate_rows(
     kwargs.update(decoder_start(model))
     if speculation is not None:
         kwargs.update(speculation.kwargs)
+    # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
+    start = 1 if getattr(model.config, "is_encoder_decoder", False) else input_ids.shape[1]
     with torch.inference_mode(), speculation.counting() if speculation is not None else nullcontext():
         try:
             out = model.generate(
@@ -55,10 +57,11 @@ def generate_rows(
                 pad_token_id=pad_token_id(model),
                 **kwargs,
             )
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the tokens made so far go with it, for the run to keep
+            stop.generated = timer.rows_after(start)
+            raise
         finally:
             timer.close()
-    # A decoder-only model returns the prompt then the new tokens; an encoder-decoder its decoder start token then them.
-    start = 1 if getattr(model.config, "is_encoder_decoder", False) else input_ids.shape[1]
     return out[:, start:].tolist(), timer
 
 
@@ -89,11 +92,13 @@ def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, devi
     reference a run compares with computes where the run computes (a GPU's results differ from a CPU's). A model
     larger than 90% of that GPU's free memory computes on the cpu instead, and a line says so."""
     from offload_core import devices
+    from offload_core.loading.quiet import library_bars
     from offload_core.loading.tasks import auto_class
     from offload_core.planning.budgets import GPU_FREE_FRACTION
     from offload_core.values import format_size
 
-    model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
+    with library_bars(False, "transformers"):  # the run's own bars say how it loads; the reference's would be noise
+        model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
     if device.type != "cpu":
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         free, _ = devices.for_device(device).mem_get_info(device.index or 0)

@@ -67,6 +67,7 @@ class TokenTimer(StoppingCriteria):
         self.start = time.perf_counter()
         self.stamps: list[float] = []
         self.lengths: list[int] = []
+        self.last: torch.Tensor | None = None  # the sequences as last stamped: what an interrupted run keeps
         self.bar = tqdm(total=total, desc="generating", unit="token", leave=False) if progress else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
@@ -74,6 +75,7 @@ class TokenTimer(StoppingCriteria):
         devices.for_device(input_ids.device).synchronize(input_ids.device)
         self.stamps.append(time.perf_counter())
         self.lengths.append(int(input_ids.shape[-1]))
+        self.last = input_ids
         if self.bar is not None:
             self.bar.update(self.lengths[-1] - self.lengths[-2] if len(self.lengths) > 1 else 1)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -81,6 +83,10 @@ class TokenTimer(StoppingCriteria):
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+    def rows_after(self, start: int) -> list[list[int]]:
+        """Each row's tokens after position ``start`` of the sequences as last stamped (none before the first)."""
+        return [] if self.last is None else self.last[:, start:].tolist()
 
     @property
     def time_to_first_token(self) -> float:

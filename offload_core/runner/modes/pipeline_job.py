@@ -226,7 +226,12 @@ def in_memory_images(path: Path, dtype: torch.dtype, prompts: list[str], setting
     """The same images from diffusers' own in-memory pipeline, for ``compare_in_memory``."""
     from diffusers import DiffusionPipeline
 
-    pipeline = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
+    from offload_core.loading.quiet import diffusers_dtype, library_bars
+
+    with library_bars(False, "diffusers", "transformers"):  # the run's own bars say how it loads
+        pipeline = DiffusionPipeline.from_pretrained(
+            path, local_files_only=True, low_cpu_mem_usage=False, **diffusers_dtype(dtype)
+        )
     pipeline.set_progress_bar_config(disable=True)
     return make_images(pipeline, prompts, settings, "pt")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from offload_core.runner.console import print_line
 from offload_core.runner.inputs import decode
 from offload_core.runner.modes.context import loaded
 from offload_core.runner.modes.disk_reads import DiskReads
@@ -15,9 +16,14 @@ from offload_core.runner.plan.prepare import Prepared
 
 
 def run_single(job: Prepared, labels: dict) -> RunResult:
-    """Generate after the run's prompt through the dispatched model, measure, compare, write and print."""
+    """Generate after the run's prompt through the dispatched model, measure, compare, write and print; interrupted
+    while generating, keep what was generated (:func:`keep_partial`) and go on interrupting."""
     settings, run_model, plan = job.settings, job.run_model, job.plan
-    tokens, figures = generate_offloaded(job)
+    try:
+        tokens, figures = generate_offloaded(job)
+    except KeyboardInterrupt as stop:
+        keep_partial(job, labels, getattr(stop, "generated", None) or [[]])
+        raise
     figures.update(learn.record(job, figures))
     result = RunResult.of_plan(plan, settings.output_dir, figures, decode(run_model.tokenizer, tokens), tokens)
     if settings.compare_in_memory:
@@ -78,3 +84,20 @@ def compare_in_memory(job: Prepared, tokens: list[int], result: RunResult) -> No
     figures["in_memory_tokens"] = reference()
     result.matches_in_memory = figures["in_memory_tokens"] == tokens
     speculate.compare(figures, settings.speculative, tokens, reference)
+
+
+def keep_partial(job: Prepared, labels: dict, rows: list[list[int]]) -> None:
+    """An answer cut short by Ctrl-C (or SIGTERM) while generating: printed, and written as the run's ``metrics.json``
+    marked ``"interrupted": true`` (with ``device_map.json``); nothing when no token was made yet."""
+    tokens = rows[0]
+    if not tokens:
+        return
+    settings = job.settings
+    text = decode(job.run_model.tokenizer, tokens)
+    figures = {"interrupted": True, "generated_tokens": len(tokens), "max_new_tokens": settings.sampling.max_new_tokens}
+    write_outputs(RunResult.of_plan(job.plan, settings.output_dir, figures, text, tokens), settings.prompt, labels)
+    print(f"\n{text}\n", flush=True)
+    print_line(
+        f"interrupted after {len(tokens)} of {settings.sampling.max_new_tokens} new tokens: the partial answer is "
+        f'above and in {settings.output_dir / "metrics.json"} ("interrupted": true)'
+    )

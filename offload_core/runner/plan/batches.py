@@ -87,3 +87,25 @@ def resume_folder(value: Any) -> Path:
             "(e.g. resume=outputs/2026-01-31/12-00-00)"
         )
     return folder
+
+
+def run_in_resumed_folder(args: list[str]) -> list[str]:
+    """``run.py``'s arguments (as Hydra reads them) with a single run's ``resume=<folder>`` run in that folder: Hydra
+    makes no new, empty run folder for it (``hydra.run.dir`` is that folder), and the folder's ``.hydra/`` stays the
+    record of the run that made its generations (the resumed run's settings must be the same; its overrides go to
+    ``metrics.json``). A folder that is not there is one line before anything is made; a multirun, and a
+    ``hydra.run.dir`` the user gives, are left as they are."""
+    import re
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from offload_core.runner.overrides import quote
+
+    if any(a in ("-m", "--multirun") or re.match(r"[+~]*hydra\.(run\.dir|output_subdir)=", a) for a in args):
+        return args
+    given = [a for a in args if re.match(r"\+*resume=", a)]
+    value = OverridesParser.create().parse_overrides(given[-1:])[0].value() if given else None
+    if value in (None, ""):
+        return args
+    folder = resume_folder(value)
+    return [*args, f"hydra.run.dir={quote(str(folder))}", "hydra.output_subdir=null"]

@@ -19,12 +19,27 @@ from torch import nn
 
 from offload_core import devices
 from offload_core.atomic import fsync_path, write_text_atomic
-from offload_core.runner.plan.busy import busy
+from offload_core.runner.plan.busy import busy_notice
 
 PROBE_BYTES = 64 * 2**20
 #: what :func:`disk_bandwidth` measures per filesystem (a cached entry without each is measured again)
 DISK_KEYS = frozenset({"write_bps", "cold_read_bps", "warm_read_bps", "first_touch_bps", "copy_bps"})
 CHUNK = 4 * 2**20
+#: said before a calibration first measures anything (seconds: a block's compute, a dispatched probe, the disk), so the
+#: pause before the plan is explained; once a process (``auto=true`` calibrates each configuration it ranks)
+MEASURING = (
+    "offload_core: calibrating the time prediction on this machine (a few seconds, once per model, configuration and "
+    "prompt length)"
+)
+#: whether this process has said :data:`MEASURING`
+told = False
+
+
+def _measuring() -> None:
+    global told
+    if not told:
+        told = True
+        print(MEASURING, file=sys.stderr, flush=True)
 
 
 def calibration_file() -> Path:
@@ -321,12 +336,14 @@ def calibrate(
             target = existing_folder(Path(tempfile.gettempdir()))  # the run reports the folder itself; probe beside it
         key = str(os.stat(target).st_dev)
         if refresh or not DISK_KEYS <= disks.get(key, {}).keys():
+            _measuring()
             disks[key] = disk_bandwidth(target)
             changed = True
         found[role] = disks[key]
     if devices.is_accelerator(device):
         gpus = data.setdefault("h2d_bps", {})
         if refresh or str(device) not in gpus:
+            _measuring()
             gpus[str(device)] = h2d_bandwidth(device)
             changed = True
         found["h2d_bps"] = gpus[str(device)]
@@ -335,6 +352,7 @@ def calibrate(
     for name, (rows, tokens) in shapes.items():
         key = f"{rows}x{tokens}"
         if refresh or not timed.get(key):  # one that could not be timed is tried again: it was not kept
+            _measuring()
             try:
                 timed[key] = compute_times(model, no_split, dtype, device, rows, tokens)
                 changed = True
@@ -349,6 +367,7 @@ def calibrate(
         probes = data.setdefault("probe", {})
         key = f"{_model_key(model, dtype, device)}|{probe[0]}"
         if refresh or key not in probes:
+            _measuring()
             probes[key] = _probe(probe[1])
             changed = found["probed_here"] = True
         found["probe"] = probes[key]
@@ -357,14 +376,6 @@ def calibrate(
                 "  no dispatched probe for this store and policy (it could not run when calibrated; calibrate=true "
                 "tries again): the prediction leaves out the per-tensor and outside-the-blocks costs"
             )
-    if changed:
-        loaded = busy()
-        if loaded is None:
-            _write_cached(data)
-        else:
-            print(
-                f"offload_core: the machine is busy ({loaded}): this run's calibration is used for it only, not kept; "
-                "a quieter run measures again",
-                file=sys.stderr,
-            )
+    if changed and busy_notice() is None:  # measured on a busy machine: used for this run only, a quieter one measures
+        _write_cached(data)
     return found

@@ -6,7 +6,7 @@ A correction is the median of the last :data:`KEPT` ratios measured / predicted 
 decoding step), per configuration: the model's shape and dtype, the device and threads, placement, store, policy and
 their options, the budgets, ``page_cache``, the batch's shape and ``max_new_tokens``. The file is validated on read: a
 damaged one, or one written on another machine, is ignored with one line and made again. A run on a busy machine
-(:func:`offload_core.runner.plan.busy.busy`) is compared but not learned from."""
+(:func:`offload_core.runner.plan.busy.busy`) is compared but not learned from, and a line says so once."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from offload_core.atomic import write_text_atomic
-from offload_core.runner.plan.busy import busy
+from offload_core.runner.plan.busy import busy_notice
 
 VERSION = 1
 #: ratios kept per configuration and figure (the correction is their median)
@@ -184,12 +184,7 @@ def learn(key: str, label: str, predicted: dict[str, Any], figures: dict[str, An
     found = compare(predicted, figures)
     if not found:
         return {}
-    loaded = busy()
-    if loaded is not None:
-        print(
-            f"offload_core: the machine is busy ({loaded}): this run's times are not learned from",
-            file=sys.stderr,
-        )
+    if busy_notice() is not None:  # the comparison line says it is not learned from
         return {"prediction": found, "prediction_runs": int(predicted.get("prediction_runs", 0)), "learned": False}
     entries = read()
     entry = entries.setdefault(key, {"label": label, "ratios": {}})
