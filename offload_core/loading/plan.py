@@ -131,7 +131,8 @@ def make_plan(
     if own:
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
     check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
-    predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split)
+    stored = stored_bytes(checkpoint, storage)
+    predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, stored=stored)
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)
     lines = conversion.summary().lines()
@@ -206,6 +207,7 @@ def predicted_bytes_per_token(
     dtype: torch.dtype | str | None,
     no_split_module_classes: list[str] | None = None,
     count: bool = False,
+    stored: Mapping[str, int] | None = None,
 ) -> int:
     """Bytes the module-hook policy will bring in per generated token, predicted from the plan alone.
 
@@ -219,7 +221,8 @@ def predicted_bytes_per_token(
     ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read).
     The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
     the same bytes. ``count``: the tensors brought in instead of their bytes (``transfers_per_token``), the
-    policy's rule applied to each unit's tensor count.
+    policy's rule applied to each unit's tensor count. ``stored``: the bytes a read moves per store key where the
+    store holds tensors in fewer bytes than the model computes on (a GGUF file's quantized blocks).
     """
     from offload_core.loading.routes import route_tensors
     from offload_core.module_hooks.units import find_units
@@ -230,10 +233,24 @@ def predicted_bytes_per_token(
     tensors = route_tensors(model, normalize_device_map(device_map), device)
     units = find_units(model, tensors.offloaded, no_split_classes(model, no_split_module_classes), policy.granularity)
     shares = policy.read_shares(model)
-    return int(policy.predict_moved([_unit_reads(unit, dtype, shares, count) for unit in units]))
+    return int(policy.predict_moved([_unit_reads(unit, dtype, shares, count, stored or {}) for unit in units]))
 
 
-def _unit_reads(unit: Any, dtype: torch.dtype | None, shares: Mapping[str, tuple[float, int]], count: bool) -> float:
+def stored_bytes(checkpoint: Any, storage: Storage) -> dict[str, int]:
+    """The bytes a read of each tensor moves where the store reads a GGUF file's quantized blocks in place (its
+    ``stored_nbytes``); empty for the other stores, whose reads move the tensors' own bytes."""
+    if not storage.reads_gguf or not getattr(checkpoint, "is_gguf", False):
+        return {}
+    return {key: checkpoint.stored_nbytes(key) for key in checkpoint.keys()}
+
+
+def _unit_reads(
+    unit: Any,
+    dtype: torch.dtype | None,
+    shares: Mapping[str, tuple[float, int]],
+    count: bool,
+    stored: Mapping[str, int],
+) -> float:
     """A unit's offloaded bytes read per forward (``count``: the reads), each store key once (two names tied inside
     one unit are read once), a tensor the policy reads in part (``shares``: by name) at its share."""
     from offload_core.planning.sizing import tensor_bytes
@@ -246,7 +263,7 @@ def _unit_reads(unit: Any, dtype: torch.dtype | None, shares: Mapping[str, tuple
     total = 0.0
     for key, tensor in originals.items():
         share, reads = shares.get(names[key], (1.0, 1))
-        total += reads if count else share * tensor_bytes(tensor, dtype)
+        total += reads if count else share * stored.get(key, tensor_bytes(tensor, dtype))
     return total
 
 

@@ -1,0 +1,261 @@
+"""GGUF block dequantization in vectorized torch, bit for bit gguf-py's ``gguf.quants.dequantize`` (the same float32
+products and sums, in the same order), writing into a buffer the caller holds; other types go through gguf-py's numpy
+dequantizer, and a type gguf-py cannot dequantize is refused in one line."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from offload_core.errors import CheckpointError
+
+__all__ = [
+    "UnsupportedTensorType",
+    "block_shape",
+    "copy_inline",
+    "dequantize_into",
+    "fast_types",
+    "supported",
+    "type_name",
+]
+
+
+class UnsupportedTensorType(CheckpointError):
+    """A GGUF tensor type that neither these kernels nor gguf-py can dequantize."""
+
+
+def _quant_sizes() -> dict[int, tuple[int, int]]:
+    from gguf import GGML_QUANT_SIZES
+
+    return {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}
+
+
+def type_name(kind: int) -> str:
+    """The GGML name of tensor type ``kind`` (``Q4_K``), or ``type <n>`` for a number gguf-py does not know."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"
+
+
+def block_shape(kind: int) -> tuple[int, int]:
+    """``(elements, bytes)`` of one block of tensor type ``kind`` (1 element for the plain types)."""
+    sizes = _quant_sizes().get(int(kind))
+    if sizes is None:
+        raise UnsupportedTensorType(
+            f"GGUF tensor type {type_name(kind)} is unknown to gguf-py; convert the file with a llama.cpp that "
+            "writes a type gguf-py reads, or upgrade gguf (pip install -U gguf)"
+        )
+    return sizes
+
+
+def _halves(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte ``start`` of every block, as float32 (``(n, 1)``; float16 to float32 is exact)."""
+    return blocks[:, start : start + 2].view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Low then high nibbles of ``packed`` (``(..., k)`` bytes) into ``out`` (``(..., 2, k)`` uint8)."""
+    torch.bitwise_and(packed, 0x0F, out=out[..., 0, :])
+    torch.bitwise_right_shift(packed, 4, out=out[..., 1, :])
+    return out
+
+
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mul(blocks[:, 2:].view(torch.int8), _halves(blocks, 0), out=out)
+
+
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    q = _nibbles(blocks[:, 2:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(torch.int8)
+    q.sub_(8)
+    torch.mul(q.view(n, 32), _halves(blocks, 0), out=out)
+
+
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    q = _nibbles(blocks[:, 4:], torch.empty((n, 2, 16), dtype=torch.uint8))
+    torch.mul(q.view(n, 32), _halves(blocks, 0), out=out)
+    out.add_(_halves(blocks, 2))
+
+
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    q = _high_bits(blocks[:, 2:6], _nibbles(blocks[:, 6:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32))
+    q = q.view(torch.int8)
+    q.sub_(16)
+    torch.mul(q, _halves(blocks, 0), out=out)
+
+
+def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    q = _high_bits(blocks[:, 4:8], _nibbles(blocks[:, 8:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32))
+    torch.mul(q, _halves(blocks, 0), out=out)
+    out.add_(_halves(blocks, 2))
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _high_bits(qh: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``low | (bit i of the block's little-endian 32-bit ``qh``) << 4`` for element i (Q5_0 / Q5_1)."""
+    word = qh.contiguous().view(torch.int32)  # (n, 1)
+    bits = torch.bitwise_right_shift(word, _BITS).bitwise_and_(1).to(torch.uint8).bitwise_left_shift_(4)
+    return low.bitwise_or_(bits)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins of a Q4_K / Q5_K block (``scales``: its 12 scale bytes), as float32."""
+    n = scales.shape[0]
+    packed = scales.reshape(n, 3, 4)
+    d, m, md = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mins.float()
+
+
+def _scaled(q: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = d * q - dm`` per 32-element sub-block, two passes (no fused multiply-add: gguf-py rounds twice)."""
+    n = q.shape[0]
+    view = out.view(n, 8, 32)
+    torch.mul(q.view(n, 8, 32), d.unsqueeze(-1), out=view)
+    view.sub_(dm.unsqueeze(-1))
+
+
+def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    sc, mins = _k_scales(blocks[:, 4:16])
+    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32), torch.empty((n, 4, 2, 32), dtype=torch.uint8))
+    _scaled(q, _halves(blocks, 0) * sc, _halves(blocks, 2) * mins, out)
+
+
+_QH5 = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+
+
+def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    sc, mins = _k_scales(blocks[:, 4:16])
+    q = _nibbles(blocks[:, 48:].reshape(n, 4, 32), torch.empty((n, 4, 2, 32), dtype=torch.uint8)).view(n, 8, 32)
+    high = torch.bitwise_right_shift(blocks[:, 16:48].unsqueeze(1), _QH5).bitwise_and_(1).bitwise_left_shift_(4)
+    q.bitwise_or_(high)
+    _scaled(q, _halves(blocks, 0) * sc, _halves(blocks, 2) * mins, out)
+
+
+_QH6 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+
+
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    q = _nibbles(blocks[:, :128].reshape(n, 2, 64), torch.empty((n, 2, 2, 64), dtype=torch.uint8)).view(n, 2, 4, 32)
+    high = torch.bitwise_right_shift(blocks[:, 128:192].reshape(n, 2, 1, 32), _QH6).bitwise_and_(3)
+    q.bitwise_or_(high.bitwise_left_shift_(4))
+    q = q.view(torch.int8)
+    q.sub_(32)
+    scale = blocks[:, 192:208].view(torch.int8).float().mul_(_halves(blocks, 208))  # d * scales, as gguf-py
+    torch.mul(q.view(n, 16, 16), scale.unsqueeze(-1), out=out.view(n, 16, 16))
+
+
+def _f32(blocks: torch.Tensor, out: torch.Tensor) -> None:  # the plain types: one chunk of elements at a time
+    out.copy_(blocks.reshape(-1).view(torch.float32).view(out.shape))
+
+
+def _f16(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(blocks.reshape(-1).view(torch.float16).view(out.shape))
+
+
+def _bf16(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(blocks.reshape(-1).view(torch.bfloat16).view(out.shape))  # bfloat16 to float32: the bits shifted by 16
+
+
+#: GGML type number -> the torch kernel (``blocks``: ``(n, block bytes)`` uint8; ``out``: ``(n, block elements)``)
+_KERNELS: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    0: _f32,
+    1: _f16,
+    2: _q4_0,
+    3: _q4_1,
+    6: _q5_0,
+    7: _q5_1,
+    8: _q8_0,
+    12: _q4_k,
+    13: _q5_k,
+    14: _q6_k,
+    30: _bf16,
+}
+
+#: torch's grain size: a CPU op over fewer elements runs inline on the calling thread. One pass of a kernel writes
+#: the most whole blocks below it (a reader thread dequantizes beside the compute thread; torch's thread pool, woken
+#: for every op of a pass, made a loaded 2-core machine 30-50x slower), and its scratch stays in the caches
+GRAIN = 32768
+
+
+def fast_types() -> list[str]:
+    """The names of the types these torch kernels dequantize (the others go through gguf-py's numpy code)."""
+    return [type_name(kind) for kind in _KERNELS]
+
+
+def supported(kind: int) -> bool:
+    """Whether tensor type ``kind`` can be dequantized (here, or by gguf-py)."""
+    from gguf.quants import _type_traits
+
+    return int(kind) in _KERNELS or any(int(k) == int(kind) for k in _type_traits)
+
+
+def check_supported(kind: int, tensor: str) -> None:
+    """A one-line :class:`UnsupportedTensorType` naming ``tensor`` and its type when it cannot be dequantized."""
+    block_shape(kind)
+    if not supported(kind):
+        raise UnsupportedTensorType(
+            f"GGUF tensor {tensor!r} has type {type_name(kind)}, which gguf-py cannot dequantize; "
+            "re-quantize the model to a type it reads (Q4_K, Q8_0, ...) or upgrade gguf (pip install -U gguf)"
+        )
+
+
+def dequantize_into(raw: torch.Tensor, kind: int, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize ``raw`` (the tensor's bytes, uint8, any shape) of GGML type ``kind`` into ``out`` (float32,
+    contiguous, the tensor's element count): bit for bit ``gguf.quants.dequantize``. Returns ``out``."""
+    elements, nbytes = block_shape(kind)
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("dequantize_into writes a contiguous float32 tensor")
+    flat = raw.reshape(-1)
+    count = out.numel() // elements
+    if out.numel() % elements or flat.numel() != count * nbytes:
+        raise ValueError(f"{flat.numel()} bytes of {type_name(kind)} do not hold {out.numel()} elements")
+    kernel = _KERNELS.get(int(kind))
+    target = out.view(count, elements)
+    if kernel is None:
+        _numpy_into(flat, kind, target)
+        return out
+    blocks = flat.view(count, nbytes)
+    step = max((GRAIN - 1) // elements, 1)
+    with torch.inference_mode(False):
+        for start in range(0, count, step):
+            kernel(blocks[start : start + step], target[start : start + step])
+    return out
+
+
+def copy_inline(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``out.copy_(source)`` in pieces below :data:`GRAIN` elements, so that it runs on the calling thread."""
+    if out.numel() < GRAIN or out.dim() == 0:
+        return out.copy_(source)
+    rows = out.shape[0]
+    per = out.numel() // max(rows, 1)
+    if per >= GRAIN:
+        for row in range(rows):
+            copy_inline(out[row], source[row])
+        return out
+    step = max((GRAIN - 1) // max(per, 1), 1)
+    for start in range(0, rows, step):
+        out[start : start + step].copy_(source[start : start + step])
+    return out
+
+
+def _numpy_into(flat: torch.Tensor, kind: int, target: torch.Tensor) -> None:
+    from gguf.quants import dequantize
+
+    check_supported(kind, "?")
+    values = dequantize(flat.numpy(), kind)
+    copy_inline(target, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(target.shape))
