@@ -76,10 +76,12 @@ def write_gguf(
     seed: int = 0,
     metadata: dict[str, int] | None = None,
     drop: tuple[str, ...] = (),
+    arch_name: str | None = None,
 ) -> Path:
     """A GGUF file of a seeded tiny ``arch`` model (``llama`` or ``qwen2``): every 2-D weight of GGML type
-    ``default`` unless ``types`` maps a substring of its GGUF name to another (norms and biases stay F32);
-    ``metadata`` overrides the header's numbers (``block_count`` ...), ``drop`` leaves GGUF tensors out."""
+    ``default`` unless ``types`` maps a part of its GGUF name (``ffn_up``, ``output.weight``) to another (norms and
+    biases stay F32); ``metadata`` overrides the header's numbers (``block_count`` ...), ``drop`` leaves GGUF
+    tensors out, ``arch_name`` writes another architecture name in the header."""
     import gguf
     import transformers
     from gguf import GGMLQuantizationType as T
@@ -90,7 +92,8 @@ def write_gguf(
     model = model_cls(config).eval()
     rng = np.random.default_rng(seed)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2, layers)
-    writer = gguf.GGUFWriter(str(path), arch)
+    arch_name = arch_name or arch
+    writer = gguf.GGUFWriter(str(path), arch_name)
     numbers = {
         "block_count": layers,
         "context_length": config.max_position_embeddings,
@@ -102,9 +105,9 @@ def write_gguf(
         **(metadata or {}),
     }
     for key, value in numbers.items():
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+        writer.add_uint32(f"{arch_name}.{key}", value)
+    writer.add_float32(f"{arch_name}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_name(f"tiny {arch}")
     _add_tokenizer(writer)
     for hf_name, tensor in model.state_dict().items():
@@ -119,7 +122,7 @@ def write_gguf(
             data = _permute(data, config.num_key_value_heads)
         kind = default if data.ndim == 2 else int(T.F32)
         for part, chosen in (types or {}).items():
-            if part in name and data.ndim == 2:
+            if "." + part in "." + name and data.ndim == 2:
                 kind = chosen
         _add(writer, name, data, kind, rng)
     writer.write_header_to_file()

@@ -136,11 +136,7 @@ class GGUFCheckpoint(Checkpoint):
             model = naming_model(config)
             mapping = saved_names(meta)
             _check_in_place(path, file.architecture, processor)
-            expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-            groups: dict[int, list[str]] = {}
-            for name, param in model.named_parameters(remove_duplicate=False):
-                groups.setdefault(id(param), []).append(name)
-            sources, shapes = _match(path, file, mapping, expected, list(groups.values()))
+            sources, shapes = match_tensors(path, file, mapping, model)
         except BaseException:
             file.close()
             raise
@@ -233,6 +229,15 @@ def _check_in_place(path: Path, architecture: str, processor: Any) -> None:
             f"{'loads it through its own GGUF path' if newer else 'merges or splits its tensors as it loads'}); "
             "leave storage at its default, which converts the file once"
         )
+
+
+def match_tensors(path: Path, file: GGUFFile, mapping: dict[str, str], model: Any) -> tuple[dict, dict]:
+    """:func:`_match` of the file's tensors against ``model`` (built on meta from the file's config)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return _match(path, file, mapping, expected, list(groups.values()))
 
 
 def _match(

@@ -75,14 +75,18 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
     ``config``; ``parsed``: the config dict its tensor processor is given)."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    from offload_core.loading.gguf_checkpoint import _architecture_error, naming_model, tensor_processor
+    from offload_core.loading.gguf_checkpoint import _architecture_error, match_tensors, naming_model, tensor_processor
     from offload_core.storage.gguf.file import GGUFFile
 
     file = GGUFFile(gguf)
     try:
-        return get_gguf_hf_weights_map(naming_model(config), tensor_processor(file.architecture, parsed))
-    except (ValueError, KeyError, NotImplementedError) as error:
-        raise _architecture_error(gguf, error) from None
+        model = naming_model(config)
+        try:
+            names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
+        except (ValueError, KeyError, NotImplementedError) as error:
+            raise _architecture_error(gguf, error) from None
+        match_tensors(gguf, file, names, model)  # tensors that disagree with the metadata: refused before it is kept
+        return names
     finally:
         file.close()
 
@@ -129,6 +133,26 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | None) -> Any:
+    """transformers' own in-memory model of ``gguf``: ``model_class.from_pretrained(folder, gguf_file=...)`` where
+    accelerate (which transformers asks for there) is installed; else the steps it takes for the architectures read
+    tensor by tensor (config from the file, the model built, every tensor dequantized by gguf-py and converted by
+    ``load_gguf_checkpoint``, then loaded)."""
+    import importlib.util
+
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from offload_core.loading.gguf_checkpoint import gguf_config
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    return model
 
 
 def resolve_model_path(path: str | os.PathLike[str], reads_gguf: bool) -> Path:

@@ -141,6 +141,7 @@ def make_plan(
             f"{format_size(reserve_of.copies)} of the parts lie at other page offsets than the rest of their tensor "
             f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
+    lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
     if conversion.converted:
         names = sorted(conversion.converted)
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
@@ -242,6 +243,39 @@ def stored_bytes(checkpoint: Any, storage: Storage) -> dict[str, int]:
     if not storage.reads_gguf or not getattr(checkpoint, "is_gguf", False):
         return {}
     return {key: checkpoint.stored_nbytes(key) for key in checkpoint.keys()}
+
+
+def stored_lines(
+    checkpoint: Any,
+    stored: Mapping[str, int],
+    summary: dict,
+    device_map: Mapping[str, int | str],
+    model: nn.Module,
+    execution_device: torch.device,
+) -> list[str]:
+    """What the store does with each tensor of a GGUF file it reads in place, by GGML type: offloaded ones stay
+    quantized in the file and are dequantized on every read; resident ones are dequantized once, at load."""
+    if not stored:
+        return []
+    from offload_core.loading.routes import route_tensors
+    from offload_core.planning import normalize_device_map
+
+    offloaded = set(route_tensors(model, normalize_device_map(dict(device_map)), execution_device).offloaded.values())
+    kinds: dict[tuple[bool, str], list[int]] = {}
+    for key in checkpoint.keys():
+        row = kinds.setdefault((key in offloaded, checkpoint.tensor_type(key)), [0, 0, 0])
+        row[0] += 1
+        row[1] += stored[key]
+        row[2] += checkpoint.nbytes(key)
+
+    def listed(read_in_place: bool) -> str:
+        rows = sorted((kind, row) for (place, kind), row in kinds.items() if place == read_in_place)
+        return ", ".join(f"{kind} x{n} ({format_size(q)} -> {format_size(f)})" for kind, (n, q, f) in rows) or "none"
+
+    return [
+        f"gguf, offloaded: read quantized in place, dequantized before each use: {listed(True)}",
+        f"gguf, resident: dequantized once at load: {listed(False)}",
+    ]
 
 
 def _unit_reads(

@@ -130,7 +130,9 @@ class GGUFFile:
             raise self._fail(f"has GGUF version {version}; only versions 2 and 3 are read")
         tensors, fields = cursor.unpack("<Q"), cursor.unpack("<Q")
         if tensors > size // 24 or fields > size // 12:
-            raise self._fail(f"is damaged: its header declares {tensors} tensors and {fields} fields in {size} bytes")
+            raise self._fail(
+                f"is truncated or damaged: its header declares {tensors} tensors and {fields} fields in {size} bytes"
+            )
         for _ in range(fields):
             key = cursor.string()
             self.fields[key] = cursor.value(cursor.unpack("<I"), key)
