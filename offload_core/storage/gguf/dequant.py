@@ -85,78 +85,82 @@ def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    q = _high_bits(blocks[:, 2:6], _nibbles(blocks[:, 6:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32))
-    q = q.view(torch.int8)
+    q = _nibbles(blocks[:, 6:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32)
+    q = q.bitwise_or_(_spread(_BIT_TABLE, blocks[:, 2:6]).view(n, 32)).view(torch.int8)
     q.sub_(16)
     torch.mul(q, _halves(blocks, 0), out=out)
 
 
 def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    q = _high_bits(blocks[:, 4:8], _nibbles(blocks[:, 8:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32))
+    q = _nibbles(blocks[:, 8:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32)
+    q.bitwise_or_(_spread(_BIT_TABLE, blocks[:, 4:8]).view(n, 32))
     torch.mul(q, _halves(blocks, 0), out=out)
     out.add_(_halves(blocks, 2))
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+#: byte -> its 8 bits, lowest first, each as 0 or 16 (a 5-bit value's high bit); byte -> its four 2-bit fields,
+#: lowest first, each shifted up by 4 (a 6-bit value's high bits)
+_BIT_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8) << 4
+_PAIR_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.tensor([0, 2, 4, 6])) & 3).to(torch.uint8) << 4
 
 
-def _high_bits(qh: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """``low | (bit i of the block's little-endian 32-bit ``qh``) << 4`` for element i (Q5_0 / Q5_1)."""
-    word = qh.contiguous().view(torch.int32)  # (n, 1)
-    bits = torch.bitwise_right_shift(word, _BITS).bitwise_and_(1).to(torch.uint8).bitwise_left_shift_(4)
-    return low.bitwise_or_(bits)
+def _spread(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``table[byte]`` for every byte of ``packed``: ``packed``'s shape with the table's row appended."""
+    return torch.index_select(table, 0, packed.reshape(-1).long()).view(*packed.shape, table.shape[1])
 
 
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8 six-bit scales and mins of a Q4_K / Q5_K block (``scales``: its 12 scale bytes), as float32."""
-    n = scales.shape[0]
-    packed = scales.reshape(n, 3, 4)
+#: blocks of 256 elements one inner pass of a K-quant kernel writes (below :data:`GRAIN` elements)
+_SUB = 127
+
+
+def _k_factors(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d * scale`` and ``dmin * min`` of each 32-element sub-block of Q4_K / Q5_K blocks (``(n, 8)`` float32,
+    each product rounded once, as gguf-py computes them)."""
+    n = blocks.shape[0]
+    packed = blocks[:, 4:16].reshape(n, 3, 4)
     d, m, md = packed[:, 0], packed[:, 1], packed[:, 2]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float(), mins.float()
+    return sc.float().mul_(_halves(blocks, 0)), mins.float().mul_(_halves(blocks, 2))
 
 
-def _scaled(q: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = d * q - dm`` per 32-element sub-block, two passes (no fused multiply-add: gguf-py rounds twice)."""
-    n = q.shape[0]
-    view = out.view(n, 8, 32)
-    torch.mul(q.view(n, 8, 32), d.unsqueeze(-1), out=view)
-    view.sub_(dm.unsqueeze(-1))
+def _k_quant(blocks: torch.Tensor, out: torch.Tensor, high: bool) -> None:
+    """Q4_K (``high`` False) and Q5_K: ``out = (d * scale) * q - dmin * min`` per sub-block, in two passes (no fused
+    multiply-add: gguf-py rounds the product, then the difference)."""
+    d, dm = _k_factors(blocks)
+    scratch = torch.empty((min(_SUB, blocks.shape[0]), 4, 2, 32), dtype=torch.uint8)
+    low_at = 48 if high else 16
+    for start in range(0, blocks.shape[0], _SUB):
+        part = blocks[start : start + _SUB]
+        n = part.shape[0]
+        q = _nibbles(part[:, low_at:].reshape(n, 4, 32), scratch[:n]).view(n, 8, 32)
+        if high:  # bit i of byte p of qh is element p of sub-block i's fifth bit
+            q.bitwise_or_(_spread(_BIT_TABLE, part[:, 16:48]).transpose(1, 2))
+        view = out[start : start + n].view(n, 8, 32)
+        torch.mul(q, d[start : start + n].unsqueeze(-1), out=view)
+        view.sub_(dm[start : start + n].unsqueeze(-1))
 
 
 def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    sc, mins = _k_scales(blocks[:, 4:16])
-    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32), torch.empty((n, 4, 2, 32), dtype=torch.uint8))
-    _scaled(q, _halves(blocks, 0) * sc, _halves(blocks, 2) * mins, out)
-
-
-_QH5 = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    _k_quant(blocks, out, high=False)
 
 
 def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    sc, mins = _k_scales(blocks[:, 4:16])
-    q = _nibbles(blocks[:, 48:].reshape(n, 4, 32), torch.empty((n, 4, 2, 32), dtype=torch.uint8)).view(n, 8, 32)
-    high = torch.bitwise_right_shift(blocks[:, 16:48].unsqueeze(1), _QH5).bitwise_and_(1).bitwise_left_shift_(4)
-    q.bitwise_or_(high)
-    _scaled(q, _halves(blocks, 0) * sc, _halves(blocks, 2) * mins, out)
-
-
-_QH6 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    _k_quant(blocks, out, high=True)
 
 
 def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    q = _nibbles(blocks[:, :128].reshape(n, 2, 64), torch.empty((n, 2, 2, 64), dtype=torch.uint8)).view(n, 2, 4, 32)
-    high = torch.bitwise_right_shift(blocks[:, 128:192].reshape(n, 2, 1, 32), _QH6).bitwise_and_(3)
-    q.bitwise_or_(high.bitwise_left_shift_(4))
-    q = q.view(torch.int8)
-    q.sub_(32)
     scale = blocks[:, 192:208].view(torch.int8).float().mul_(_halves(blocks, 208))  # d * scales, as gguf-py
-    torch.mul(q.view(n, 16, 16), scale.unsqueeze(-1), out=out.view(n, 16, 16))
+    scratch = torch.empty((min(_SUB, blocks.shape[0]), 2, 2, 64), dtype=torch.uint8)
+    for start in range(0, blocks.shape[0], _SUB):
+        part = blocks[start : start + _SUB]
+        n = part.shape[0]
+        q = _nibbles(part[:, :128].reshape(n, 2, 64), scratch[:n]).view(n, 2, 4, 32)
+        q.bitwise_or_(_spread(_PAIR_TABLE, part[:, 128:192].reshape(n, 2, 32)).transpose(2, 3))
+        q = q.view(torch.int8)
+        q.sub_(32)
+        torch.mul(q.view(n, 16, 16), scale[start : start + n].unsqueeze(-1), out=out[start : start + n].view(n, 16, 16))
 
 
 def _f32(blocks: torch.Tensor, out: torch.Tensor) -> None:  # the plain types: one chunk of elements at a time
@@ -190,6 +194,11 @@ _KERNELS: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {
 #: the most whole blocks below it (a reader thread dequantizes beside the compute thread; torch's thread pool, woken
 #: for every op of a pass, made a loaded 2-core machine 30-50x slower), and its scratch stays in the caches
 GRAIN = 32768
+
+
+#: blocks one outer pass of the K-quant kernels takes: their per-sub-block factors (8 or 16 a block) stay below
+#: :data:`GRAIN`; the elements are then written :data:`_SUB` blocks at a time
+_OUTER = {12: (GRAIN - 1) // 8, 13: (GRAIN - 1) // 8, 14: (GRAIN - 1) // 16}
 
 
 def fast_types() -> list[str]:
@@ -230,7 +239,7 @@ def dequantize_into(raw: torch.Tensor, kind: int, out: torch.Tensor) -> torch.Te
         _numpy_into(flat, kind, target)
         return out
     blocks = flat.view(count, nbytes)
-    step = max((GRAIN - 1) // elements, 1)
+    step = _OUTER.get(int(kind), max((GRAIN - 1) // elements, 1))
     with torch.inference_mode(False):
         for start in range(0, count, step):
             kernel(blocks[start : start + step], target[start : start + step])
