@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import offload_core
+import offload_core.registry.manager
 from offload_core.loading.checkpoint import Checkpoint
 from tests.gguf_files import transformers_model, write_gguf
 
@@ -107,3 +108,31 @@ def test_checkpoint_tensors_are_transformers_tensors(files):
             out = torch.empty(checkpoint.shape(key))
             checkpoint.read_into(key, out)
             assert torch.equal(out, state[key]), key
+
+
+def test_the_store_round_trip(files):
+    """What the store contract asks of every store, on a GGUF file: every tensor handed back as transformers holds it
+    (``store[name]`` and into a caller's buffer), its spec from the header, nothing written, ``put`` refused."""
+    from offload_core.errors import OffloadError
+    from offload_core.storage import StoreContext
+
+    path, reference = files["qwen2"]
+    state = reference.state_dict()
+    storage = offload_core.registry.manager.get_registry().create("storage", "gguf")
+    with Checkpoint.open(path) as checkpoint:
+        store = storage.open(StoreContext(names=checkpoint.keys(), checkpoint=checkpoint))
+        for key in checkpoint.keys():
+            store.add_from_checkpoint(key, checkpoint, key, None)
+        store.finalize()
+        assert set(store) == set(checkpoint.keys()) and store.bytes_written == 0
+        for key in store:
+            shape, dtype = store.spec(key)
+            assert (shape, dtype) == (state[key].shape, state[key].dtype)
+            assert torch.equal(store[key], state[key]), key
+            buffer = torch.empty(shape, dtype=dtype)
+            store.read_into(key, buffer)
+            assert torch.equal(buffer, state[key]), key
+            assert store.moved_nbytes(key) == checkpoint.stored_nbytes(key)
+        with pytest.raises(OffloadError, match="only reads the GGUF file"):
+            store.put("extra", torch.zeros(2))
+        store.close()
