@@ -5,11 +5,13 @@ damaged)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -82,13 +84,29 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
     try:
         model = naming_model(config)
         try:
-            names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
+            with _name_maps_once():
+                names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
         except (ValueError, KeyError, NotImplementedError) as error:
             raise _architecture_error(gguf, error) from None
         match_tensors(gguf, file, names, model)  # tensors that disagree with the metadata: refused before it is kept
         return names
     finally:
         file.close()
+
+
+@contextmanager
+def _name_maps_once() -> Iterator[None]:
+    """gguf-py's ``get_tensor_name_map`` memoized while transformers names a file's tensors: its
+    ``get_gguf_hf_weights_map`` builds the same read-only map again for every submodule (half a minute for a 30-layer
+    model, a few milliseconds once)."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 def processor_config(meta: Path) -> dict[str, Any]:
