@@ -121,7 +121,6 @@ class GGUFCheckpoint(Checkpoint):
         self.sources = sources  # model name -> GGUF tensor name
         self._shapes = shapes
         self.processor = processor
-        self._identity = type(processor).__name__ == "TensorProcessor"
 
     @classmethod
     def open_gguf(cls, path: str | os.PathLike[str]) -> GGUFCheckpoint:
@@ -176,17 +175,14 @@ class GGUFCheckpoint(Checkpoint):
         return self.file.raw(self.sources[key])
 
     def converted_in_place(self, key: str) -> bool:
-        """Whether ``key`` is its dequantized blocks as they lie (no transformers processing moves its elements)."""
-        return self._identity or self._process_name(key) is None
-
-    def _process_name(self, key: str) -> str | None:
-        name = self.sources[key]
+        """Whether ``key`` is its dequantized blocks as they lie: transformers' processor leaves it as it is (every
+        tensor of an architecture without a processor; all but q and k for llama's, which permutes those two).
+        Other processors' tensors go through the processor's own numpy code."""
         kind = type(self.processor).__name__
-        if kind == "LlamaTensorProcessor" and (".attn_k." in name or ".attn_q." in name):
-            return name
-        if kind != "LlamaTensorProcessor" and kind != "TensorProcessor":
-            return name
-        return None
+        if kind == "TensorProcessor":
+            return True
+        name = self.sources[key]
+        return kind == "LlamaTensorProcessor" and ".attn_q." not in name and ".attn_k." not in name
 
     def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
         """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it."""
