@@ -69,18 +69,37 @@ def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     torch.mul(blocks[:, 2:].view(torch.int8), _halves(blocks, 0), out=out)
 
 
+#: 32-element blocks one inner pass of the 4-bit kernels writes (below :data:`GRAIN` elements)
+_SUB32 = 1023
+
+
+def _four_bit(blocks: torch.Tensor, out: torch.Tensor, offset: bool) -> None:
+    """Q4_0 (``offset`` False: ``d * (q - 8)``) and Q4_1 (``d * q + m``, two roundings as gguf-py's): the scales of
+    the outer pass converted once, the nibbles and products written :data:`_SUB32` blocks at a time."""
+    d = _halves(blocks, 0)
+    m = _halves(blocks, 2) if offset else None
+    at = 4 if offset else 2
+    scratch = torch.empty((min(_SUB32, blocks.shape[0]), 2, 16), dtype=torch.uint8)
+    for start in range(0, blocks.shape[0], _SUB32):
+        part = blocks[start : start + _SUB32]
+        n = part.shape[0]
+        q = _nibbles(part[:, at:], scratch[:n]).view(n, 32)
+        target = out[start : start + n]
+        if m is None:
+            q = q.view(torch.int8)
+            q.sub_(8)
+            torch.mul(q, d[start : start + n], out=target)
+        else:
+            torch.mul(q, d[start : start + n], out=target)
+            target.add_(m[start : start + n])
+
+
 def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    q = _nibbles(blocks[:, 2:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(torch.int8)
-    q.sub_(8)
-    torch.mul(q.view(n, 32), _halves(blocks, 0), out=out)
+    _four_bit(blocks, out, offset=False)
 
 
 def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    q = _nibbles(blocks[:, 4:], torch.empty((n, 2, 16), dtype=torch.uint8))
-    torch.mul(q.view(n, 32), _halves(blocks, 0), out=out)
-    out.add_(_halves(blocks, 2))
+    _four_bit(blocks, out, offset=True)
 
 
 def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -196,9 +215,9 @@ _KERNELS: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {
 GRAIN = 32768
 
 
-#: blocks one outer pass of the K-quant kernels takes: their per-sub-block factors (8 or 16 a block) stay below
-#: :data:`GRAIN`; the elements are then written :data:`_SUB` blocks at a time
-_OUTER = {12: (GRAIN - 1) // 8, 13: (GRAIN - 1) // 8, 14: (GRAIN - 1) // 16}
+#: blocks one outer pass of the 4-bit and K-quant kernels takes: their scales (1, 8 or 16 a block) stay below
+#: :data:`GRAIN`; the elements are then written :data:`_SUB32` or :data:`_SUB` blocks at a time
+_OUTER = {2: GRAIN - 1, 3: GRAIN - 1, 12: (GRAIN - 1) // 8, 13: (GRAIN - 1) // 8, 14: (GRAIN - 1) // 16}
 
 
 def fast_types() -> list[str]:
