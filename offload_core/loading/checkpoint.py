@@ -107,12 +107,17 @@ class Checkpoint:
     # -- opening --------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
-        """Open a checkpoint directory, a ``.safetensors`` file, a ``.bin`` file or an index ``.json``."""
+        """Open a checkpoint directory, a ``.safetensors`` file, a ``.bin`` file, an index ``.json`` or a GGUF file
+        (:class:`~offload_core.loading.gguf_checkpoint.GGUFCheckpoint`)."""
         path = Path(path).expanduser()
         if not path.exists():
             raise CheckpointError(
                 f"checkpoint {path} does not exist; give a checkpoint directory or a .safetensors/.bin file"
             )
+        from offload_core.loading.gguf_checkpoint import GGUFCheckpoint, find_gguf
+
+        if find_gguf(path) is not None:  # a .gguf file, or a folder holding one and no Hugging Face weights
+            return GGUFCheckpoint.open_gguf(find_gguf(path))
         if path.is_dir():
             return cls._open_dir(path)
         if not path.is_file():

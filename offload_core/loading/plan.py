@@ -131,7 +131,8 @@ def make_plan(
     if own:
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
     check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
-    predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split)
+    stored = stored_bytes(checkpoint, storage)
+    predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, stored=stored)
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)
     lines = conversion.summary().lines()
@@ -140,6 +141,7 @@ def make_plan(
             f"{format_size(reserve_of.copies)} of the parts lie at other page offsets than the rest of their tensor "
             f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
+    lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
     if conversion.converted:
         names = sorted(conversion.converted)
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
@@ -206,6 +208,7 @@ def predicted_bytes_per_token(
     dtype: torch.dtype | str | None,
     no_split_module_classes: list[str] | None = None,
     count: bool = False,
+    stored: Mapping[str, int] | None = None,
 ) -> int:
     """Bytes the module-hook policy will bring in per generated token, predicted from the plan alone.
 
@@ -219,7 +222,8 @@ def predicted_bytes_per_token(
     ``no_split_module_classes`` defaults to the model's own. Works on a meta model (nothing is read).
     The measured ``bytes_moved_per_token`` also averages the first forward over the prompt, which moves
     the same bytes. ``count``: the tensors brought in instead of their bytes (``transfers_per_token``), the
-    policy's rule applied to each unit's tensor count.
+    policy's rule applied to each unit's tensor count. ``stored``: the bytes a read moves per store key where the
+    store holds tensors in fewer bytes than the model computes on (a GGUF file's quantized blocks).
     """
     from offload_core.loading.routes import route_tensors
     from offload_core.module_hooks.units import find_units
@@ -230,10 +234,57 @@ def predicted_bytes_per_token(
     tensors = route_tensors(model, normalize_device_map(device_map), device)
     units = find_units(model, tensors.offloaded, no_split_classes(model, no_split_module_classes), policy.granularity)
     shares = policy.read_shares(model)
-    return int(policy.predict_moved([_unit_reads(unit, dtype, shares, count) for unit in units]))
+    return int(policy.predict_moved([_unit_reads(unit, dtype, shares, count, stored or {}) for unit in units]))
 
 
-def _unit_reads(unit: Any, dtype: torch.dtype | None, shares: Mapping[str, tuple[float, int]], count: bool) -> float:
+def stored_bytes(checkpoint: Any, storage: Storage) -> dict[str, int]:
+    """The bytes a read of each tensor moves where the store reads a GGUF file's quantized blocks in place (its
+    ``stored_nbytes``); empty for the other stores, whose reads move the tensors' own bytes."""
+    if not storage.reads_gguf or not getattr(checkpoint, "is_gguf", False):
+        return {}
+    return {key: checkpoint.stored_nbytes(key) for key in checkpoint.keys()}
+
+
+def stored_lines(
+    checkpoint: Any,
+    stored: Mapping[str, int],
+    summary: dict,
+    device_map: Mapping[str, int | str],
+    model: nn.Module,
+    execution_device: torch.device,
+) -> list[str]:
+    """What the store does with each tensor of a GGUF file it reads in place, by GGML type: offloaded ones stay
+    quantized in the file and are dequantized on every read; resident ones are dequantized once, at load."""
+    if not stored:
+        return []
+    from offload_core.loading.routes import route_tensors
+    from offload_core.planning import normalize_device_map
+
+    offloaded = set(route_tensors(model, normalize_device_map(dict(device_map)), execution_device).offloaded.values())
+    kinds: dict[tuple[bool, str], list[int]] = {}
+    for key in checkpoint.keys():
+        row = kinds.setdefault((key in offloaded, checkpoint.tensor_type(key)), [0, 0, 0])
+        row[0] += 1
+        row[1] += stored[key]
+        row[2] += checkpoint.nbytes(key)
+
+    def listed(read_in_place: bool) -> str:
+        rows = sorted((kind, row) for (place, kind), row in kinds.items() if place == read_in_place)
+        return ", ".join(f"{kind} x{n} ({format_size(q)} -> {format_size(f)})" for kind, (n, q, f) in rows) or "none"
+
+    return [
+        f"gguf, offloaded: read quantized in place, dequantized before each use: {listed(True)}",
+        f"gguf, resident: dequantized once at load: {listed(False)}",
+    ]
+
+
+def _unit_reads(
+    unit: Any,
+    dtype: torch.dtype | None,
+    shares: Mapping[str, tuple[float, int]],
+    count: bool,
+    stored: Mapping[str, int],
+) -> float:
     """A unit's offloaded bytes read per forward (``count``: the reads), each store key once (two names tied inside
     one unit are read once), a tensor the policy reads in part (``shares``: by name) at its share."""
     from offload_core.planning.sizing import tensor_bytes
@@ -246,7 +297,7 @@ def _unit_reads(unit: Any, dtype: torch.dtype | None, shares: Mapping[str, tuple
     total = 0.0
     for key, tensor in originals.items():
         share, reads = shares.get(names[key], (1.0, 1))
-        total += reads if count else share * tensor_bytes(tensor, dtype)
+        total += reads if count else share * stored.get(key, tensor_bytes(tensor, dtype))
     return total
 
 

@@ -117,6 +117,7 @@ def from_pretrained(
     from offload_core.planning.headroom import read_headroom
     from offload_core.values import parse_dtype
 
+    path = model_path(path, storage)
     config = read_config(path, what="path")
     given = task is not None
     task = task or infer_task(config)
@@ -242,3 +243,13 @@ def plan_and_dispatch(
     except BaseException:
         checkpoint.close()
         raise
+
+
+def model_path(path: str | Path, storage: str | Any) -> Path:
+    """``path`` as the loaders take it: a GGUF file (or a folder holding one) stays the file for a store that reads
+    it in place (``storage="gguf"``) and is converted once into a float32 safetensors folder for the others."""
+    from offload_core.loading.dispatch import resolve_strategy
+    from offload_core.loading.gguf_sources import resolve_model_path
+
+    reads_gguf = resolve_strategy("storage", storage).reads_gguf
+    return resolve_model_path(path, reads_gguf)

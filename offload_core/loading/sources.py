@@ -19,7 +19,7 @@ import torch
 
 from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import CheckpointError, ConfigError, OffloadError
-from offload_core.loading.writer import plan_shards, write_safetensors_shards, write_sharded_safetensors
+from offload_core.loading.writer import plan_shards, write_safetensors_shards
 from offload_core.values import parse_dtype
 
 __all__ = [
@@ -148,23 +148,9 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def _convert_smollm2(gguf: Path, out: Path) -> None:
-    # ``from_pretrained(gguf_file=...)`` needs accelerate; build on meta and dequantize the GGUF ourselves.
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from offload_core.loading.gguf_sources import convert_gguf
 
-    source, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
-    config = AutoConfig.from_pretrained(source, gguf_file=name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
-    del tensors
-    write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
-    config.dtype = torch.float32
-    config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    GenerationConfig.from_model_config(config).save_pretrained(out)
+    convert_gguf(gguf, out)
 
 
 # -- synthetic Llamas ----------------------------------------------------------------------------
@@ -325,7 +311,14 @@ def load_tokenizer(path: str | os.PathLike[str]):
     """The tokenizer saved in ``path`` (local files only), or ``None`` when the folder has none (synthetic models)."""
     from transformers import AutoTokenizer
 
+    from offload_core.loading.gguf_checkpoint import find_gguf
+
     path = Path(path)
+    gguf = find_gguf(path)
+    if gguf is not None:  # the tokenizer transformers builds from the file, kept in the cache once built
+        from offload_core.loading.gguf_sources import gguf_meta_folder
+
+        path = gguf_meta_folder(gguf)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     try:

@@ -58,7 +58,15 @@ def read_config(checkpoint: str | Path, what: str = "model.path") -> Any:
     (``what`` names the argument that gave the folder)."""
     from transformers import AutoConfig, CONFIG_MAPPING
 
+    from offload_core.loading.gguf_checkpoint import find_gguf
+
     checkpoint = Path(checkpoint)
+    gguf = find_gguf(checkpoint)
+    if gguf is not None:  # as transformers builds it from the file (kept in the cache once built)
+        from offload_core.loading.gguf_checkpoint import read_meta_config
+        from offload_core.loading.gguf_sources import gguf_meta_folder
+
+        return read_meta_config(gguf_meta_folder(gguf))
     try:
         return AutoConfig.from_pretrained(checkpoint, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:

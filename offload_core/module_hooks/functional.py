@@ -45,7 +45,7 @@ class FunctionalCallHook(ModuleHook):
 
     def call_forward(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         fetched = self.unit.fetch(self.store, self.execution_device, self.non_blocking)
-        self.stats.add_unit(fetched)
+        self.stats.add_unit(fetched, self.store)
         params = self.unit.as_params(fetched)
         tensors = {_CALL_PREFIX + name: params.get(key, fetched[key]) for name, key in self._names}
         # functional_call calls the module it is given: give it a bare one around the inner forward, so

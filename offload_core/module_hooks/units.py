@@ -21,9 +21,13 @@ class TransferStats:
     bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add_unit(self, fetched: Mapping[str, torch.Tensor]) -> None:
-        """Count one unit brought in: its tensors and their bytes."""
-        self.add_moved(len(fetched), sum(t.numel() * t.element_size() for t in fetched.values()))
+    def add_unit(self, fetched: Mapping[str, torch.Tensor], store: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Count one unit brought in: its tensors and the bytes they moved (from ``store``: its quantized blocks
+        where it holds them so, :func:`~offload_core.storage.base.moved_bytes`)."""
+        from offload_core.storage.base import moved_bytes
+
+        nbytes = sum(moved_bytes(store, key, t.numel() * t.element_size()) for key, t in fetched.items())
+        self.add_moved(len(fetched), nbytes)
 
     def add_moved(self, tensors: int, nbytes: int) -> None:
         """Count one unit activation that moved ``nbytes`` (tied tensors already there move nothing)."""
@@ -151,7 +155,7 @@ class Unit:
             slot.set(params[slot.key] if slot.is_param else fetched[slot.key])
         self.loaded = True
         if stats is not None:
-            stats.add_unit(fetched)
+            stats.add_unit(fetched, store)
 
     def release(self) -> None:
         """Put the placeholders back; the loaded tensors are dropped (no-op when not loaded)."""

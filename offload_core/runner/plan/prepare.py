@@ -63,7 +63,7 @@ def prepare(
     gives the batches instead of the settings' prompts (a benchmark's own inputs)."""
     from offload_core.loading.checkpoint import Checkpoint
 
-    run_model = open_model(settings.model, settings.dtype)
+    run_model = open_model(settings.model, settings.dtype, strategies.storage.reads_gguf)
     with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
         check_run_task(settings, run_model, checkpoint)
         if batches_of is None:

@@ -1,0 +1,267 @@
+"""A GGUF file as a checkpoint under transformers' names: its config and tokenizer as transformers builds them, each
+tensor dequantized and converted (q/k permutation, ...) exactly as ``from_pretrained(gguf_file=...)`` does, and its
+quantized blocks handed to the store that reads them in place (``storage=gguf``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload_core.errors import CheckpointError, ConfigError
+from offload_core.loading.checkpoint import Checkpoint
+from offload_core.storage.gguf.dequant import copy_inline, dequantize_into
+from offload_core.storage.gguf.file import GGUFFile
+
+__all__ = ["GGUFCheckpoint", "find_gguf", "gguf_config", "gguf_tokenizer"]
+
+#: transformers' tensor processors that change one tensor at a time, keeping its name (the others merge or split
+#: tensors into other names as they load: those files are converted once instead of read in place)
+PER_TENSOR_PROCESSORS = (
+    "TensorProcessor",
+    "LlamaTensorProcessor",
+    "BloomTensorProcessor",
+    "T5TensorProcessor",
+    "MambaTensorProcessor",
+    "NemotronTensorProcessor",
+    "Gemma2TensorProcessor",
+)
+
+
+def find_gguf(path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file ``path`` names: itself when it is a ``.gguf`` file, the one ``.gguf`` of a folder without
+    Hugging Face weights or config; None otherwise. A folder holding several is a one-line error naming them."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file() or (path / "model_index.json").is_file():
+        return None
+    if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
+        return None
+    found = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found[:4])
+        raise ConfigError(f"{path} holds {len(found)} GGUF files ({names}); give the path of the one to run")
+    return found[0] if found else None
+
+
+def _architecture_error(path: Path, error: Exception) -> CheckpointError:
+    import transformers
+
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return CheckpointError(
+        f"{path}: transformers {transformers.__version__} cannot map this GGUF file ({reason}); use a GGUF of an "
+        "architecture transformers loads (llama, qwen2, mistral, ...) or upgrade transformers"
+    )
+
+
+def gguf_config(path: Path) -> Any:
+    """The transformers config of GGUF file ``path``, as ``AutoConfig.from_pretrained(folder, gguf_file=...)``
+    builds it; one line when the file is damaged or its architecture unknown to transformers."""
+    from transformers import AutoConfig
+
+    GGUFFile(path).close()  # its header checked first: a damaged file is named as such
+    try:
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ValueError, KeyError, NotImplementedError, OSError) as error:
+        raise _architecture_error(path, error) from None
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer transformers builds from GGUF file ``path`` (None when the file carries none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ValueError, KeyError, NotImplementedError, OSError) as error:
+        if "tokenizer" in str(error).lower() or isinstance(error, KeyError):
+            return None
+        raise _architecture_error(path, error) from None
+
+
+def read_meta_config(meta: Path) -> Any:
+    """The config saved in a GGUF file's metadata folder (see :mod:`offload_core.loading.gguf_sources`)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(meta), local_files_only=True)
+
+
+def tensor_processor(architecture: str, parsed: dict[str, Any]) -> Any:
+    """transformers' tensor processor for a GGUF file of ``architecture`` (``parsed``: the config dict it reads)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed)
+
+
+def naming_model(config: Any) -> Any:
+    """The causal-LM model of ``config`` on meta (what ``from_pretrained`` names the GGUF tensors after)."""
+    from offload_core.loading.empty import init_empty_weights
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with init_empty_weights():
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return AutoModel.from_config(config)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file read as a checkpoint of float32 tensors under the model's names (what transformers' in-memory
+    load holds); :meth:`read_into` dequantizes one into a buffer, and :meth:`stored_nbytes` says its bytes in the
+    file. Build one with :meth:`open_gguf`."""
+
+    is_gguf = True
+
+    def __init__(self, path: Path, file: GGUFFile, sources: dict[str, str], shapes: dict[str, tuple], processor: Any):
+        super().__init__(path, path.parent, [path], {name: path for name in sources}, None, False)
+        self.file = file
+        self.sources = sources  # model name -> GGUF tensor name
+        self._shapes = shapes
+        self.processor = processor
+
+    @classmethod
+    def open_gguf(cls, path: str | os.PathLike[str]) -> GGUFCheckpoint:
+        from offload_core.loading.gguf_sources import gguf_meta_folder, processor_config, saved_names
+
+        path = Path(path).expanduser()
+        file = GGUFFile(path)
+        try:
+            meta = gguf_meta_folder(path)
+            config = read_meta_config(meta)
+            processor = tensor_processor(file.architecture, processor_config(meta))
+            model = naming_model(config)
+            mapping = saved_names(meta)
+            _check_in_place(path, file.architecture, processor)
+            sources, shapes = match_tensors(path, file, mapping, model)
+        except BaseException:
+            file.close()
+            raise
+        return cls(path, file, sources, shapes, processor)
+
+    # -- what the loaders read --------------------------------------------------------------------
+    def shards(self) -> list[tuple[Path, list[str]]]:
+        order = {name: i for i, name in enumerate(self.file.entries)}
+        return [(self.path, sorted(self.sources, key=lambda name: order[self.sources[name]]))]
+
+    def dtype(self, key: str) -> torch.dtype:
+        self.file_of(key)
+        return torch.float32
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        self.file_of(key)
+        return self._shapes[key]
+
+    def nbytes(self, key: str) -> int:
+        return 4 * int(np.prod(self.shape(key), dtype=np.int64))
+
+    def stored_nbytes(self, key: str) -> int:
+        """The bytes of ``key``'s quantized blocks in the file (what reading it in place moves)."""
+        return self.file.entries[self.sources[key]].nbytes
+
+    def tensor_type(self, key: str) -> str:
+        """``key``'s GGML type in the file (``Q4_1``)."""
+        return self.file.entries[self.sources[key]].type_name
+
+    def byte_range(self, key: str) -> tuple[int, int]:
+        """Where ``key``'s blocks lie in the file."""
+        entry = self.file.entries[self.sources[key]]
+        return entry.offset, entry.offset + entry.nbytes
+
+    def raw(self, key: str) -> torch.Tensor:
+        """``key``'s quantized blocks: a uint8 view of the mapped file."""
+        return self.file.raw(self.sources[key])
+
+    def converted_in_place(self, key: str) -> bool:
+        """Whether ``key`` is its dequantized blocks as they lie: transformers' processor leaves it as it is (every
+        tensor of an architecture without a processor; all but q and k for llama's, which permutes those two).
+        Other processors' tensors go through the processor's own numpy code."""
+        kind = type(self.processor).__name__
+        if kind == "TensorProcessor":
+            return True
+        name = self.sources[key]
+        return kind == "LlamaTensorProcessor" and ".attn_q." not in name and ".attn_k." not in name
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it."""
+        entry = self.file.entries[self.sources[key]]
+        if out.dtype == torch.float32 and out.is_contiguous() and self.converted_in_place(key):
+            return dequantize_into(self.file.raw(entry.name), entry.kind, out)
+        return copy_inline(out, self._converted(key, entry))
+
+    def get(self, key: str) -> torch.Tensor:
+        """``key`` dequantized and converted (a new float32 tensor)."""
+        entry = self.file.entries[self.sources[key]]
+        return self._converted(key, entry)
+
+    def _converted(self, key: str, entry: Any) -> torch.Tensor:
+        """``key`` dequantized and passed through transformers' tensor processor (its numpy code, as loading does)."""
+        values = dequantize_into(self.file.raw(entry.name), entry.kind, torch.empty(entry.shape, dtype=torch.float32))
+        if self.converted_in_place(key):
+            return values.view(self._shapes[key])
+        result = self.processor.process(weights=values.numpy(), name=entry.name)
+        return torch.from_numpy(np.ascontiguousarray(result.weights)).view(self._shapes[key])
+
+    def close(self) -> None:
+        super().close()
+        self.file.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFCheckpoint({str(self.path)!r}, {self.file.architecture}, {len(self.sources)} tensors)"
+
+
+def _check_in_place(path: Path, architecture: str, processor: Any) -> None:
+    """One line for a file whose tensors transformers merges or splits at load, or loads through its newer GGUF path."""
+    try:
+        from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    except ImportError:  # an older transformers: only the per-tensor loader
+        is_gguf_arch_supported = None
+    newer = is_gguf_arch_supported is not None and is_gguf_arch_supported(architecture)
+    if newer or type(processor).__name__ not in PER_TENSOR_PROCESSORS:
+        raise CheckpointError(
+            f"{path}: storage=gguf cannot read architecture {architecture!r} in place (transformers "
+            f"{'loads it through its own GGUF path' if newer else 'merges or splits its tensors as it loads'}); "
+            "leave storage at its default, which converts the file once"
+        )
+
+
+def match_tensors(path: Path, file: GGUFFile, mapping: dict[str, str], model: Any) -> tuple[dict, dict]:
+    """:func:`_match` of the file's tensors against ``model`` (built on meta from the file's config)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return _match(path, file, mapping, expected, list(groups.values()))
+
+
+def _match(
+    path: Path, file: GGUFFile, mapping: dict[str, str], expected: dict[str, tuple], groups: list[list[str]]
+) -> tuple[dict[str, str], dict[str, tuple]]:
+    """``{model name: GGUF name}`` and the model's shapes for the file's tensors transformers would load; a one-line
+    error where a tensor's size disagrees with the config in the file's metadata, or where the file lacks a weight
+    the model has (``groups``: the names of each parameter, tied ones together)."""
+    sources: dict[str, str] = {}
+    shapes: dict[str, tuple] = {}
+    for name, entry in file.entries.items():
+        target = mapping.get(name)
+        if target is None or target not in expected:
+            continue
+        shape = expected[target]
+        if int(np.prod(shape, dtype=np.int64)) != entry.numel or (
+            len(entry.shape) == len(shape) and entry.shape != shape
+        ):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(entry.shape)}, but the file's metadata (its config) makes "
+                f"{target!r} {list(shape)}; the file is damaged or was written for another configuration"
+            )
+        sources[target] = name
+        shapes[target] = shape
+    missing = [names[0] for names in groups if not any(name in sources for name in names)]
+    if missing:
+        raise CheckpointError(
+            f"{path} holds {len(file.entries)} tensors but its metadata (its config) needs {len(missing)} more, such "
+            f"as {missing[0]!r}; the file is damaged or incomplete: re-download or re-convert it"
+        )
+    return sources, shapes

@@ -1,0 +1,184 @@
+"""Where a GGUF model path leads: the file itself for a store that reads it in place (``storage=gguf``), or a float32
+safetensors folder converted from it once (every other store); and its config, tokenizer and transformers' tensor
+processor settings, built once by transformers from the file and kept in the cache (checksummed, rebuilt when
+damaged)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from offload_core.loading.gguf_checkpoint import find_gguf
+
+__all__ = ["gguf_meta_folder", "converted_gguf", "resolve_model_path", "processor_config"]
+
+#: the processor settings file of a metadata folder
+PROCESSOR_FILE = "gguf_processor.json"
+#: the file of a metadata folder naming each GGUF tensor's model name (transformers' ``get_gguf_hf_weights_map``,
+#: which takes half a minute on a 30-layer model: worked out once)
+NAMES_FILE = "gguf_names.json"
+
+
+def _fingerprint(gguf: Path) -> dict[str, Any]:
+    stat = gguf.stat()
+    return {
+        "source": "gguf",
+        "path": str(gguf.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "inode": stat.st_ino,
+    }
+
+
+def _target(gguf: Path, kind: str) -> Path:
+    from offload_core.loading.sources import cache_root
+
+    key = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:16]
+    return cache_root() / f"gguf-{kind}-{gguf.stem[:40]}-{key}"
+
+
+def gguf_meta_folder(gguf: Path) -> Path:
+    """A cache folder holding ``gguf``'s config, tokenizer, generation config and tensor-processor settings as
+    transformers builds them from the file (``AutoConfig`` / ``AutoTokenizer`` with ``gguf_file``); built once."""
+    from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer
+    from offload_core.loading.sources import _cached_build
+    from offload_core.storage.gguf.file import GGUFFile
+
+    GGUFFile(gguf).close()  # a damaged file is one line before anything is written
+
+    def build(out: Path) -> None:
+        from transformers import GenerationConfig
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = gguf_config(gguf)
+        config.save_pretrained(out)
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+        tokenizer = gguf_tokenizer(gguf)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+        parsed = json.loads(json.dumps(parsed, default=str))  # as it is read back
+        (out / PROCESSOR_FILE).write_text(json.dumps(parsed, sort_keys=True) + "\n", encoding="utf-8")
+        names = gguf_names(gguf, config, parsed)
+        (out / NAMES_FILE).write_text(json.dumps(names, sort_keys=True) + "\n", encoding="utf-8")
+
+    return _cached_build(_target(gguf, "meta"), {**_fingerprint(gguf), "kind": "meta", "names": 1}, build)
+
+
+def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str]:
+    """``{GGUF tensor name: model name}`` as transformers' GGUF load names them (for the causal-LM model of
+    ``config``; ``parsed``: the config dict its tensor processor is given)."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    from offload_core.loading.gguf_checkpoint import _architecture_error, match_tensors, naming_model, tensor_processor
+    from offload_core.storage.gguf.file import GGUFFile
+
+    file = GGUFFile(gguf)
+    try:
+        model = naming_model(config)
+        try:
+            with _name_maps_once():
+                names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
+        except (ValueError, KeyError, NotImplementedError) as error:
+            raise _architecture_error(gguf, error) from None
+        match_tensors(gguf, file, names, model)  # tensors that disagree with the metadata: refused before it is kept
+        return names
+    finally:
+        file.close()
+
+
+@contextmanager
+def _name_maps_once() -> Iterator[None]:
+    """gguf-py's ``get_tensor_name_map`` memoized while transformers names a file's tensors: its
+    ``get_gguf_hf_weights_map`` builds the same read-only map again for every submodule (half a minute for a 30-layer
+    model, a few milliseconds once)."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def processor_config(meta: Path) -> dict[str, Any]:
+    """The config dict transformers hands its GGUF tensor processor (saved by :func:`gguf_meta_folder`)."""
+    return json.loads((meta / PROCESSOR_FILE).read_text(encoding="utf-8"))
+
+
+def saved_names(meta: Path) -> dict[str, str]:
+    """``{GGUF tensor name: model name}`` saved by :func:`gguf_meta_folder`."""
+    return json.loads((meta / NAMES_FILE).read_text(encoding="utf-8"))
+
+
+def converted_gguf(gguf: Path, target: Path | None = None) -> Path:
+    """``gguf`` as a float32 sharded safetensors folder (config, tokenizer, generation config), converted once with
+    transformers' own GGUF loader (every tensor dequantized by gguf-py, q/k permuted, keys renamed)."""
+    from offload_core.loading.sources import _cached_build
+
+    return _cached_build(
+        target or _target(gguf, "f32"), {**_fingerprint(gguf), "kind": "float32"}, lambda tmp: convert_gguf(gguf, tmp)
+    )
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Write ``gguf`` into ``out`` as transformers' in-memory load holds it (float32 safetensors, config,
+    tokenizer)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer
+    from offload_core.loading.writer import write_sharded_safetensors
+
+    config = gguf_config(gguf)
+    tokenizer = gguf_tokenizer(gguf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
+    del tensors
+    write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
+    config.dtype = torch.float32
+    config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | None) -> Any:
+    """transformers' own in-memory model of ``gguf``: ``model_class.from_pretrained(folder, gguf_file=...)`` where
+    accelerate (which transformers asks for there) is installed; else the steps it takes for the architectures read
+    tensor by tensor (config from the file, the model built, every tensor dequantized by gguf-py and converted by
+    ``load_gguf_checkpoint``, then loaded)."""
+    import importlib.util
+
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from offload_core.loading.gguf_checkpoint import gguf_config
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    return model
+
+
+def resolve_model_path(path: str | os.PathLike[str], reads_gguf: bool) -> Path:
+    """``path`` as the loaders take it: a GGUF file (or a folder holding one) stays the file for a store that reads
+    GGUF in place (``reads_gguf``), and is converted once into a float32 safetensors folder for the others; any
+    other path is itself."""
+    path = Path(path).expanduser()
+    gguf = find_gguf(path)
+    if gguf is None:
+        return path
+    return gguf if reads_gguf else converted_gguf(gguf)

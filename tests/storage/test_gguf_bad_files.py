@@ -1,0 +1,96 @@
+"""A GGUF file that cannot be read as it claims is one line naming what is wrong, before anything is written: truncated,
+damaged, a tensor of an unknown type, an architecture transformers cannot map, tensors that disagree with the
+metadata (a shape, a missing tensor, the tensor count)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import offload_core
+from offload_core.errors import OffloadError
+from offload_core.loading.checkpoint import Checkpoint
+from tests.gguf_files import write_gguf
+
+
+@pytest.fixture
+def good(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    return write_gguf(tmp_path / "model.gguf", "llama", default=int(T.Q8_0), layers=2)
+
+
+def _tensor_info(data: bytes, name: str) -> int:
+    """Where ``name``'s type field lies in the tensor infos (after its name, dimension count and dimensions)."""
+    at = data.index(name.encode()) + len(name)
+    dims = struct.unpack_from("<I", data, at)[0]
+    return at + 4 + 8 * dims
+
+
+def _refused(path, *parts):
+    for call in (
+        lambda: Checkpoint.open(path),
+        lambda: offload_core.from_pretrained(path, max_memory={"cpu": "1MiB"}, storage="gguf", headroom=0),
+    ):
+        with pytest.raises(OffloadError) as error:
+            call()
+        message = str(error.value)
+        assert "\n" not in message and all(part in message for part in parts), message
+    assert not list((path.parent / "cache").glob("gguf-*"))  # nothing of it kept in the cache
+
+
+def test_truncated(good):
+    good.write_bytes(good.read_bytes()[: good.stat().st_size - 5000])
+    _refused(good, "is truncated", "ends past the end of the file")
+
+
+def test_header_cut_short(good):
+    good.write_bytes(good.read_bytes()[:300])
+    _refused(good, "truncated or damaged")
+
+
+def test_not_a_gguf_file(good):
+    good.write_bytes(b"PK\x03\x04" + good.read_bytes()[4:])
+    _refused(good, "is not a GGUF file")
+
+
+def test_unknown_tensor_type(good):
+    data = bytearray(good.read_bytes())
+    struct.pack_into("<I", data, _tensor_info(bytes(data), "blk.0.ffn_up.weight"), 77)
+    good.write_bytes(bytes(data))
+    _refused(good, "type 77")
+
+
+def test_tensor_count_disagreeing_with_the_header(good):
+    data = bytearray(good.read_bytes())
+    count = struct.unpack_from("<Q", data, 8)[0]
+    struct.pack_into("<Q", data, 8, count + 3)  # declares tensors the file does not hold
+    good.write_bytes(bytes(data))
+    _refused(good, "truncated or damaged")
+
+
+def test_architecture_transformers_cannot_map(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "odd.gguf", "llama", layers=2, arch_name="notanarch")
+    _refused(path, "cannot map this GGUF file", "notanarch")
+
+
+def test_shape_disagreeing_with_the_metadata(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "wide.gguf", "llama", layers=2, metadata={"feed_forward_length": 384})
+    _refused(path, "blk.0.ffn_gate.weight", "[384, 256]", "metadata")
+
+
+def test_a_tensor_missing_for_the_metadata(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "short.gguf", "llama", layers=2, drop=("blk.1.ffn_up.weight",))
+    _refused(path, "needs 1 more", "model.layers.1.mlp.up_proj.weight")
+
+
+def test_a_checkpoint_that_is_not_gguf_with_storage_gguf(tmp_path):
+    from offload_core.loading.sources import synthetic_checkpoint
+
+    folder = synthetic_checkpoint(tmp_path / "synthetic", num_hidden_layers=2)
+    with pytest.raises(OffloadError, match="storage=gguf reads offloaded tensors in place from a GGUF file"):
+        offload_core.from_pretrained(folder, max_memory={"cpu": "100KiB"}, storage="gguf", headroom=0)
