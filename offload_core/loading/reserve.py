@@ -211,11 +211,36 @@ def copied_names(
         )
         if (
             any(converts(checkpoint.dtype(key), dtype) for key in sources)
-            or (item is not None and not splices(checkpoint, {name: item}, dtype))
-            or (misplaced and any(moved(key) for key in sources))
+            or (item is not None and not maps_in_place(checkpoint, item, dtype))
+            or (item is None and misplaced and any(moved(key) for key in sources))
         ):
             copied.add(name)
     return frozenset(copied)
+
+
+def maps_in_place(checkpoint: Any, item: Any, dtype: torch.dtype | None) -> bool:
+    """Whether a store reading ``checkpoint`` in place hands out the tensor assembled from ``item``'s parts as the
+    parts' own mapped pages (:class:`offload_core.storage.splice.Spliced`): its parts only placed, and, on a machine
+    whose kernels depend on where a weight starts, the address its pages give it aligned as the in-memory tensor's
+    (assembled afresh: offset 0)."""
+    from pathlib import Path
+
+    from offload_core.alignment import ALIGNMENT, kernels_depend_on_alignment
+    from offload_core.storage.splice import Part, lead_of
+
+    if not (getattr(checkpoint, "is_safetensors", False) and item.parts is not None):
+        return False
+    kind = checkpoint.dtype(item.parts[0][0])
+    if dtype is None or not kernels_depend_on_alignment(kind):
+        return True
+    parts = [
+        Part(
+            index, Path(checkpoint.file_of(key)), *checkpoint.safetensors_file(checkpoint.file_of(key)).byte_range(key)
+        )
+        for key, index in item.parts
+    ]
+    lead = lead_of(torch.Size(item.shape), kind, parts)
+    return lead is not None and lead % ALIGNMENT == 0
 
 
 def splices(checkpoint: Any, converted: dict[str, Any], dtype: torch.dtype | None) -> bool:
@@ -247,17 +272,18 @@ def splice_copies_by_name(
 
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.converted import ConvertedCheckpoint
+    from offload_core.storage.base import converts
     from offload_core.storage.splice import Part, copied_bytes
 
     if isinstance(checkpoint, ConvertedCheckpoint):  # the opened checkpoint, whose names are the parts'
         checkpoint = checkpoint.checkpoint
     converted = key_conversion(model, checkpoint).converted
-    if storage.reads_from != "checkpoint" or not splices(checkpoint, converted, dtype):
+    if storage.reads_from != "checkpoint" or not getattr(checkpoint, "is_safetensors", False):
         return {}
     shapes = {name: tensor.shape for name, tensor in model.state_dict(keep_vars=True).items()}
     copies = {}
-    for name, item in converted.items():
-        if item.parts and name in shapes:
+    for name, item in converted.items():  # the store splices every one it does not convert, wherever it computes
+        if item.parts and name in shapes and not converts(checkpoint.dtype(item.parts[0][0]), dtype):
             parts = [
                 Part(
                     index,
