@@ -209,6 +209,8 @@ class Experts(Prefetch):
             return reserve
         if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
             left = need.cpu_budget - reserve.get("cpu", 0) - in_flight  # after the blocks and the rows in flight
+            if need.offloaded is not None and need.execution_device.type == "cpu":
+                left -= _resident_bytes(need.model, need.offloaded, need.dtype)  # a kept expert beats a cached one
             self.slots = max(0, min(AUTO_SLOTS, left // (row * layers)))
         cache = self.slots * row * layers
         reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
@@ -286,6 +288,17 @@ class Experts(Prefetch):
             reader=reader,
             cache_slots=self.slots,
         )
+
+
+def _resident_bytes(model: nn.Module, offloaded: Any, dtype: torch.dtype | None) -> int:
+    """Bytes of ``model``'s parameters and persistent buffers that are not ``offloaded`` (each tensor once)."""
+    from offload_core.planning.sizing import tensor_bytes
+
+    seen: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in offloaded:
+            seen.setdefault(id(tensor), tensor)
+    return sum(tensor_bytes(tensor, dtype) for tensor in seen.values())
 
 
 @dataclass(frozen=True)
