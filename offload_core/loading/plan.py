@@ -93,6 +93,7 @@ def make_plan(
     ``page_cache`` None plans no kept set."""
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.reserve import Reserver
+    from offload_core.loading.routes import route_tensors
     from offload_core.planning import (
         PlacementRequest,
         check_device_map,
@@ -107,26 +108,36 @@ def make_plan(
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
     reserve_of = Reserver.of(model, checkpoint, storage, execution_device, no_split, dtype, budgets.get("cpu"))
-    policy, reserve, lightened = fit_in_flight(policy, budgets, reserve_of)
-    warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
-    redeal = None
-    own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
-    if device_map is None:
+
+    def offloaded(device_map: Mapping[str, int | str]) -> dict[str, str]:
+        return route_tensors(model, device_map, execution_device, policy.offload_buffers).offloaded
+
+    def place(held: dict[Any, int]) -> tuple[dict[str, int | str], Any]:
         request = PlacementRequest(
             model=model,
             max_memory=budgets,
             no_split_module_classes=no_split,
             dtype=dtype,
             special_dtypes=None,
-            reserve=reserve,
+            reserve=held,
         )
-        device_map = normalize_device_map(placement.make_device_map(request))
-        redeal = redeal_by_reads(
-            model, device_map, policy.read_shares(model), execution_device, budgets, reserve, dtype
+        made = normalize_device_map(placement.make_device_map(request))
+        redeal = redeal_by_reads(model, made, policy.read_shares(model), execution_device, budgets, held, dtype)
+        return (made if redeal is None else normalize_device_map(redeal.device_map)), redeal
+
+    redeal = None
+    own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
+    placed = device_map is None
+    if placed:  # what is in flight depends on what the map offloads, and the map on what is held back
+        policy, reserve, lightened, (device_map, redeal) = settle_in_flight(
+            policy, budgets, place, lambda p, made: reserve_of(p, offloaded(made)), reserve_of
         )
-        device_map = device_map if redeal is None else redeal.device_map
     device_map = normalize_device_map(dict(device_map))
     check_device_map(model, device_map, strict=strict)
+    moved = offloaded(device_map)
+    if not placed:  # a map given, or the policy's own: what it offloads is known
+        policy, reserve, lightened = fit_in_flight(policy, budgets, lambda p: reserve_of(p, moved))
+    warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
     summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
     if own:
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
@@ -136,9 +147,9 @@ def make_plan(
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)
     lines = conversion.summary().lines()
-    if reserve_of.copies:
+    if copies := reserve_of.copies_of(moved):
         lines.append(
-            f"{format_size(reserve_of.copies)} of the parts lie at other page offsets than the rest of their tensor "
+            f"{format_size(copies)} of the parts lie at other page offsets than the rest of their tensor "
             f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
     lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
@@ -167,6 +178,37 @@ def make_plan(
         policy=policy,
         lightened=lightened,
     )
+
+
+#: device maps a plan tries at most for one that holds back what its policy holds for the units it offloads, before
+#: it holds back what the policy would hold were every tensor offloaded
+SETTLE_ROUNDS = 8
+
+
+def settle_in_flight(
+    policy: Policy,
+    budgets: Mapping[Any, int],
+    place: Callable[[dict[Any, int]], tuple[dict[str, int | str], Any]],
+    reserve_for_map: Callable[[Policy, dict[str, int | str]], dict[Any, int]],
+    reserve_bound: Callable[[Policy], dict[Any, int]],
+) -> tuple[Policy, dict[Any, int], str, tuple[dict[str, int | str], Any]]:
+    """The policy, its reservation, what lightening it changed (:func:`fit_in_flight`) and what ``place`` gave (the
+    device map first) for a map made with the bytes held back (``place(held)``) that hold what the policy holds for
+    the units that map offloads (``reserve_for_map(policy, device_map)``). A map made holding nothing back comes
+    first: where it offloads nothing, nothing is in flight and the plan holds nothing back. Otherwise each map is
+    made holding back the most any map before it needed, until what the last one needs is held; after
+    :data:`SETTLE_ROUNDS` maps, what the policy would hold were every tensor offloaded (``reserve_bound``)."""
+    held: dict[Any, int] = {}
+    placed = place(held)
+    for _ in range(SETTLE_ROUNDS):
+        device_map = placed[0]
+        chosen, reserve, lightened = fit_in_flight(policy, budgets, lambda p: reserve_for_map(p, device_map))
+        if all(size <= held.get(dev, 0) for dev, size in reserve.items()):
+            return chosen, reserve, lightened, placed
+        held = {dev: max(held.get(dev, 0), reserve.get(dev, 0)) for dev in {*held, *reserve}}
+        placed = place(held)
+    chosen, reserve, lightened = fit_in_flight(policy, budgets, reserve_bound)
+    return chosen, reserve, lightened, place(reserve)
 
 
 def fit_in_flight(

@@ -4,7 +4,7 @@ units in flight, given the model, the checkpoint, the store and where the run ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -25,10 +25,14 @@ def reservation(
     dtype: torch.dtype | None = None,
     cpu_budget: int | None = None,
     no_split: list[str] | None = None,
+    offloaded: Mapping[str, str] | None = None,
+    copied: frozenset[str] | None = None,
 ) -> dict[Any, int]:
     """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
-    (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU)."""
+    (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU). ``offloaded``: the tensors a
+    device map offloads (name -> store key; None: every tensor, a bound for any map), of which the units are
+    made; ``block_bytes`` and ``module_bytes`` are then those units' largest, ``copied`` which of them are copies."""
     need = InFlight(
         execution_device,
         block_bytes,
@@ -40,6 +44,8 @@ def reservation(
         dtype=dtype,
         cpu_budget=cpu_budget,
         no_split_module_classes=tuple(no_split or ()),
+        offloaded=offloaded,
+        copied=copied,
     )
     return dict(policy.reserve(need))
 
@@ -61,10 +67,12 @@ def reserve_for(
 @dataclass(frozen=True)
 class Reserver:
     """What a placement holds back for a policy's units in flight, all but the policy worked out once (a plan asks it
-    for the policy as given and for each lighter one): ``model``'s largest no-split block, its largest module,
-    whether any tensor is stored otherwise than the model holds it (another dtype, or several checkpoint tensors),
-    and the spliced tensors' copies (:func:`splice_copies`), held back from the cpu budget. Held back on the devices
-    the policy names only, so a large embedding never keeps a whole model off the cpu tier."""
+    for the policy as given and for each lighter one, and for each device map it tries): ``model``'s largest no-split
+    block, its largest module, whether any tensor is stored otherwise than the model holds it (another dtype, or
+    several checkpoint tensors; ``copied``: which), and the spliced tensors' copies (:func:`splice_copies`; ``spliced``:
+    per tensor), held back from the cpu budget. Held back on the devices the policy names only, so a large embedding
+    never keeps a whole model off the cpu tier. Called with the tensors a map offloads, it sizes the units made of
+    those alone; a map that offloads nothing holds nothing back."""
 
     model: nn.Module
     storage: Storage
@@ -76,6 +84,8 @@ class Reserver:
     module_bytes: int
     stored_differs: bool
     copies: int
+    copied: frozenset[str] = frozenset()
+    spliced: Mapping[str, int] | None = None
 
     @classmethod
     def of(
@@ -101,6 +111,7 @@ class Reserver:
             or (bool(converted) and not splices(checkpoint, converted, dtype))
             or (execution_device.type == "cpu" and copies_to_reference_offsets(model, checkpoint, dtype))
         )
+        spliced = splice_copies_by_name(model, checkpoint, storage, dtype)
         return cls(
             model,
             storage,
@@ -111,25 +122,125 @@ class Reserver:
             block=largest_block_size(model, no_split, dtype=dtype),
             module_bytes=largest_block_size(model, [], dtype=dtype),
             stored_differs=stored_differs,
-            copies=splice_copies(model, checkpoint, storage, dtype),
+            copies=sum(spliced.values()),
+            copied=copied_names(model, checkpoint, execution_device, dtype) if stored_differs else frozenset(),
+            spliced=spliced,
         )
 
-    def __call__(self, policy: Policy) -> dict[Any, int]:
+    def __call__(self, policy: Policy, offloaded: Mapping[str, str] | None = None) -> dict[Any, int]:
+        """What ``policy`` holds back for the units made of ``offloaded`` (name -> store key, as
+        :func:`offload_core.loading.routes.route_tensors` gives them; None: every tensor, a bound for any map)."""
+        block, module, differs, copies = self.block, self.module_bytes, self.stored_differs, self.copies
+        copied = None
+        if offloaded is not None:
+            block = largest_unit(self.model, offloaded, self.no_split, "block", self.dtype)
+            module = largest_unit(self.model, offloaded, [], "module", self.dtype)
+            copied = self.copied.intersection(offloaded) if self.storage.converts_on_read else frozenset()
+            differs = bool(copied)
+            copies = self.copies_of(offloaded)
         reserve = reservation(
             policy,
             self.storage,
             self.execution_device,
-            self.block,
-            self.module_bytes,
-            self.stored_differs,
+            block,
+            module,
+            differs,
             self.model,
             self.dtype,
             self.cpu_budget,
             self.no_split,
+            offloaded,
+            copied,
         )
-        if self.copies:
-            reserve["cpu"] = reserve.get("cpu", 0) + self.copies
+        if copies:
+            reserve["cpu"] = reserve.get("cpu", 0) + copies
+        if offloaded is not None and not offloaded:  # nothing is in flight where nothing is offloaded
+            return {dev: 0 for dev in reserve}
         return reserve
+
+    def copies_of(self, offloaded: Mapping[str, str]) -> int:
+        """The spliced copies the store holds where ``offloaded`` are the tensors offloaded."""
+        return sum(size for name, size in (self.spliced or {}).items() if name in offloaded)
+
+
+def largest_unit(
+    model: nn.Module, offloaded: Mapping[str, str], no_split: list[str], granularity: str, dtype: torch.dtype | None
+) -> int:
+    """Bytes of the largest unit a policy of ``granularity`` makes of the ``offloaded`` tensors
+    (:func:`offload_core.module_hooks.units.find_units`), each store key once: the blocks or modules it brings in."""
+    from offload_core.module_hooks.units import find_units
+    from offload_core.planning.sizing import tensor_bytes
+
+    largest = 0
+    for unit in find_units(model, offloaded, no_split, granularity):
+        tensors = {slot.key: slot.original for slot in unit.slots}
+        largest = max(largest, sum(tensor_bytes(tensor, dtype) for tensor in tensors.values()))
+    return largest
+
+
+def copied_names(
+    model: nn.Module, checkpoint: Any, execution_device: torch.device, dtype: torch.dtype | None
+) -> frozenset[str]:
+    """The names of ``model``'s tensors that a store reading ``checkpoint`` in place hands out as copies: stored in
+    another dtype, built from several checkpoint tensors and not spliced (:func:`splices`), or, on a CPU run, at an
+    offset the kernels would compute otherwise on (:func:`copies_to_reference_offsets`)."""
+    from offload_core.alignment import ALIGNMENT, kernels_depend_on_alignment, maps_checkpoint
+    from offload_core.loading.conversion import key_conversion
+    from offload_core.storage.base import converts
+
+    conversion = key_conversion(model, checkpoint)
+    keys = set(checkpoint.keys())
+    misplaced = (
+        execution_device.type == "cpu" and not maps_checkpoint(model) and getattr(checkpoint, "is_safetensors", False)
+    )
+
+    def moved(key: str) -> bool:
+        kind = dtype if dtype is not None and checkpoint.dtype(key).is_floating_point else checkpoint.dtype(key)
+        start = checkpoint.safetensors_file(checkpoint.file_of(key)).byte_range(key)[0]
+        return bool(start % ALIGNMENT) and kernels_depend_on_alignment(kind)
+
+    copied = set()
+    for name in model.state_dict(keep_vars=True):
+        item = conversion.converted.get(name)
+        sources = (
+            list(item.sources)
+            if item is not None
+            else [key]
+            if (key := conversion.renamed.get(name, name)) in keys
+            else []
+        )
+        if (
+            any(converts(checkpoint.dtype(key), dtype) for key in sources)
+            or (item is not None and not maps_in_place(checkpoint, item, dtype))
+            or (item is None and misplaced and any(moved(key) for key in sources))
+        ):
+            copied.add(name)
+    return frozenset(copied)
+
+
+def maps_in_place(checkpoint: Any, item: Any, dtype: torch.dtype | None) -> bool:
+    """Whether a store reading ``checkpoint`` in place hands out the tensor assembled from ``item``'s parts as the
+    parts' own mapped pages (:class:`offload_core.storage.splice.Spliced`): its parts only placed, and, on a machine
+    whose kernels depend on where a weight starts, the address its pages give it aligned as the in-memory tensor's
+    (assembled afresh: offset 0)."""
+    from pathlib import Path
+
+    from offload_core.alignment import ALIGNMENT, kernels_depend_on_alignment
+    from offload_core.storage.splice import Part, lead_of
+
+    if not (getattr(checkpoint, "is_safetensors", False) and item.parts is not None):
+        return False
+    kind = checkpoint.dtype(item.parts[0][0])
+    if dtype is None or not kernels_depend_on_alignment(kind):
+        return True
+    parts = [
+        Part(
+            index, Path(checkpoint.file_of(key)), *checkpoint.safetensors_file(checkpoint.file_of(key)).byte_range(key)
+        )
+        for key, index in item.parts
+    ]
+    lead = lead_of(torch.Size(item.shape), kind, parts)
+    return lead is not None and lead % ALIGNMENT == 0
 
 
 def splices(checkpoint: Any, converted: dict[str, Any], dtype: torch.dtype | None) -> bool:
@@ -145,26 +256,34 @@ def splices(checkpoint: Any, converted: dict[str, Any], dtype: torch.dtype | Non
 
 
 def splice_copies(model: nn.Module, checkpoint: Any, storage: Storage, dtype: torch.dtype | None) -> int:
-    """Bytes ``storage`` holds as copies for the tensors it splices from ``checkpoint``'s parts
+    """Bytes ``storage`` holds as copies for the tensors it splices from ``checkpoint``'s parts, were every assembled
+    tensor offloaded (:func:`splice_copies_by_name`)."""
+    return sum(splice_copies_by_name(model, checkpoint, storage, dtype).values())
+
+
+def splice_copies_by_name(
+    model: nn.Module, checkpoint: Any, storage: Storage, dtype: torch.dtype | None
+) -> dict[str, int]:
+    """Bytes ``storage`` holds as copies for each tensor it splices from ``checkpoint``'s parts, should it be offloaded
     (:func:`offload_core.storage.splice.copied_bytes`: edges, and the parts that lie in another shard than most of
-    their tensor's bytes), counted for every assembled tensor whether offloaded or not; 0 for a store that does not
-    read the checkpoint in place. ``checkpoint``: the opened checkpoint, or one already converted to the model's
-    names (``load_checkpoint_and_dispatch`` passes that)."""
+    their tensor's bytes); none for a store that does not read the checkpoint in place. ``checkpoint``: the opened
+    checkpoint, or one already converted to the model's names (``load_checkpoint_and_dispatch`` passes that)."""
     from pathlib import Path
 
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.converted import ConvertedCheckpoint
+    from offload_core.storage.base import converts
     from offload_core.storage.splice import Part, copied_bytes
 
     if isinstance(checkpoint, ConvertedCheckpoint):  # the opened checkpoint, whose names are the parts'
         checkpoint = checkpoint.checkpoint
     converted = key_conversion(model, checkpoint).converted
-    if storage.reads_from != "checkpoint" or not splices(checkpoint, converted, dtype):
-        return 0
+    if storage.reads_from != "checkpoint" or not getattr(checkpoint, "is_safetensors", False):
+        return {}
     shapes = {name: tensor.shape for name, tensor in model.state_dict(keep_vars=True).items()}
-    total = 0
-    for name, item in converted.items():
-        if item.parts and name in shapes:
+    copies = {}
+    for name, item in converted.items():  # the store splices every one it does not convert, wherever it computes
+        if item.parts and name in shapes and not converts(checkpoint.dtype(item.parts[0][0]), dtype):
             parts = [
                 Part(
                     index,
@@ -173,8 +292,8 @@ def splice_copies(model: nn.Module, checkpoint: Any, storage: Storage, dtype: to
                 )
                 for key, index in item.parts
             ]
-            total += copied_bytes(shapes[name], checkpoint.dtype(item.parts[0][0]), parts)
-    return total
+            copies[name] = copied_bytes(shapes[name], checkpoint.dtype(item.parts[0][0]), parts)
+    return copies
 
 
 def copies_to_reference_offsets(model: nn.Module, checkpoint: Any, dtype: torch.dtype | None) -> bool:

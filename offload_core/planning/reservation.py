@@ -4,7 +4,7 @@ answer (reserve_units)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -28,6 +28,12 @@ class InFlight:
     store_maps: bool = (
         False  # the store hands out views (mapped files, its own memory): a CPU run computes on them in place
     )
+    #: the tensors the device map offloads (name -> store key), of which the units in flight are made (``block_bytes``
+    #: and ``module_bytes`` are then their largest); None: every tensor, a bound for any map (no map yet)
+    offloaded: Mapping[str, str] | None = None
+    #: of the ``offloaded`` tensors, the names the store hands out as copies (None: not said; ``store_converts`` says
+    #: whether any), for a policy that moves some of them otherwise than the rest
+    copied: frozenset[str] | None = None
 
 
 def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu: bool = False) -> dict[Any, int]:

@@ -102,6 +102,13 @@ def _lead(placed: list[tuple[Part, int]]) -> int:
     return max(by_residue, key=lambda residue: (by_residue[residue], -residue))
 
 
+def lead_of(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> int | None:
+    """The address modulo the page size a spliced ``shape`` tensor of ``parts`` gets (:func:`_lead`), or None where it
+    is not spliced (its parts not a layout of the tensor)."""
+    placed = layout(torch.Size(shape), dtype, parts) if parts else None
+    return None if placed is None else _lead(placed)
+
+
 def _mapped(part: Part, at: int, lead: int) -> tuple[int, int] | None:
     """The byte range ``[lo, hi)`` of a tensor at an address ``lead`` past a page boundary whose pages can map the
     part's file, or None where none can (the part falls otherwise in its pages, or holds no whole page)."""

@@ -151,7 +151,7 @@ def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):
             "hook.pool=true",
             "hook.depth=1",
             "storage=memmap",
-            "max_memory.cpu=48MiB",
+            "max_memory.cpu=40MiB",  # the model (42 MiB) does not fit: blocks are offloaded
             "headroom=0",
             "progress=false",
             "max_new_tokens=4",
@@ -163,7 +163,7 @@ def test_prefetch_pool_run_holds_its_reservation_and_matches(tmp_path):
     block = result.plan["largest_block"]
     reserve = result.plan["reserve"]["cpu"]  # two blocks as the pool lays them out (each tensor aligned)
     assert list(result.plan["reserve"]) == ["cpu"] and 2 * block <= reserve <= 2 * block + 2**16
-    assert 0 < result.summary["devices"]["cpu"]["bytes"] <= 48 * 2**20 - reserve
+    assert 0 < result.summary["devices"]["cpu"]["bytes"] <= 40 * 2**20 - reserve
     assert result.figures["offloaded_bytes"] > 0
     prefetch = result.figures["prefetch"]  # also in metrics.json and printed
     assert prefetch["hits"] > prefetch["misses"] > 0 and prefetch["late"] <= prefetch["hits"]

@@ -173,15 +173,28 @@ class Experts(Prefetch):
         time through host memory) and the next layer's guesses (``num_experts_per_tok`` where the
         model's config says; else as many as the layer has). A list of expert modules is cached where it
         runs: on a GPU run, on the device."""
-        reserve = dict(super().reserve(need))
         if need.model is None:
-            return reserve
-        (fused_row, fused_layers), (listed_row, listed_layers) = (
-            expert_sizes(need.model, need.dtype),
-            listed_expert_sizes(need.model, need.dtype),
-        )
+            return dict(super().reserve(need))
+        if need.offloaded is None:
+            reserve = dict(super().reserve(need))
+            (fused_row, fused_layers), (listed_row, listed_layers) = (
+                expert_sizes(need.model, need.dtype),
+                listed_expert_sizes(need.model, need.dtype),
+            )
+            experts = most_experts(need.model)
+        else:  # the experts the map offloads; prefetch's blocks are the rest, as :meth:`attach` makes them
+            held = offloaded_experts(need.model, need.offloaded, need.dtype)
+            (fused_row, fused_layers), (listed_row, listed_layers), experts = held.fused, held.listed, held.experts
+            rest = {name: key for name, key in need.offloaded.items() if name not in held.names}
+            copied = (
+                need.copied if need.copied is not None else frozenset(need.offloaded if need.store_converts else ())
+            )
+            reserve = dict(super().reserve(replace(need, offloaded=rest, store_converts=not copied.isdisjoint(rest))))
+            need = replace(need, store_converts=not copied.isdisjoint(held.names))
+            if held.buffers and need.execution_device.type != "cpu":  # the routed experts' whole tensors
+                gpu = need.execution_device.index or 0
+                reserve[gpu] = reserve.get(gpu, 0) + held.buffers
         row, layers = max(fused_row, listed_row), fused_layers + listed_layers
-        experts = most_experts(need.model)
         top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
         top_k = top_k if isinstance(top_k, int) else experts
         in_flight = ((experts if need.execution_device.type == "cpu" else top_k) + top_k) * fused_row
@@ -196,6 +209,8 @@ class Experts(Prefetch):
             return reserve
         if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
             left = need.cpu_budget - reserve.get("cpu", 0) - in_flight  # after the blocks and the rows in flight
+            if need.offloaded is not None and need.execution_device.type == "cpu":
+                left -= _resident_bytes(need.model, need.offloaded, need.dtype)  # a kept expert beats a cached one
             self.slots = max(0, min(AUTO_SLOTS, left // (row * layers)))
         cache = self.slots * row * layers
         reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
@@ -273,6 +288,59 @@ class Experts(Prefetch):
             reader=reader,
             cache_slots=self.slots,
         )
+
+
+def _resident_bytes(model: nn.Module, offloaded: Any, dtype: torch.dtype | None) -> int:
+    """Bytes of ``model``'s parameters and persistent buffers that are not ``offloaded`` (each tensor once)."""
+    from offload_core.planning.sizing import tensor_bytes
+
+    seen: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in offloaded:
+            seen.setdefault(id(tensor), tensor)
+    return sum(tensor_bytes(tensor, dtype) for tensor in seen.values())
+
+
+@dataclass(frozen=True)
+class OffloadedExperts:
+    """The experts a device map offloads: of fused experts modules (``fused``: the bytes of one expert of the largest,
+    and how many modules), of lists of expert modules (``listed``: the same), the most experts one module holds and
+    the names of their offloaded tensors (which prefetch's blocks leave to them)."""
+
+    fused: tuple[int, int]
+    listed: tuple[int, int]
+    experts: int
+    names: frozenset[str]
+    #: the fused modules' whole-tensor buffers on an accelerator, one per shape and dtype (:class:`Buffers`)
+    buffers: int = 0
+
+
+def offloaded_experts(model: nn.Module, offloaded: Any, dtype: torch.dtype | None) -> OffloadedExperts:
+    """:class:`OffloadedExperts` of ``model`` with the ``offloaded`` tensors (name -> store key), as
+    :meth:`Experts.attach` finds them: a fused module's offloaded expert-indexed parameters, a listed expert's
+    offloaded subtree."""
+    from offload_core.planning.sizing import tensor_bytes
+
+    names: set[str] = set()
+    shapes: dict[tuple, torch.Tensor] = {}
+    fused_row, fused_layers, experts = 0, 0, 0
+    for name, module in model.named_modules():
+        if is_fused_experts(module) and (slots := expert_slots(name, module, offloaded)):
+            fused_layers += 1
+            experts = max(experts, module.num_experts)
+            fused_row = max(fused_row, sum(tensor_bytes(slot.original[0], dtype) for slot in slots))
+            names.update(slot.full for slot in slots)
+            shapes.update({(tuple(slot.original.shape), slot.original.dtype): slot.original for slot in slots})
+    listed_row, listed_layers = 0, 0
+    for units, _ in listed_expert_units(model, offloaded):
+        listed_layers += 1
+        for unit in units:
+            listed_row = max(
+                listed_row, sum(tensor_bytes(t, dtype) for t in {s.key: s.original for s in unit.slots}.values())
+            )
+            names.update(slot.full for slot in unit.slots)
+    buffers = sum(tensor_bytes(tensor, dtype) for tensor in shapes.values())
+    return OffloadedExperts((fused_row, fused_layers), (listed_row, listed_layers), experts, frozenset(names), buffers)
 
 
 def _page_cache_note(need: InFlight, experts: int, top_k: int) -> str:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -23,15 +23,24 @@ def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def pool_shape(model: nn.Module, no_split: Any, dtype: torch.dtype | None, device: torch.device) -> tuple[int, int]:
-    """``(nesting, capacity)`` of the pool a prefetcher would make for ``model`` were every tensor offloaded (an upper
-    bound for any placement): the longest chain of block units inside one another, and the largest unit's bytes with
-    each tensor aligned as :meth:`Prefetcher._layout` lays it out (and a reference offset on a CPU)."""
+def pool_shape(
+    model: nn.Module,
+    no_split: Any,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    offloaded: Mapping[str, str] | None = None,
+) -> tuple[int, int]:
+    """``(nesting, capacity)`` of the pool a prefetcher makes for ``model`` with the ``offloaded`` tensors (name ->
+    store key; None: were every tensor offloaded, an upper bound for any placement): the longest chain of block units
+    inside one another, and the largest unit's bytes with each tensor aligned as :meth:`Prefetcher._layout` lays it
+    out (and a reference offset on a CPU); ``(1, 0)`` where nothing is offloaded."""
     tensors = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
     }
-    units = find_units(model, {name: name for name in tensors}, no_split, "block")
+    if offloaded is None:
+        offloaded = {name: name for name in tensors}
+    units = find_units(model, offloaded, no_split, "block")
 
     def nbytes(t: torch.Tensor) -> int:
         itemsize = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()

@@ -96,17 +96,20 @@ class Prefetch(Policy):
 
     def reserve(self, need: InFlight) -> dict:
         """The blocks that run (one, or as many as are nested) and ``depth`` more read ahead, as the prefetcher's pool
-        holds them (:func:`pool_shape`): copies on a GPU, in the pool with
-        ``pool=true``, or where the store converts; on a GPU run from a store that is not pinned, the
-        staging ring in host memory too."""
+        holds them (:func:`pool_shape`, of the offloaded units where the plan says which): copies on a GPU, in the
+        pool with ``pool=true``, or where the store converts; on a GPU run from a store that is not pinned, the
+        staging ring in host memory too (nothing where nothing is offloaded)."""
         self.check_pool(need.execution_device)
         nesting, unit_bytes = 1, need.block_bytes
         if need.model is not None:  # the pool the prefetcher makes: depth + the deepest nesting of units, each padded
-            nesting, capacity = pool_shape(need.model, need.no_split_module_classes, need.dtype, need.execution_device)
-            unit_bytes = max(unit_bytes, capacity)
+            nesting, capacity = pool_shape(
+                need.model, need.no_split_module_classes, need.dtype, need.execution_device, need.offloaded
+            )
+            unit_bytes = capacity if need.offloaded is not None else max(unit_bytes, capacity)
         reserve = reserve_units(need, unit_bytes, nesting + self.config.depth, copies_on_cpu=bool(self.config.pool))
         if need.execution_device.type != "cpu":
-            reserve["cpu"] = 0 if need.store_pinned else STAGING_BUFFERS * self.chunk
+            staged = not need.store_pinned and (need.offloaded is None or bool(need.offloaded))
+            reserve["cpu"] = STAGING_BUFFERS * self.chunk if staged else 0
         return reserve
 
     def lighter(self) -> tuple[Prefetch, str] | None:
