@@ -101,7 +101,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--elements", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--types", nargs="+", default=TYPES)

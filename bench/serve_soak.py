@@ -64,7 +64,7 @@ def client_loop(url: str, prompts: list[str], deadline: float, seed: int, leave:
 def main() -> None:
     import psutil
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--leave", type=float, default=0.2, help="share of requests whose client goes away")

@@ -45,7 +45,9 @@ def predicted_pipeline_moves(
         modules, tensors.offloaded, no_split_classes(modules, no_split_module_classes), policy.granularity
     )
     shares = policy.read_shares(modules)
-    reads = [(unit.name.split(".")[0], _unit_reads(unit, dtype, shares, False)) for unit in units if called(unit.name)]
+    reads = [
+        (unit.name.split(".")[0], _unit_reads(unit, dtype, shares, False, {})) for unit in units if called(unit.name)
+    ]
     denoiser = [size for component, size in reads if is_denoiser(component)]
     per_step = int(policy.predict_moved(denoiser)) if denoiser else 0
     every = [size for _, size in reads]
