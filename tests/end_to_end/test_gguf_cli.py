@@ -65,3 +65,27 @@ def test_the_main_job_from_the_shipped_gguf(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same tokens as in memory: True" in done.stdout and "Paris" in done.stdout
     assert "gguf, offloaded: read quantized in place, dequantized before each use: " in done.stdout
+
+
+@pytest.mark.parametrize("storage", ["gguf", "safetensors"])
+def test_a_gguf_repo_in_the_hub_cache_runs_by_repo_id_offline(gguf_file, tmp_path, storage):
+    """A repo of one GGUF file laid out as huggingface_hub leaves it (links into blobs/), run by its id with
+    HF_HUB_OFFLINE=1: read in place (storage=gguf) or converted once (the default store), the in-memory tokens."""
+    from tests.hub_cache import as_hub_cache
+
+    hub = tmp_path / "hf" / "hub"
+    as_hub_cache(gguf_file.parent, hub, "acme/tiny-gguf")
+    before = snapshot(hub)
+    args = ["model=local", "model.path=acme/tiny-gguf", f"storage={storage}", "max_memory.cpu=1MiB", "headroom=0"]
+    env = {
+        **child_env(),
+        "OFFLOAD_CORE_CACHE": str(tmp_path / "cache"),
+        "HF_HUB_CACHE": str(hub),
+        "HF_HUB_OFFLINE": "1",
+    }
+    command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path / 'hydra'}", *args]
+    command += ["compare_in_memory=true", "max_new_tokens=4", "prompt=the th"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same tokens as in memory: True" in done.stdout
+    assert snapshot(hub) == before  # the cache is read, never written
