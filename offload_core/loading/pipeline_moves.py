@@ -32,7 +32,7 @@ def predicted_pipeline_moves(
     ``steps - 1`` further passes through the denoiser's (``chained`` keeps a lone offloaded denoiser from step to
     step: nothing moves per step). The pass counts every offloaded unit the call runs once at least, as the first
     image moves it (``chained`` then keeps a lone offloaded unit for the next image)."""
-    from offload_core.loading.plan import _unit_reads
+    from offload_core.loading.moves import unit_reads
     from offload_core.loading.routes import route_tensors
     from offload_core.module_hooks.units import find_units
     from offload_core.planning import no_split_classes, normalize_device_map
@@ -46,7 +46,7 @@ def predicted_pipeline_moves(
     )
     shares = policy.read_shares(modules)
     reads = [
-        (unit.name.split(".")[0], _unit_reads(unit, dtype, shares, False, {})) for unit in units if called(unit.name)
+        (unit.name.split(".")[0], unit_reads(unit, dtype, shares, False, {})) for unit in units if called(unit.name)
     ]
     denoiser = [size for component, size in reads if is_denoiser(component)]
     per_step = int(policy.predict_moved(denoiser)) if denoiser else 0
