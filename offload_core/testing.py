@@ -165,14 +165,12 @@ def tiny_tied_llama(directory: str | Path):
     return config, model
 
 
-def tiny_mixtral(directory: str | Path, layers: int = 4):
-    """A seeded Mixtral (4 experts, top-2, per-expert tensors of 32 KiB: whole pages, as a store maps them) with a
-    small word tokenizer, saved to ``directory`` by transformers' ``save_pretrained``; returns ``(config, model)``."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
+def paged_mixtral_config(layers: int = 4, **extra: Any):
+    """A Mixtral config whose per-expert tensors span whole pages (16 KiB and more in float32: 4 experts, top-2), so
+    that stores can map them; ``extra``: more config keys."""
+    from transformers import MixtralConfig
 
-    directory = Path(directory)
-    tokenizer = _tiny_clip_tokenizer(directory)
-    config = MixtralConfig(
+    return MixtralConfig(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -181,9 +179,18 @@ def tiny_mixtral(directory: str | Path, layers: int = 4):
         num_local_experts=4,
         num_experts_per_tok=2,
         vocab_size=128,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **extra,
     )
+
+
+def tiny_mixtral(directory: str | Path, layers: int = 4):
+    """A seeded Mixtral (4 experts, top-2, per-expert tensors of 32 KiB: whole pages, as a store maps them) with a
+    small word tokenizer, saved to ``directory`` by transformers' ``save_pretrained``; returns ``(config, model)``."""
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    tokenizer = _tiny_clip_tokenizer(directory)
+    config = paged_mixtral_config(layers, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(directory)

@@ -9,6 +9,8 @@ import pytest
 import torch
 import transformers
 
+from offload_core.testing import paged_mixtral_config
+
 PLACEMENTS = ["sequential", "balanced", "balanced_low_0"]
 STORES = ["pinned_cpu", "memmap", "safetensors"]
 POLICIES = ["align_per_call", "chained", "experts", "functional_call", "prefetch"]
@@ -22,16 +24,7 @@ def _llama_like(config_cls, **extra):
 
 def paged_mixtral(layers: int = 3) -> transformers.MixtralConfig:
     """A Mixtral whose per-expert tensors span whole pages (16 KiB and more in float32), so that stores can map them."""
-    return transformers.MixtralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-    )
+    return paged_mixtral_config(layers)
 
 
 #: name -> (config factory, Auto class, kind)
