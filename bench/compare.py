@@ -252,7 +252,7 @@ def aggregate(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--preset", default="1.1b", help="synthetic model size: tiny, 0.3b, 1.1b, 30b")
+    parser.add_argument("--preset", default="1.1b", help="synthetic model size: tiny, small, 0.3b, 1.1b, 3.4b, 30b")
     parser.add_argument("--checkpoint", help="a local checkpoint folder instead of a synthetic preset")
     parser.add_argument("--budget", default="1GB", help="max_memory.cpu for ours and accelerate")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per run (greedy, EOS suppressed)")

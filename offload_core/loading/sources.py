@@ -194,6 +194,15 @@ SYNTHETIC_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         max_shard_size=512 * 2**20,
     ),
+    "3.4b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_shard_size=1 * 2**30,
+    ),
     "30b": dict(
         hidden_size=5120,
         intermediate_size=13824,

@@ -33,7 +33,7 @@ class ModelConfig:
     path: Optional[str] = None
     #: the branch, tag or commit of a Hub repo id given as path (default: main)
     revision: Optional[str] = None
-    #: synthetic only: tiny, small, 0.3b, 1.1b, 30b
+    #: synthetic only: tiny, small, 0.3b, 1.1b, 3.4b, 30b
     preset: str = "tiny"
     #: apply the tokenizer's chat template to the prompt
     chat_template: bool = True

@@ -111,8 +111,8 @@ def test_synthetic_never_removes_a_directory_it_did_not_make(tmp_path):
 
 
 def test_presets():
-    assert set(SYNTHETIC_PRESETS) == {"tiny", "small", "0.3b", "1.1b", "30b"}
-    for name, billions in (("0.3b", 0.3), ("1.1b", 1.1)):  # the name is the parameter count it builds
+    assert set(SYNTHETIC_PRESETS) == {"tiny", "small", "0.3b", "1.1b", "3.4b", "30b"}
+    for name, billions in (("0.3b", 0.3), ("1.1b", 1.1), ("3.4b", 3.4)):  # the name is the parameter count it builds
         config = {k: v for k, v in synthetic_preset(name).items() if k != "max_shard_size"}
         with torch.device("meta"):
             count = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**config)).parameters())
