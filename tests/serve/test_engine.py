@@ -201,3 +201,30 @@ def test_a_fault_outside_a_forward_fails_those_generating_and_the_engine_goes_on
         engine.stop()
     assert "a fault between forwards" in events["first"][-1].error
     assert events["second"][-1].finish_reason in ("length", "stop") and not events["second"][-1].error
+
+
+def test_logprobs_are_the_models_own_for_each_token_with_the_likeliest_alternatives(model):
+    engine = Engine(model, None, torch.device("cpu"), slots=2, context=64, exact=True)
+    events = []
+    request = Request(PROMPTS[0], Params(max_tokens=4, temperature=0.7, seed=3, logprobs=3), emit=events.append)
+    engine.submit(request)
+    with torch.inference_mode():
+        while engine.step():
+            pass
+    ids = torch.tensor([PROMPTS[0] + request.tokens])
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(PROMPTS[0]) - 1 : -1].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    got = [item for event in events for item in event.logprobs]
+    assert [item.text for item in got] == [str(t) for t in request.tokens]  # no tokenizer: ids as text
+    for row, (item, token) in enumerate(zip(got, request.tokens)):
+        # the distribution before temperature, as OpenAI's clients read it, whatever was sampled
+        assert item.logprob == pytest.approx(float(expected[row, token]), abs=1e-4)
+        assert [int(t) for t, _ in item.top] == expected[row].topk(3).indices.tolist()
+        assert [lp for _, lp in item.top] == pytest.approx(expected[row].topk(3).values.tolist(), abs=1e-4)
+    silent = []
+    engine.submit(Request(PROMPTS[1], greedy(3), emit=silent.append))
+    with torch.inference_mode():
+        while engine.step():
+            pass
+    assert silent and not any(event.logprobs for event in silent)

@@ -79,6 +79,35 @@ def test_greedy_chat_equals_transformers_in_memory_streamed_or_not(client, model
     assert chunks[-1].usage.completion_tokens == count
 
 
+def test_logprobs_as_the_openai_client_reads_them(client, model_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    answer = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = answer.choices[0].logprobs.content
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    new = [t for t in out[0, ids.shape[1] :].tolist() if t != tok.eos_token_id]
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(out).logits[0, ids.shape[1] - 1 : -1].float(), dim=-1)
+    assert [c.token for c in content] == [tok.decode([t]) for t in new]
+    for row, (item, token) in enumerate(zip(content, new)):
+        assert item.logprob == pytest.approx(float(expected[row, token]), abs=1e-4)
+        assert item.bytes == list(item.token.encode())
+        assert [t.token for t in item.top_logprobs] == [tok.decode([i]) for i in expected[row].topk(2).indices]
+    streamed = client.completions.create(model="tiny", prompt="Paris is", max_tokens=5, logprobs=1, stream=True)
+    tokens = [
+        t for chunk in streamed if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens
+    ]
+    whole = client.completions.create(model="tiny", prompt="Paris is", max_tokens=5, logprobs=1, temperature=0)
+    assert len(whole.choices[0].logprobs.token_logprobs) == len(whole.choices[0].logprobs.top_logprobs)
+    assert whole.choices[0].logprobs.text_offset[0] == 0
+    plain = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert tokens  # a stream carries each token's log-probability in the chunk that made it
+
+
 def test_completions_models_and_health(client, server):
     done = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=5, temperature=0)
     assert done.choices[0].finish_reason in ("length", "stop") and done.usage.prompt_tokens > 0
@@ -146,6 +175,9 @@ def test_a_client_that_goes_away_frees_its_slot(client, server):
         ({"model": "tiny", "messages": "hello"}, 400, "messages"),
         ({"model": "tiny", "messages": QUESTION, "n": 2}, 400, "n=2"),
         ({"model": "tiny", "messages": QUESTION, "max_tokens": 400}, 400, "max_tokens=400"),
+        ({"model": "tiny", "messages": QUESTION, "top_logprobs": 2}, 400, "needs logprobs=true"),
+        ({"model": "tiny", "messages": QUESTION, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"model": "tiny", "prompt": "Paris is", "logprobs": 6}, 400, "logprobs"),
         ({"model": "gpt-4", "messages": QUESTION}, 404, "'gpt-4' does not exist"),
     ],
 )

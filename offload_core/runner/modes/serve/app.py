@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from offload_core.runner.modes.serve import schema
 from offload_core.runner.modes.serve.engine import Draining, Engine, Event, QueueFull, Request
+from offload_core.runner.modes.serve.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from offload_core.runner.modes.serve.sampling import Params
 from offload_core.runner.modes.serve.schema import ApiError
 
@@ -89,9 +90,8 @@ def build_app(engine: Engine, served: Served) -> Starlette:
         return response
 
     async def generate(request: HttpRequest, body: Any, ids: list[int], chat: bool, echo: str = "") -> Response:
-        params = Params(
-            plan_tokens(len(ids), body.limit(), served), body.temperature, body.top_p, body.seed, body.stops()
-        )
+        limit = plan_tokens(len(ids), body.limit(), served)
+        params = Params(limit, body.temperature, body.top_p, body.seed, body.stops(), body.top())
         job = Request(ids, params)
         events = follow(engine, job, request)
         rid = schema.new_id("chatcmpl" if chat else "cmpl")
@@ -100,18 +100,20 @@ def build_app(engine: Engine, served: Served) -> Starlette:
             include = bool(body.stream_options and body.stream_options.include_usage)
             chunks = stream(rid, served.name, job, first, events, chat, include, echo)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, finish = [echo], None
+        text, finish, tokens = [echo], None, []
         async for event in events:
             if event is None:
                 continue
             if event.error:
                 raise ApiError(500, event.error)
             text.append(event.text)
+            tokens += event.logprobs
             finish = event.finish_reason
         use = schema.usage(len(ids), len(job.tokens))
+        logprobs = rendered(tokens, params.logprobs, chat, len(echo))
         if chat:
-            return JSONResponse(schema.chat_response(rid, served.name, "".join(text), finish, use))
-        return JSONResponse(schema.completion_response(rid, served.name, "".join(text), finish, use))
+            return JSONResponse(schema.chat_response(rid, served.name, "".join(text), finish, use, logprobs))
+        return JSONResponse(schema.completion_response(rid, served.name, "".join(text), finish, use, logprobs))
 
     routes = [
         Route("/health", endpoint("/health", health, open_=True), methods=["GET"]),
@@ -132,6 +134,13 @@ def build_app(engine: Engine, served: Served) -> Starlette:
         return JSONResponse(error.body(), status_code=status)
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def rendered(tokens: list[TokenLogprob], asked: int | None, chat: bool, offset: int = 0) -> dict | None:
+    """The ``logprobs`` field of a choice (or stream chunk) holding ``tokens``: None when the request asked none."""
+    if asked is None:
+        return None
+    return chat_logprobs(tokens) if chat else completion_logprobs(tokens, offset)
 
 
 def check_key(request: HttpRequest, key: str | None) -> None:
@@ -228,6 +237,7 @@ async def stream(rid, model, job, first, events, chat, include_usage, echo) -> A
         yield line(schema.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
     elif echo:
         yield line(schema.completion_response(rid, model, echo, None, None))
+    asked, offset = job.params.logprobs, len(echo)
     event = first
     while True:
         if event is None:
@@ -236,12 +246,15 @@ async def stream(rid, model, job, first, events, chat, include_usage, echo) -> A
             yield line(ApiError(500, event.error).body())
             break
         else:
-            if event.text or event.finish_reason:
+            if event.text or event.finish_reason or event.logprobs:
+                logprobs = rendered(event.logprobs, asked, chat, offset)
+                offset += sum(len(item.text) for item in event.logprobs)
                 if chat:
                     delta = {"content": event.text} if event.text else {}
-                    yield line(schema.chat_chunk(rid, model, delta, event.finish_reason))
+                    yield line(schema.chat_chunk(rid, model, delta, event.finish_reason, logprobs=logprobs))
                 else:
-                    yield line(schema.completion_response(rid, model, event.text, event.finish_reason, None))
+                    body = schema.completion_response(rid, model, event.text, event.finish_reason, None, logprobs)
+                    yield line(body)
             if event.done:
                 if include_usage:
                     use = schema.usage(len(job.prompt), len(job.tokens))

@@ -16,7 +16,9 @@ import torch
 
 from offload_core.runner.modes.batch import eos_ids, left_padded
 from offload_core.runner.modes.generate import pad_token_id
+from offload_core.runner.inputs import decode
 from offload_core.runner.modes.serve.cache import BatchCache, check_mergeable
+from offload_core.runner.modes.serve.logprobs import TokenLogprob, token_logprob
 from offload_core.runner.modes.serve.metrics import ServeMetrics
 from offload_core.runner.modes.serve.sampling import Detokenizer, Params, Picker
 
@@ -38,6 +40,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the step's token, when its request asked
 
     @property
     def done(self) -> bool:
@@ -285,6 +288,9 @@ class Engine:
                     self.metrics.first_token.observe(request.first_token_s)
                 request.tokens.append(token)
                 event = self._event(request, token)
+                if request.params.logprobs is not None and token not in self.eos:
+                    top = request.params.logprobs
+                    event.logprobs.append(token_logprob(logits[row], token, top, self._token_text))
             except Exception as error:  # this request fails alone (its sampling, its text)
                 request.finish_reason = "error"
                 request.emit(Event(error=f"{type(error).__name__}: {error}"))
@@ -301,6 +307,9 @@ class Engine:
         if text.stopped:
             return Event(piece, "stop")
         return Event(piece, "length" if last else None)
+
+    def _token_text(self, token: int) -> str:
+        return decode(self.tokenizer, [token], skip_special_tokens=False)
 
     def _keep_unfinished(self, group: Group) -> None:
         rows = [i for i, r in enumerate(group.rows) if not r.done]

@@ -12,13 +12,15 @@ import torch
 @dataclass(frozen=True)
 class Params:
     """What a request asked for: at most ``max_tokens`` new tokens, picked at ``temperature`` (0: greedy) within
-    ``top_p``, from ``seed`` (None: a random one), ending before any of ``stop``."""
+    ``top_p``, from ``seed`` (None: a random one), ending before any of ``stop``; ``logprobs``: each token's
+    log-probability comes with that many alternatives (None: none asked)."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

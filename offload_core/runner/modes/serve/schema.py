@@ -9,6 +9,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from offload_core.runner.modes.serve.logprobs import CHAT_TOP, COMPLETION_TOP
+
 #: the error type OpenAI's clients read for each status
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -66,7 +68,6 @@ class _Generation(_Body):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     n: int = 1
-    logprobs: Any = None
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -77,13 +78,22 @@ class _Generation(_Body):
     def check(self) -> None:
         if self.n != 1:
             raise ApiError(400, f"n={self.n}: this server returns one choice per request; give n=1", "n")
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not returned by this server; leave logprobs out", "logprobs")
+
+    def top(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no log-probabilities asked."""
+        raise NotImplementedError
 
 
 class ChatRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=CHAT_TOP)
+
+    def top(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true; send both", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -92,6 +102,10 @@ class ChatRequest(_Generation):
 class CompletionRequest(_Generation):
     prompt: Union[str, list[str]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=COMPLETION_TOP)
+
+    def top(self) -> int | None:
+        return self.logprobs
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -115,6 +129,7 @@ def parse(kind: type[_Generation], body: Any) -> Any:
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise ApiError(400, f"{where}: {first['msg']} (got {first.get('input')!r:.60})", where) from None
     request.check()
+    request.top()  # a contradiction between the log-probability fields is a 400 before any work
     return request
 
 
@@ -126,9 +141,11 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, int]) -> dict[str, Any]:
+def chat_response(
+    rid: str, model: str, text: str, finish: str, use: dict[str, int], logprobs: dict | None = None
+) -> dict[str, Any]:
     message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
     return {
         "id": rid,
         "object": "chat.completion",
@@ -139,8 +156,11 @@ def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, i
     }
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, use: dict | None = None) -> dict[str, Any]:
-    choices = [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+def chat_chunk(
+    rid: str, model: str, delta: dict, finish: str | None, use: dict | None = None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    choices = [] if use is not None else [choice]
     chunk = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -153,9 +173,11 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, use: dict 
     return chunk
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, use: dict | None) -> dict[str, Any]:
+def completion_response(
+    rid: str, model: str, text: str, finish: str | None, use: dict | None, logprobs: dict | None = None
+) -> dict[str, Any]:
     """A text completion, or (``use`` None and no ``finish``) one chunk of its stream."""
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
     body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
     if use is not None:
         body["usage"] = use
