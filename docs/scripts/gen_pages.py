@@ -3,11 +3,13 @@
 - ``reference/configuration.md``: every key of the run schema and of every registered plugin's config
   dataclass (type, default, ``#:`` comment), read through ``offload_core.runner.options``;
 - ``benchmarks/results/``: the committed reports and plots of ``bench/results/``, and ``bench/README.md``;
-- ``examples/interleaved_placement.md``: the example plugin's README.
+- ``examples/interleaved_placement.md``: the example plugin's README;
+- ``index.md``: the repository's README.md, its links made relative to docs/ (one text for both front pages).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mkdocs_gen_files
@@ -80,6 +82,18 @@ for source in sorted((ROOT / "bench" / "results").glob("*")):
             out.write(source.read_bytes())
 with mkdocs_gen_files.open("benchmarks/results/README.md", "w") as out:
     out.write((ROOT / "bench" / "README.md").read_text(encoding="utf-8"))
+
+
+def home_page(readme: str) -> str:
+    """README.md as the site's home page: links into docs/ lose that prefix, links to other repository files
+    climb out of docs/ (repo_links.py then points those at the site's copies)."""
+    readme = re.sub(r"\]\(docs/", "](", readme)
+    return re.sub(r"\]\((?!https?:|#|\.\./)(bench|examples|offload_core|plugins|conf|tests)/", r"](../\1/", readme)
+
+
+with mkdocs_gen_files.open("index.md", "w") as out:
+    out.write(home_page((ROOT / "README.md").read_text(encoding="utf-8")))
+mkdocs_gen_files.set_edit_path("index.md", "../README.md")
 
 example = (ROOT / "examples" / "interleaved_placement" / "README.md").read_text(encoding="utf-8")
 with mkdocs_gen_files.open("examples/interleaved_placement.md", "w") as out:

@@ -54,8 +54,9 @@ def rewrite(markdown: str, page: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """mkdocs' hook: rewrite the links of a page written in docs/ (a generated page is left as it is)."""
+    """mkdocs' hook: rewrite the links of a page written in docs/ and of the home page (README.md, which
+    gen_pages.py copies); other generated pages are left as they are."""
     source = Path(page.file.abs_src_path or "")
-    if not source.is_relative_to(DOCS):
+    if not source.is_relative_to(DOCS) and page.file.src_uri != "index.md":
         return markdown
     return rewrite(markdown, page.file.src_uri)

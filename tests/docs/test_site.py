@@ -32,3 +32,5 @@ def test_site_builds_strictly(tmp_path):
     errors = (tmp_path / "site" / "reference" / "errors" / "index.html").read_text()
     assert "is not a size" in errors
     assert (tmp_path / "site" / "benchmarks" / "results" / "compare-1.1b.png").is_file()
+    home = (tmp_path / "site" / "index.html").read_text()  # the README, built as the home page
+    assert "Two commands" in home and 'href="recipes/choosing/"' in home

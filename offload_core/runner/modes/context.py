@@ -17,9 +17,8 @@ from offload_core.runner.plan.prepare import Prepared
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """While the block runs, the garbage collector's full passes leave out every object made before it (the imports,
-    the config, the empty model: ``gc.freeze``), and take them back after (``gc.unfreeze``). A full pass over them took
-    0.2 s on SmolLM2's run and fell in the load or the first token by chance: the same run loaded in 0.045 s or
-    0.26 s, and its first token took 0.14 s or 0.35 s, as the calibration file it had read was larger or smaller."""
+    the config, the empty model: ``gc.freeze``), and take them back after (``gc.unfreeze``): a full pass over them
+    otherwise falls in the load or the first token by chance and makes their times vary from run to run."""
     gc.freeze()
     try:
         yield

@@ -203,9 +203,8 @@ def calibrate_and_predict(
 
 def with_checkpoint_pages(calibration: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
     """``calibration`` with what the checkpoint's pages are now, where it can be told: ``first_touch_bps``, the rate
-    its cached pages map at (how they came into the page cache decides it: 9-40 GB/s on this machine), and
-    ``cached_share``, the share of its bytes in the page cache (a checkpoint read after a reboot comes from the disk:
-    SmolLM2's first token took 0.60 s where 0.15 s was predicted for it cached)."""
+    its cached pages map at (how they came into the page cache decides it), and ``cached_share``, the share of its
+    bytes in the page cache (a checkpoint read after a reboot comes from the disk, and its first token with it)."""
     from offload_core.runner.plan.first_touch import file_pages
 
     found = file_pages(sorted(Path(checkpoint_dir).glob("*.safetensors")))
