@@ -1,8 +1,9 @@
 """What a process pays the first time it computes on weights read through a mapping: the kept set's residency asked
 once (``mincore``) and a page fault per window as the pages are mapped. Its rate depends on the file's pages (how
-they came into the page cache) as much as on the machine: files on one disk map at rates several times apart. So it is measured on the run's own
-file where it can be (a cached stretch of the checkpoint's largest shard), and on a freshly copied file (as an
-offload folder is written) otherwise; timed on a probe file instead, a first token was predicted too fast."""
+they came into the page cache) as much as on the machine: files on one disk map at rates several times apart. So
+it is measured on the run's own file where it can be (a cached stretch of the checkpoint's largest shard), and on a
+freshly copied file (as an offload folder is written) otherwise; timed on a probe file instead, a first token was
+predicted too fast."""
 
 from __future__ import annotations
 
