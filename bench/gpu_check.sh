@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The GPU checks and figures in one pass, on a machine with a CUDA build of torch:
-#   1. the tests that need the real device (pytest -m gpu);
-#   2. the main job on a GPU, from the command line (it must exit 0 and match the in-memory tokens);
-#   3. the MoE benchmark on the GPU: the mixtral-2.6g checkpoint of bench/moe.py, a quarter of it on GPU 0;
-#   4. (stage "dense") the dense 1.1b benchmark on the GPU.
-# Usage: bash bench/gpu_check.sh [stages...]  (default: tests main moe); figures go to $OUT (default bench/results),
-# the log to $OUT/gpu_check.log. Wheels in .whl/ (hydra-core, omegaconf, antlr4, sybil) are installed first if there.
+#   tests   the tests that need the real device (pytest -m gpu);
+#   main    the main job on a GPU, from the command line (it must exit 0 and match the in-memory tokens);
+#   dense   the dense 3.4b preset with max_memory.0=1.5GB: in memory, prefetch, graphs, hybrid, the lossless codec;
+#   trace   a profiler trace of one decoding token of that model (where the host and the GPU spend it);
+#   moe     the mixtral-2.6g checkpoint of bench/moe.py, a quarter of it on GPU 0;
+#   codec   the lossless codec's ratio and decoding rate on the GPU;
+#   diffusion  a diffusers pipeline against diffusers' own offload modes at the same GPU memory;
+#   dense11 the dense 1.1b preset with max_memory.0=1GB (the earlier reports' model).
+# Usage: bash bench/gpu_check.sh [stages...]  (default: tests main dense trace moe codec diffusion); QUICK=1 runs
+# fewer tokens and one repetition (a first look). Figures go to $OUT (default bench/results), the log to
+# $OUT/gpu_check.log. Wheels in .whl/ (hydra-core, omegaconf, antlr4, sybil, diffusers, gguf) are installed first.
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 export PYTHONUNBUFFERED=1 OFFLOAD_CORE_CACHE=${OFFLOAD_CORE_CACHE:-/tmp/offload-gpu-cache}
 PY=${PYTHON:-python3}
-stages=${*:-tests main moe}
+stages=${*:-tests main dense trace moe codec diffusion}
 exec > >(tee -a "$LOG") 2>&1
 
 if [ -d .whl ]; then
@@ -27,33 +32,47 @@ GPU=$($PY -c "import torch; print(torch.cuda.get_device_name(0))")
 SLUG=$(echo "$GPU" | grep -o -i -E 'h100|h200|a100|l40s|l4|a10g|t4' | head -1 | tr 'A-Z' 'a-z')
 NOTE="$GPU (one GPU), $(nproc) CPUs, torch $($PY -c 'import torch; print(torch.__version__)'), transformers $($PY -c 'import transformers; print(transformers.__version__)')"
 echo "== $NOTE; load $(cut -d' ' -f1-3 /proc/loadavg)"
+if [ -n "${QUICK:-}" ]; then TOKENS=16 REPS=1 PRESET=${PRESET:-1.1b} BUDGET=${BUDGET:-1GB}; else
+    TOKENS=32 REPS=2 PRESET=${PRESET:-3.4b} BUDGET=${BUDGET:-1.5GB}; fi
+DENSE_SYSTEMS=${DENSE_SYSTEMS:-inmem,ours:prefetch:pinned_cpu,ours:functional_call:pinned_cpu}
+MOE_SYSTEMS=${MOE_SYSTEMS:-inmem,ours:experts:pinned_cpu,ours:prefetch:pinned_cpu}
 
 for stage in $stages; do
     echo "== stage $stage ($(date +%T))"
     case $stage in
     tests)
-        timeout 240 $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider \
-            tests/module_hooks/test_prefetch_gpu.py tests/module_hooks/test_experts_gpu.py \
-            tests/speculative/test_policies.py
+        timeout 240 $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/ 2>&1 | tail -25
         ;;
     main)
         timeout 120 $PY run.py model=synthetic max_memory.0=1MB storage=pinned_cpu hook=prefetch \
             max_new_tokens=8 compare_in_memory=true progress=false hydra.run.dir=/tmp/gpu-main
         echo "exit $?"
         ;;
+    dense)
+        timeout 360 $PY bench/compare.py --preset "$PRESET" --device cuda --budget "$BUDGET" --tokens "$TOKENS" \
+            --reps "$REPS" --timeout 150 --code worktree --out "$OUT" --tag "$PRESET-cuda-$SLUG" \
+            --systems "$DENSE_SYSTEMS" --note "$NOTE"
+        ;;
+    trace)
+        timeout 120 $PY bench/gpu_trace.py --preset "$PRESET" --budget "$BUDGET" --out "$OUT"
+        ;;
     moe)
         $PY -c "import sys; sys.path.insert(0, 'bench'); import moe; print(moe.build('mixtral-2.6g'))"
-        timeout 420 $PY bench/compare.py --checkpoint "$OFFLOAD_CORE_CACHE/moe-mixtral-2.6g" --device cuda \
-            --budget 0.65GB --tokens 16 --reps 2 --timeout 120 --code worktree --out "$OUT" \
-            --tag "moe-mixtral-2.6g-cuda-$SLUG" \
-            --systems inmem,accelerate,ours:experts:pinned_cpu,ours:prefetch:pinned_cpu,ours:experts:safetensors,ours:prefetch:safetensors \
+        timeout 300 $PY bench/compare.py --checkpoint "$OFFLOAD_CORE_CACHE/moe-mixtral-2.6g" --device cuda \
+            --budget 0.65GB --tokens "$TOKENS" --reps "$REPS" --timeout 120 --code worktree --out "$OUT" \
+            --tag "moe-mixtral-2.6g-cuda-$SLUG" --systems "$MOE_SYSTEMS" \
             --note "$NOTE" --note "a quarter of the model on GPU 0 (max_memory.0), the rest in host memory"
         ;;
-    dense)
-        timeout 300 $PY bench/compare.py --preset 1.1b --device cuda --budget 1GB --tokens 32 --reps 2 \
+    codec)
+        timeout 120 $PY bench/gpu_codec.py --device cuda --out "$OUT"
+        ;;
+    diffusion)
+        timeout 240 $PY bench/diffusion.py --device cuda --out "$OUT"
+        ;;
+    dense11)
+        timeout 300 $PY bench/compare.py --preset 1.1b --device cuda --budget 1GB --tokens "$TOKENS" --reps "$REPS" \
             --timeout 120 --code worktree --out "$OUT" --tag "1.1b-cuda-$SLUG" \
-            --systems inmem,accelerate,ours:prefetch:pinned_cpu,ours:functional_call:pinned_cpu,ours:prefetch:safetensors \
-            --note "$NOTE"
+            --systems inmem,ours:prefetch:pinned_cpu,ours:functional_call:pinned_cpu --note "$NOTE"
         ;;
     esac
 done
