@@ -120,15 +120,18 @@ def test_replay_recomputes_from_the_inputs_and_the_capture_runs_nothing(fake_gpu
     fake = fake_gpu(count=1, memory="16MiB")
     device = fake.device(0)
     x, w = torch.ones(4, device=device), torch.full((4,), 2.0, device=device)
-    count = torch.zeros(1, device=device)
+    count, position = torch.zeros(1, device=device), torch.tensor([3]).to(device)
     graph = fake.new_graph()
-    with fake.graph_capture(graph, device):
+    with fake.graph_capture(graph, device), torch.inference_mode():
         y = x * w + 1
         count.add_(1)
+        z = position[..., None].float() * w  # under inference mode ``to`` dispatches as a view, yet converts
     assert count.cpu().item() == 0  # a capture runs nothing
     x.copy_(torch.arange(4.0).to(device))
+    position.fill_(5)
     fake.replay(graph)
     assert torch.equal(y.cpu(), torch.tensor([1.0, 3.0, 5.0, 7.0])) and count.cpu().item() == 1
+    assert torch.equal(z.cpu(), torch.full((1, 4), 10.0))
     fake.synchronize()  # the graph's pool is let go at the end
 
 
@@ -136,3 +139,63 @@ def test_graphs_are_refused_where_they_cannot_apply(saved, tmp_path):
     llama = saved("llama")
     with pytest.raises(GraphsError, match="CUDA GPU; this run computes on cpu"):
         offload_core.from_pretrained(llama.path, graphs=True)
+
+
+def test_a_run_with_graphs_matches_the_in_memory_model_and_stays_in_its_budget(tmp_path, fake_gpu, compose_run):
+    from offload_core.runner.job import run
+
+    budget = 2 * 2**20
+    fake_gpu(count=1, memory=4 * budget)
+    cfg = compose_run(
+        [
+            "model=synthetic",
+            "hook=prefetch",
+            "storage=pinned_cpu",
+            "graphs=true",
+            "max_new_tokens=5",
+            "progress=false",
+            "compare_in_memory=true",
+            f"+max_memory.0={budget}",
+            "max_memory.cpu=200MiB",
+        ]
+    )
+    result = run(cfg, output_dir=tmp_path)
+    assert result.matches_in_memory is True, (result.token_ids, result.figures["in_memory_tokens"])
+    assert 0 in set(result.device_map.values()) and set(result.device_map.values()) - {0}
+    assert result.figures["peak_gpu_bytes"]["0"] <= budget
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["hook=align_per_call", "storage=pinned_cpu"], "use hook=prefetch"),
+        (["hook=prefetch", "storage=safetensors"], "use storage=pinned_cpu"),
+        (["hook=prefetch", "storage=pinned_cpu", "speculative=prompt_lookup"], "speculative decoding"),
+    ],
+)
+def test_a_run_refuses_graphs_it_cannot_capture(overrides, says, fake_gpu, compose_run, tmp_path):
+    from offload_core.runner.job import run
+
+    fake_gpu(count=1, memory="64MiB")
+    cfg = compose_run(["model=synthetic", "graphs=true", "progress=false", *overrides])
+    with pytest.raises(GraphsError, match=says):
+        run(cfg, output_dir=tmp_path)
+
+
+def test_the_cli_refuses_graphs_on_a_cpu_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "model=synthetic", "graphs=true", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("offload_core: error:")]
+    assert errors == ["offload_core: error: graphs=true captures decoding steps on a CUDA GPU; this run computes on "
+                      "cpu: drop graphs"], done.stderr  # fmt: skip
+    assert "Traceback" not in done.stderr

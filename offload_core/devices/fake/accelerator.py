@@ -96,8 +96,6 @@ class FakeAccelerator(Accelerator):
                         f"({self.allocated[index]} of {self.memory} in use)"
                     )
                 block = timeline.blocks[ptr] = Block(device, held, timeline.current(device), storage=storage)
-                if timeline.capture is not None:
-                    timeline.capture.pool.append(storage)
                 self.allocated[index] += held
                 self.peak[index] = max(self.peak[index], self.allocated[index])
             block.wrappers += 1

@@ -77,7 +77,7 @@ class Capture:
         self.streams = {origin.id: origin}
         self.events: set[int] = set()
         self.saved: dict[int, tuple[Any, torch.Tensor]] = {}  # blocks that existed before: their bytes
-        self.pool: list[Any] = []  # storages allocated inside (the graph's pool)
+        self.pool: dict[int, Any] = {}  # storages the step's operations made inside (the graph's pool), by address
 
     def fail(self, timeline: Timeline, message: str) -> CaptureError:
         timeline.hazards.append(message)
@@ -96,14 +96,18 @@ class Capture:
             raise self.fail(timeline, "a synchronous copy to the device during a capture (from pageable memory)")
         for ptr in writes:
             block = timeline.blocks.get(ptr)
-            if ptr not in self.saved and block is not None and block.storage is not None:
-                if all(block.storage is not s for s in self.pool):
-                    self.saved[ptr] = (block.storage, _bytes(block.storage).clone())
+            if ptr not in self.saved and ptr not in self.pool and block is not None and block.storage is not None:
+                self.saved[ptr] = (block.storage, _bytes(block.storage).clone())
 
     def ran(self, device: torch.device, stream: FakeStream, reads: list, writes: list, run: Callable, what: str,
             result: Any) -> None:  # fmt: skip
         if not all(isinstance(x, torch.Tensor) or x is None for x in tree_flatten(result)[0]):
             raise CaptureError(f"{what} during a capture returned a host value: the host would wait for the device")
+        for tensor in tree_flatten(result)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
+                ptr = tensor.untyped_storage().data_ptr()
+                if ptr not in reads and ptr not in writes:  # a new allocation, not an operand handed back
+                    self.pool[ptr] = tensor.untyped_storage()
 
         def again() -> Any:
             fresh = run()
@@ -111,6 +115,27 @@ class Capture:
             return result
 
         self.graph.actions.append(("op", device, stream, reads, writes, again, what, False))
+
+    def factory(self, device: torch.device, stream: FakeStream, elem: torch.Tensor, make: Callable) -> None:
+        """A tensor made on the device from host values (``arange``, ``full``): made again on each replay."""
+        if elem.untyped_storage().nbytes():
+            self.pool[elem.untyped_storage().data_ptr()] = elem.untyped_storage()
+        self.graph.actions.append(("op", device, stream, [], [], lambda: _assign(elem, make()), "factory", False))
+
+    def view(self, device: torch.device, stream: FakeStream, reads: list, out: Any, make: Callable) -> None:
+        """A view operation: nothing to replay, unless it made new memory (``to`` converting a dtype)."""
+        fresh = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()]
+        if all(t.untyped_storage().data_ptr() in reads for t in fresh):
+            return
+        for tensor in fresh:
+            self.pool[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
+
+        def again() -> Any:
+            with torch.inference_mode():
+                _assign(out, make())
+            return out
+
+        self.graph.actions.append(("op", device, stream, reads, [], again, "view that copies", False))
 
     def deferred(self, device: torch.device, stream: FakeStream, reads: list, writes: list, run: Callable,
                  what: str) -> None:  # fmt: skip
@@ -145,7 +170,7 @@ class Capture:
             with torch.inference_mode():
                 for storage, saved in self.saved.values():
                     _bytes(storage).copy_(saved)
-                for storage in self.pool:
+                for storage in self.pool.values():
                     _bytes(storage).fill_(255)
 
 
