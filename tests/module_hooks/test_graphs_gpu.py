@@ -70,6 +70,6 @@ def test_gpu_graphs_generate_what_the_in_memory_model_does(tmp_path):
             assert torch.equal(got_ids, want_ids)
             assert torch.equal(got_logits, want_logits)
         hook = _hook(offloaded)
-        assert (hook.captures, hook.replays) == (2, 20)  # each call: prompt, a warm-up step, 10 replays
+        assert (hook.captures, hook.replays) == (2, 21)  # a warm-up step once, then each call's captured step
     finally:
         offloaded.offload_state.remove()

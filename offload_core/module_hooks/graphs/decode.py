@@ -33,9 +33,9 @@ def _tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 class DecodeGraphs(ModuleHook):
     """Captures and replays one-token decoding steps with a static (compileable) KV cache; any other call (a
-    prompt, a dynamic cache) runs eagerly. A step whose cache, shapes or options differ from the captured one runs
-    eagerly once, as the warm-up, and is captured at its next call (one graph at a time: its pool is freed when the
-    next is captured)."""
+    prompt, a dynamic cache) runs eagerly. The first decoding step runs eagerly, as the warm-up; the next is
+    captured, then replayed; a step whose cache, shapes or options differ from the captured one is captured again
+    (one graph at a time: its pool is freed when the next is captured)."""
 
     name = "decode_graphs"
 
@@ -75,12 +75,13 @@ class DecodeGraphs(ModuleHook):
         if not decoding:
             return forward(*args, **kwargs)
         key = self._key(args, kwargs, cache)
-        if key != self.key:  # a new cache or new shapes: this step runs eagerly (the warm-up) ...
+        if key != self.key:  # a new cache or new shapes
             self._drop()
             self.key = key
-            self.eager_steps += 1
-            return forward(*args, **kwargs)
-        if self.graph is None:  # ... and the next one is captured
+            if not self.eager_steps:  # the first decoding step runs eagerly (the warm-up: lazy initializations) ...
+                self.eager_steps += 1
+                return forward(*args, **kwargs)
+        if self.graph is None:  # ... and the next one (and a new cache's first) is captured
             self._capture(forward, args, kwargs, cache)
         static_args, static_kwargs = self.inputs
         pairs = [*zip(static_args, args), *((static_kwargs[name], value) for name, value in kwargs.items())]
