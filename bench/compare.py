@@ -28,6 +28,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from report import _with, write_reports  # noqa: E402 (a sibling script, found through the path above)
+from systems import SYSTEM_FORM, parse_system  # noqa: E402
 from targets import evaluate_targets  # noqa: E402
 
 POLICIES = ("align_per_call", "chained", "functional_call", "prefetch")
@@ -79,33 +80,6 @@ FIGURES = [
     "h2d_token_over_ideal",
     "prefetch_wait_s_per_token",
 ]
-
-
-def parse_system(text: str) -> dict:
-    """``inmem`` | ``inmem-static`` | ``inmem-graphs`` | ``accelerate`` | ``ours:<policy>[+key=value...]:<store>[:fit]``
-    | ``ours:<policy>:<store>:graphs``. ``inmem-static``: the in-memory model with a static KV cache; ``-graphs``: and
-    its decoding steps replayed as CUDA graphs; ``:graphs``: ours with ``graphs=true``."""
-    if text in ("inmem", "accelerate"):
-        return {"system": text, "kind": text}
-    if text in ("inmem-static", "inmem-graphs"):
-        return {"system": text, "kind": "inmem", "cache": "static", "graphs": text == "inmem-graphs"}
-    parts = text.split(":")
-    if parts[0] != "ours" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("fit", "graphs")):
-        raise SystemExit(
-            f"--systems: {text!r} is not inmem, inmem-static, inmem-graphs, accelerate or "
-            "ours:<policy>[+key=value]:<store>[:fit|:graphs]"
-        )
-    policy, *options = parts[1].split("+")
-    graphs = len(parts) == 4 and parts[3] == "graphs"
-    return {
-        "system": text,
-        "kind": "ours",
-        "policy": policy,
-        "store": parts[2],
-        "fit": len(parts) == 4 and parts[3] == "fit",
-        "graphs": graphs,
-        "overrides": [f"hook.{o}" for o in options] + (["graphs=true"] if graphs else []),
-    }
 
 
 def machine() -> dict:
@@ -275,11 +249,7 @@ def main() -> None:
         default="cpu",
         help="cuda: run on GPU 0 with --budget as its budget, the rest in host memory",
     )
-    parser.add_argument(
-        "--systems",
-        help="comma-separated: inmem, inmem-static, inmem-graphs, accelerate, "
-        "ours:<policy>[+key=value]:<store>[:fit|:graphs] (graphs: --device cuda only)",
-    )
+    parser.add_argument("--systems", help=f"comma-separated: inmem[-static|-graphs], accelerate, {SYSTEM_FORM}")
     parser.add_argument("--dtype", default="bfloat16", help="the run's dtype (all systems)")
     parser.add_argument(
         "--threads", type=int, help="torch compute threads in every run (default: torch's own, one per core)"
@@ -330,12 +300,8 @@ def main() -> None:
             raise SystemExit("--device cuda measures streaming from host memory: leave out --cold")
     default = GPU_SYSTEMS if gpu else COLD_SYSTEMS if args.cold else DEFAULT_SYSTEMS
     systems = args.systems.split(",") if args.systems else default
-    parsed = [parse_system(s) for s in systems]
-    if not gpu:  # graphs capture CUDA work: left out of a CPU comparison, said so
-        for system in [p for p in parsed if p.get("graphs")]:
-            print(f"  {system['system']}: skipped: graphs capture decoding steps on a CUDA GPU (use --device cuda)")
-        parsed = [p for p in parsed if not p.get("graphs")]
-        systems = [p["system"] for p in parsed]
+    parsed = [p for p in (parse_system(s, gpu) for s in systems) if p is not None]
+    systems = [p["system"] for p in parsed]
     if args.checkpoint:
         args.preset = None
     tag = args.tag or "-".join(

@@ -245,7 +245,7 @@ def main() -> None:
             model, info = load_accelerate(spec)
         else:
             model, info = load_inmem(spec)
-            if spec.get("cache") == "static":  # inmem-static, inmem-graphs
+            if spec["system"] in ("inmem-static", "inmem-graphs"):
                 model.generation_config.cache_implementation = "static"
             if spec.get("graphs"):
                 from offload_core.module_hooks.graphs import apply_graphs
