@@ -28,6 +28,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from report import _with, write_reports  # noqa: E402 (a sibling script, found through the path above)
+from systems import SYSTEM_FORM, parse_system  # noqa: E402
 from targets import evaluate_targets  # noqa: E402
 
 POLICIES = ("align_per_call", "chained", "functional_call", "prefetch")
@@ -79,24 +80,6 @@ FIGURES = [
     "h2d_token_over_ideal",
     "prefetch_wait_s_per_token",
 ]
-
-
-def parse_system(text: str) -> dict:
-    """``inmem`` | ``accelerate`` | ``ours:<policy>[+key=value...]:<store>[:fit]``."""
-    if text in ("inmem", "accelerate"):
-        return {"system": text, "kind": text}
-    parts = text.split(":")
-    if parts[0] != "ours" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "fit"):
-        raise SystemExit(f"--systems: {text!r} is not inmem, accelerate or ours:<policy>[+key=value]:<store>[:fit]")
-    policy, *options = parts[1].split("+")
-    return {
-        "system": text,
-        "kind": "ours",
-        "policy": policy,
-        "store": parts[2],
-        "fit": len(parts) == 4,
-        "overrides": [f"hook.{o}" for o in options],
-    }
 
 
 def machine() -> dict:
@@ -266,7 +249,7 @@ def main() -> None:
         default="cpu",
         help="cuda: run on GPU 0 with --budget as its budget, the rest in host memory",
     )
-    parser.add_argument("--systems", help="comma-separated: inmem, accelerate, ours:<policy>[+key=value]:<store>[:fit]")
+    parser.add_argument("--systems", help=f"comma-separated: inmem[-static|-graphs], accelerate, {SYSTEM_FORM}")
     parser.add_argument("--dtype", default="bfloat16", help="the run's dtype (all systems)")
     parser.add_argument(
         "--threads", type=int, help="torch compute threads in every run (default: torch's own, one per core)"
@@ -317,7 +300,8 @@ def main() -> None:
             raise SystemExit("--device cuda measures streaming from host memory: leave out --cold")
     default = GPU_SYSTEMS if gpu else COLD_SYSTEMS if args.cold else DEFAULT_SYSTEMS
     systems = args.systems.split(",") if args.systems else default
-    parsed = [parse_system(s) for s in systems]
+    parsed = [p for p in (parse_system(s, gpu) for s in systems) if p is not None]
+    systems = [p["system"] for p in parsed]
     if args.checkpoint:
         args.preset = None
     tag = args.tag or "-".join(

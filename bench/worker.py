@@ -245,6 +245,12 @@ def main() -> None:
             model, info = load_accelerate(spec)
         else:
             model, info = load_inmem(spec)
+            if spec["system"] in ("inmem-static", "inmem-graphs"):
+                model.generation_config.cache_implementation = "static"
+            if spec.get("graphs"):
+                from offload_core.module_hooks.graphs import apply_graphs
+
+                apply_graphs(model)
         load_s = time.perf_counter() - started
         after_load_anon = rss_split()[0] - memory.baseline_anon
         cold_files = info["offload_files"] if spec["cold"] else []

@@ -30,3 +30,8 @@ class StorageError(OffloadError):
 
 class PluginError(OffloadError):
     """A plugin that is unknown, duplicated or failed to load."""
+
+
+class GraphsError(OffloadError):
+    """``graphs=true`` asked of a run whose decoding step cannot be captured (no CUDA, a store that is not pinned,
+    a policy other than prefetch, speculative decoding)."""

@@ -136,6 +136,23 @@ class Accelerator:
         """``tensor``'s memory is used on ``stream``: freeing it must wait for the work queued there now."""
         return None
 
+    # -- graphs: a step's stream work captured once and replayed --------------------------------
+    def supports_graphs(self, device: torch.device) -> bool:
+        """Whether work on ``device`` can be captured into a graph and replayed (:meth:`graph_capture`)."""
+        return False
+
+    def new_graph(self) -> Any:
+        raise RuntimeError(f"{self.type}: no graph capture on this machine")
+
+    def graph_capture(self, graph: Any, device: torch.device) -> ContextManager:
+        """Inside, the stream work issued on ``device`` (the current stream, and side streams that wait on its
+        events) is recorded into ``graph`` instead of run; a host synchronization inside is an error."""
+        raise RuntimeError(f"{self.type}: no graph capture on this machine")
+
+    def replay(self, graph: Any) -> None:
+        """Queue the captured work again on the current stream (same buffers, their contents as they are now)."""
+        raise RuntimeError(f"{self.type}: no graph capture on this machine")
+
 
 #: the machine without an accelerator
 HOST = Accelerator()

@@ -176,6 +176,22 @@ class TorchAccelerator(Accelerator):
         if stream is not None and self.owns(tensor.device):
             tensor.record_stream(stream)
 
+    # -- graphs -----------------------------------------------------------------------------------
+    def supports_graphs(self, device: torch.device) -> bool:
+        return self.type == "cuda" and torch.device(device).type == "cuda"
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    @contextlib.contextmanager
+    def graph_capture(self, graph: Any, device: torch.device):
+        # torch.cuda.graph synchronizes first and captures on a stream of its own, allocating from the graph's pool
+        with torch.cuda.device(device), torch.cuda.graph(graph):
+            yield
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
 
 def detect() -> str | None:
     """The accelerator type torch reports on this machine, or None."""

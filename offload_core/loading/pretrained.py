@@ -32,6 +32,7 @@ def from_pretrained(
     token: str | bool | None = None,
     local_files_only: bool = False,
     cache_dir: str | Path | None = None,
+    graphs: bool = False,
 ) -> nn.Module:
     """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
     plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
@@ -74,6 +75,10 @@ def from_pretrained(
     weights are taken from the execution device's budget before the placement, a self draft's first layers must be
     resident. ``model.speculation.generate(ids, max_new_tokens=...)`` generates with it; then
     ``model.speculation.figures(new_tokens)`` gives passes, tokens per pass, drafted and accepted tokens.
+
+    ``graphs=True`` (a CUDA GPU; ``policy="prefetch"`` and ``storage="pinned_cpu"`` where anything is offloaded)
+    captures one-token decoding steps with a static KV cache and replays them (:func:`apply_graphs`); the plan holds
+    the graph's memory pool back from the execution device's budget (:func:`graph_pool_bytes`).
     """
     from offload_core.loading.hub import resolve_model_path
     from offload_core.loading.pipeline import is_pipeline_folder
@@ -104,11 +109,16 @@ def from_pretrained(
             headroom=headroom,
             plan_call=plan_call,
         )
+    if graphs and speculative not in (None, "none"):
+        from offload_core.errors import GraphsError
+        from offload_core.module_hooks.graphs import graphs_refusal
+
+        raise GraphsError(graphs_refusal(execution_device or "cuda", None, None, True))
     if plan_call is not None:
         from offload_core.errors import ConfigError
 
         raise ConfigError(f"plan_call plans a diffusers pipeline's call; {path} is a transformers checkpoint: drop it")
-    policy = policy or "align_per_call"
+    policy = policy or ("prefetch" if graphs else "align_per_call")
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.execution_device import default_execution_device
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
@@ -128,6 +138,17 @@ def from_pretrained(
     else:
         device = default_execution_device(device_map if isinstance(device_map, Mapping) else None)
     max_memory = read_max_memory(max_memory, device)
+    headroom = read_headroom(headroom) or 0
+    if graphs:
+        from offload_core.errors import GraphsError
+        from offload_core.module_hooks.graphs import graph_pool_bytes, graphs_refusal
+
+        policy_name = policy if isinstance(policy, str) else "prefetch"
+        pinned = storage == "pinned_cpu" if isinstance(storage, str) else getattr(storage, "pinned", None)
+        refusal = graphs_refusal(device, policy_name, pinned, False)
+        if refusal is not None:
+            raise GraphsError(refusal)
+        headroom += graph_pool_bytes(config, dtype=dtype)
     if max_memory is not None:
         check_budgets(get_max_memory(max_memory, check_devices=False), device)
     no_split = no_split_classes(model, no_split_module_classes)
@@ -138,7 +159,7 @@ def from_pretrained(
     except BaseException:
         checkpoint.close()
         raise
-    return plan_and_dispatch(
+    model = plan_and_dispatch(
         model,
         checkpoint,
         max_memory=max_memory,
@@ -153,8 +174,13 @@ def from_pretrained(
         progress=progress,
         page_cache=page_cache,
         speculative=speculative,
-        headroom=read_headroom(headroom) or 0,
+        headroom=headroom,
     )
+    if graphs:
+        from offload_core.module_hooks.graphs import apply_graphs
+
+        apply_graphs(model, device)
+    return model
 
 
 def plan_and_dispatch(

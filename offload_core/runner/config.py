@@ -162,6 +162,9 @@ class RunConfig:
     #: depth), page_cache where the offloaded files outgrow the page cache, batch_size with prompts; the options given
     #: on the command line stay as given. Writes the ranked table to auto.json and auto.csv (plan_only=true: only that)
     auto: bool = False
+    #: capture one-token decoding steps (static KV cache) in a CUDA graph and replay them: a CUDA GPU, and where
+    #: anything is offloaded hook=prefetch storage=pinned_cpu (offloaded blocks stream by a fixed ring of slots)
+    graphs: bool = False
     #: diffusers pipelines only
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 

@@ -67,6 +67,8 @@ class Settings:
     calibrate: bool = False
     #: pick the fastest predicted configuration among those that fit (:mod:`offload_core.runner.plan.auto`)
     auto: bool = False
+    #: capture decoding steps in a graph and replay them (:mod:`offload_core.module_hooks.graphs`)
+    graphs: bool = False
     #: ``dtype`` as given (``auto``: the checkpoint's): what a resumed run must match
     dtype_name: str = "auto"
     #: run or serve (``sections["serve"]`` holds the server's keys)
@@ -174,6 +176,7 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         progress=bool(cfg.progress),
         calibrate=bool(cfg.get("calibrate", False)),
         auto=bool(cfg.get("auto", False)),
+        graphs=run_graphs(cfg, device, sections),
         dtype_name=str(cfg.dtype),
         mode=run_mode(cfg),
     )
@@ -189,6 +192,23 @@ def local_model(section: dict, progress: bool) -> dict:
         return section
     folder = resolve_model_path(path, revision=section.get("revision"), progress=progress)
     return section if folder == Path(path).expanduser() else {**section, "path": str(folder), "repo_id": str(path)}
+
+
+def run_graphs(cfg: Any, device: torch.device, sections: dict[str, dict]) -> bool:
+    """``graphs``, checked against the run it is asked of (a :class:`GraphsError` naming why it cannot apply)."""
+    from offload_core.errors import GraphsError
+    from offload_core.module_hooks.graphs import graphs_refusal
+
+    if not bool(cfg.get("graphs", False)):
+        return False
+    speculative = run_speculative(cfg).name != "none"
+    pinned = sections["storage"].get("name") == "pinned_cpu"
+    refusal = graphs_refusal(device, str(sections["hook"].get("name")), pinned, speculative)
+    if refusal is None and cfg.get("auto", False):
+        refusal = "graphs=true keeps the store and policy given; auto=true picks them: drop one of them"
+    if refusal is not None:
+        raise GraphsError(refusal)
+    return True
 
 
 def run_mode(cfg: Any) -> str:

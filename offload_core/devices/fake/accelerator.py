@@ -18,7 +18,9 @@ from typing import Any, ContextManager
 import torch
 
 from offload_core.devices.base import Accelerator
+from offload_core.devices.fake import graph as fake_graph
 from offload_core.devices.fake import tensor as fake_tensor
+from offload_core.devices.fake.graph import FakeGraph
 from offload_core.devices.fake.tensor import BACKEND, FakeTensor, register_backend
 from offload_core.devices.fake.timeline import Block, FakeEvent, FakeStream, HazardError, Timeline
 
@@ -93,7 +95,7 @@ class FakeAccelerator(Accelerator):
                         f"fake accelerator: out of memory on {device} allocating {held} bytes "
                         f"({self.allocated[index]} of {self.memory} in use)"
                     )
-                block = timeline.blocks[ptr] = Block(device, held, timeline.current(device))
+                block = timeline.blocks[ptr] = Block(device, held, timeline.current(device), storage=storage)
                 self.allocated[index] += held
                 self.peak[index] = max(self.peak[index], self.allocated[index])
             block.wrappers += 1
@@ -131,6 +133,8 @@ class FakeAccelerator(Accelerator):
 
     # -- pinned host memory -----------------------------------------------------------------------
     def _pin(self, nbytes: int, held: int) -> torch.Tensor:
+        if self.timeline.capture is not None:
+            raise self.timeline.capture.fail(self.timeline, "pinned host memory allocated during a capture")
         tensor = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
             with self._lock:
@@ -225,6 +229,20 @@ class FakeAccelerator(Accelerator):
             block = self.timeline.blocks.get(tensor.elem.untyped_storage().data_ptr())
             if block is not None:
                 block.recorded.add(stream.id)
+
+    # -- graphs ---------------------------------------------------------------------------------------
+    def supports_graphs(self, device: torch.device) -> bool:
+        return self.owns(device)
+
+    def new_graph(self) -> FakeGraph:
+        return FakeGraph()
+
+    def graph_capture(self, graph: FakeGraph, device: torch.device) -> ContextManager:
+        return fake_graph.capture(self, graph, device)
+
+    def replay(self, graph: FakeGraph) -> None:
+        with self.timeline.lock:
+            graph.replay(self.timeline)
 
     def check(self) -> None:
         """Raise if any hazard was seen (the fixture calls it as the test ends)."""

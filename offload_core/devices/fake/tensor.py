@@ -228,16 +228,22 @@ def dispatch(func, args, kwargs):
     target = kwargs.get("device")
     if not fakes:  # a factory for a fake device (the backend's kernels)
         device = _index(target)
-        elem = func(
-            *_unwrap(args), **{**_unwrap(kwargs), "pin_memory": False} if "pin_memory" in kwargs else _unwrap(kwargs)
-        )
+        a, k = _unwrap(args), {**_unwrap(kwargs), "pin_memory": False} if "pin_memory" in kwargs else _unwrap(kwargs)
+        elem = func(*a, **k)
+        if _runtime is not None and _runtime.timeline.capture is not None and not name.startswith("empty"):
+            _runtime.timeline.capture.factory(device, _runtime.timeline.current(device), elem, lambda: func(*a, **k))
         return _wrap(_fresh(elem, device), device)
     device = _same_device(name, fakes, hosts)
     if target is not None and is_fake_device(target):
         device = _index(target)
     if func.is_view:  # metadata only: no stream work, no access to the bytes
+        a, k = _unwrap(args), _unwrap(kwargs)
         with torch.inference_mode():
-            return _wrap(func(*_unwrap(args), **_unwrap(kwargs)), device)
+            out = func(*a, **k)
+        if _runtime is not None and _runtime.timeline.capture is not None:  # ``to`` may convert: made again on replay
+            reads = [_storage_ptr(t.elem) for t in flat if isinstance(t, FakeTensor)]
+            _runtime.timeline.capture.view(device, _runtime.timeline.current(device), reads, out, lambda: func(*a, **k))
+        return _wrap(out, device)
     writes = [_storage_ptr(t.elem) for t in _written(func, args, kwargs)]
     reads = [_storage_ptr(t.elem) for t in flat if isinstance(t, FakeTensor)]
     a, k = _unwrap(args), _unwrap(kwargs)

@@ -60,6 +60,7 @@ class Block:
     write: tuple[FakeStream, int] | None = None
     reads: dict = field(default_factory=dict)  # stream id -> (stream, seq)
     recorded: set = field(default_factory=set)  # stream ids from record_stream
+    storage: object = None  # the CPU storage (a capture gives the bytes it wrote back)
 
 
 class Timeline:
@@ -73,6 +74,7 @@ class Timeline:
         self.blocks: dict[int, Block] = {}  # storage data_ptr -> block
         self.hazards: list[str] = []
         self.side_streams: weakref.WeakSet = weakref.WeakSet()
+        self.capture = None  # a graph capture in progress (fake/graph.py)
 
     # -- streams ----------------------------------------------------------------------------------
     def default(self, device: torch.device) -> FakeStream:
@@ -104,12 +106,17 @@ class Timeline:
 
     def record(self, stream: FakeStream) -> FakeEvent:
         with self.lock:
-            return FakeEvent(stream, stream.seq)
+            event = FakeEvent(stream, stream.seq)
+            if self.capture is not None:
+                self.capture.recorded(stream, event)
+            return event
 
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
         if event is None or event.stream is None:
             return
         with self.lock:
+            if self.capture is not None:
+                self.capture.waits(self, stream, event)
             stream.waits[event.stream.id] = max(stream.waits.get(event.stream.id, 0), event.seq)
             for other_id, seq in event.stream.waits.items():  # what the event's stream had waited for, too
                 stream.waits[other_id] = max(stream.waits.get(other_id, 0), seq)
@@ -119,6 +126,8 @@ class Timeline:
         if event is None or event.stream is None:
             return
         with self.lock:
+            if self.capture is not None:
+                raise self.capture.fail(self, "the host waits for the device during a capture (a synchronization)")
             self.run_until(event.stream, event.seq)
             self.host_known[event.stream.id] = max(self.host_known.get(event.stream.id, 0), event.seq)
             for other_id, seq in event.stream.waits.items():
@@ -163,6 +172,9 @@ class Timeline:
         pointers; ``deferred``: queue it (a copy from pinned memory), else run it now."""
         with self.lock:
             stream = self.current(device)
+            capture = self.capture
+            if capture is not None:
+                capture.issue(self, stream, writes, what)
             if not deferred:
                 self.run_until(stream, stream.seq)  # the stream's queued copies come first
             for ptr in reads:
@@ -181,10 +193,15 @@ class Timeline:
                     block.write = (stream, seq)
                     block.reads = {}
             if deferred:
-                stream.queue.append((seq, run))
+                if capture is not None:  # recorded, never run: a capture runs nothing
+                    capture.deferred(device, stream, reads, writes, run, what)
+                else:
+                    stream.queue.append((seq, run))
                 return None
             result = run()
             stream.done = seq
+            if capture is not None:
+                capture.ran(device, stream, reads, writes, run, what, result)
             return result
 
     def freed(self, ptr: int) -> Block | None:

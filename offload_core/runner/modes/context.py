@@ -47,6 +47,10 @@ def dispatched(job: Prepared) -> Iterator[Any]:
         offload_buffers=strategies.policy.offload_buffers,
         residency=job.plan.residency(),
     )
+    if settings.graphs:
+        from offload_core.module_hooks.graphs import apply_graphs
+
+        apply_graphs(run_model.model, settings.execution_device)
     with run_model.model.offload_state as state:
         yield state
 

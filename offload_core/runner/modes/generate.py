@@ -128,12 +128,16 @@ def in_memory_tokens(
     device: torch.device = torch.device("cpu"),
     speculative: Any = None,
     replay: str | None = None,
+    static_cache: bool = False,
 ) -> list[int]:
     """Tokens of the reference model (:func:`reference_model`) on ``device``, generated plainly or with
-    ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`; ``replay``: the run's draft decisions)."""
+    ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`; ``replay``: the run's draft decisions);
+    ``static_cache``: with a static KV cache, as a ``graphs=true`` run decodes."""
     from offload_core.speculative import prepare
 
     model = reference_model(checkpoint, task, dtype, device)
+    if static_cache:
+        model.generation_config.cache_implementation = "static"
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
     speculation = prepare(speculative, model, dtype, device, replay) if speculative is not None else None
     tokens, _ = generate(model, input_ids, sampling, device, speculation)

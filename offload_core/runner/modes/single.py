@@ -78,6 +78,7 @@ def compare_in_memory(job: Prepared, tokens: list[int], result: RunResult) -> No
             settings.execution_device,
             speculative,
             replay,
+            static_cache=settings.graphs,
         )
 
     figures = result.figures

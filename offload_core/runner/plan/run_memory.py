@@ -79,6 +79,10 @@ def plan_run_memory(
     if key == "cpu" and given is not None:  # the user's headroom, checked when read
         return settings, need
     budget = settings.max_memory.get(key)
+    if budget is not None and settings.graphs:  # the graph's pool: one decoding step's activations, kept
+        from offload_core.module_hooks.graphs import graph_pool_bytes
+
+        budget -= graph_pool_bytes(config, rows, dtype, longest + new)
     slack = runtime_slack(budget, gpu=key != "cpu")
     if budget is None:
         return dataclasses.replace(settings, headroom=need.total + slack if key == "cpu" else 0), need
