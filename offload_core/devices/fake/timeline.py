@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +27,9 @@ class HazardError(RuntimeError):
 
 
 _ids = itertools.count(1)
+
+#: operations a real device makes the host wait for (a blocking copy either way, a value read back)
+HOST_WAITS = frozenset({"copy to the host", "copy to the device", "_local_scalar_dense", "equal", "is_nonzero"})
 
 
 @dataclass(eq=False)
@@ -73,6 +76,11 @@ class Timeline:
         self.blocks: dict[int, Block] = {}  # storage data_ptr -> block
         self.hazards: list[str] = []
         self.side_streams: weakref.WeakSet = weakref.WeakSet()
+        #: (thread name, what) -> times that thread waited for a device: a synchronization, or a blocking operation
+        self.host_waits: Counter = Counter()
+
+    def host_waited(self, what: str) -> None:
+        self.host_waits[(threading.current_thread().name, what)] += 1
 
     # -- streams ----------------------------------------------------------------------------------
     def default(self, device: torch.device) -> FakeStream:
@@ -119,6 +127,7 @@ class Timeline:
         if event is None or event.stream is None:
             return
         with self.lock:
+            self.host_waited("synchronize")
             self.run_until(event.stream, event.seq)
             self.host_known[event.stream.id] = max(self.host_known.get(event.stream.id, 0), event.seq)
             for other_id, seq in event.stream.waits.items():
@@ -165,6 +174,8 @@ class Timeline:
             stream = self.current(device)
             if not deferred:
                 self.run_until(stream, stream.seq)  # the stream's queued copies come first
+                if what in HOST_WAITS:
+                    self.host_waited(what)
             for ptr in reads:
                 self._check(stream, ptr, False, what)
             for ptr in writes:
