@@ -21,10 +21,14 @@ class PrefetchHook(ModuleHook):
         self.index = index
         self.prefetcher = prefetcher
         self.execution_device = execution_device
+        # a CPU run computes every module on the CPU, where its inputs already are: nothing to walk through per call
+        self.moves_inputs = execution_device.type != "cpu"
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         with torch.inference_mode(False):  # no inference tensors brought in, as in Unit.fetch
             self.prefetcher.load(self.index)
+        if not self.moves_inputs:
+            return args, kwargs
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
