@@ -142,15 +142,18 @@ class Unit:
         stats: TransferStats | None,
         non_blocking: bool = False,
         fetched: dict[str, torch.Tensor] | None = None,
+        params: dict[str, nn.Parameter] | None = None,
     ) -> None:
-        """Put the unit's tensors in place on ``device`` (no-op when already loaded)."""
+        """Put the unit's tensors in place on ``device`` (no-op when already loaded); ``params``: the parameters
+        :meth:`as_params` made of ``fetched`` before, reused."""
         if self.loaded:
             return
         if fetched is None:
             fetched = self.fetch(store, device, non_blocking)
         elif self.observer is not None:
             self.observer.fetching(self)
-        params = self.as_params(fetched)
+        if params is None:
+            params = self.as_params(fetched)
         for slot in self.slots:
             slot.set(params[slot.key] if slot.is_param else fetched[slot.key])
         self.loaded = True

@@ -21,9 +21,11 @@ __all__ = [
     "drop_spans",
     "libc",
     "map_in",
+    "page_spans",
     "populate",
     "read_in",
     "resident",
+    "spans_resident",
     "will_need",
 ]
 
@@ -82,6 +84,26 @@ def resident(tensor: torch.Tensor) -> bool:
     if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu":
         return True
     return _all_resident(lib, *_page_span(tensor))
+
+
+def page_spans(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The page-aligned address ranges ``(start, length)`` holding CPU tensors' bytes, neighbours merged where no
+    whole page lies between them (a layer's tensors, side by side in a mapped file, make one range): asking
+    :func:`spans_resident` of them is asking :func:`resident` of each tensor, with one ``mincore`` per range."""
+    spans: list[tuple[int, int]] = []
+    for start, length in sorted(_page_span(t) for t in tensors if t.numel() and t.device.type == "cpu"):
+        if spans and start <= -(-(spans[-1][0] + spans[-1][1]) // mmap.PAGESIZE) * mmap.PAGESIZE:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], start + length - spans[-1][0]))
+        else:
+            spans.append((start, length))
+    return spans
+
+
+def spans_resident(spans: list[tuple[int, int]]) -> bool:
+    """Whether every page of these :func:`page_spans` is in memory (True where that cannot be told, as
+    :func:`resident`)."""
+    lib = libc()
+    return lib is None or all(_all_resident(lib, start, length) for start, length in spans)
 
 
 def populate(tensor: torch.Tensor, path: str | os.PathLike[str] | None = None, offset: int = 0) -> bool:

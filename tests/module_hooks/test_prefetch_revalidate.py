@@ -134,6 +134,12 @@ def test_kept_blocks_in_memory_are_checked_where_they_run_and_read_ahead_again_o
     assert not _reader_threads()  # with nothing to read, its thread ended
     gone = {prefetcher.store[key].data_ptr() for key in prefetcher.units[0].keys}  # unit 0's pages went
     monkeypatch.setattr(prefetcher_module, "resident", lambda tensor: tensor.data_ptr() not in gone)
+    # a settled unit's pages are checked by the address ranges they span (one mincore per range)
+    monkeypatch.setattr(
+        prefetcher_module,
+        "spans_resident",
+        lambda spans: not any(start <= ptr < start + length for ptr in gone for start, length in spans),
+    )
     prefetcher.revalidate()
     assert list(prefetcher.pending) == [0] and _reader_threads()  # the pass's first block, handed to a new reader
     gone.clear()
@@ -141,5 +147,40 @@ def test_kept_blocks_in_memory_are_checked_where_they_run_and_read_ahead_again_o
         with torch.no_grad():
             assert torch.equal(model(IDS).logits, reference(IDS).logits)
         assert not prefetcher.pending and prefetcher.misses == misses
+    finally:
+        model.offload_state.remove()
+
+
+def test_a_warm_pass_over_kept_blocks_asks_the_store_nothing_and_checks_each_block_once(tmp_path, monkeypatch):
+    """What a warm in-memory run does not pay, a warm pass over settled blocks does not either: no store look-up, no
+    page check per tensor as a block loads, the same parameters handed over pass after pass; the pass's start asks
+    the page cache once per block (one ``mincore`` per range of neighbouring pages)."""
+    reference = _model()
+    model, prefetcher = _dispatched(tmp_path, depth=1, residency=Residency(budget=1 << 40))
+    store_calls, checks = [], []
+    for name in ("__getitem__", "warm", "offset"):
+        original = getattr(type(prefetcher.store), name)
+
+        def counted(self, key, _original=original, _name=name):
+            store_calls.append(_name)
+            return _original(self, key)
+
+        monkeypatch.setattr(type(prefetcher.store), name, counted)
+    monkeypatch.setattr(prefetcher_module, "resident", lambda tensor: checks.append("tensor") or True)
+    spans_resident = prefetcher_module.spans_resident
+    monkeypatch.setattr(
+        prefetcher_module, "spans_resident", lambda spans: checks.append(len(spans)) or spans_resident(spans)
+    )
+    given = []
+    for unit in prefetcher.units:
+        unit.module.register_forward_pre_hook(lambda module, args: given.append(module.self_attn.q_proj.weight))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, reference(IDS).logits)
+            assert torch.equal(model(IDS).logits, reference(IDS).logits)
+        # two passes, three blocks: each block's pages asked once per pass (its ranges: a file per tensor here)
+        assert store_calls == [] and len(checks) == 6 and "tensor" not in checks
+        assert all(given[i] is given[i + 3] for i in range(3))  # the same parameter objects, pass after pass
+        assert {p.device.type for unit in prefetcher.units for p in unit.module.parameters()} == {"meta"}  # let go
     finally:
         model.offload_state.remove()

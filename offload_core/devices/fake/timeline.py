@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +27,9 @@ class HazardError(RuntimeError):
 
 
 _ids = itertools.count(1)
+
+#: operations a real device makes the host wait for (a blocking copy either way, a value read back)
+HOST_WAITS = frozenset({"copy to the host", "copy to the device", "_local_scalar_dense", "equal", "is_nonzero"})
 
 
 @dataclass(eq=False)
@@ -75,6 +78,11 @@ class Timeline:
         self.hazards: list[str] = []
         self.side_streams: weakref.WeakSet = weakref.WeakSet()
         self.capture = None  # a graph capture in progress (fake/graph.py)
+        #: (thread name, what) -> times that thread waited for a device: a synchronization, or a blocking operation
+        self.host_waits: Counter = Counter()
+
+    def host_waited(self, what: str) -> None:
+        self.host_waits[(threading.current_thread().name, what)] += 1
 
     # -- streams ----------------------------------------------------------------------------------
     def default(self, device: torch.device) -> FakeStream:
@@ -128,6 +136,7 @@ class Timeline:
         with self.lock:
             if self.capture is not None:
                 raise self.capture.fail(self, "the host waits for the device during a capture (a synchronization)")
+            self.host_waited("synchronize")
             self.run_until(event.stream, event.seq)
             self.host_known[event.stream.id] = max(self.host_known.get(event.stream.id, 0), event.seq)
             for other_id, seq in event.stream.waits.items():
@@ -177,6 +186,8 @@ class Timeline:
                 capture.issue(self, stream, writes, what)
             if not deferred:
                 self.run_until(stream, stream.seq)  # the stream's queued copies come first
+                if what in HOST_WAITS:
+                    self.host_waited(what)
             for ptr in reads:
                 self._check(stream, ptr, False, what)
             for ptr in writes:

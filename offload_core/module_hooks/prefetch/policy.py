@@ -13,7 +13,8 @@ from torch import nn
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ForwardStartHook, add_hook_to_module
 from offload_core.module_hooks.prefetch.layout import pool_shape
-from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook
+from offload_core.module_hooks.prefetch.hook import PrefetchHook
+from offload_core.module_hooks.prefetch.prefetcher import Prefetcher
 from offload_core.module_hooks.prefetch.transfer import STAGING_BUFFERS
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import Unit, find_units

@@ -30,6 +30,7 @@ class BlockPool:
         self.free = deque(range(count))
         self.cond = threading.Condition()
         self.peak_in_use = 0
+        self.waits = 0  # times the compute thread found every buffer held and waited for one
         #: key -> (tensor view in a buffer, buffer index): what is on the device now, for borrowing
         self.live: dict[str, tuple[torch.Tensor, int]] = {}
 
@@ -49,6 +50,7 @@ class BlockPool:
         with self.cond:
             if not wait and not self.free:
                 return None
+            self.waits += not self.free
             if not self.cond.wait_for(lambda: self.free, timeout=ACQUIRE_TIMEOUT_S):
                 raise RuntimeError(
                     f"prefetch: no free block buffer after {ACQUIRE_TIMEOUT_S:.0f} s ({self.count} buffers, all held)"

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from offload_core.module_hooks.base import ModuleHook, send_to_device
+from offload_core.module_hooks.prefetch.hook import PrefetchHook  # noqa: F401 (its home before: imported from here)
 from offload_core.module_hooks.prefetch.layout import _aligned, _max_nesting, _nbytes
 from offload_core.module_hooks.prefetch.pool import BlockPool
 from offload_core.module_hooks.prefetch.trace import Trace
@@ -21,7 +21,7 @@ from offload_core.module_hooks.keeper import PageCacheKeeper
 from offload_core.module_hooks.reader import Reader
 from offload_core.module_hooks.units import TransferStats, Unit, tensor_spec
 from offload_core.storage.base import Store, moved_bytes
-from offload_core.storage.pagecache import resident
+from offload_core.storage.pagecache import page_spans, resident, spans_resident
 from offload_core.storage.residency import Residency
 
 
@@ -35,6 +35,7 @@ class Fetched:
     moved: int = 0  # bytes brought in: copied, or read into the page cache (borrowed tensors move nothing)
     mapped: list[str] = field(default_factory=list)  # keys served as mapped pages (the page cache may evict them)
     complete: bool = True  # False: a read-ahead that found no free block buffer; its unit is read when it runs
+    params: dict[str, nn.Parameter] | None = None  # the unit's parameters made of ``tensors`` (made once, reused)
 
 
 class Prefetcher:
@@ -67,6 +68,9 @@ class Prefetcher:
         if staging is None:
             staging = self.accel.cuda and not getattr(store, "pinned", False)
         self.staging = StagingRing(self.accel, chunk=staging_chunk) if staging else None
+        # Copies from pinned memory only queue DMA on the side stream: issued by the compute thread itself, the next
+        # units' copies are queued before the current unit's kernels, with no hand-off to a reader thread to wait for.
+        self.inline = self.accel.cuda and self.copy and not staging and bool(getattr(store, "pinned", False))
         self.trace = Trace()
         self.pending: dict[int, tuple[Future, threading.Event, Fetched]] = {}
         self.held: dict[int, Fetched] = {}
@@ -88,8 +92,10 @@ class Prefetcher:
         )
         # Kept units of a mapped run all in memory when last served: checked where they run, not handed to the reader
         # each token (on a warm 2-core run its wake-ups cost a quarter of decoding: mixtral-2.6g 13.2-14.6 tokens/s
-        # against 15.4-19.6 reading nothing ahead); :meth:`revalidate` hands it those whose pages went.
-        self._settled: dict[int, list[torch.Tensor]] = {}
+        # against 15.4-19.6 reading nothing ahead); :meth:`revalidate` hands it those whose pages went. Each is
+        # handed to its unit as it was last fetched (no store look-ups, no page checks per call: a warm in-memory
+        # run pays neither), its pages checked once per pass, one ``mincore`` per run of neighbouring pages.
+        self._settled: dict[int, tuple[Fetched, list[tuple[int, int]]]] = {}
 
     # -- the block pool ---------------------------------------------------------------------------
     @property
@@ -241,7 +247,7 @@ class Prefetcher:
             self.keeper.start_pass(self.units[index].name for index in busy)
         # settled units that left the kept set or whose pages were let go of: read ahead again from now on
         settled = self._settled.items()
-        unsettled = [i for i, tensors in settled if not self._kept_mapped(i) or not all(map(resident, tensors))]
+        unsettled = [i for i, (_, spans) in settled if not self._kept_mapped(i) or not spans_resident(spans)]
         for index in unsettled:
             del self._settled[index]
         if unsettled and ahead:
@@ -287,7 +293,19 @@ class Prefetcher:
             if index not in self.pending and not self.units[index].loaded:
                 dropped = threading.Event()
                 fetched = self._borrow(self.units[index])
-                self.pending[index] = (self._reader.submit(self._fetch, index, fetched, dropped), dropped, fetched)
+                self.pending[index] = (self._issue(index, fetched, dropped), dropped, fetched)
+
+    def _issue(self, index: int, fetched: Fetched, dropped: threading.Event) -> Future:
+        """Unit ``index`` read ahead: on the reader thread, or at once where its copies only queue (:attr:`inline`;
+        a read-ahead never waits for a block buffer, and a failure is raised where the unit runs, as a reader's)."""
+        if not self.inline:
+            return self._reader.submit(self._fetch, index, fetched, dropped)
+        future: Future = Future()
+        try:
+            future.set_result(self._fetch(index, fetched, dropped))
+        except Exception as error:
+            future.set_exception(error)
+        return future
 
     # -- the compute thread -----------------------------------------------------------------------
     def load(self, index: int) -> None:
@@ -299,7 +317,7 @@ class Prefetcher:
             self.hits += 1
             future, dropped, scheduled = self.pending.pop(index)
             late = not future.done()  # predicted, but not early enough: the compute thread waits
-            started = time.perf_counter()
+            started = time.perf_counter() if late else 0.0
             try:
                 fetched = future.result()
             except BaseException:  # Ctrl-C while waiting, or the read failed: its buffers go back when it ends
@@ -309,10 +327,12 @@ class Prefetcher:
                 # No buffer was free for it: read it now, with the other read-aheads let go (their buffers too).
                 for stale in list(self.pending):
                     self._drop_pending(stale)
+                started = started or time.perf_counter()
                 fetched = self._fetch(index, self._borrow(unit))
                 late = True
             elif self._evicted(fetched):
                 # Evicted since it was read ahead: one read now beats page faults while it computes.
+                started = started or time.perf_counter()
                 self._read_again(fetched)
                 self.reread += 1
                 late = True
@@ -321,7 +341,7 @@ class Prefetcher:
                 self.waited_s += time.perf_counter() - started
         elif index in self._settled and self._kept_mapped(index):
             self.hits += 1
-            fetched = self._fetch(index)
+            fetched = self._settled[index][0]
         else:
             self.misses += 1
             # Whatever was read ahead was for another order: let it go, so its buffers are free.
@@ -329,14 +349,18 @@ class Prefetcher:
                 self._drop_pending(stale)
             fetched = self._fetch(index)
         if not fetched.buffers and self._kept_mapped(index):
-            self._settled[index] = [fetched.tensors[key] for key in fetched.mapped]
+            if index not in self._settled:
+                self._settled[index] = (fetched, page_spans([fetched.tensors[key] for key in fetched.mapped]))
         else:
             self._settled.pop(index, None)
         self.accel.compute_waits(fetched.event)
         self.held[index] = fetched
-        unit.load(self.store, self.device, None, fetched=fetched.tensors)
-        self.stats.add_moved(len(unit.keys), fetched.moved)
-        if self.reads_ahead:
+        if fetched.params is None:
+            fetched.params = unit.as_params(fetched.tensors)
+        unit.load(self.store, self.device, None, fetched=fetched.tensors, params=fetched.params)
+        self.stats.add_moved(len(fetched.tensors), fetched.moved)
+        # every unit settled and nothing in flight (a warm mapped run, all kept): there is nothing to read ahead
+        if self.reads_ahead and (self.pending or len(self._settled) < len(self.units)):
             # Fetches for units no longer expected are dropped (bounded memory).
             upcoming = self._window(index, predicted)
             for stale in [i for i in self.pending if i not in upcoming]:
@@ -374,27 +398,3 @@ class Prefetcher:
             self._blocks = None
         if self.staging is not None:
             self.staging.clear()
-
-
-class PrefetchHook(ModuleHook):
-    name = "prefetch_offload"
-
-    def __init__(self, index: int, prefetcher: Prefetcher, execution_device: torch.device) -> None:
-        self.index = index
-        self.prefetcher = prefetcher
-        self.execution_device = execution_device
-
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        with torch.inference_mode(False):  # no inference tensors brought in, as in Unit.fetch
-            self.prefetcher.load(self.index)
-        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
-
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
-        self.prefetcher.release(self.index)
-        return output
-
-    def on_error(self, module: nn.Module) -> None:
-        self.prefetcher.release(self.index)
-
-    def detach_hook(self, module: nn.Module) -> None:
-        self.prefetcher.release(self.index)
