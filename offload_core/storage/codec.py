@@ -55,7 +55,7 @@ class Packed:
     chunks: tuple[Chunk, ...]
     shape: torch.Size
     dtype: torch.dtype
-    chunk: int  # the most elements of a chunk (a decoding device's scratch is sized for it)
+    chunk: int  # the most elements of a chunk, here or in the other tensors decoded with the same scratch
 
     @property
     def nbytes(self) -> int:
@@ -206,10 +206,10 @@ def decode_into(packed: Packed, out: torch.Tensor, scratch: Scratch | None = Non
             raw = src
             indices = torch.empty(chunk.pairs, dtype=torch.int32)
             high = torch.empty(chunk.pairs, dtype=torch.int16)
-        _decode_chunk(raw, chunk, indices, high, pairs_out[chunk.start : chunk.start + chunk.count])
+        decode_chunk(raw, chunk, indices, high, pairs_out[chunk.start : chunk.start + chunk.count])
 
 
-def _decode_chunk(raw: torch.Tensor, chunk: Chunk, indices: torch.Tensor, high: torch.Tensor, out: torch.Tensor):
+def decode_chunk(raw: torch.Tensor, chunk: Chunk, indices: torch.Tensor, high: torch.Tensor, out: torch.Tensor):
     count, pairs = chunk.count, chunk.pairs
     table = raw[HEADER : HEADER + TABLE].view(torch.int16)
     low = raw[HEADER + TABLE : HEADER + TABLE + count]

@@ -65,6 +65,14 @@ class PackedMemoryStore(HostMemoryStore):
             return self.arena.take((nbytes,), torch.uint8)
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def finalize(self) -> None:
+        """Every tensor is in: each packed one says the largest chunk of the store, so that a device's decoding
+        scratch (sized from the first it decodes) is as large as the store needs and no larger."""
+        largest = max((c.count for p in self._packed.values() for c in p.chunks), default=0)
+        for packed in self._packed.values():
+            packed.chunk = largest
+        super().finalize()
+
     # -- reading ---------------------------------------------------------------------------------
     def packed(self, name: str) -> codec.Packed | None:
         return self._packed.get(name)
