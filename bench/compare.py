@@ -82,15 +82,12 @@ FIGURES = [
 
 
 def parse_system(text: str) -> dict:
-    """``inmem`` | ``accelerate`` | ``ours:<policy>[+key=value...]:<store>[+key=value...][:fit]`` (options of the
-    policy and of the store, e.g. ``ours:prefetch:pinned_cpu+codec=exponent``)."""
+    """``inmem`` | ``accelerate`` | ``ours:<policy>[+key=value...]:<store>[+key=value...][:fit]``."""
     if text in ("inmem", "accelerate"):
         return {"system": text, "kind": text}
     parts = text.split(":")
     if parts[0] != "ours" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "fit"):
-        raise SystemExit(
-            f"--systems: {text!r} is not inmem, accelerate or ours:<policy>[+key=value]:<store>[+key=value][:fit]"
-        )
+        raise SystemExit(f"--systems: {text!r} is not inmem, accelerate or ours:<policy>[+k=v]:<store>[+k=v][:fit]")
     policy, *options = parts[1].split("+")
     store, *store_options = parts[2].split("+")
     return {

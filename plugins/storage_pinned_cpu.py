@@ -27,7 +27,7 @@ class PinnedCpuConfig:
     #: other dtypes and tensors under 4096 elements stay raw. ``none``: every tensor as it is
     codec: str = "none"
     #: with a codec: elements decoded at a time (the GPU scratch is about 2.5 bytes per element, planned)
-    codec_chunk: int = 2**22
+    codec_chunk: int = 2**23
 
 
 class PinnedCpuStorage(Storage):
