@@ -24,6 +24,8 @@ class PackedMemoryStore(HostMemoryStore):
 
     def __init__(self, context: StoreContext, pin: bool = True, chunk: int = codec.CHUNK_ELEMENTS) -> None:
         super().__init__(context, pin=pin)
+        if self.arena is not None:  # the pinned arena sized for the packed bytes, not the raw ones
+            self.arena.expected = expected_nbytes(context)
         if not context.pin_memory:
             log.warning(
                 "storage.codec: a run on the CPU decodes each packed tensor on the host at every read (slower than "
@@ -142,3 +144,24 @@ def predicted_packed(checkpoint: Any, dtype: torch.dtype | None, sample: int = 2
         head = checkpoint.get(key).reshape(-1)[:sample].to(final)
         out[key] = int(codec.estimate(head) * numel * final.itemsize)
     return out
+
+
+#: the packed share of their bytes the pinned arena is sized for (weights take 0.75-0.76: the rest is margin, as a
+#: store that outgrows its arena takes a second one)
+ARENA_SHARE = 0.8
+
+
+def expected_nbytes(context: StoreContext) -> int:
+    """The bytes the store will hold: ``context.nbytes`` with the checkpoint tensors the code applies to (in the run's
+    dtype) counted at :data:`ARENA_SHARE` of their size."""
+    checkpoint = context.checkpoint
+    if checkpoint is None or not context.nbytes:
+        return context.nbytes
+    keys = set(checkpoint.keys())
+    coded = 0
+    for name in context.names:
+        if name in keys:
+            final = context.dtype if converts(checkpoint.dtype(name), context.dtype) else checkpoint.dtype(name)
+            numel = torch.Size(checkpoint.shape(name)).numel()
+            coded += numel * final.itemsize if codec.applies(final, numel) else 0
+    return context.nbytes - coded + int(coded * ARENA_SHARE)

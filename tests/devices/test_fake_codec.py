@@ -70,6 +70,8 @@ def test_packed_weights_decode_on_the_device_bit_identical(tmp_path, fake_gpu):
     with torch.no_grad():
         assert torch.equal(model(IDS.to(fake.device(0))).logits.cpu(), logits)
         assert torch.equal(model.generate(IDS.to(fake.device(0)), max_new_tokens=4, do_sample=False).cpu(), tokens)
+    held = sum(store.moved_nbytes(k) or store[k].numel() * store[k].element_size() for k in store)
+    assert fake.pinned_bytes <= 1.1 * held  # the arena sized for the packed bytes
     prefetcher = state.handle.prefetcher
     assert prefetcher.decoder.decoded >= 22  # decoded on the device, not on the host
     assert prefetcher.decoder.nbytes == codec.scratch_bytes(CHUNK)
