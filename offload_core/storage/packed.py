@@ -70,6 +70,14 @@ class PackedMemoryStore(HostMemoryStore):
     def finalize(self) -> None:
         """Every tensor is in: each packed one says the largest chunk of the store, so that a device's decoding
         scratch (sized from the first it decodes) is as large as the store needs and no larger."""
+        if self._tensors and not self._packed:
+            kinds = sorted({str(t.dtype).removeprefix("torch.") for t in self._tensors.values()})
+            log.warning(
+                "storage.codec=exponent packed nothing: it applies to bf16 tensors of %d elements or more, and the "
+                "offloaded tensors are %s (dtype=bfloat16 runs the model in bf16)",
+                codec.MIN_ELEMENTS,
+                ", ".join(kinds),
+            )
         largest = max((c.count for p in self._packed.values() for c in p.chunks), default=0)
         for packed in self._packed.values():
             packed.chunk = largest

@@ -71,3 +71,14 @@ def test_the_storage_options():
         PinnedCpuStorage(PinnedCpuConfig(codec="lz4"))
     with pytest.raises(ConfigError, match="storage.codec_chunk=1 is below 2"):
         PinnedCpuStorage(PinnedCpuConfig(codec="exponent", codec_chunk=1))
+
+
+def test_a_store_that_packs_nothing_says_so(caplog):
+    store = PackedMemoryStore(StoreContext(names=["a"]), pin=False)
+    store.put("a", _weights(64, 80).float())
+    store.finalize()
+    assert store.packed("a") is None
+    assert (
+        "packed nothing: it applies to bf16 tensors of 4096 elements or more, and the offloaded tensors are float32"
+        in (caplog.text)
+    )
