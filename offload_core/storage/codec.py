@@ -213,7 +213,7 @@ def decode_into(packed: Packed, out: torch.Tensor, scratch: Scratch | None = Non
         packed.verify(name)
     for chunk in packed.chunks:
         check_header(packed, chunk, name)
-        if scratch is not None and chunk.count > scratch.chunk:
+        if scratch is not None and (chunk.count > scratch.chunk or chunk.nbytes > scratch.raw.numel()):
             raise ValueError(f"decode_into: a chunk of {chunk.count} elements exceeds the scratch's {scratch.chunk}")
         src = packed.blob[chunk.offset : chunk.offset + chunk.nbytes]
         if scratch is not None:
