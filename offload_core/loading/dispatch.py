@@ -16,6 +16,7 @@ from torch import nn
 from offload_core import devices
 from offload_core.alignment import maps_checkpoint
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
+from offload_core.module_hooks.units import tensor_nbytes
 from offload_core.planning import no_split_classes
 from offload_core.storage import Store, StoreContext
 from offload_core.storage.residency import Residency
@@ -57,7 +58,7 @@ class OffloadState:
         """Bytes the store holds for this model (what its policy reads back while it runs)."""
         if self.store is None:
             return 0
-        return sum(self.store[k].numel() * self.store[k].element_size() for k in self.routes.store_keys)
+        return sum(tensor_nbytes(self.store, k) for k in self.routes.store_keys)  # from the specs: nothing decoded
 
     def release(self) -> None:
         """Drop every loaded unit and close the store (the model keeps its module hooks)."""

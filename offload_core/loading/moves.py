@@ -50,11 +50,12 @@ def predicted_bytes_per_token(
     return int(policy.predict_moved([unit_reads(unit, dtype, shares, count, stored or {}) for unit in units]))
 
 
-def stored_bytes(checkpoint: Any, storage: Storage) -> dict[str, int]:
+def stored_bytes(checkpoint: Any, storage: Storage, dtype: torch.dtype | None = None) -> dict[str, int]:
     """The bytes a read of each tensor moves where the store reads a GGUF file's quantized blocks in place (its
-    ``stored_nbytes``); empty for the other stores, whose reads move the tensors' own bytes."""
+    ``stored_nbytes``), or holds tensors packed (:meth:`Storage.predicted_stored`, in the run's ``dtype``); empty
+    for the other stores, whose reads move the tensors' own bytes."""
     if not storage.reads_gguf or not getattr(checkpoint, "is_gguf", False):
-        return {}
+        return storage.predicted_stored(checkpoint, dtype) if checkpoint is not None else {}
     return {key: checkpoint.stored_nbytes(key) for key in checkpoint.keys()}
 
 
@@ -74,6 +75,14 @@ def stored_lines(
     from offload_core.planning import normalize_device_map
 
     offloaded = set(route_tensors(model, normalize_device_map(dict(device_map)), execution_device).offloaded.values())
+    if not getattr(checkpoint, "is_gguf", False):  # a store that packs tensors losslessly
+        packed = [key for key in offloaded if key in stored]
+        raw = sum(torch.Size(checkpoint.shape(key)).numel() * 2 for key in packed)  # the code holds bf16 only
+        kept = sum(stored[key] for key in packed)
+        return [
+            f"packed: {len(packed)} offloaded tensors held losslessly in {format_size(kept)} of {format_size(raw)} "
+            f"({kept / raw if raw else 1:.3f}), copied packed and decoded on the execution device"
+        ]
     kinds: dict[tuple[bool, str], list[int]] = {}
     for key in checkpoint.keys():
         row = kinds.setdefault((key in offloaded, checkpoint.tensor_type(key)), [0, 0, 0])

@@ -143,7 +143,7 @@ def make_plan(
     if own:
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
     check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
-    stored = stored_bytes(checkpoint, storage)
+    stored = stored_bytes(checkpoint, storage, dtype)
     predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, stored=stored)
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)

@@ -87,6 +87,8 @@ class Store(Mapping):
     bytes_written: int = 0
     #: True when ``store[name]`` returns memory that is page-locked (fast, non-blocking H2D copies).
     pinned: bool = False
+    #: True when some tensors are held packed (:meth:`packed`): a module hook may copy them so and decode them
+    packs: bool = False
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         """Keep ``tensor`` (already converted to the run's dtype) under ``name``.
@@ -142,6 +144,12 @@ class Store(Mapping):
     def moved_nbytes(self, name: str) -> int | None:
         """The bytes a read of ``name`` moves from where the store holds it, where they differ from the tensor it
         hands out (a quantized file's blocks); None (the default): the tensor's own bytes."""
+        return None
+
+    def packed(self, name: str) -> Any:
+        """``name`` held in a lossless code (:class:`offload_core.storage.codec.Packed`) that a module hook copies as
+        is and decodes on its execution device (:func:`offload_core.storage.codec.decode_into`); None (the default)
+        where ``store[name]`` is what a read moves."""
         return None
 
     def drop(self, name: str) -> bool:
@@ -202,9 +210,18 @@ class Storage(StrategyBase):
     #: where offloaded tensors are read from while generating: ``offload_folder`` (written there at load),
     #: ``checkpoint`` (read in place) or ``memory`` (held in host memory); the time prediction reads it
     reads_from: str = "offload_folder"
+    #: bytes of device scratch a GPU run that decodes the store's packed tensors on the device takes
+    #: (:meth:`Store.packed`; 0: the store packs nothing)
+    decode_scratch: int = 0
     #: reads a GGUF model file in place: a GGUF model path is handed to it as the file (the other stores get the file
     #: converted once into a float32 safetensors folder)
     reads_gguf: bool = False
+
+    def predicted_stored(self, checkpoint: Any, dtype: torch.dtype | None) -> dict[str, int]:
+        """The bytes a read of each checkpoint tensor will move, where the store holds it in fewer bytes than the
+        tensor the model computes on in ``dtype`` (the plan predicts bytes moved per token from it); {} (the
+        default): every read moves the tensor's own bytes."""
+        return {}
 
     @abstractmethod
     def open(self, context: StoreContext) -> Store:

@@ -12,6 +12,7 @@ from torch import nn
 
 from offload_core.module_hooks.align import attach_io_hooks
 from offload_core.module_hooks.base import ForwardStartHook, add_hook_to_module
+from offload_core.module_hooks.prefetch.decode import DecodingPrefetcher, packs
 from offload_core.module_hooks.prefetch.layout import pool_shape
 from offload_core.module_hooks.prefetch.hook import PrefetchHook
 from offload_core.module_hooks.prefetch.prefetcher import Prefetcher
@@ -109,6 +110,8 @@ class Prefetch(Policy):
             unit_bytes = capacity if need.offloaded is not None else max(unit_bytes, capacity)
         reserve = reserve_units(need, unit_bytes, nesting + self.config.depth, copies_on_cpu=bool(self.config.pool))
         if need.execution_device.type != "cpu":
+            if need.offloaded is None or need.offloaded:  # the scratch decoding the store's packed tensors there
+                reserve[need.execution_device.index or 0] += need.store_scratch
             staged = not need.store_pinned and (need.offloaded is None or bool(need.offloaded))
             reserve["cpu"] = STAGING_BUFFERS * self.chunk if staged else 0
         return reserve
@@ -146,7 +149,7 @@ class Prefetch(Policy):
     def make_prefetcher(self, units: list[Unit], plan: PolicyContext) -> Prefetcher:
         """The reader that :meth:`attach` drives. A seam: a subclass may build it otherwise (tests force
         the pinned staging ring on, to run the GPU data path on a CPU)."""
-        return Prefetcher(
+        return (DecodingPrefetcher if packs(plan.store) else Prefetcher)(
             units,
             plan.store,
             plan.execution_device,

@@ -1,0 +1,53 @@
+"""``storage=pinned_cpu storage.codec=exponent`` from the command line: the plan says what is packed and predicts
+fewer bytes moved per token, the run gives the in-memory model's tokens and moves what was predicted, and a codec
+that does not exist is one error line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests import ROOT
+from tests.end_to_end.helpers import assert_one_line, cli
+
+pytestmark = pytest.mark.slow
+
+RUN = ["model=synthetic", "storage=pinned_cpu", "hook=prefetch", "dtype=bfloat16", "max_memory.cpu=1KiB", "headroom=0"]
+
+
+def _run(tmp_path, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "run.py", *RUN, "progress=false", f"hydra.run.dir={tmp_path}", *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _mib(text: str, pattern: str) -> float:
+    return float(re.search(pattern + r" ([0-9.]+) MiB", text).group(1))
+
+
+def test_plan_and_run_with_the_codec(tmp_path):
+    raw = _run(tmp_path / "raw", "plan_only=true")
+    planned = _run(tmp_path / "plan", "plan_only=true", "storage.codec=exponent")
+    assert re.search(r"packed: \d+ offloaded tensors held losslessly in .* \(0\.7\d\d\)", planned)
+    per_token = "predicted bytes moved per generated token:"
+    assert 0.7 < _mib(planned, per_token) / _mib(raw, per_token) < 0.85
+    ran = _run(tmp_path / "run", "storage.codec=exponent", "compare_in_memory=true", "max_new_tokens=3")
+    assert "same tokens as in memory: True" in ran
+    assert _mib(ran, "moved") == pytest.approx(_mib(planned, per_token), rel=0.01)
+
+
+def test_an_unknown_codec_is_one_line(tmp_path, capsys):
+    code, err = cli(["model=synthetic", "storage=pinned_cpu", "storage.codec=zstd"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "storage.codec=zstd", "none, exponent")
