@@ -178,3 +178,43 @@ def test_a_hybrid_run_on_a_gpu_plans_the_split_and_matches_in_memory(hybrid, tmp
     host = int(out.split("hybrid: ")[1].split(" of ")[0])
     assert counters["host_units"] == host and (host == 4 or hybrid == "measured")
     assert counters["host_calls"] == host * 3  # every decoding step after the prefill
+
+
+def _compose(*overrides):
+    from offload_core.runner.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(
+            config_name="config",
+            overrides=["model=synthetic", "progress=false", "+max_memory.0=2MiB", "headroom=256KiB", *overrides],
+        )
+
+
+def test_plan_only_shows_the_split_and_loads_nothing(tmp_path, fake_gpu, capsys, monkeypatch):
+    from offload_core.runner.job import run
+    from offload_core.runner.plan import hybrid as planning
+
+    monkeypatch.setattr(planning, "measured_rates", lambda *args: Rates(h2d_bps=1e9, host_bps=1e12))
+    fake = fake_gpu(count=1, memory=8 * 2**20)
+    run(_compose("hook=prefetch", "storage=pinned_cpu", "hybrid=true", "plan_only=true"), output_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert "  hybrid: 4 of 5 offloaded units computed on the host" in out
+    assert "predicted per token" in out and "copy-only bound" in out
+    assert fake.memory_allocated(0) == 0  # nothing was loaded
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["hook=chained"], "hybrid=true streams the other blocks with hook=prefetch, not hook=chained"),
+        (["hook=prefetch", "auto=true"], "hybrid=true is not ranked by auto=true"),
+    ],
+)
+def test_hybrid_with_another_policy_is_one_line(overrides, says, tmp_path, fake_gpu):
+    from offload_core.errors import ConfigError
+    from offload_core.runner.job import run
+
+    fake_gpu(count=1, memory=8 * 2**20)
+    with pytest.raises(ConfigError, match=says):
+        run(_compose("hybrid=true", *overrides), output_dir=tmp_path)
