@@ -28,7 +28,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from report import _with, write_reports  # noqa: E402 (a sibling script, found through the path above)
-from targets import evaluate_targets  # noqa: E402
+from targets import HYBRID_FIGURES, agreement, evaluate_targets, gpu_only  # noqa: E402
 
 POLICIES = ("align_per_call", "chained", "functional_call", "prefetch")
 STORES = ("memmap", "safetensors")
@@ -78,40 +78,25 @@ FIGURES = [
     "ideal_h2d_s_per_token",
     "h2d_token_over_ideal",
     "prefetch_wait_s_per_token",
-    "copy_only_s_per_token",
-    "token_over_copy_only",
-    "prefetch_host_s_per_token",
-    "token_agreement",
 ]
 
 
 def parse_system(text: str) -> dict:
-    """``inmem`` | ``accelerate`` | ``ours:<policy>[+key=value...]:<store>[:fit|:hybrid]`` (``hybrid``: hybrid=true,
-    a GPU run's decoding steps computing a planned share of the offloaded blocks on the host)."""
+    """``inmem`` | ``accelerate`` | ``ours:<policy>[+key=value...]:<store>[:fit|:hybrid]`` (hybrid=true)."""
     if text in ("inmem", "accelerate"):
         return {"system": text, "kind": text}
     parts = text.split(":")
     if parts[0] != "ours" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("fit", "hybrid")):
-        raise SystemExit(
-            f"--systems: {text!r} is not inmem, accelerate or ours:<policy>[+key=value]:<store>[:fit|:hybrid]"
-        )
+        raise SystemExit(f"--systems: {text!r} is not inmem, accelerate or ours:<policy>[+key=value]:<store>[:fit]")
     policy, *options = parts[1].split("+")
-    hybrid = len(parts) == 4 and parts[3] == "hybrid"
     return {
         "system": text,
         "kind": "ours",
         "policy": policy,
         "store": parts[2],
         "fit": len(parts) == 4 and parts[3] == "fit",
-        "overrides": [f"hook.{o}" for o in options] + (["hybrid=true"] if hybrid else []),
+        "overrides": [f"hook.{o}" for o in options] + (["hybrid=true"] if parts[-1] == "hybrid" else []),
     }
-
-
-def agreement(tokens: list[int], reference: list[int] | None) -> float | None:
-    """The share of positions where ``tokens`` equals the in-memory run's (None without one)."""
-    if reference is None or not reference:
-        return None
-    return sum(a == b for a, b in zip(tokens, reference)) / len(reference)
 
 
 def machine() -> dict:
@@ -238,7 +223,7 @@ def aggregate(
     for system in systems:
         ok = [r for r in runs if r.get("system") == system and "error" not in r]
         row = {"runs": len(ok), "failed": sum(1 for r in runs if r.get("system") == system and "error" in r)}
-        for key in FIGURES:
+        for key in FIGURES + HYBRID_FIGURES:
             row[key] = median([r.get(key) for r in ok])
             values = [r.get(key) for r in ok if isinstance(r.get(key), (int, float))]
             if values and key in ("decode_tokens_per_s", "load_to_first_token_s", "peak_anon_rss_bytes"):
@@ -332,12 +317,8 @@ def main() -> None:
         if args.cold:
             raise SystemExit("--device cuda measures streaming from host memory: leave out --cold")
     default = GPU_SYSTEMS if gpu else COLD_SYSTEMS if args.cold else DEFAULT_SYSTEMS
-    systems = args.systems.split(",") if args.systems else default
+    systems = gpu_only(args.systems.split(",") if args.systems else default, gpu)
     parsed = [parse_system(s) for s in systems]
-    if not gpu and any(s.endswith(":hybrid") for s in systems):  # hybrid=true needs a GPU: said, not run
-        print("skipped (hybrid=true needs --device cuda): " + ", ".join(s for s in systems if s.endswith(":hybrid")))
-        systems = [s for s in systems if not s.endswith(":hybrid")]
-        parsed = [p for p in parsed if p["system"] in systems]
     if args.checkpoint:
         args.preset = None
     tag = args.tag or "-".join(

@@ -3,6 +3,26 @@
 from __future__ import annotations
 
 
+#: figures of a ``:hybrid`` system (hybrid=true) against the copy-only transfer bound, and its agreement with inmem
+HYBRID_FIGURES = ["copy_only_s_per_token", "token_over_copy_only", "prefetch_host_s_per_token", "token_agreement"]
+
+
+def agreement(tokens: list[int], reference: list[int] | None) -> float | None:
+    """The share of positions where ``tokens`` equals the in-memory run's (None without one)."""
+    if not reference:
+        return None
+    return sum(a == b for a, b in zip(tokens, reference)) / len(reference)
+
+
+def gpu_only(systems: list[str], gpu: bool) -> list[str]:
+    """``systems`` less the ``:hybrid`` ones on a run without ``--device cuda`` (hybrid=true needs a GPU), said."""
+    hybrid = [s for s in systems if s.endswith(":hybrid")]
+    if gpu or not hybrid:
+        return systems
+    print(f"skipped (hybrid=true needs --device cuda): {', '.join(hybrid)}")
+    return [s for s in systems if s not in hybrid]
+
+
 def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = False) -> dict:
     """Each target, for each of our systems it applies to: the figure, the bound and whether it is met."""
     targets: dict[str, dict] = {}

@@ -218,3 +218,47 @@ def test_hybrid_with_another_policy_is_one_line(overrides, says, tmp_path, fake_
     fake_gpu(count=1, memory=8 * 2**20)
     with pytest.raises(ConfigError, match=says):
         run(_compose("hybrid=true", *overrides), output_dir=tmp_path)
+
+
+@pytest.mark.parametrize("rates", ["given", "measured"])
+def test_from_pretrained_hybrid_measures_the_split_as_it_dispatches(rates, tmp_path, fake_gpu, monkeypatch):
+    """``from_pretrained(..., hybrid=True)``: no plan gave the split, so the policy measures one offloaded block (copy,
+    GPU step, host step) and solves it before its module hooks attach; the tokens stay the in-memory model's."""
+    import offload_core
+    from offload_core.module_hooks.prefetch import hybrid_rates
+
+    if rates == "given":
+        monkeypatch.setattr(hybrid_rates, "measure_rates", lambda *args: Rates(h2d_bps=1e9, host_bps=1e12))
+    reference = _llama()
+    reference.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=5, do_sample=False)
+    fake = fake_gpu(count=1, memory="64MiB")
+    model = offload_core.from_pretrained(
+        tmp_path / "ckpt", max_memory={0: "150KiB", "cpu": "64MiB"}, storage="pinned_cpu", hybrid=True, dtype="float32"
+    )
+    policy = model.offload_state.handle
+    split = policy.split
+    assert split is not None and split.step_s <= split.copy_only_s
+    if rates == "given":  # a host as fast as memory: every offloaded block there
+        assert len(split.host) == policy.counters()["host_units"] >= 2
+    with torch.no_grad():
+        out = model.generate(ids.to(fake.device(0)), max_new_tokens=5, do_sample=False)
+    assert torch.equal(out.cpu(), expected)
+    assert policy.counters()["host_calls"] == policy.counters()["host_units"] * 4
+    model.offload_state.remove()
+
+
+@pytest.mark.parametrize("policy", ["chained", None])
+def test_from_pretrained_hybrid_refuses_another_policy_or_no_gpu(policy, tmp_path, fake_gpu):
+    import offload_core
+    from offload_core.errors import ConfigError
+
+    fake_gpu(count=1)
+    _llama().save_pretrained(tmp_path / "ckpt")
+    says = "not 'chained': pass policy='prefetch'" if policy else "this run computes on cpu: leave hybrid out"
+    with pytest.raises(ConfigError, match=says):
+        offload_core.from_pretrained(
+            tmp_path / "ckpt", policy=policy, hybrid=True, execution_device="cpu" if not policy else None
+        )

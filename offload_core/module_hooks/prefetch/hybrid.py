@@ -17,7 +17,7 @@ from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.prefetch.policy import Prefetch, PrefetchConfig, PrefetchHandle
 from offload_core.module_hooks.prefetch.prefetcher import Prefetcher, PrefetchHook
 from offload_core.module_hooks.units import Unit, find_units
-from offload_core.planning.hybrid import HOST_MAX_TOKENS, Split
+from offload_core.planning.hybrid import HOST_MAX_TOKENS, Split, solve_split
 
 CPU = torch.device("cpu")
 
@@ -146,9 +146,10 @@ class HostComputeHook(PrefetchHook):
 class HybridHandle(PrefetchHandle):
     """Prefetch's handle, with the host units' counters; ``remove()`` gives torch its thread count back."""
 
-    def __init__(self, *args: Any, threads: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, threads: int, split: Split | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.threads = threads
+        self.split = split  # the split it runs, and the per-step times its rates predict
 
     def counters(self) -> dict[str, int | float]:
         p = self.prefetcher
@@ -161,20 +162,21 @@ class HybridHandle(PrefetchHandle):
 
 
 class HybridPrefetch(Prefetch):
-    """Prefetch with the plan's host units (by name) computed on the host in decoding steps of up to ``max_tokens``."""
+    """Prefetch with the plan's host units (by name) computed on the host in decoding steps of up to ``max_tokens``;
+    ``host_units`` None: measured and solved as it attaches (:meth:`solve`)."""
 
     auto = False
 
     def __init__(
         self,
         config: PrefetchConfig,
-        host_units: Iterable[str],
+        host_units: Iterable[str] | None = None,
         split: Split | None = None,
         max_tokens: int = HOST_MAX_TOKENS,
         threads: int | None = None,
     ) -> None:
         super().__init__(config)
-        self.host_units = list(host_units)
+        self.host_units = None if host_units is None else list(host_units)
         self.split = split
         self.max_tokens = max_tokens
         self.threads = threads
@@ -183,6 +185,8 @@ class HybridPrefetch(Prefetch):
         """The split and the per-step bound it predicts against streaming every unit."""
         s = self.split
         if s is None:
+            if self.host_units is None:
+                return ["  hybrid: the split is measured and solved when the model is dispatched"]
             return [f"  hybrid: {len(self.host_units)} offloaded blocks computed on the host in decoding steps"]
         return [
             f"  hybrid: {len(s.host)} of {len(s.host) + len(s.streamed)} offloaded units computed on the host in "
@@ -195,7 +199,15 @@ class HybridPrefetch(Prefetch):
     def attach(self, model: nn.Module, plan: PolicyContext) -> PolicyHandle:
         self.check_pool(plan.execution_device)
         units = find_units(model, plan.offloaded, plan.no_split_module_classes, self.granularity)
-        names = set(self.host_units)
+        before = torch.get_num_threads()
+        threads = self.threads or host_threads()
+        if self.host_units is None and units:  # no plan gave the split: measured on this model, solved here
+            torch.set_num_threads(threads)
+            try:
+                self.solve(model, units, plan)
+            finally:
+                torch.set_num_threads(before)
+        names = set(self.host_units or ())
         host = [i for i, u in enumerate(units) if u.name in names and host_capable(u)]
         handles = attach_io_hooks(model, plan, True, ())
         prefetcher = self.make_prefetcher(units, plan, host)
@@ -209,10 +221,23 @@ class HybridPrefetch(Prefetch):
                 else PrefetchHook(index, prefetcher, device)
             )
             handles.append(add_hook_to_module(unit.module, hook))
-        before = torch.get_num_threads()
         if host:
-            torch.set_num_threads(self.threads or host_threads())
-        return HybridHandle(model, plan, units, handles, prefetcher=prefetcher, threads=before)
+            torch.set_num_threads(threads)
+        return HybridHandle(model, plan, units, handles, prefetcher=prefetcher, threads=before, split=self.split)
+
+    def solve(self, model: nn.Module, units: list[Unit], plan: PolicyContext) -> None:
+        """The split from rates measured on ``model``'s first offloaded block (:mod:`.hybrid_rates`)."""
+        from offload_core.module_hooks.prefetch.hybrid_rates import measure_rates
+
+        no_split = set(plan.no_split_module_classes)
+        eligible = [i for i, u in enumerate(units) if type(u.module).__name__ in no_split and host_capable(u)]
+        self.host_units = []
+        if not eligible:
+            return
+        blocks = sum(1 for m in model.modules() if type(m).__name__ in no_split)
+        rates = measure_rates(model, units[eligible[0]], plan.store, plan.execution_device, blocks - len(eligible))
+        self.split = solve_split([u.nbytes(plan.store) for u in units], eligible, rates)
+        self.host_units = [units[i].name for i in self.split.host]
 
     def make_prefetcher(self, units: list[Unit], plan: PolicyContext, host: Iterable[int] = ()) -> HybridPrefetcher:
         return HybridPrefetcher(
@@ -226,3 +251,32 @@ class HybridPrefetch(Prefetch):
             residency=plan.residency,
             host=host,
         )
+
+
+def check_hybrid_device(device: torch.device, given: str = "hybrid=true") -> None:
+    """A run that computes on no accelerator cannot be hybrid: one line saying so (``given``: how the user asked)."""
+    from offload_core import devices
+    from offload_core.errors import ConfigError
+
+    if not devices.is_accelerator(device):
+        raise ConfigError(
+            f"{given} computes part of the offloaded blocks on the host while the others stream to a GPU; this run "
+            f"computes on {device}: leave hybrid out (or run on a GPU)"
+        )
+
+
+def hybrid_policy(policy: Any, device: torch.device) -> HybridPrefetch:
+    """``from_pretrained(..., hybrid=True)``'s policy: ``policy`` (None or prefetch) made hybrid, its split measured
+    and solved as it attaches; a GPU run only."""
+    from offload_core.errors import ConfigError
+
+    check_hybrid_device(device, "hybrid=True")
+    if isinstance(policy, HybridPrefetch):
+        return policy
+    if isinstance(policy, Prefetch):
+        return HybridPrefetch(policy.config)
+    if policy not in (None, "prefetch"):
+        raise ConfigError(
+            f"hybrid=True streams the other blocks with policy='prefetch', not {policy!r}: pass policy='prefetch'"
+        )
+    return HybridPrefetch(PrefetchConfig())

@@ -10,11 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.loading.plan import Plan
 from offload_core.module_hooks.prefetch import Prefetch
-from offload_core.module_hooks.prefetch.hybrid import HybridPrefetch, host_threads
+from offload_core.module_hooks.prefetch.hybrid import HybridPrefetch, check_hybrid_device, host_threads
 from offload_core.planning import device_of
 from offload_core.planning.hybrid import Rates, Split, solve_split
 from offload_core.runner.plan.calibrate import calibrate
@@ -29,11 +28,7 @@ def check_hybrid(settings: Settings, policy_name: str) -> None:
     """``hybrid=true`` needs a GPU run streaming with prefetch; anything else is one line saying what to change."""
     if not settings.hybrid:
         return
-    if not devices.is_accelerator(settings.execution_device):
-        raise ConfigError(
-            f"hybrid=true computes part of the offloaded blocks on the host while the others stream to a GPU; this "
-            f"run computes on {settings.execution_device}: leave hybrid out (or run on a GPU)"
-        )
+    check_hybrid_device(settings.execution_device)
     if policy_name != "prefetch":
         raise ConfigError(
             f"hybrid=true streams the other blocks with hook=prefetch, not hook={policy_name}: add hook=prefetch"
