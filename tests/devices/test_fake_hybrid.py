@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from offload_core import dispatch_model
 from offload_core.module_hooks.prefetch import PrefetchConfig
-from offload_core.module_hooks.prefetch.hybrid import HybridPrefetch
+from offload_core.module_hooks.prefetch.hybrid import HybridPrefetch, host_threads
 from offload_core.planning.hybrid import Rates, solve_split, spread
 
 from tests import ROOT
@@ -80,16 +80,29 @@ def _hybrid(model, tmp_path, host=("model.layers.2",)):
     return model.offload_state.handle
 
 
-def test_decoding_computes_host_units_on_the_host_and_gives_the_in_memory_tokens(tmp_path, fake_gpu):
+@pytest.fixture
+def eight_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_decoding_computes_host_units_on_the_host_and_gives_the_in_memory_tokens(
+    tmp_path, fake_gpu, monkeypatch, eight_threads
+):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))  # four cores: three compute
     fake = fake_gpu(count=1, memory="64MiB")
     ids = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(1))
-    reference = _llama()
+    model = _llama()
+    threads = torch.get_num_threads()
+    handle = _hybrid(model, tmp_path)
+    assert torch.get_num_threads() == host_threads() == 3  # the cores less the one that issues the copies
+    reference = _llama()  # computed with the same threads (their count changes a CPU matmul's sums)
     with torch.no_grad():
         expected = reference.generate(
             ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
-    model = _llama()
-    handle = _hybrid(model, tmp_path)
     seen = []  # where layer 2 computed, and where its KV cache was, each call
     layer = model.model.layers[2]
     attention = layer.self_attn.forward
@@ -119,6 +132,7 @@ def test_decoding_computes_host_units_on_the_host_and_gives_the_in_memory_tokens
     assert model.offload_state.stats.bytes == per_layer * (2 * 8 + 1)
     assert store.pinned
     model.offload_state.remove()
+    assert torch.get_num_threads() == threads == 8
     del out, got  # the logits and KV cache
     assert fake.memory_allocated(0) == 0
 
