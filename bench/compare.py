@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 
 from report import _with, write_reports  # noqa: E402 (a sibling script, found through the path above)
 from systems import SYSTEM_FORM, parse_system  # noqa: E402
-from targets import evaluate_targets  # noqa: E402
+from targets import HYBRID_FIGURES, agreement, evaluate_targets  # noqa: E402
 
 POLICIES = ("align_per_call", "chained", "functional_call", "prefetch")
 STORES = ("memmap", "safetensors")
@@ -206,11 +206,12 @@ def aggregate(
     for system in systems:
         ok = [r for r in runs if r.get("system") == system and "error" not in r]
         row = {"runs": len(ok), "failed": sum(1 for r in runs if r.get("system") == system and "error" in r)}
-        for key in FIGURES:
+        for key in FIGURES + HYBRID_FIGURES:
             row[key] = median([r.get(key) for r in ok])
             values = [r.get(key) for r in ok if isinstance(r.get(key), (int, float))]
             if values and key in ("decode_tokens_per_s", "load_to_first_token_s", "peak_anon_rss_bytes"):
                 row[key + "_min"], row[key + "_max"] = min(values), max(values)
+        row["token_agreement"] = median([agreement(r["token_ids"], reference) for r in ok])
         row["matches_in_memory"] = (
             all(r["token_ids"] == reference for r in ok) if reference is not None and ok else None
         )

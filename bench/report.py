@@ -108,6 +108,25 @@ def write_markdown(data: dict, path: Path) -> None:
                     f"| {_f(r['h2d_token_over_ideal'])} | {_gb(r['peak_gpu_bytes'])} | "
                     f"{_f(r.get('prefetch_wait_s_per_token'), 3)} |"
                 )
+    hybrid = [system for system, r in med.items() if system.endswith(":hybrid") and r["runs"]]
+    if gpu and hybrid:
+        lines += [
+            "",
+            "hybrid=true: decoding steps compute a planned share of the offloaded blocks on the host while the others "
+            "stream; the copy-only bound streams every offloaded byte at the run's pinned H2D bandwidth; token "
+            "agreement is the share of positions equal to the in-memory run's (CPU/GPU rounding may differ).",
+            "",
+            "| system | decode s/token | copy-only bound s/token | token ÷ copy-only bound | host s/token "
+            "| token agreement | peak GPU GB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for system in hybrid:
+            r = med[system]
+            lines.append(
+                f"| {system} | {_f(r['decode_token_mean_s'], 3)} | {_f(r.get('copy_only_s_per_token'), 3)} | "
+                f"{_f(r.get('token_over_copy_only'))} | {_f(r.get('prefetch_host_s_per_token'), 3)} | "
+                f"{_f(r.get('token_agreement') and 100 * r['token_agreement'], 1, '%')} | {_gb(r['peak_gpu_bytes'])} |"
+            )
     lines += ["", "## Targets", "", "| target | system | figure | bound | met |", "|---|---|---|---|---|"]
     for name, per_system in data["targets"].items():
         for system, t in per_system.items():

@@ -33,6 +33,7 @@ def from_pretrained(
     local_files_only: bool = False,
     cache_dir: str | Path | None = None,
     graphs: bool = False,
+    hybrid: bool = False,
 ) -> nn.Module:
     """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
     plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
@@ -79,6 +80,10 @@ def from_pretrained(
     ``graphs=True`` (a CUDA GPU; ``policy="prefetch"`` and ``storage="pinned_cpu"`` where anything is offloaded)
     captures one-token decoding steps with a static KV cache and replays them (:func:`apply_graphs`); the plan holds
     the graph's memory pool back from the execution device's budget (:func:`graph_pool_bytes`).
+
+    ``hybrid=True`` (a GPU run; ``policy`` None or ``prefetch``): decoding steps of one sequence compute a share of the
+    offloaded blocks on the host from their host-resident weights while the others stream in, the split solved from
+    rates measured on the model as it is dispatched (tokens may then differ from the all-GPU run by CPU/GPU rounding).
     """
     from offload_core.loading.hub import resolve_model_path
     from offload_core.loading.pipeline import is_pipeline_folder
@@ -118,7 +123,7 @@ def from_pretrained(
         from offload_core.errors import ConfigError
 
         raise ConfigError(f"plan_call plans a diffusers pipeline's call; {path} is a transformers checkpoint: drop it")
-    policy = policy or ("prefetch" if graphs else "align_per_call")
+    given_policy, policy = policy, policy or ("prefetch" if graphs else "align_per_call")
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.execution_device import default_execution_device
     from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
@@ -137,6 +142,10 @@ def from_pretrained(
         device = check_execution_device(execution_device)
     else:
         device = default_execution_device(device_map if isinstance(device_map, Mapping) else None)
+    if hybrid:
+        from offload_core.module_hooks.prefetch.hybrid import hybrid_policy
+
+        policy = hybrid_policy(given_policy, device)
     max_memory = read_max_memory(max_memory, device)
     headroom = read_headroom(headroom) or 0
     if graphs:

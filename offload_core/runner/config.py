@@ -150,6 +150,10 @@ class RunConfig:
     compare_in_memory: bool = False
     #: print the plan (device map, bytes per device, reservation) and stop before loading anything
     plan_only: bool = False
+    #: on a GPU run with hook=prefetch: decoding steps of one sequence compute a share of the offloaded blocks on the
+    #: host from their host-resident weights while the others stream in, the split solved from measured rates (tokens
+    #: then differ from the all-GPU run by CPU/GPU rounding only; prefill and batches stream every block)
+    hybrid: bool = False
     #: offloaded blocks kept in the page cache across tokens (the rest are streamed and dropped after
     #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
     #: or lru (keep no set: the kernel's page cache decides)

@@ -63,6 +63,8 @@ class Settings:
     page_cache: str = "auto"
     compare_in_memory: bool = False
     plan_only: bool = False
+    #: compute a share of the offloaded blocks on the host in decoding steps (:mod:`offload_core.runner.plan.hybrid`)
+    hybrid: bool = False
     progress: bool = True
     calibrate: bool = False
     #: pick the fastest predicted configuration among those that fit (:mod:`offload_core.runner.plan.auto`)
@@ -173,6 +175,7 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         page_cache=str(cfg.page_cache),
         compare_in_memory=bool(cfg.compare_in_memory),
         plan_only=bool(cfg.plan_only),
+        hybrid=bool(cfg.get("hybrid", False)),
         progress=bool(cfg.progress),
         calibrate=bool(cfg.get("calibrate", False)),
         auto=bool(cfg.get("auto", False)),

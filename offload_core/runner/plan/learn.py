@@ -123,6 +123,7 @@ def config_key(job: Any) -> tuple[str, str]:
         "tokens": tokens,
         "max_new_tokens": settings.sampling.max_new_tokens,
         "speculative": settings.speculative,
+        **({"hybrid": True} if settings.hybrid else {}),  # learned apart (other runs' keys unchanged)
     }
     text = json.dumps(parts, sort_keys=True, default=str)
     label = f"{strategies} max_memory={parts['max_memory']} batch={rows}x{tokens}"

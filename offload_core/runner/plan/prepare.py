@@ -14,6 +14,7 @@ from offload_core.loading.plan import Plan
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
 from offload_core.runner.inputs import prompt_ids
 from offload_core.runner.plan import speculate
+from offload_core.runner.plan.hybrid import check_hybrid, hybrid_strategies
 from offload_core.runner.plan.batches import Batches, plan_batches, read_batches
 from offload_core.runner.plan.model import RunModel, open_model
 from offload_core.runner.plan.plan import make_plan
@@ -77,8 +78,9 @@ def prepare(
         spec = settings.speculative
         speculate.check_batches(spec, batches if settings.prompts_file else None)
         settings, held = speculate.reserve_speculation(settings, spec, run_model, input_ids.shape[1])
+        check_hybrid(settings, strategies.policy_name)
         plan = make_plan(settings, strategies, run_model, checkpoint)
-        strategies = strategies.planned(plan.policy)
+        strategies = hybrid_strategies(settings, strategies.planned(plan.policy), run_model, plan)
         placement = None if settings.device_map_file else strategies.names["placement"]
         speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device, placement)
         job = Prepared(settings, strategies, run_model, checkpoint, batches, input_ids, plan, held)
