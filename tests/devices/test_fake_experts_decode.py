@@ -5,6 +5,8 @@ serves repeats and is sized by the plan from the device budget."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,10 +14,12 @@ from offload_core import init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.devices.fake import tensor as fake_tensor
 from offload_core.module_hooks.experts import Experts, ExpertsConfig
 from offload_core.module_hooks.experts.device import DeviceLayer
-from offload_core.module_hooks.experts.policy import AUTO_SLOTS, DEVICE_SHARE
 from offload_core.planning import compute_module_sizes
+from offload_core.planning.reservation import InFlight
 
 STEPS = 4
+#: the tiny model's inputs, activations, KV cache and logits on the fake GPU, beside its weights (512-byte blocks)
+ACTIVATIONS = 48 * 2**10
 
 
 class Counts:
@@ -173,37 +177,47 @@ def test_a_cache_that_holds_every_expert_copies_nothing_once_warm(saved, tmp_pat
     model.offload_state.remove()
 
 
-def test_the_plan_sizes_the_device_cache_from_the_device_budget(saved, tmp_path, fake_gpu):
+def test_the_device_cache_takes_what_the_budget_leaves_beside_the_placed_weights(saved, tmp_path, fake_gpu):
+    """The plan holds back the buffers and read-ahead slots (:meth:`Experts.reserve`, as the planner asks it for the
+    map); at load, the cache takes the budget that is left beside the weights placed on the GPU."""
     fake = fake_gpu(count=1)
     moe = saved("mixtral")
     ids = moe.inputs["input_ids"][:1].to(fake.device(0))
     want, _ = reference_logits(moe, fake, ids)
     with init_empty_weights():
         model = moe.auto.from_config(moe.config).eval()
-    total = compute_module_sizes(model)[""]
-    budget = total * 3 // 4
+    device_map = experts_on_the_host(model)
+    offloaded = {
+        f"{name}.{local}": f"{name}.{local}"
+        for name, where in device_map.items()
+        if where == "cpu"
+        for local in ("gate_up_proj", "down_proj")
+    }
+    experts = sum(model.get_parameter(name).numel() * 4 for name in offloaded)
+    row = experts // (4 * 3)  # 4 experts in each of 3 layers, float32
+    weights = compute_module_sizes(model)[""] - experts
     policy = Experts(ExpertsConfig())
+    need = InFlight(fake.device(0), 0, 0, store_pinned=True, model=model, device_budget=1, offloaded=offloaded)
+    held = policy.reserve(need)[0]
+    assert held == 2 * row + row * 4  # two read-ahead slots; the buffers: one of each expert tensor's shape
+    budget = weights + held + 3 * row + row // 2  # half an expert for the buffers kept in float32
+    policy.reserve(replace(need, device_budget=budget))
     load_checkpoint_and_dispatch(
         model,
         moe.path,
-        device_map="sequential",
-        max_memory={0: budget, "cpu": total},
+        device_map=device_map,
         storage="pinned_cpu",
         policy=policy,
         execution_device=fake.device(0),
         progress=False,
     )
     handle = model.offload_state.handle
-    row = handle.layers[0].row_bytes
-    layers = len(handle.layers)
-    assert layers and handle.shared.cache.slots == min(AUTO_SLOTS * layers, int(DEVICE_SHARE * budget) // row)
-    assert handle.shared.cache.slots > 0 and handle.shared.ahead == 2
-    assert "expert cache on fakegpu:0" in policy.plan_lines()[0]
+    assert handle.shared.cache.slots == 2  # 3 experts' bytes left, one of them spared
+    assert "expert cache on fakegpu:0: what the device budget has left" in policy.plan_lines()[0]
     fake.reset_peak_memory_stats(0)
     got = decode(model, ids)
     counters = handle.counters()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert len(handle.shared.cache.resident) <= handle.shared.cache.slots
-    assert counters["expert_device_cache_slots"] == handle.shared.cache.slots
-    assert fake.max_memory_allocated(0) <= budget
+    assert len(handle.shared.cache.resident) == 2 and counters["expert_device_cache_slots"] == 2
+    assert fake.max_memory_allocated(0) <= budget + ACTIVATIONS
     model.offload_state.remove()

@@ -30,7 +30,7 @@ from offload_core.module_hooks.experts.loader import (
 from offload_core.module_hooks.experts.device import DEVICE_GUESS_PAYS, DeviceExperts, DeviceLayer
 from offload_core.module_hooks.experts.mapped import MappedLayer, mapped_views
 from offload_core.module_hooks.experts.router import router_guess
-from offload_core.module_hooks.experts.sizes import offloaded_experts, page_cache_note, resident_bytes
+from offload_core.module_hooks.experts.sizes import offloaded_experts, page_cache_note, placed_bytes, resident_bytes
 from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.reader import Reader
@@ -41,7 +41,6 @@ from offload_core.values import format_size
 
 GUESSES = ("router", "previous", "none")
 AUTO_SLOTS = 2  # the most cache slots per layer chosen from the budget
-DEVICE_SHARE = 0.25  # the share of an accelerator's budget the expert cache takes by default
 
 
 @dataclass
@@ -174,6 +173,8 @@ class Experts(Prefetch):
         self.slots = AUTO_SLOTS if config.cache_slots is None else config.cache_slots
         self.device_slots: Optional[int] = None  # experts the device cache holds, over all layers (:meth:`reserve`)
         self.ahead: Optional[int] = None  # read-ahead slots on the device
+        #: (device budget, bytes held back on it, one expert's bytes, MoE layers) from :meth:`reserve`
+        self.device_left: tuple[Optional[int], int, int, int] = (None, 0, 0, 0)
 
     def takes_part_in(self, model: nn.Module) -> bool:
         """Only a model with experts: on another it reads as ``prefetch`` does."""
@@ -252,31 +253,28 @@ class Experts(Prefetch):
     def _reserve_device(
         self, need: InFlight, reserve: dict, fused: tuple[int, int], listed: tuple[int, int], top_k: int
     ) -> dict:
-        """On an accelerator: the fused experts' cache and read-ahead slots on the device (:mod:`.device`), the
-        cache ``cache_slots`` per MoE layer or, by default, a :data:`DEVICE_SHARE` of the device budget (at most
-        :data:`AUTO_SLOTS` per layer); host memory only to stage the rows of a store that is not page-locked."""
+        """On an accelerator: the fused experts' read-ahead slots on the device (:mod:`.device`) and their cache:
+        ``cache_slots`` per MoE layer held back here, or by default no reservation: the cache takes what the device
+        budget has left once the placement has put its weights there (:meth:`_device_experts`), so weights every token
+        reads stay on the device first. Host memory only to stage the rows of a store that is not page-locked."""
         (row, layers), (listed_row, listed_layers) = fused, listed
         gpu = need.execution_device.index or 0
-        if self.config.cache_slots is not None:
-            self.device_slots = self.config.cache_slots * layers
-        elif need.device_budget is not None:
-            self.device_slots = min(AUTO_SLOTS * layers, int(DEVICE_SHARE * need.device_budget) // max(row, 1))
-        else:
-            self.device_slots = 0
         self.ahead = top_k if self.config.guess != "none" else 0
-        device = (self.device_slots + self.ahead) * row + self.slots * listed_row * listed_layers
-        reserve[gpu] = reserve.get(gpu, 0) + device
+        self.device_slots = None if self.config.cache_slots is None else self.config.cache_slots * layers
+        cache = (self.device_slots or 0) * row
+        reserve[gpu] = reserve.get(gpu, 0) + cache + self.ahead * row + self.slots * listed_row * listed_layers
+        self.device_left = (need.device_budget, reserve[gpu], row, layers)
         staging = 0 if need.store_pinned else 2 * top_k * row  # the misses and the guesses being staged
         reserve["cpu"] = reserve.get("cpu", 0) + staging
-        chosen = (
-            f" ({DEVICE_SHARE:.0%} of the device budget)"
-            if self.config.cache_slots is None and need.device_budget is not None
-            else ""
+        held = (
+            f"{self.device_slots} experts over {layers} MoE layers = {format_size(cache)}"
+            if self.device_slots is not None
+            else f"what the device budget has left once the weights are placed (at most {AUTO_SLOTS} per layer"
+            f" of {layers})"
         )
         self.cache_note = (
-            f"expert cache on {need.execution_device}: {self.device_slots} experts over {layers} MoE layers{chosen} "
-            f"of {format_size(row)} = {format_size(self.device_slots * row)}, and {self.ahead} read-ahead slots "
-            f"({format_size(self.ahead * row)}); {format_size(staging)} of host memory to stage rows"
+            f"expert cache on {need.execution_device}: {held}, experts of {format_size(row)}; {self.ahead} read-ahead "
+            f"slots ({format_size(self.ahead * row)}); {format_size(staging)} of host memory to stage rows"
         )
         return reserve
 
@@ -353,8 +351,13 @@ class Experts(Prefetch):
         if plan.execution_device.type == "cpu" or not layers:
             return None
         slots = self.device_slots
-        if slots is None:
-            slots = (self.config.cache_slots or 0) * layers
+        if slots is None and self.config.cache_slots is not None:
+            slots = self.config.cache_slots * layers
+        elif slots is None:  # what the budget has left beside the weights placed there and the units in flight
+            budget, held, row, _ = self.device_left
+            placed = placed_bytes(model, plan.execution_device)
+            free = budget - placed - held - row if budget is not None else 0  # an expert to spare
+            slots = max(0, min(AUTO_SLOTS * layers, free // max(row, 1)))
         ahead = self.ahead
         if ahead is None:
             top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)

@@ -90,3 +90,9 @@ def page_cache_note(need: InFlight, experts: int, top_k: int) -> str:
         f"the model ({format_size(model)}) is larger than the memory available ({format_size(available)}): experts "
         f"reads {top_k} of {experts} experts per layer where a block policy would read them all"
     )
+
+
+def placed_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes of ``model``'s parameters and buffers on ``device`` now (a tied one once): the weights placed there."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device == device}
+    return sum(t.numel() * t.element_size() for t in seen.values())
