@@ -231,3 +231,29 @@ def test_most_experts_routed_read_whole_tensors(fake_gpu, monkeypatch, pinned):
     assert layer.counters.whole_reads == 1
     assert_rows(layer, store, range(4), record)
     layer.release()
+
+
+def test_layers_of_other_shapes_share_the_cache_without_mixing_their_slots(fake_gpu, monkeypatch):
+    from offload_core.module_hooks.experts.device import DeviceLayer
+    from offload_core.module_hooks.experts.loader import expert_slots
+    from offload_core.module_hooks.units import Unit
+    from tests.module_hooks.experts_layer import KEYS, Moe, Queued
+
+    fake = fake_gpu(count=1)
+    device = fake.device(0)
+    store = PinnedStore(fake)
+    (narrow,) = make_device_layers(store, device, cache_slots=1, ahead=0)
+    wide_module = Moe()
+    wide_module.gate_up_proj = torch.nn.Parameter(torch.empty(4, 4, 3, device="meta"), requires_grad=False)
+    wide_store = {"gu": torch.arange(48, dtype=torch.float32).view(4, 4, 3), "dn": store_tensors()["dn"]}
+    unit = Unit("moe", wide_module, expert_slots("moe", wide_module, KEYS))
+    wide = DeviceLayer(unit, wide_store, narrow.shared, narrow.counters, 1.0, Queued(), 1)
+    record = Recorder(fake, store, monkeypatch)
+    for layer, layer_store in [(narrow, store), (wide, wide_store)] * 3:
+        layer.load(*record.call(device, 2))  # each takes the one slot from the other
+        assert_rows(layer, layer_store, [2], record)
+        slot = layer.cache.get((layer.index, 2))
+        assert slot.signature == layer.signature and slot.rows[0].shape == layer_store["gu"].shape[1:]
+        layer.release()
+    assert narrow.cache.evictions >= 4
+    narrow.shared.close()

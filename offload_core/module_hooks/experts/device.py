@@ -38,6 +38,7 @@ class DeviceRows:
     """One expert's rows of each expert tensor of a layer, on the device: a cache slot or a read-ahead slot."""
 
     rows: list[torch.Tensor]
+    signature: tuple = ()  # each row's (shape, dtype): the layers whose experts it can hold
     written: Any = None  # the copy stream's event after it filled the rows (None: filled on the compute stream)
     used: Any = None  # the compute stream's event after its last use of the rows
     future: Future | None = None  # a read-ahead from an unpinned store under way on the reader thread (-> event)
@@ -83,7 +84,8 @@ class DeviceExperts:
 
     def new_rows(self, signature: tuple) -> DeviceRows:
         with torch.inference_mode(False):
-            return DeviceRows([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in signature])
+            rows = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in signature]
+        return DeviceRows(rows, signature)
 
     def take(self, signature: tuple) -> DeviceRows | None:
         """A free read-ahead slot of ``signature`` (made up to ``ahead`` of them), or None."""
@@ -237,11 +239,9 @@ class DeviceLayer(ExpertLayer):
         if self.cache.wants(key):
             evicted = self.cache.spare()
             self.cache.admit(key, rows)
-            if evicted is not None:
-                self.shared.give(self.signature, evicted)
-                return
-            replacement = self.shared.new_rows(self.signature)  # the cache grows: the read-ahead slots stay as many
-            self.shared.give(self.signature, replacement)
+            if evicted is None or evicted.signature != self.signature:  # the cache grew, or freed another shape's
+                evicted = self.shared.new_rows(self.signature)  # the read-ahead slots stay as many
+            self.shared.give(self.signature, evicted)
             return
         self.shared.give(self.signature, rows)
 
@@ -250,7 +250,9 @@ class DeviceLayer(ExpertLayer):
         key = (self.index, expert)
         if not self.cache.wants(key):
             return None
-        rows = self.cache.spare() or self.shared.new_rows(self.signature)
+        rows = self.cache.spare()
+        if rows is None or rows.signature != self.signature:  # none to reuse, or one of another layer's shapes
+            rows = self.shared.new_rows(self.signature)
         self.accelerator.wait_event(stream, rows.written)
         self.cache.admit(key, rows)
         return rows
