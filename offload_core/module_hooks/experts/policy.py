@@ -30,7 +30,13 @@ from offload_core.module_hooks.experts.loader import (
 from offload_core.module_hooks.experts.device import DEVICE_GUESS_PAYS, DeviceExperts, DeviceLayer
 from offload_core.module_hooks.experts.mapped import MappedLayer, mapped_views
 from offload_core.module_hooks.experts.router import router_guess
-from offload_core.module_hooks.experts.sizes import offloaded_experts, page_cache_note, placed_bytes, resident_bytes
+from offload_core.module_hooks.experts.sizes import (
+    every_expert,
+    offloaded_experts,
+    page_cache_note,
+    placed_bytes,
+    resident_bytes,
+)
 from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.reader import Reader
@@ -263,6 +269,8 @@ class Experts(Prefetch):
         self.device_slots = None if self.config.cache_slots is None else self.config.cache_slots * layers
         cache = (self.device_slots or 0) * row
         reserve[gpu] = reserve.get(gpu, 0) + cache + self.ahead * row + self.slots * listed_row * listed_layers
+        if need.offloaded is None:  # a bound for any map: the buffers of every expert tensor's shape
+            reserve[gpu] += every_expert(need.model, need.dtype).buffers
         self.device_left = (need.device_budget, reserve[gpu], row, layers)
         staging = 0 if need.store_pinned else 2 * top_k * row  # the misses and the guesses being staged
         reserve["cpu"] = reserve.get("cpu", 0) + staging

@@ -96,3 +96,8 @@ def placed_bytes(model: nn.Module, device: torch.device) -> int:
     """Bytes of ``model``'s parameters and buffers on ``device`` now (a tied one once): the weights placed there."""
     seen = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device == device}
     return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def every_expert(model: nn.Module, dtype: torch.dtype | None) -> OffloadedExperts:
+    """:class:`OffloadedExperts` of ``model`` were every tensor offloaded: all its experts."""
+    return offloaded_experts(model, {name: name for name in model.state_dict(keep_vars=True)}, dtype)
