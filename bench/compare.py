@@ -64,6 +64,7 @@ FIGURES = [
     "peak_file_rss_bytes",
     "anon_rss_after_load_bytes",
     "bytes_read_per_token",
+    "bytes_moved_per_decode_token",
     "read_bandwidth_bytes_per_s",
     "disk_read_bytes_per_token",
     "disk_read_bytes_per_decode_token",

@@ -58,6 +58,8 @@ def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = F
             continue
         if gpu:
             put("GPU: decode >= 1.8 x accelerate", system, row["decode_vs_accelerate"], 1.8, ">=")
+            if system.split(":")[1].split("+")[0] == "experts":
+                _experts_on_gpu(put, medians, system, row)
             continue
         put("peak anon RSS - baseline <= budget", system, row["peak_anon_rss_bytes"], budget_bytes, "<=")
         if cold:
@@ -75,3 +77,13 @@ def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = F
                 "load to first token <= 0.25 x accelerate", system, row["load_to_first_token_vs_accelerate"], 0.25, "<="
             )
     return targets
+
+
+def _experts_on_gpu(put, medians: dict, system: str, row: dict) -> None:
+    """The MoE targets on a GPU: ``experts`` within 2.5x its own transfer bound (the bytes it moves a token, routed
+    experts and guesses, at the pinned H2D bandwidth), and 1.3x block prefetch on the same store where it ran."""
+    put("GPU MoE: experts per-token time <= 2.5 x its transfer bound", system, row["h2d_token_over_ideal"], 2.5, "<=")
+    prefetch = medians.get(f"ours:prefetch:{system.split(':')[2]}")
+    if prefetch and prefetch.get("decode_tokens_per_s") and row.get("decode_tokens_per_s"):
+        ratio = row["decode_tokens_per_s"] / prefetch["decode_tokens_per_s"]
+        put("GPU MoE: experts decode >= 1.3 x block prefetch (same store)", system, ratio, 1.3, ">=")

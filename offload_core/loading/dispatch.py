@@ -225,14 +225,19 @@ def load_checkpoint_and_dispatch(
     if isinstance(device_map, str) and reserve is None:  # the placement holds back what the policy keeps in flight
         from offload_core.loading.reserve import reserve_for
 
+        from offload_core.planning import get_max_memory
+
+        running = resolve_execution_device(execution_device, None)
+        budgets = get_max_memory(max_memory, check_devices=False) if max_memory is not None else {}
         reserve = reserve_for(
             model,
             ckpt,
             policy,
             storage,
-            resolve_execution_device(execution_device, None),
+            running,
             [*no_split, *(preload_module_classes or [])],
             dtype,
+            device_budget=budgets.get(running.index or 0) if running.type != "cpu" else None,
         )
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     execution_device = resolve_execution_device(execution_device, device_map)

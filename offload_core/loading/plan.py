@@ -108,7 +108,10 @@ def make_plan(
     budgets = dict(budgets)
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
-    reserve_of = Reserver.of(model, checkpoint, storage, execution_device, no_split, dtype, budgets.get("cpu"))
+    device_budget = budgets.get(execution_device.index or 0) if execution_device.type != "cpu" else None
+    reserve_of = Reserver.of(
+        model, checkpoint, storage, execution_device, no_split, dtype, budgets.get("cpu"), device_budget
+    )
 
     def offloaded(device_map: Mapping[str, int | str]) -> dict[str, str]:
         return route_tensors(model, device_map, execution_device, policy.offload_buffers).offloaded

@@ -27,6 +27,7 @@ def reservation(
     no_split: list[str] | None = None,
     offloaded: Mapping[str, str] | None = None,
     copied: frozenset[str] | None = None,
+    device_budget: int | None = None,
 ) -> dict[Any, int]:
     """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
     given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
@@ -47,6 +48,7 @@ def reservation(
         no_split_module_classes=tuple(no_split or ()),
         offloaded=offloaded,
         copied=copied,
+        device_budget=device_budget,
     )
     return dict(policy.reserve(need))
 
@@ -60,9 +62,10 @@ def reserve_for(
     no_split: list[str],
     dtype: torch.dtype,
     cpu_budget: int | None = None,
+    device_budget: int | None = None,
 ) -> dict[Any, int]:
     """:func:`reservation` for ``model`` loaded from ``checkpoint`` in ``dtype`` (:class:`Reserver`)."""
-    return Reserver.of(model, checkpoint, storage, execution_device, no_split, dtype, cpu_budget)(policy)
+    return Reserver.of(model, checkpoint, storage, execution_device, no_split, dtype, cpu_budget, device_budget)(policy)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class Reserver:
     copies: int
     copied: frozenset[str] = frozenset()
     spliced: Mapping[str, int] | None = None
+    device_budget: int | None = None
 
     @classmethod
     def of(
@@ -98,6 +102,7 @@ class Reserver:
         no_split: list[str],
         dtype: torch.dtype | None,
         cpu_budget: int | None = None,
+        device_budget: int | None = None,
     ) -> Reserver:
         from offload_core.loading.conversion import key_conversion
         from offload_core.planning import largest_block_size
@@ -126,6 +131,7 @@ class Reserver:
             copies=sum(spliced.values()),
             copied=copied_names(model, checkpoint, execution_device, dtype) if stored_differs else frozenset(),
             spliced=spliced,
+            device_budget=device_budget,
         )
 
     def __call__(self, policy: Policy, offloaded: Mapping[str, str] | None = None) -> dict[Any, int]:
@@ -152,6 +158,7 @@ class Reserver:
             self.no_split,
             offloaded,
             copied,
+            self.device_budget,
         )
         if copies:
             reserve["cpu"] = reserve.get("cpu", 0) + copies

@@ -25,6 +25,7 @@ class InFlight:
     model: Any = None  # the model being planned (on the meta device), for policies that size by its modules
     dtype: Any = None  # the run's dtype (None: each tensor's own)
     cpu_budget: int | None = None  # the cpu budget the placement fills (None: not known)
+    device_budget: int | None = None  # the execution device's budget, on an accelerator (None: not known)
     no_split_module_classes: tuple[str, ...] = ()  # the model's blocks, for policies that size by its units
     store_maps: bool = (
         False  # the store hands out views (mapped files, its own memory): a CPU run computes on them in place

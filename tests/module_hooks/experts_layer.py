@@ -115,3 +115,38 @@ def fill(layer: ExpertLayer, value: float) -> dict[str, torch.Tensor]:
     for buffer in buffers.values():
         buffer.fill_(value)
     return buffers
+
+
+class PinnedStore(dict):
+    """:func:`store_tensors` in page-locked memory of ``accelerator`` (one arena), as the pinned_cpu store has them."""
+
+    pinned = True
+
+    def __init__(self, accelerator) -> None:
+        tensors = store_tensors()
+        arena = accelerator.pinned_arena(sum(t.numel() * t.element_size() for t in tensors.values()))
+        at = 0
+        for key, tensor in tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            held = arena[at : at + nbytes].view(tensor.dtype).view(tensor.shape)
+            held.copy_(tensor)
+            self[key] = held
+            at += nbytes
+        self.arena = arena
+
+
+def make_device_layers(store, device, count: int = 1, cache_slots: int = 0, ahead: int = 2, router=None):
+    """``count`` :class:`DeviceLayer` over ``store`` on ``device`` sharing one :class:`DeviceExperts`, each the next
+    of the one before (``router``: every layer's guess of the next)."""
+    from offload_core.module_hooks.experts.device import DeviceExperts, DeviceLayer
+
+    shared = DeviceExperts(torch.device(device), cache_slots, ahead)
+    counters = ExpertCounters(stats=TransferStats())
+    layers = []
+    for index in range(count):
+        module = Moe()
+        unit = Unit("moe", module, expert_slots("moe", module, KEYS))
+        layers.append(DeviceLayer(unit, store, shared, counters, 1.0, Queued(), index))
+    for layer, following in zip(layers, layers[1:]):
+        layer.next, layer.router = following, router
+    return layers

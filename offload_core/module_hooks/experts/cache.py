@@ -20,6 +20,7 @@ class ExpertCache:
         self.frequency: dict[int, int] = {}
         self.last_use: dict[int, int] = {}
         self.clock = 0
+        self.evictions = 0  # experts evicted for another
 
     def request(self, experts: list[int]) -> None:
         """Count one call that routed to ``experts``."""
@@ -48,6 +49,7 @@ class ExpertCache:
         about to be admitted is read into that memory instead of a new allocation; None otherwise."""
         if self.slots == 0 or len(self.resident) < self.slots:
             return None
+        self.evictions += 1
         return self.resident.pop(min(self.resident, key=self._rank))
 
     def admit(self, expert: int, rows: dict[str, Any]) -> bool:
@@ -56,5 +58,6 @@ class ExpertCache:
             return False
         if len(self.resident) >= self.slots:
             del self.resident[min(self.resident, key=self._rank)]
+            self.evictions += 1
         self.resident[expert] = rows
         return True

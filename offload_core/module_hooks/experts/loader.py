@@ -65,14 +65,17 @@ class ExpertCounters:
     routed: int = 0  # experts selected, over every call that had a guess
     decode_bytes: int = 0
     decode_tokens: int = 0
+    transfers: int = 0  # copies from host memory to an accelerator issued for experts
+    decode_transfers: int = 0
     guessing: bool = True  # guesses are read ahead (False while they do not pay: computed and scored only)
     guess_pauses: int = 0  # times guessing stopped for want of hits
+    pays: float = GUESS_PAYS  # the share of routed experts guesses must hit to be read ahead
     window: deque = field(default_factory=lambda: deque(maxlen=GUESS_WINDOW), repr=False)  # (right, routed) per call
     stats: TransferStats | None = None  # the run's transfer counters, which count expert reads too
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def score(self, right: int, routed: int) -> None:
-        """Count one call's guess; guessing stops while fewer than :data:`GUESS_PAYS` of the routed experts of the
+        """Count one call's guess; guessing stops while fewer than :attr:`pays` of the routed experts of the
         last calls were guessed (a wrong guess reads bytes no one uses), and starts again when as many are."""
         with self.lock:
             self.guessed_right += right
@@ -80,7 +83,7 @@ class ExpertCounters:
             self.window.append((right, routed))
             if len(self.window) < GUESS_JUDGED:
                 return
-            pays = sum(r for r, _ in self.window) >= GUESS_PAYS * sum(n for _, n in self.window)
+            pays = sum(r for r, _ in self.window) >= self.pays * sum(n for _, n in self.window)
             if self.guessing and not pays:
                 self.guess_pauses += 1
             self.guessing = pays

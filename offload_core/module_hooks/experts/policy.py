@@ -4,7 +4,7 @@ alone are read, cached and guessed ahead (a list of expert modules: each expert 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -27,7 +27,16 @@ from offload_core.module_hooks.experts.loader import (
     is_fused_experts,
     most_experts,
 )
+from offload_core.module_hooks.experts.device import DEVICE_GUESS_PAYS, DeviceExperts, DeviceLayer
 from offload_core.module_hooks.experts.mapped import MappedLayer, mapped_views
+from offload_core.module_hooks.experts.router import router_guess
+from offload_core.module_hooks.experts.sizes import (
+    every_expert,
+    offloaded_experts,
+    page_cache_note,
+    placed_bytes,
+    resident_bytes,
+)
 from offload_core.module_hooks.experts.rows import RowsLayer
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.reader import Reader
@@ -63,6 +72,7 @@ class ExpertsHandle(PrefetchHandle):
         counters: ExpertCounters,
         reader: Reader,
         cache_slots: int,
+        shared: DeviceExperts | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -70,6 +80,7 @@ class ExpertsHandle(PrefetchHandle):
         self.expert_counters = counters
         self.reader = reader
         self.cache_slots = cache_slots
+        self.shared = shared
 
     def counters(self) -> dict[str, int | float]:
         """Prefetch's block counters, and for the experts: cache ``expert_hits``, guesses read ahead and
@@ -87,12 +98,17 @@ class ExpertsHandle(PrefetchHandle):
                 "expert_whole_reads": c.whole_reads,
                 "expert_bytes": c.bytes,
                 "expert_bytes_per_token": c.decode_bytes / c.decode_tokens if c.decode_tokens else 0.0,
+                "expert_transfers": c.transfers,
+                "expert_transfers_per_token": c.decode_transfers / c.decode_tokens if c.decode_tokens else 0.0,
                 "expert_hit_rate": c.hits / served if served else 0.0,
                 "expert_guess_accuracy": c.guessed_right / c.routed if c.routed else 0.0,
                 "expert_guessing": int(c.guessing),
                 "expert_guess_pauses": c.guess_pauses,
             }
         )
+        if self.shared is not None:  # the device cache, over all layers
+            counters["expert_device_cache_slots"] = self.shared.cache_slots
+            counters["expert_device_evictions"] = self.shared.cache.evictions
         return counters
 
     def _stop_reading(self) -> None:
@@ -100,6 +116,8 @@ class ExpertsHandle(PrefetchHandle):
         self.reader.stop()
         for layer in self.layers:
             layer.drop_guesses([])
+        if self.shared is not None:
+            self.shared.close()
 
     def offload_all(self) -> None:
         self._stop_reading()
@@ -118,18 +136,21 @@ class TokenCounter(ModuleHook):
     def __init__(self, counters: ExpertCounters) -> None:
         self.counters = counters
         self.start = 0
+        self.start_transfers = 0
         self.decode = 0
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ids = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
         self.decode = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1 else 0
         self.start = self.counters.bytes
+        self.start_transfers = self.counters.transfers
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.decode:
             self.counters.decode_tokens += self.decode
             self.counters.decode_bytes += self.counters.bytes - self.start
+            self.counters.decode_transfers += self.counters.transfers - self.start_transfers
         return output
 
 
@@ -156,6 +177,10 @@ class Experts(Prefetch):
             )
         self.cache_note = ""
         self.slots = AUTO_SLOTS if config.cache_slots is None else config.cache_slots
+        self.device_slots: Optional[int] = None  # experts the device cache holds, over all layers (:meth:`reserve`)
+        self.ahead: Optional[int] = None  # read-ahead slots on the device
+        #: (device budget, bytes held back on it, one expert's bytes, MoE layers) from :meth:`reserve`
+        self.device_left: tuple[Optional[int], int, int, int] = (None, 0, 0, 0)
 
     def takes_part_in(self, model: nn.Module) -> bool:
         """Only a model with experts: on another it reads as ``prefetch`` does."""
@@ -204,13 +229,15 @@ class Experts(Prefetch):
             self.cache_note = (
                 f"experts: computed on the store's views ({layers} MoE layers, {format_size(row)} experts): "
                 f"only routed rows are read or mapped, nothing is held from the cpu budget; "
-                + _page_cache_note(need, experts, top_k)
+                + page_cache_note(need, experts, top_k)
             )
             return reserve
+        if need.execution_device.type != "cpu" and fused_layers:
+            return self._reserve_device(need, reserve, (fused_row, fused_layers), (listed_row, listed_layers), top_k)
         if self.config.cache_slots is None and need.cpu_budget is not None and row * layers:
             left = need.cpu_budget - reserve.get("cpu", 0) - in_flight  # after the blocks and the rows in flight
             if need.offloaded is not None and need.execution_device.type == "cpu":
-                left -= _resident_bytes(need.model, need.offloaded, need.dtype)  # a kept expert beats a cached one
+                left -= resident_bytes(need.model, need.offloaded, need.dtype)  # a kept expert beats a cached one
             self.slots = max(0, min(AUTO_SLOTS, left // (row * layers)))
         cache = self.slots * row * layers
         reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
@@ -226,6 +253,36 @@ class Experts(Prefetch):
             )
             if layers
             else ""
+        )
+        return reserve
+
+    def _reserve_device(
+        self, need: InFlight, reserve: dict, fused: tuple[int, int], listed: tuple[int, int], top_k: int
+    ) -> dict:
+        """On an accelerator: the fused experts' read-ahead slots on the device (:mod:`.device`) and their cache:
+        ``cache_slots`` per MoE layer held back here, or by default no reservation: the cache takes what the device
+        budget has left once the placement has put its weights there (:meth:`_device_experts`), so weights every token
+        reads stay on the device first. Host memory only to stage the rows of a store that is not page-locked."""
+        (row, layers), (listed_row, listed_layers) = fused, listed
+        gpu = need.execution_device.index or 0
+        self.ahead = top_k if self.config.guess != "none" else 0
+        self.device_slots = None if self.config.cache_slots is None else self.config.cache_slots * layers
+        cache = (self.device_slots or 0) * row
+        reserve[gpu] = reserve.get(gpu, 0) + cache + self.ahead * row + self.slots * listed_row * listed_layers
+        if need.offloaded is None:  # a bound for any map: the buffers of every expert tensor's shape
+            reserve[gpu] += every_expert(need.model, need.dtype).buffers
+        self.device_left = (need.device_budget, reserve[gpu], row, layers)
+        staging = 0 if need.store_pinned else 2 * top_k * row  # the misses and the guesses being staged
+        reserve["cpu"] = reserve.get("cpu", 0) + staging
+        held = (
+            f"{self.device_slots} experts over {layers} MoE layers = {format_size(cache)}"
+            if self.device_slots is not None
+            else f"what the device budget has left once the weights are placed (at most {AUTO_SLOTS} per layer"
+            f" of {layers})"
+        )
+        self.cache_note = (
+            f"expert cache on {need.execution_device}: {held}, experts of {format_size(row)}; {self.ahead} read-ahead "
+            f"slots ({format_size(self.ahead * row)}); {format_size(staging)} of host memory to stage rows"
         )
         return reserve
 
@@ -251,10 +308,16 @@ class Experts(Prefetch):
         # On a CPU run each layer computes on the store's mapped views where it hands them out (no copy), else
         # reads into rows of its own (a cached expert stays in place); on an accelerator the layers share one
         # buffer per shape, filled from host-memory rows.
-        layers = []
-        for unit in expert_units:
-            views = mapped_views(plan.store, unit.keys) if plan.execution_device.type == "cpu" else None
-            kind = ExpertLayer if plan.execution_device.type != "cpu" else RowsLayer if views is None else MappedLayer
+        shared = self._device_experts(model, plan, len(expert_units))
+        if shared is not None:
+            counters.pays = DEVICE_GUESS_PAYS
+        layers: list[ExpertLayer] = []
+        for index, unit in enumerate(expert_units):
+            if shared is not None:
+                layers.append(DeviceLayer(unit, plan.store, shared, counters, config.whole_fraction, reader, index))
+                continue
+            views = mapped_views(plan.store, unit.keys)
+            kind = RowsLayer if views is None else MappedLayer
             extra = {"views": views} if views is not None else {}
             layers.append(
                 kind(
@@ -287,105 +350,24 @@ class Experts(Prefetch):
             counters=counters,
             reader=reader,
             cache_slots=self.slots,
+            shared=shared,
         )
 
-
-def _resident_bytes(model: nn.Module, offloaded: Any, dtype: torch.dtype | None) -> int:
-    """Bytes of ``model``'s parameters and persistent buffers that are not ``offloaded`` (each tensor once)."""
-    from offload_core.planning.sizing import tensor_bytes
-
-    seen: dict[int, torch.Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name not in offloaded:
-            seen.setdefault(id(tensor), tensor)
-    return sum(tensor_bytes(tensor, dtype) for tensor in seen.values())
-
-
-@dataclass(frozen=True)
-class OffloadedExperts:
-    """The experts a device map offloads: of fused experts modules (``fused``: the bytes of one expert of the largest,
-    and how many modules), of lists of expert modules (``listed``: the same), the most experts one module holds and
-    the names of their offloaded tensors (which prefetch's blocks leave to them)."""
-
-    fused: tuple[int, int]
-    listed: tuple[int, int]
-    experts: int
-    names: frozenset[str]
-    #: the fused modules' whole-tensor buffers on an accelerator, one per shape and dtype (:class:`Buffers`)
-    buffers: int = 0
-
-
-def offloaded_experts(model: nn.Module, offloaded: Any, dtype: torch.dtype | None) -> OffloadedExperts:
-    """:class:`OffloadedExperts` of ``model`` with the ``offloaded`` tensors (name -> store key), as
-    :meth:`Experts.attach` finds them: a fused module's offloaded expert-indexed parameters, a listed expert's
-    offloaded subtree."""
-    from offload_core.planning.sizing import tensor_bytes
-
-    names: set[str] = set()
-    shapes: dict[tuple, torch.Tensor] = {}
-    fused_row, fused_layers, experts = 0, 0, 0
-    for name, module in model.named_modules():
-        if is_fused_experts(module) and (slots := expert_slots(name, module, offloaded)):
-            fused_layers += 1
-            experts = max(experts, module.num_experts)
-            fused_row = max(fused_row, sum(tensor_bytes(slot.original[0], dtype) for slot in slots))
-            names.update(slot.full for slot in slots)
-            shapes.update({(tuple(slot.original.shape), slot.original.dtype): slot.original for slot in slots})
-    listed_row, listed_layers = 0, 0
-    for units, _ in listed_expert_units(model, offloaded):
-        listed_layers += 1
-        for unit in units:
-            listed_row = max(
-                listed_row, sum(tensor_bytes(t, dtype) for t in {s.key: s.original for s in unit.slots}.values())
-            )
-            names.update(slot.full for slot in unit.slots)
-    buffers = sum(tensor_bytes(tensor, dtype) for tensor in shapes.values())
-    return OffloadedExperts((fused_row, fused_layers), (listed_row, listed_layers), experts, frozenset(names), buffers)
-
-
-def _page_cache_note(need: InFlight, experts: int, top_k: int) -> str:
-    """What experts gains on this CPU run: with the whole model in the page cache, once warm every policy computes on
-    the same cached pages and experts gains little (measured side by side: bench/results/compare-moe-mixtral-2.6g.md);
-    otherwise, and cold, it reads top_k of every layer's experts where a block policy reads them all."""
-    import psutil
-
-    model = sum(
-        p.numel() * (need.dtype.itemsize if need.dtype is not None and p.is_floating_point() else p.element_size())
-        for p in need.model.parameters()
-    )
-    available = psutil.virtual_memory().available
-    if model <= available:
-        return (
-            f"the whole model ({format_size(model)}) fits in the page cache ({format_size(available)} available): "
-            f"once warm every policy computes on the same cached pages (chained and functional_call as fast as "
-            f"experts, prefetch slower, measured); experts reads less while pages are not cached ({top_k} of "
-            f"{experts} experts per layer)"
-        )
-    return (
-        f"the model ({format_size(model)}) is larger than the memory available ({format_size(available)}): experts "
-        f"reads {top_k} of {experts} experts per layer where a block policy would read them all"
-    )
-
-
-def router_guess(model: nn.Module, experts_name: str, plan: PolicyContext) -> Optional[Callable[[torch.Tensor], Any]]:
-    """The router beside ``experts_name`` (its MoE block's ``gate``: weight ``[E, hidden]``, ``top_k``) as a
-    guess of that block's experts from a hidden state; None where the block has no such router."""
-    parent_name, _, _ = experts_name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    gate = getattr(parent, "gate", None)
-    experts = model.get_submodule(experts_name)
-    top_k = getattr(gate, "top_k", getattr(parent, "top_k", None))
-    weight = getattr(gate, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != experts.num_experts or not top_k:
-        return None
-    weight_name = f"{parent_name}.gate.weight" if parent_name else "gate.weight"
-    key = plan.offloaded.get(weight_name)
-
-    def guess(hidden: torch.Tensor) -> Any:
-        if hidden.dim() != 2 or hidden.shape[0] * top_k > experts.num_experts:
-            return None  # many tokens route to most experts: nothing worth guessing
-        w = plan.store[key] if key is not None else gate.weight
-        logits = torch.nn.functional.linear(hidden.to(device=w.device, dtype=w.dtype), w)
-        return torch.unique(torch.topk(logits, top_k, dim=-1).indices).tolist()
-
-    return guess
+    def _device_experts(self, model: nn.Module, plan: PolicyContext, layers: int) -> DeviceExperts | None:
+        """On an accelerator, what the fused MoE layers share (:class:`DeviceExperts`), sized as :meth:`reserve` held
+        back (without a reservation: ``cache_slots`` per layer, no cache by default); None on a CPU run."""
+        if plan.execution_device.type == "cpu" or not layers:
+            return None
+        slots = self.device_slots
+        if slots is None and self.config.cache_slots is not None:
+            slots = self.config.cache_slots * layers
+        elif slots is None:  # what the budget has left beside the weights placed there and the units in flight
+            budget, held, row, _ = self.device_left
+            placed = placed_bytes(model, plan.execution_device)
+            free = budget - placed - held - row if budget is not None else 0  # an expert to spare
+            slots = max(0, min(AUTO_SLOTS * layers, free // max(row, 1)))
+        ahead = self.ahead
+        if ahead is None:
+            top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+            ahead = (top_k if isinstance(top_k, int) else AUTO_SLOTS) if self.config.guess != "none" else 0
+        return DeviceExperts(plan.execution_device, slots, ahead)
