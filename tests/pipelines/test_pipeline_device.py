@@ -31,6 +31,25 @@ def test_fake_gpu_pipeline_matches_in_memory_within_budget(fake_gpu, pipeline_di
         state.remove()
 
 
+def test_fake_gpu_plan_keeps_the_denoiser_before_what_runs_once_per_image(fake_gpu, pipeline_dir, reference):
+    """The denoiser runs once per denoising step, the text encoder and the VAE once per image: each byte of the
+    denoiser the GPU keeps saves a move per step, so none of theirs is kept while some of the denoiser is not."""
+    fake_gpu(memory="64MiB")
+    pipeline = offload_core.from_pretrained(
+        pipeline_dir, max_memory=600 * 1024, storage="pinned_cpu", policy="chained", execution_device="fakegpu:0"
+    )
+    state = pipeline.offload_state
+    try:
+        placed: dict[str, set[str]] = {}
+        for key, device in pipeline.hf_device_map.items():
+            placed.setdefault(key.split(".")[0], set()).add(str(device))
+        assert placed["unet"] == {"0", "cpu"}, placed  # the budget keeps part of the denoiser
+        assert placed["text_encoder"] == placed["vae"] == {"cpu"}, placed
+        assert torch.equal(images(pipeline).elem, reference)
+    finally:
+        state.remove()
+
+
 def save_pipeline(folder, width: int) -> int:
     """A seeded Stable-Diffusion-shaped pipeline whose UNet has channels (width, 2 width) saved to ``folder``; its
     bytes."""
