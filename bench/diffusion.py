@@ -13,7 +13,7 @@ Ours is ``ours_<policy>[:<store>]`` (default store safetensors). Cold: the pipel
 folder are dropped from the page cache before the timed image and after each of its steps, and ours runs with
 ``page_cache=0`` (a streamed block's pages are dropped once it has run).
 
-``--device cuda`` runs bench/diffusion_device.py instead: a 2.5 GB bfloat16 pipeline on GPU 0, ours against diffusers'
+``--device cuda`` runs bench/diffusion_device.py instead: a 3.0 GB bfloat16 pipeline on GPU 0, ours against diffusers'
 model, sequential and group offloading (block and leaf level, with streams) at the same GPU memory, writing
 diffusion-cuda-<gpu>.{json,md}; ``--device cpu`` and ``--device fake`` check that harness without a GPU.
 """
@@ -234,7 +234,7 @@ def main() -> None:
     if args.device:
         import diffusion_device
 
-        defaults = (768, 20, 128) if args.device == "cuda" else (64, 2, 32)
+        defaults = (768, 16, 128) if args.device == "cuda" else (64, 2, 32)
         args.width, args.steps, args.size = (v or d for v, d in zip((args.width, args.steps, args.size), defaults))
         if args.worker:
             budget = int(args.budget or 0)
