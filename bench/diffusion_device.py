@@ -109,6 +109,8 @@ def worker(system: str, folder: str, device: str, budget: int, steps: int, size:
             _diffusers(pipe, system, target)
     _sync(device)
     row["load_s"] = time.perf_counter() - started
+    if device == "cuda":
+        row["gpu_after_load_bytes"] = torch.cuda.memory_allocated(0)
     pipe.set_progress_bar_config(disable=True)
     call = dict(prompt=PROMPT, num_inference_steps=steps, height=size, width=size, output_type="pt")
 
