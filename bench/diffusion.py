@@ -7,10 +7,15 @@ the image equals the in-memory one. Figures go to bench/results/diffusion-<size>
     python bench/diffusion.py --width 192            # about 0.4 GB float32 (the loaded-machine default)
     flock /tmp/bench.lock python bench/diffusion.py --width 448   # about 2 GB
     python bench/diffusion.py --width 448 --cache cold   # every step reads what is offloaded from the disk
+    python bench/diffusion.py --device cuda --out bench/results   # on a GPU: against diffusers' offload modes
 
 Ours is ``ours_<policy>[:<store>]`` (default store safetensors). Cold: the pipeline's files and every offload
 folder are dropped from the page cache before the timed image and after each of its steps, and ours runs with
 ``page_cache=0`` (a streamed block's pages are dropped once it has run).
+
+``--device cuda`` runs bench/diffusion_device.py instead: a 3.0 GB bfloat16 pipeline on GPU 0, ours against diffusers'
+model, sequential and group offloading (block and leaf level, with streams) at the same GPU memory, writing
+diffusion-cuda-<gpu>.{json,md}; ``--device cpu`` and ``--device fake`` check that harness without a GPU.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ CONFIGS = [
 ]
 
 
-def build(folder: Path, width: int) -> int:
-    """Save a seeded pipeline whose UNet has channels (width, 2 width, 2 width) to ``folder``; its bytes."""
+def build(folder: Path, width: int, dtype=None) -> int:
+    """Save a seeded pipeline whose UNet has channels (width, 2 width, 2 width) to ``folder`` (its components in
+    ``dtype``, default float32); its bytes."""
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -47,6 +53,8 @@ def build(folder: Path, width: int) -> int:
     if (folder / "model_index.json").is_file():
         return sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
     torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)  # built in its dtype: half the memory and time in bfloat16
     unet = UNet2DConditionModel(
         block_out_channels=(width, 2 * width, 2 * width),
         layers_per_block=2,
@@ -78,6 +86,7 @@ def build(folder: Path, width: int) -> int:
             pad_token_id=1,
         )
     )
+    torch.set_default_dtype(previous)
     pipe = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text,
@@ -88,6 +97,8 @@ def build(folder: Path, width: int) -> int:
         feature_extractor=None,
         requires_safety_checker=False,
     )
+    if dtype is not None:
+        pipe.to(dtype)
     pipe.save_pretrained(folder)
     import shutil
 
@@ -198,18 +209,43 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--width", type=int, default=192, help="UNet's first channel count (448: about 2 GB)")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--size", type=int, default=64, help="image size in pixels")
+    parser.add_argument("--width", type=int, default=None, help="UNet's first channel count (448: about 2 GB)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--size", type=int, default=None, help="image size in pixels")
     parser.add_argument("--folder", type=Path, default=None, help="where the pipeline is saved (kept for reruns)")
     parser.add_argument("--configs", nargs="*", default=CONFIGS)
     parser.add_argument("--cache", choices=["warm", "cold"], default="warm")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu", "fake"],
+        default=None,
+        help="ours against diffusers' offloading on an accelerator at the same GPU memory (bench/diffusion_device.py;"
+        " cpu or fake check that harness without a GPU)",
+    )
+    parser.add_argument("--systems", nargs="*", default=None, help="--device: the systems to run")
+    parser.add_argument("--budget", default=None, help="--device: ours' max_memory.0 (default: diffusers' peak)")
+    parser.add_argument("--reps", type=int, default=1, help="--device: rounds over the systems")
+    parser.add_argument("--images", type=int, default=3, help="--device: timed images per run (after a warm-up)")
+    parser.add_argument("--timeout", type=float, default=300, help="--device: seconds a run may take")
+    parser.add_argument("--out", type=Path, default=None, help="where the report goes (default bench/results)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device:
+        import diffusion_device
+
+        defaults = (768, 16, 128) if args.device == "cuda" else (64, 2, 32)
+        args.width, args.steps, args.size = (v or d for v, d in zip((args.width, args.steps, args.size), defaults))
+        if args.worker:
+            budget = int(args.budget or 0)
+            return diffusion_device.worker(
+                args.worker, str(args.folder), args.device, budget, args.steps, args.size, args.images, args.scratch
+            )
+        return diffusion_device.main(args, build)
+    args.width, args.steps, args.size = args.width or 192, args.steps or 4, args.size or 64
     if args.worker:
-        return worker(args.worker, str(args.folder), args.budget, args.steps, args.size, args.out, args.cache == "cold")
+        budget = int(args.budget or 0)
+        return worker(args.worker, str(args.folder), budget, args.steps, args.size, args.scratch, args.cache == "cold")
     folder = args.folder or Path(tempfile.gettempdir()) / f"offload-bench-diffusion-{args.width}"
     total = build(folder, args.width)
     budget = total // 3
@@ -229,7 +265,7 @@ def main() -> None:
                 str(args.steps),
                 "--size",
                 str(args.size),
-                "--out",
+                "--scratch",
                 out,
                 "--cache",
                 args.cache,
@@ -262,8 +298,8 @@ def main() -> None:
 
 
 def write(rows: list[dict], args: argparse.Namespace, total: int, budget: int) -> None:
-    results = REPO / "bench" / "results"
-    results.mkdir(exist_ok=True)
+    results = args.out or REPO / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
     name = f"diffusion-{args.width}" + ("-cold" if args.cache == "cold" else "")
     meta = {
         "pipeline_bytes": total,

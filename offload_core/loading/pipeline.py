@@ -75,8 +75,17 @@ def _call_order(name: str) -> int:
     return 2 if name in ("vae", "movq", "vqvae") else 1
 
 
+def _plan_order(name: str) -> tuple[int, int]:
+    """Components in the order the plan keeps them on the execution device: the denoiser first (called once per
+    denoising step, so each of its bytes kept there saves a move per step), then the rest in call order (once per
+    image)."""
+    order = _call_order(name)
+    return (order != 1, order)
+
+
 class PipelineModules(nn.Module):
-    """The pipeline's ``nn.Module`` components as children named by component, in call order. Calling it runs the
+    """The pipeline's ``nn.Module`` components as children named by component, the denoiser first, then the rest in
+    call order (the placement fills the budget in this order: :func:`_plan_order`). Calling it runs the
     pipeline (its ``forward`` is the pipeline's ``__call__``), so module hooks on it see each image as one forward."""
 
     def __init__(self, components: Mapping[str, nn.Module]) -> None:
@@ -156,7 +165,7 @@ def build_empty_pipeline(path: str | Path, dtype: torch.dtype | None = None) -> 
             f"{diffusers.__version__} does not have; upgrade diffusers or fix the index"
         )
     classes = {name: _component_class(path, name, lib, cls) for name, (lib, cls) in entries.items()}
-    names = sorted((n for n, c in classes.items() if isinstance(c, type) and issubclass(c, nn.Module)), key=_call_order)
+    names = sorted((n for n, c in classes.items() if isinstance(c, type) and issubclass(c, nn.Module)), key=_plan_order)
     dtype = dtype or _default_dtype(path, names)
     modules: dict[str, nn.Module] = {}
     for name in names:

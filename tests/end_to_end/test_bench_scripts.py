@@ -1,4 +1,5 @@
-"""The benchmark scripts still run: ``bench/soak.py`` imports only what offload_core has (a few calls, one policy)."""
+"""The benchmark scripts still run: ``bench/soak.py`` imports only what offload_core has (a few calls, one policy);
+``bench/diffusion.py --device cpu`` checks its GPU harness on the host."""
 
 from __future__ import annotations
 
@@ -76,3 +77,21 @@ def test_predict_sweep_writes_its_report(tmp_path):
         "run 2 step: median |error|" in report and "| synthetic:tiny | 0.5 | 1 | safetensors align_per_call |" in report
     )
     assert (tmp_path / "predict-sweep-t.png").stat().st_size > 1000
+
+
+def test_diffusion_device_harness_runs_on_the_cpu(tmp_path):
+    """``bench/diffusion.py --device cpu``: ours on the host against the in-memory image; diffusers' offload modes,
+    which need a GPU, are skipped with a note in the report."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(ROOT / "bench" / "diffusion.py"), "--device", "cpu", "--width", "64", "--steps", "1"]
+    command += ["--size", "16", "--images", "1", "--folder", str(tmp_path / "pipe"), "--out", str(out)]
+    command += ["--systems", "in-memory", "ours-auto", "diffusers-group-block"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "diffusion-cpu.json").read_text())
+    rows = {row["system"]: row for row in report["rows"]}
+    assert set(rows) == {"in-memory", "ours-auto"}
+    assert rows["ours-auto"]["same_image"] is True and rows["ours-auto"]["bytes_moved_per_image"] > 0
+    assert any("diffusers-group-block" in note and "skipped" in note for note in report["meta"]["notes"])
+    assert "| ours-auto (prefetch) |" in (out / "diffusion-cpu.md").read_text()

@@ -31,9 +31,10 @@ def test_the_plan_predicts_per_denoising_step_and_per_image(pipeline_dir, tmp_pa
 
 @pytest.mark.slow
 def test_a_run_says_whether_it_matched_in_memory_and_moves_what_it_predicted(pipeline_dir, tmp_path):
-    """The diffusion recipe's command: chained, 500 KiB of the tiny pipeline's 442 KiB offloaded in part."""
+    """The diffusion recipe's command at 450 KiB: chained, the tiny pipeline's 442 KiB offloaded in part, the
+    denoiser's offloaded part in two units (at the recipe's 500 KiB one, which stays loaded from step to step)."""
     command = [sys.executable, str(ROOT / "run.py"), "model=local", f"model.path={pipeline_dir}", "prompt=a red cube"]
-    command += ["pipeline.num_inference_steps=2", "max_memory.cpu=500KiB", "hook=chained", "compare_in_memory=true"]
+    command += ["pipeline.num_inference_steps=2", "max_memory.cpu=450KiB", "hook=chained", "compare_in_memory=true"]
     command += ["progress=false", f"hydra.run.dir={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -44,5 +45,6 @@ def test_a_run_says_whether_it_matched_in_memory_and_moves_what_it_predicted(pip
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["matches_in_memory"] is True
     assert metrics["bytes_moved_per_step"] > 0 and metrics["predicted_bytes_moved_per_step"] > 0
-    assert metrics["bytes_moved_by_step"] == [metrics["predicted_bytes_moved_per_step"]] * 2
+    # the first step's window opens with the call: it also counts the offloaded text encoder's move
+    assert metrics["bytes_moved_by_step"][1:] == [metrics["predicted_bytes_moved_per_step"]]
     assert metrics["bytes_moved_per_image"] == metrics["predicted_bytes_moved_per_image"] == metrics["bytes_moved"]
