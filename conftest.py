@@ -112,10 +112,24 @@ def _learned_files(tmp_path_factory):
     mislead the user's next runs (the processes they start, docs examples too, inherit these)."""
     folder = tmp_path_factory.mktemp("learned")
     os.environ["OFFLOAD_CORE_CORRECTIONS"] = str(folder / "corrections.json")
-    os.environ["OFFLOAD_CORE_CALIBRATION"] = str(folder / "calibration.json")
+    # the calibration is one for the session's test workers (-n): each measures what another has not yet (an entry is
+    # per model, configuration and prompt length; the file is written atomically)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, which holds each worker's
+    os.environ["OFFLOAD_CORE_CALIBRATION"] = str(shared / "calibration.json")
     yield
 
 
 def pytest_itemcollected(item):
     if item.path.suffix == ".md":
         item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The files holding slow tests (end to end, docs examples) run first, each file's tests together and in their
+    order: the test workers (``-n``, ``--dist worksteal`` in pyproject.toml) then end on short tests and finish
+    together, rather than one waiting for the other's last process run."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 # The test workers share the machine's cores: one compute thread each, and in the processes they start,
@@ -30,10 +31,19 @@ END_TO_END = Path(__file__).resolve().parent / "end_to_end"
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+#: a test file whose tests are all slow says so in one line
+SLOW_FILE = re.compile(r"^pytestmark = pytest\.mark\.slow$", re.MULTILINE)
+
+
 def pytest_ignore_collect(collection_path, config):
-    """With ``-m "not slow"`` the end_to_end/ folder, slow throughout, is not even imported."""
-    if collection_path == END_TO_END and config.getoption("markexpr").strip() == "not slow":
+    """With ``-m "not slow"`` the end_to_end/ folder and the files marked slow throughout are not even imported (the
+    serve tests' client library alone took a sixth of the quick subset's imports)."""
+    if config.getoption("markexpr").strip() != "not slow":
+        return None
+    if collection_path == END_TO_END:
         return True
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return True if SLOW_FILE.search(collection_path.read_text()) else None
     return None
 
 

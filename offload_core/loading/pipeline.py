@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError, ConfigError
+from offload_core.loading.quiet import without_image_processor_notices
 
 PIPELINE_INDEX = "model_index.json"
 #: methods besides ``forward`` by which pipelines call a component (a VAE's ``decode``)
@@ -27,6 +28,8 @@ def is_pipeline_folder(path: Any) -> bool:
 
 
 def _import_diffusers() -> Any:
+    """diffusers, its pipelines imported without transformers' notices about image processors."""
+    without_image_processor_notices()
     try:
         return importlib.import_module("diffusers")
     except ImportError:

@@ -1,9 +1,11 @@
 """Loading that says nothing the user did not ask for: transformers' and diffusers' own progress bars hidden while a
-block runs (a run's ``progress=false``), and the arguments each library reads without a deprecation warning."""
+block runs (a run's ``progress=false``), the arguments each library reads without a deprecation warning, and no notice
+about an image processor the run never uses."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
@@ -40,3 +42,22 @@ def diffusers_dtype(dtype: torch.dtype | None) -> dict[str, Any]:
     from diffusers.utils import deprecation_utils
 
     return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
+
+
+#: what transformers says (a logged warning, once per class) when diffusers imports an image processor and torchvision
+#: is not installed: the import falls back to the PIL processor, which pipelines run with anyway
+TORCHVISION_FALLBACK = "requires torchvision (not installed); falling back to"
+
+
+def _not_torchvision_fallback(record: logging.LogRecord) -> bool:
+    return TORCHVISION_FALLBACK not in record.getMessage()
+
+
+def without_image_processor_notices() -> None:
+    """From now on, transformers' notices that an image processor falls back to its PIL form without torchvision are
+    not logged: importing diffusers' pipelines imports two (CLIP's, SigLIP's), so every pipeline run printed two
+    lines the user cannot act on (and, with ``CI`` set, transformers passes them to the root logger too, where a
+    run's log shows them as ``[WARNING]`` lines). Other messages of that logger are kept."""
+    logger = logging.getLogger("transformers.utils.import_utils")
+    if _not_torchvision_fallback not in logger.filters:
+        logger.addFilter(_not_torchvision_fallback)

@@ -14,6 +14,7 @@ from tests import ROOT
 GPU_BUDGET = 2 * 2**20
 
 
+@pytest.mark.slow  # a whole run (the runner's job), a few seconds each
 @pytest.mark.parametrize(
     "hook,storage",
     [("prefetch", "pinned_cpu"), ("prefetch", "memmap"), ("align_per_call", "safetensors"), ("chained", "pinned_cpu")],
@@ -116,6 +117,7 @@ def _mixtral(path):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.slow  # a whole run (the runner's job), a few seconds each
 @pytest.mark.parametrize("storage", ["pinned_cpu", "safetensors"])
 def test_a_gpu_budget_that_cannot_hold_the_read_ahead_reads_less_ahead_and_stays_in_it(
     storage, tmp_path, fake_gpu, capsys

@@ -18,16 +18,27 @@ from tests import ROOT
 from tests.checkpoints import minilm_folder
 from tests.end_to_end.helpers import child_env, run_args
 
-#: what none of these runs may print
-NOISE = ("torch_dtype", "FutureWarning", "Loading weights", "Loading pipeline components", "[WARNING]", "accelerate")
+#: what none of these runs may print ("[transformers]" starts the lines transformers logs itself)
+NOISE = (
+    "torch_dtype",
+    "FutureWarning",
+    "Loading weights",
+    "Loading pipeline components",
+    "[WARNING]",
+    "[transformers]",
+    "accelerate",
+)
 
 
 def _run(args: list[str], tmp_path: Path) -> str:
+    """``run.py args`` as a CI job runs it: with ``CI`` set, transformers passes its warnings to the root logger too,
+    where the run's log shows them as ``[WARNING]`` lines (a clean-clone CI run showed one that a run elsewhere
+    prints only as a ``[transformers]`` line)."""
     done = subprocess.run(
         [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path / 'run'}", *args],
         capture_output=True,
         text=True,
-        env=child_env(),
+        env={**child_env(), "CI": "true"},
         cwd=ROOT,
         timeout=300,
     )
@@ -77,11 +88,7 @@ def test_a_pipeline_compared_in_memory_prints_no_warning_nor_bar(tmp_path):
         tmp_path,
     )
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["matches_in_memory"] is True
-    assert [word for word in NOISE if word != "[WARNING]" and word in said] == []
-    # a [WARNING] line of the libraries' loads; one other logged line seen once in a clean-clone CI run under load is
-    # not identified yet (not reproduced in 5 runs): its text is named here when it fails
-    logged = [line for line in said.splitlines() if "[WARNING]" in line]
-    assert not [line for line in logged if any(word in line for word in ("dtype", "position_ids", "Loading"))], logged
+    assert [line for line in said.splitlines() if any(word in line for word in NOISE)] == []
 
 
 _FAILS_WHILE_LOADING = textwrap.dedent("""

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from omegaconf import OmegaConf
 
 from offload_core.loading import sources
 from tests import ROOT
+from tests.plugins_dist import install_distribution, placement_plugin
 from tests.speculative import models
 
 ERROR = "offload_core: error: "
@@ -128,32 +128,9 @@ def broken_plugins(tmp_path_factory) -> Path:
     """Two installed distributions with ``offload_core`` entry points: ``lacking`` registers a placement without
     ``make_device_map``, ``broken`` names a module that does not exist."""
     site = tmp_path_factory.mktemp("site")
-    (site / "lacking_plugin").mkdir()
-    (site / "lacking_plugin" / "__init__.py").write_text(
-        textwrap.dedent("""
-        from dataclasses import dataclass
-        from offload_core.hookspecs import hookimpl
-
-        @dataclass
-        class EveryOtherConfig:
-            name: str = "every_other"
-
-        class EveryOther:
-            def __init__(self, config):
-                self.config = config
-
-        @hookimpl
-        def offload_register_placements(register):
-            register("every_other", EveryOther, EveryOtherConfig)
-        """)
-    )
-    for dist, name, target in (("lacking_plugin-1.0", "lacking", "lacking_plugin"), ("broken-0.1", "broken", "no_mod")):
-        info = site / f"{dist}.dist-info"
-        info.mkdir()
-        package, version = dist.rsplit("-", 1)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
-        (info / "entry_points.txt").write_text(f"[offload_core]\n{name} = {target}\n")
-    return site
+    files = {"lacking_plugin/__init__.py": placement_plugin(lacking=True)}
+    install_distribution(site, "lacking_plugin", "1.0", {"lacking": "lacking_plugin"}, files)
+    return install_distribution(site, "broken", "0.1", {"broken": "no_mod"})
 
 
 def _with(site: Path, **extra: str) -> dict[str, str]:

@@ -107,6 +107,7 @@ def _plan(pipeline_dir, tmp_path, *overrides):
     return run(cfg, output_dir=tmp_path, plot=False)
 
 
+@pytest.mark.slow  # two plans by the runner's job, each tracing a call of 20 steps
 def test_run_py_holds_the_calls_activations_beside_the_weights(pipeline_dir, tmp_path):
     budget = 6_000_000
     small = _plan(pipeline_dir, tmp_path / "16", f"max_memory.cpu={budget}", "pipeline.height=16", "pipeline.width=16")
@@ -160,6 +161,7 @@ print((psutil.Process().memory_info().rss - before) >> 20)
 """
 
 
+@pytest.mark.slow  # two processes
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator")
 def test_once_a_pipeline_is_built_a_freed_activation_goes_back_to_the_system(pipeline_dir):
     kept = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 import types
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ import pytest
 from offload_core.errors import PluginError
 from offload_core.hookspecs import hookimpl
 from offload_core.registry.manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
+from tests.plugins_dist import install_distribution, placement_plugin
 
 
 def _plugin(kind_hook: str, strategy_name: str, module_name: str = "fake_plugin"):
@@ -141,37 +141,9 @@ def test_build_with_unknown_option_is_rejected():
 def installed_plugin(tmp_path, monkeypatch):
     """A real distribution with an ``offload_core`` entry point, importable from a folder on sys.path."""
     site = tmp_path / "site"
-    pkg = site / "demo_offload_plugin"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(
-        textwrap.dedent("""
-        from dataclasses import dataclass
-        from offload_core.hookspecs import hookimpl
-
-        @dataclass
-        class EveryOtherConfig:
-            name: str = "every_other"
-
-        class EveryOther:
-            def __init__(self, config):
-                self.config = config
-
-            def make_device_map(self, request):
-                return {"": "cpu"}
-
-        @hookimpl
-        def offload_register_placements(register):
-            register("every_other", EveryOther, EveryOtherConfig)
-    """)
-    )
-    dist = site / "demo_offload_plugin-1.2.3.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-offload-plugin\nVersion: 1.2.3\n")
-    (dist / "entry_points.txt").write_text("[offload_core]\ndemo = demo_offload_plugin\n")
-    broken = site / "broken_offload_plugin-0.1.dist-info"
-    broken.mkdir()
-    (broken / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-offload-plugin\nVersion: 0.1\n")
-    (broken / "entry_points.txt").write_text("[offload_core]\nbroken = no_such_module_xyz\n")
+    files = {"demo_offload_plugin/__init__.py": placement_plugin()}
+    install_distribution(site, "demo-offload-plugin", "1.2.3", {"demo": "demo_offload_plugin"}, files)
+    install_distribution(site, "broken-offload-plugin", "0.1", {"broken": "no_such_module_xyz"})
     monkeypatch.syspath_prepend(str(site))
     return site
 
@@ -220,48 +192,45 @@ def test_each_plugin_hook_registers_into_its_group(spec, group):
     assert registry.get(group, "third_party").plugin == "fake_plugin"
 
 
+#: a module of three plugins that break their contract: a placement without ``make_device_map``, a plugin hook the
+#: specs lack, a plugin hook that raises
+FAULTY_PLUGINS = """
+from dataclasses import dataclass
+from offload_core.hookspecs import hookimpl
+
+@dataclass
+class LackingConfig:
+    name: str = "lacking"
+
+class Lacking:
+    def __init__(self, config):
+        self.config = config
+
+class lacking:
+    @hookimpl
+    def offload_register_placements(register):
+        register("lacking", Lacking, LackingConfig)
+
+class typo:
+    @hookimpl
+    def offload_register_storage(register):
+        pass
+
+class raising:
+    @hookimpl
+    def offload_register_module_hook_policies(register):
+        raise RuntimeError("no GPU library here")
+"""
+
+
 @pytest.fixture
 def faulty_plugins(tmp_path, monkeypatch):
     """Installed distributions whose plugins break their contract: a placement without ``make_device_map``, a plugin
     hook the specs lack, a plugin hook that raises."""
     site = tmp_path / "site"
-    site.mkdir()
-    (site / "faulty_offload_plugins.py").write_text(
-        textwrap.dedent("""
-        from dataclasses import dataclass
-        from offload_core.hookspecs import hookimpl
-
-        @dataclass
-        class LackingConfig:
-            name: str = "lacking"
-
-        class Lacking:
-            def __init__(self, config):
-                self.config = config
-
-        class lacking:
-            @hookimpl
-            def offload_register_placements(register):
-                register("lacking", Lacking, LackingConfig)
-
-        class typo:
-            @hookimpl
-            def offload_register_storage(register):
-                pass
-
-        class raising:
-            @hookimpl
-            def offload_register_module_hook_policies(register):
-                raise RuntimeError("no GPU library here")
-    """)
-    )
-    dist = site / "faulty_offload_plugins-0.2.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-offload-plugins\nVersion: 0.2\n")
-    (dist / "entry_points.txt").write_text(
-        "[offload_core]\n"
-        + "".join(f"{name} = faulty_offload_plugins:{name}\n" for name in ("lacking", "typo", "raising"))
-    )
+    files = {"faulty_offload_plugins.py": FAULTY_PLUGINS}
+    entry_points = {name: f"faulty_offload_plugins:{name}" for name in ("lacking", "typo", "raising")}
+    install_distribution(site, "faulty-offload-plugins", "0.2", entry_points, files)
     monkeypatch.syspath_prepend(str(site))
     return site
 

@@ -131,7 +131,8 @@ def test_reuse_that_cannot_record_new_stamps_says_so_and_reuses(tmp_path, monkey
     with records_of("offload_core.storage.folder") as said:
         store = build(folder, 1)
     assert store.reused
-    assert said == [
+    # this folder's lines (a sealer an earlier test left running may log about its own folder meanwhile)
+    assert [line for line in said if str(folder) in line] == [
         f"memmap: could not record the verified stamps in {folder} ({error})",
         f"memmap: reusing complete offload folder {folder} (contents verified)",
     ]
