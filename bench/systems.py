@@ -3,9 +3,7 @@ KV cache, with CUDA graphs), accelerate, and ours with a policy, a store (each w
 
 from __future__ import annotations
 
-SYSTEM_FORM = (
-    "ours:<policy>[+key=value]:<store>[+key=value][:fit|:graphs|:hybrid] (graphs, hybrid: --device cuda only)"
-)
+SYSTEM_FORM = "ours:<policy>[+key=value]:<store>[+key=value][:fit|:graphs|:hybrid] (graphs, hybrid: --device cuda only)"
 #: the modes a system name may end with, and the run overrides each sets
 MODES = {"fit": [], "graphs": ["graphs=true"], "hybrid": ["hybrid=true"]}
 #: modes that need a CUDA GPU

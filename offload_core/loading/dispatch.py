@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from offload_core import devices
+from offload_core import defaults, devices
 from offload_core.alignment import maps_checkpoint
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import tensor_nbytes
@@ -190,22 +190,32 @@ def load_checkpoint_and_dispatch(
     full_state_dict: bool = True,
     broadcast_from_rank0: bool = False,
     *,
-    storage: str | Any = "memmap",
-    policy: str | Any = "align_per_call",
+    storage: str | Any = defaults.STORAGE,
+    policy: str | Any = defaults.POLICY,
     execution_device: torch.device | str | None = None,
     reserve: Mapping[Any, int] | None = None,
     progress: bool = True,
     residency: Residency | None = None,
+    page_cache: int | str | None = defaults.PAGE_CACHE,
+    headroom: int | str | None = defaults.HEADROOM,
+    generation: Any = None,
 ) -> nn.Module:
     """Load ``checkpoint`` into ``model`` (built under :func:`init_empty_weights`) and attach offloading.
 
     accelerate's signature. ``device_map``: a dict (keys module or tensor names, values GPU ids,
-    ``"cpu"``, ``"disk"``), a placement name, or ``None`` (everything in RAM, run on the cpu).
-    ``offload_state_dict`` needs nothing here: shards are always streamed, never held whole.
-    ``preload_module_classes`` are loaded whole by their outermost module hook. Ours, keyword-only:
-    ``storage`` and ``policy`` (plugin names or built objects), ``execution_device``, ``reserve``, and
-    ``residency`` (:class:`offload_core.storage.residency.Residency`: the offloaded blocks kept in the page
-    cache across tokens; the others are streamed and dropped after use by policies that stream blocks).
+    ``"cpu"``, ``"disk"``), a placement name, or ``None`` (everything in RAM, run on the cpu: accelerate's
+    default, which fixes this one). ``offload_state_dict`` needs nothing here: shards are always streamed,
+    never held whole. ``preload_module_classes`` are loaded whole by their outermost module hook.
+
+    Ours, keyword-only, with the defaults of every door (:mod:`offload_core.defaults`): ``storage`` and ``policy``
+    (plugin names or built objects), ``execution_device``. A placement name plans as :func:`from_pretrained` and
+    ``run.py`` do (:func:`offload_core.loading.plan_request.plan_request`, the plan left in ``model.offload_plan``):
+    within ``max_memory`` less the ``headroom`` (``"auto"``: a model that generates holds back the KV cache and
+    activations of ``generation``, a :class:`~offload_core.planning.generation.Generation` or a dict of its fields,
+    default ``run.py``'s), with the ``page_cache`` rule (``"auto"``, a size, ``0``; None or ``"lru"``: the kernel's
+    cache decides). ``reserve`` (bytes per device held back for units in flight) instead places by that alone.
+    ``residency`` (:class:`offload_core.storage.residency.Residency`: the offloaded blocks kept in the page cache
+    across tokens; the others are streamed and dropped after use by policies that stream blocks) for a dict map.
     The model gets ``hf_device_map`` and ``offload_state`` (see :class:`OffloadState`).
     """
     from offload_core.loading.allocator import return_freed_memory_to_os
@@ -219,26 +229,26 @@ def load_checkpoint_and_dispatch(
         device_map, execution_device = {"": "cpu"}, execution_device or "cpu"
     no_split = no_split_classes(model, no_split_module_classes)
     owns_checkpoint = isinstance(checkpoint, (str, os.PathLike))
-    ckpt = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
-    ckpt = convert_checkpoint(model, ckpt)
+    opened = Checkpoint.open(checkpoint) if owns_checkpoint else checkpoint
+    ckpt = convert_checkpoint(model, opened)
     storage, policy = resolve_strategy("storage", storage), _policy(policy, skip_keys, preload_module_classes)
-    if isinstance(device_map, str) and reserve is None:  # the placement holds back what the policy keeps in flight
-        from offload_core.loading.reserve import reserve_for
+    if isinstance(device_map, str) and reserve is None:  # planned as every door plans
+        from offload_core.loading.plan_request import PlanRequest, model_dtype, plan_request, read_request_generation
+        from offload_core.planning.headroom import read_headroom
 
-        from offload_core.planning import get_max_memory
-
-        running = resolve_execution_device(execution_device, None)
-        budgets = get_max_memory(max_memory, check_devices=False) if max_memory is not None else {}
-        reserve = reserve_for(
-            model,
-            ckpt,
-            policy,
-            storage,
-            running,
-            [*no_split, *(preload_module_classes or [])],
-            dtype,
-            device_budget=budgets.get(running.index or 0) if running.type != "cpu" else None,
-        )
+        blocks, device = [*no_split, *(preload_module_classes or [])], resolve_execution_device(execution_device, None)
+        request = PlanRequest(device, blocks, dtype or model_dtype(model), max_memory, device_map, storage, policy)
+        request.page_cache = page_cache
+        request.headroom, request.generation = read_headroom(headroom), read_request_generation(model, generation)
+        try:
+            plan = plan_request(model, opened, request)
+        except BaseException:
+            if owns_checkpoint:
+                ckpt.close()
+            raise
+        model.offload_plan = plan
+        device_map, policy = plan.device_map, plan.policy
+        residency = plan.residency() if residency is None else residency
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, dtype, reserve)
     execution_device = resolve_execution_device(execution_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
+from offload_core import defaults
 from offload_core.module_hooks.policy import Policy
 from offload_core.loading.pipeline import EmptyPipeline, attach_entries, build_empty_pipeline, component_no_split
 
@@ -64,7 +65,7 @@ def pipeline_from_pretrained(
     device_map: Mapping[str, int | str] | None = None,
     execution_device: torch.device | str | None = None,
     progress: bool = False,
-    page_cache: int | str | None = None,
+    page_cache: int | str | None = defaults.PAGE_CACHE,
     no_split_module_classes: list[str] | None = None,
     headroom: int | str | None = "auto",
     plan_call: Mapping[str, Any] | None = None,
@@ -76,6 +77,7 @@ def pipeline_from_pretrained(
     held back from the execution device's budget (a size: that)."""
     from offload_core.loading.dispatch import default_execution_device, resolve_strategy
     from offload_core.loading.pipeline_memory import default_call, pipeline_headroom
+    from offload_core.loading.plan_request import PlanRequest
     from offload_core.loading.pretrained import plan_and_dispatch
     from offload_core.planning import get_max_memory
     from offload_core.planning.budgets import read_max_memory
@@ -91,20 +93,20 @@ def pipeline_from_pretrained(
         held = pipeline_headroom(empty, {**default_call(), **(plan_call or {})}, budgets.get(device_key(device)))
     limit = whole_limit(less_headroom(budgets, held, device), device, resolve_strategy("policy", policy))
     checkpoint, no_split = open_components(empty, path, limit, no_split_module_classes)
-    plan_and_dispatch(
-        empty.modules,
-        checkpoint,
+    request = PlanRequest(
+        execution_device=device,
+        no_split=no_split,
+        dtype=empty.dtype,
         max_memory=max_memory,
         placement=placement,
         storage=storage,
         policy=policy,
-        offload_folder=offload_folder,
-        dtype=empty.dtype,
-        device_map=device_map,
-        device=device,
-        no_split=no_split,
-        progress=progress,
         page_cache=page_cache,
         headroom=held,
+        generation=None,
+        device_map=device_map,
+        offload_folder=offload_folder,
+        progress=progress,
     )
+    plan_and_dispatch(empty.modules, checkpoint, request)
     return finish_dispatch(empty, device)

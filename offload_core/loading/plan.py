@@ -45,6 +45,11 @@ class Plan:
     policy: Policy | None = None
     #: what holding fewer units in flight changed (empty: nothing)
     lightened: str = ""
+    #: what the run holds back beside its weights, by kind: ``kv_cache`` and ``activations`` of the generation it is
+    #: planned for, a draft's ``draft_weights`` and ``draft_kv_cache`` (empty: none planned)
+    held: dict[str, int] = field(default_factory=dict)
+    #: the store the plan was made for (its ``reads_from`` and conversions priced the bytes moved)
+    storage: Storage | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
@@ -181,6 +186,7 @@ def make_plan(
         redealt=redealt,
         policy=policy,
         lightened=lightened,
+        storage=storage,
     )
 
 

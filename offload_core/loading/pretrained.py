@@ -9,12 +9,16 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core import defaults
+from offload_core.loading.plan_request import PlanRequest, plan_request, resolved
+from offload_core.planning.generation import Generation
+
 
 def from_pretrained(
     path: str | Path,
     max_memory: Mapping[Any, int | str] | int | float | str | None = None,
-    placement: str | Any = "sequential",
-    storage: str | Any = "memmap",
+    placement: str | Any = defaults.PLACEMENT,
+    storage: str | Any = defaults.STORAGE,
     policy: str | Any | None = None,
     offload_folder: str | Path | None = None,
     dtype: torch.dtype | str | None = None,
@@ -24,10 +28,11 @@ def from_pretrained(
     execution_device: torch.device | str | None = None,
     no_split_module_classes: list[str] | None = None,
     progress: bool = False,
-    page_cache: int | str | None = None,
+    page_cache: int | str | None = defaults.PAGE_CACHE,
     speculative: Any = None,
-    headroom: int | str | None = "auto",
+    headroom: int | str | None = defaults.HEADROOM,
     plan_call: Mapping[str, Any] | None = None,
+    generation: Generation | Mapping[str, int] | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
     local_files_only: bool = False,
@@ -44,14 +49,17 @@ def from_pretrained(
     reads this machine's free memory.
 
     ``placement``, ``storage`` and ``policy`` are plugin names or built strategies; ``device_map`` (a dict)
-    replaces the placement. The placement holds back what the policy's units in flight need, by the same
-    rule as ``run.py``. ``dtype`` None runs in the checkpoint's dtype; ``execution_device`` defaults to
-    ``cuda:0`` when present, else ``cpu``. ``model.offload_state.remove()`` undoes the offloading.
+    replaces the placement. The defaults are ``run.py``'s (:mod:`offload_core.defaults`: ``sequential``,
+    ``safetensors``, ``align_per_call``, ``page_cache="auto"``, ``headroom="auto"``), and the plan is made by the same
+    rule (:func:`offload_core.loading.plan_request.plan_request`): the placement holds back what the policy's units in
+    flight need, and the generation's KV cache and activations (below). ``dtype`` None runs in the checkpoint's dtype;
+    ``execution_device`` defaults to ``cuda:0`` when present, else ``cpu``. ``model.offload_state.remove()`` undoes
+    the offloading.
 
     ``page_cache``, as ``run.py``'s: a set of the offloaded blocks stays in the page cache across calls and the
     rest is streamed, each dropped once it has run (``"auto"``: the memory available less the cpu budget and a
-    margin; a size such as ``"8GiB"``; ``0`` streams every block). None (or ``"lru"``) leaves what stays to the
-    kernel's cache. The kept set's figures are in ``model.offload_state.handle.counters()``.
+    margin, the default; a size such as ``"8GiB"``; ``0`` streams every block). None (or ``"lru"``) leaves what stays
+    to the kernel's cache. The kept set's figures are in ``model.offload_state.handle.counters()``.
 
     ``path`` may also be a Hugging Face Hub repo id (``"org/name"``), as in transformers: an existing local path wins;
     otherwise the repo's snapshot folder in the Hub cache (``HF_HUB_CACHE``, ``HF_HOME`` or ``cache_dir``) at
@@ -59,22 +67,27 @@ def from_pretrained(
     progress bars) unless ``HF_HUB_OFFLINE=1`` or ``local_files_only`` forbid it. ``token`` (default ``HF_TOKEN`` or
     the saved login) reads private or gated repos.
 
-    ``policy`` None is ``align_per_call``. A diffusers pipeline folder (one with ``model_index.json``) gives the
-    pipeline, its module components planned as one model (keys prefixed by component) and dispatched; its
-    ``policy`` None is ``prefetch`` (it measured fastest on CPU: bench/results/diffusion-192.md); ``chained`` moves a
-    component whole when called and keeps it until the next one is called (components up to half the execution
-    device's budget move whole; larger ones split at their own blocks).
+    ``policy`` None is ``align_per_call``, for a model and a pipeline alike. A diffusers pipeline folder (one with
+    ``model_index.json``) gives the pipeline, its module components planned as one model (keys prefixed by component)
+    and dispatched; ``chained`` moves a component whole when called and keeps it until the next one is called
+    (components up to half the execution device's budget move whole; larger ones split at their own blocks).
 
     ``headroom`` is held back from the execution device's budget for what runs beside the weights (bytes or a size
-    such as ``"512MiB"``); ``"auto"`` holds nothing for a transformers model (its KV cache depends on the call) and,
-    for a pipeline, the activations of the call ``plan_call`` gives (the pipeline's keyword arguments, such as
+    such as ``"512MiB"``). ``"auto"`` (the default) holds back, as ``run.py`` does: for a model that generates, the KV
+    cache and activations of ``generation`` (a :class:`~offload_core.planning.generation.Generation` or a dict of its
+    fields: ``max_new_tokens``, ``batch_size``, ``prompt_tokens``; default ``run.py``'s 16 new tokens, batch 1, after
+    a prompt of 32 tokens) and the runtime's slack, a generation that cannot fit refused in one line naming what
+    fits (a longer ``generate`` than planned can go over ``max_memory``); for another model a fixed allowance; for a
+    pipeline, the activations of the call ``plan_call`` gives (the pipeline's keyword arguments, such as
     ``{"height": 1024, "width": 1024, "num_images_per_prompt": 2}``; default one image of its default size), traced
-    on fake tensors before loading, and the runtime's slack.
+    on fake tensors before loading, and the runtime's slack. ``model.offload_plan.held`` says what was held back.
+    ``auto=True`` (``run.py``'s prediction and choice) is not here: the cost model lives in the runner.
 
     ``speculative`` (``"prompt_lookup"``, ``"self"``, ``"draft"`` or a dict/``SpeculativeConfig`` such as
     ``{"name": "draft", "path": ...}``) prepares speculative decoding as ``run.py``'s ``speculative=``: a draft's
-    weights are taken from the execution device's budget before the placement, a self draft's first layers must be
-    resident. ``model.speculation.generate(ids, max_new_tokens=...)`` generates with it; then
+    weights and KV cache (for ``generation``) are taken from the execution device's budget before the placement, a
+    self draft's first layers must be resident. ``model.speculation.generate(ids, max_new_tokens=...)`` generates
+    with it; then
     ``model.speculation.figures(new_tokens)`` gives passes, tokens per pass, drafted and accepted tokens.
 
     ``graphs=True`` (a CUDA GPU; ``policy="prefetch"`` and ``storage="pinned_cpu"`` where anything is offloaded)
@@ -98,13 +111,20 @@ def from_pretrained(
             from offload_core.errors import ConfigError
 
             raise ConfigError(f"speculative={speculative!r} decodes tokens; {path} is a diffusers pipeline: drop it")
+        if generation is not None:
+            from offload_core.errors import ConfigError
+
+            raise ConfigError(
+                f"generation plans the KV cache of a generation; {path} is a diffusers pipeline: drop it (plan_call "
+                "plans a pipeline's call)"
+            )
 
         return pipeline_from_pretrained(
             path,
             max_memory,
             placement,
             storage,
-            policy or "prefetch",
+            policy or defaults.POLICY,
             offload_folder,
             dtype,
             device_map=device_map,
@@ -123,13 +143,16 @@ def from_pretrained(
         from offload_core.errors import ConfigError
 
         raise ConfigError(f"plan_call plans a diffusers pipeline's call; {path} is a transformers checkpoint: drop it")
-    given_policy, policy = policy, policy or ("prefetch" if graphs else "align_per_call")
+    given_policy, policy = policy, policy or ("prefetch" if graphs else defaults.POLICY)
     from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.execution_device import default_execution_device
-    from offload_core.loading.tasks import build_empty, check_task_fits, config_dtype, infer_task, read_config
+    from offload_core.loading.tasks import GENERATIVE, build_empty, check_task_fits, config_dtype, infer_task
+    from offload_core.loading.tasks import read_config
     from offload_core.planning import get_max_memory, no_split_classes
     from offload_core.planning.budgets import check_budgets, check_execution_device, read_max_memory
+    from offload_core.planning.generation import read_generation
     from offload_core.planning.headroom import read_headroom
+    from offload_core.speculative import read_speculative
     from offload_core.values import parse_dtype
 
     path = model_path(path, storage)
@@ -147,7 +170,6 @@ def from_pretrained(
 
         policy = hybrid_policy(given_policy, device)
     max_memory = read_max_memory(max_memory, device)
-    headroom = read_headroom(headroom) or 0
     if graphs:
         from offload_core.errors import GraphsError
         from offload_core.module_hooks.graphs import graph_pool_bytes, graphs_refusal
@@ -157,7 +179,12 @@ def from_pretrained(
         refusal = graphs_refusal(device, policy_name, pinned, False)
         if refusal is not None:
             raise GraphsError(refusal)
-        headroom += graph_pool_bytes(config, dtype=dtype)
+        if max_memory is not None:  # the graph's pool is held back from the execution device's budget
+            budgets = get_max_memory(max_memory, check_devices=False)
+            key = device.index or 0
+            if key in budgets:
+                budgets[key] -= graph_pool_bytes(config, dtype=dtype)
+            max_memory = budgets
     if max_memory is not None:
         check_budgets(get_max_memory(max_memory, check_devices=False), device)
     no_split = no_split_classes(model, no_split_module_classes)
@@ -165,26 +192,26 @@ def from_pretrained(
     try:
         if given:
             check_task_fits(model, checkpoint, task, what="task")
+        request = PlanRequest(
+            execution_device=device,
+            no_split=no_split,
+            dtype=dtype,
+            max_memory=max_memory,
+            placement=placement,
+            storage=storage,
+            policy=policy,
+            page_cache=page_cache,
+            headroom=read_headroom(headroom),
+            generation=read_generation(generation) if task in GENERATIVE else None,
+            speculative=read_speculative(speculative),
+            device_map=device_map,
+            offload_folder=offload_folder,
+            progress=progress,
+        )
     except BaseException:
         checkpoint.close()
         raise
-    model = plan_and_dispatch(
-        model,
-        checkpoint,
-        max_memory=max_memory,
-        placement=placement,
-        storage=storage,
-        policy=policy,
-        offload_folder=offload_folder,
-        dtype=dtype,
-        device_map=device_map,
-        device=device,
-        no_split=no_split,
-        progress=progress,
-        page_cache=page_cache,
-        speculative=speculative,
-        headroom=headroom,
-    )
+    model = plan_and_dispatch(model, checkpoint, request)
     if graphs:
         from offload_core.module_hooks.graphs import apply_graphs
 
@@ -192,87 +219,30 @@ def from_pretrained(
     return model
 
 
-def plan_and_dispatch(
-    model: nn.Module,
-    checkpoint: Any,
-    *,
-    max_memory: Mapping[Any, int | str] | None,
-    placement: str | Any,
-    storage: str | Any,
-    policy: str | Any,
-    offload_folder: str | Path | None,
-    dtype: torch.dtype | None,
-    device_map: Mapping[str, int | str] | None,
-    device: torch.device,
-    no_split: list[str],
-    progress: bool,
-    page_cache: int | str | None,
-    speculative: Any = None,
-    headroom: int = 0,
-) -> nn.Module:
-    """Plan ``model`` (empty) within ``max_memory`` unless ``device_map`` is given, and load the opened ``checkpoint``
-    into it with ``storage`` and ``policy`` (closing the checkpoint if that fails), prepared for ``speculative``
-    decoding: what :func:`from_pretrained` does once the model is built."""
-    from offload_core.loading.dispatch import load_checkpoint_and_dispatch, resolve_strategy
-    from offload_core.loading.plan import make_plan
-    from offload_core.planning import get_max_memory
-    from offload_core.planning.headroom import less_headroom
-    from offload_core.speculative import prepare, read_speculative
-    from offload_core.speculative.drafts import check_self_resident, draft_bytes, hold_draft
+def plan_and_dispatch(model: nn.Module, checkpoint: Any, request: PlanRequest) -> nn.Module:
+    """Plan ``model`` (empty) for ``request`` (:func:`plan_request`) and load the opened ``checkpoint`` into it as
+    the plan says (closing the checkpoint if that fails), prepared for the request's speculative decoding: what
+    :func:`from_pretrained` does once the model is built. The plan is ``model.offload_plan``."""
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.speculative import prepare
 
-    policy_name = policy if isinstance(policy, str) else type(policy).__name__
-    storage, policy = resolve_strategy("storage", storage), resolve_strategy("policy", policy)
     try:
-        given = get_max_memory(max_memory) if device_map is None or page_cache is not None else {}
-        budgets = less_headroom(given, headroom, device) if headroom else given
-        spec = read_speculative(speculative)
-        if spec.name == "draft" and budgets:  # its weights; the lengths its KV cache needs are not known here
-            key = "cpu" if device.type == "cpu" else (device.index or 0)
-            held = {"weights": draft_bytes(spec.path, dtype), "kv_cache": 0}
-            budgets = hold_draft(
-                budgets, key, held, f"speculative='draft': the draft {spec.path!r}", f"max_memory[{key!r}]"
-            )
-        plan = make_plan(
-            model,
-            checkpoint,
-            placement=resolve_strategy("placement", "balanced" if placement == "auto" else placement),
-            storage=storage,
-            policy=policy,
-            execution_device=device,
-            budgets=budgets,
-            max_memory=given,
-            headroom=headroom,
-            no_split=no_split,
-            dtype=dtype,
-            device_map=device_map,
-            page_cache=page_cache,
-            policy_name=policy_name,
-            strict=device_map is None,
-        )
-        if spec.name == "self":
-            check_self_resident(
-                model,
-                spec.layers,
-                plan.device_map,
-                device,
-                "speculative='self'",
-                "raise max_memory or lower the layers",
-            )
+        plan = plan_request(model, checkpoint, request)
         model = load_checkpoint_and_dispatch(
             model,
             checkpoint,
             plan.device_map,
-            no_split_module_classes=no_split,
-            offload_folder=offload_folder,
-            dtype=dtype,
-            storage=storage,
+            no_split_module_classes=request.no_split,
+            offload_folder=request.offload_folder,
+            dtype=request.dtype,
+            storage=resolved(request)[1],
             policy=plan.policy,
-            execution_device=device,
-            progress=progress,
+            execution_device=request.execution_device,
+            progress=request.progress,
             offload_buffers=plan.policy.offload_buffers,
             residency=plan.residency(),
         )
-        model.speculation = prepare(spec, model, dtype, device)
+        model.speculation = prepare(request.speculative, model, request.dtype, request.execution_device)
         model.offload_plan = plan
         return model
     except BaseException:

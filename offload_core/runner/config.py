@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from offload_core import defaults
 from offload_core.registry.manager import Registry, get_registry
 
 #: the folder of ``config.yaml`` and the config groups' YAML options: ``offload_core/conf`` in an installed wheel (the
@@ -117,11 +118,11 @@ class RunConfig:
     #: a file of prompts (one per line, or JSON lines with a "prompt" field) generated in batches instead of ``prompt``
     prompts: Optional[str] = None
     #: prompts generated at once when ``prompts`` is given (left-padded; the KV cache is planned for it)
-    batch_size: int = 1
+    batch_size: int = defaults.BATCH_SIZE
     #: the folder of an interrupted prompts run to go on with: its finished prompts are kept, the rest generated there
     resume: Optional[str] = None
     #: tokens generated after the prompt (greedy unless do_sample)
-    max_new_tokens: int = 16
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS
     #: sample with temperature, top_k and top_p instead of greedy decoding
     do_sample: bool = False
     #: sampling temperature (above 0; do_sample only)
@@ -135,7 +136,7 @@ class RunConfig:
     #: held back from the budget of the device that computes (the cpu, or the GPU) for activations, KV cache and
     #: logits: auto plans them for the prompt (or the batch) and max_new_tokens, for a diffusers pipeline traces its
     #: call's activations (48MiB for another run that does not generate); a size holds that back instead
-    headroom: str = "auto"
+    headroom: str = defaults.HEADROOM
     #: auto (the checkpoint's), float32, bfloat16, float16
     dtype: str = "auto"
     #: where the memmap store writes (a temporary folder, removed at exit, when null)
@@ -157,7 +158,7 @@ class RunConfig:
     #: offloaded blocks kept in the page cache across tokens (the rest are streamed and dropped after
     #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
     #: or lru (keep no set: the kernel's page cache decides)
-    page_cache: str = "auto"
+    page_cache: str = defaults.PAGE_CACHE
     #: show progress bars (loading, prompts); TQDM_DISABLE=1 hides them too
     progress: bool = True
     #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction

@@ -88,6 +88,42 @@ def hold_draft(budgets: dict, key: Any, held: dict[str, int], what: str, option:
     return {**budgets, key: budgets[key] - need}
 
 
+def draft_memory(
+    spec: Any, target: nn.Module, dtype: torch.dtype, prompt_tokens: int, new_tokens: int
+) -> dict[str, int]:
+    """Bytes the draft of ``spec`` keeps resident beside ``target``: its weights (none for self: they are the
+    target's) and its KV cache for the prompt, the new tokens and one pass of drafts."""
+    from offload_core.planning.batch_memory import batch_memory
+
+    if spec.name == "self":
+        config = copy.deepcopy(target.config)
+        config.get_text_config().num_hidden_layers = self_layers(target, spec.layers)
+        weights = 0
+    else:
+        config, weights = draft_config(spec.path), draft_bytes(spec.path, dtype)
+    kv = batch_memory(config, 1, prompt_tokens, new_tokens + int(spec.tokens), dtype).kv_cache
+    return {"weights": weights, "kv_cache": kv}
+
+
+def hold_speculation(
+    spec: Any, target: nn.Module, dtype: torch.dtype, key: Any, max_memory: dict, headroom: int, generation: Any
+) -> tuple[dict, dict[str, int]]:
+    """``max_memory`` with what the draft of ``spec`` keeps resident (:func:`draft_memory`, for ``generation``'s
+    prompt and new tokens) taken from the budget of ``key`` (the device that computes) before the target is placed,
+    and those bytes (none without a draft); a budget that cannot hold it is one line. ``headroom``: what the cpu
+    budget already holds back on a CPU run. The rule of every door."""
+    if spec.name not in ("draft", "self"):
+        return max_memory, {}
+    held = draft_memory(spec, target, dtype, generation.prompt_tokens, generation.max_new_tokens)
+    what = (
+        f"speculative=draft: the draft {spec.path!r}"
+        if spec.name == "draft"
+        else "speculative=self: the self draft's KV cache"
+    )
+    budgets = hold_draft(max_memory, key, held, what, f"max_memory.{key}", headroom if key == "cpu" else 0)
+    return budgets, held
+
+
 def self_draft(target: nn.Module, layers: int) -> nn.Module:
     """A model of the target's class with ``layers`` layers whose every module is the target's own (no copy): its
     embedding, first layers, final norm, rotary embedding and head. Its forward is a separate call of the top

@@ -32,12 +32,13 @@ def test_experts_on_a_gpu_match_in_memory(saved, store, guess, tmp_path, fake_gp
         model,
         moe.path,
         device_map="sequential",
-        max_memory={0: total // 4, "cpu": total // 4},
+        max_memory={0: total // 2, "cpu": total // 4},  # the GPU holds one block beside the generation
         storage=store,
         policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
         offload_folder=tmp_path / "off",
         execution_device=fake.device(0),
         progress=False,
+        generation={"max_new_tokens": 1, "prompt_tokens": ids.shape[1]},  # the forwards below: one prompt, one token
     )
     handle = model.offload_state.handle
     assert handle.layers and all(isinstance(layer, ExpertLayer) for layer in handle.layers)  # the accelerator path

@@ -90,6 +90,7 @@ def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_pat
         policy=policy,
         offload_folder=tmp_path / "off",
         execution_device="cpu",
+        headroom=0,
     )
     try:
         assert {"cpu", "disk"} <= set(model.hf_device_map.values())
@@ -113,6 +114,7 @@ def test_weights_reach_the_kernels_at_their_reference_offsets(llama, store, poli
             policy=policy,
             offload_folder=tmp_path / "off",
             execution_device="cpu",
+            headroom=0,
         )
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
@@ -135,6 +137,7 @@ def test_where_the_kernels_do_not_care_a_memmap_folder_still_lies_at_the_referen
             policy="align_per_call",
             offload_folder=tmp_path / "off",
             execution_device="cpu",
+            headroom=0,
         )
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
@@ -265,6 +268,7 @@ def test_remove_restores_the_address_offsets_from_pretrained_gives(llama, store,
         policy=policy,
         offload_folder=tmp_path / "off",
         execution_device="cpu",
+        headroom=0,
     )
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
@@ -291,6 +295,7 @@ def test_remove_restores_a_bert_encoder_as_from_pretrained_loads_it(tmp_path):
         policy="align_per_call",
         offload_folder=tmp_path / "off",
         execution_device="cpu",
+        headroom=0,
     )
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
@@ -313,6 +318,7 @@ def test_a_memmap_folder_maps_each_tensor_at_its_reference_offset_without_a_copy
             storage="memmap",
             offload_folder=tmp_path / "off",
             execution_device="cpu",
+            headroom=0,
         )
         store = model.offload_state.store
         assert store.reused == (build == "reused") and len(store) > 4

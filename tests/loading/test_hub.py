@@ -66,6 +66,7 @@ def test_a_cached_checkpoint_of_each_format_runs_offloaded_as_transformers_loads
         offload_folder=tmp_path / "off",
         execution_device="cpu",
         storage="safetensors" if layout.startswith("safetensors") else "memmap",
+        headroom=0,
     )
     assert "disk" in set(model.hf_device_map.values()), model.hf_device_map
     reference = _reference(cache)
@@ -114,7 +115,7 @@ def test_a_planted_link_in_the_offload_folder_still_cannot_redirect_a_write(tmp_
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, num_key_value_heads=2))
     model.save_pretrained(tmp_path / "saved")
     folder = as_hub_cache(tmp_path / "saved", tmp_path / "cache", REPO)
-    budget = dict(max_memory={"cpu": "40KiB"}, execution_device="cpu", storage="memmap")
+    budget = dict(max_memory={"cpu": "40KiB"}, execution_device="cpu", storage="memmap", headroom=0)
     first = from_pretrained(folder, offload_folder=tmp_path / "learn", **budget)
     written = sorted(p.name for p in (tmp_path / "learn").iterdir() if p.suffix == ".dat")
     first.offload_state.remove()

@@ -65,6 +65,7 @@ def test_from_pretrained_and_a_plan_only_run_make_the_same_plan(
         offload_folder=tmp_path / "off",
         execution_device="cpu",
         page_cache=page_cache,
+        headroom=0,
     )
     try:
         loaded = model.offload_plan
@@ -108,6 +109,7 @@ def test_a_policys_own_device_map_is_the_plan_of_both_doors(saved, compose_run, 
         offload_folder=tmp_path / "off",
         execution_device="cpu",
         page_cache=0,
+        headroom=0,
     )
     try:
         assert "disk" in set(planned.device_map.values())

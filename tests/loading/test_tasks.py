@@ -59,6 +59,7 @@ def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, 
         execution_device="cpu",
         storage="safetensors",
         policy="prefetch",
+        headroom=0,
     )
     assert type(model).__name__ == cls
     assert {"cpu", "disk"} <= set(model.hf_device_map.values()), model.hf_device_map
@@ -71,7 +72,7 @@ def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, 
 def test_from_pretrained_seq2seq_generates_as_in_memory(saved, tmp_path):
     t5 = saved("t5")
     model = from_pretrained(
-        t5.path, max_memory={"cpu": "60KiB"}, offload_folder=tmp_path / "off", execution_device="cpu"
+        t5.path, max_memory={"cpu": "60KiB"}, offload_folder=tmp_path / "off", execution_device="cpu", headroom=0
     )
     reference = t5.auto.from_pretrained(t5.path).eval()
     ids = t5.inputs["input_ids"][:1]
@@ -97,10 +98,11 @@ def test_from_pretrained_reserves_as_the_runner_so_an_embedding_leaves_room_on_c
         offload_folder=tmp_path / "a",
         execution_device="cpu",
         progress=False,
+        headroom=0,
     )
     assert {"cpu", "disk"} <= set(empty.hf_device_map.values()), empty.hf_device_map
     empty.offload_state.remove()
-    model = from_pretrained(folder, max_memory=half, offload_folder=tmp_path / "b", execution_device="cpu")
+    model = from_pretrained(folder, max_memory=half, offload_folder=tmp_path / "b", execution_device="cpu", headroom=0)
     assert type(model).__name__ == "BertModel"
     assert model.hf_device_map == empty.hf_device_map
     model.offload_state.remove()

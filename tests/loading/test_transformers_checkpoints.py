@@ -38,6 +38,7 @@ def _dispatch(saved: Saved, placement, store, policy, folder, fraction=2):
         offload_folder=folder,
         execution_device="cpu",
         progress=False,
+        headroom=0,
     )
     return model
 
@@ -207,6 +208,7 @@ def _minilm_check(minilm, placement, store, policy, tmp_path):
         offload_folder=tmp_path / "off",
         execution_device="cpu",
         progress=False,
+        headroom=0,
     )
     assert "disk" in set(model.hf_device_map.values())
     got = _embed(model, batch)

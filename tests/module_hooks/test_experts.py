@@ -31,6 +31,7 @@ def _dispatch(saved: Saved, path: Path, store: str, folder: Path, **config) -> t
         offload_folder=folder,
         execution_device="cpu",
         progress=False,
+        headroom=0,
     )
     return model
 

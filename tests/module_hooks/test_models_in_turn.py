@@ -23,7 +23,12 @@ def test_three_prefetch_models_used_in_turn_generate_as_in_memory(saved, tmp_pat
     expected = {name: _generate(s.auto.from_pretrained(s.path).eval(), ids) for name, s in sources.items()}
     models = {
         name: offload_core.from_pretrained(
-            s.path, max_memory={"cpu": "60KiB"}, policy="prefetch", storage=storage, offload_folder=tmp_path / name
+            s.path,
+            max_memory={"cpu": "60KiB"},
+            policy="prefetch",
+            storage=storage,
+            offload_folder=tmp_path / name,
+            headroom=0,
         )
         for (name, s), storage in zip(sources.items(), ["safetensors", "memmap", "safetensors"])
     }

@@ -85,6 +85,7 @@ def test_generation_ends_and_no_reader_outlives_the_run(mixtral, policy, store, 
         policy=POLICIES[policy](),
         offload_folder=tmp_path / "off",
         page_cache=kept,
+        headroom=0,
     )
     assert "disk" in set(model.hf_device_map.values())
     got: list = []
@@ -113,7 +114,9 @@ def test_generation_ends_and_no_reader_outlives_the_run(mixtral, policy, store, 
 def test_no_reader_outlives_remove(mixtral, policy, tmp_path):
     path, ids, want_tokens, total = mixtral
     before = ours()
-    model = offload_core.from_pretrained(path, max_memory={"cpu": total // 4}, storage="safetensors", policy=policy)
+    model = offload_core.from_pretrained(
+        path, max_memory={"cpu": total // 4}, storage="safetensors", policy=policy, headroom=0
+    )
     with torch.no_grad():
         assert torch.equal(
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0),

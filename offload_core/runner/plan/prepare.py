@@ -11,6 +11,7 @@ import torch
 
 from offload_core.errors import ConfigError
 from offload_core.loading.plan import Plan
+from offload_core.loading.plan_request import held_beside_weights
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
 from offload_core.runner.inputs import prompt_ids
 from offload_core.runner.plan import speculate
@@ -80,6 +81,7 @@ def prepare(
         settings, held = speculate.reserve_speculation(settings, spec, run_model, input_ids.shape[1])
         check_hybrid(settings, strategies.policy_name)
         plan = make_plan(settings, strategies, run_model, checkpoint)
+        plan.held = held_beside_weights(batches.memory if batches is not None else None, held)
         strategies = hybrid_strategies(settings, strategies.planned(plan.policy), run_model, plan)
         placement = None if settings.device_map_file else strategies.names["placement"]
         speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device, placement)

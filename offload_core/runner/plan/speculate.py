@@ -4,7 +4,6 @@ resident, the plan's estimate, the in-memory comparisons and the printed figures
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from typing import Any
@@ -26,38 +25,15 @@ def check_batches(spec: SpeculativeConfig, batches: Any) -> None:
         )
 
 
-def draft_memory(spec: SpeculativeConfig, run_model: Any, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
-    """Bytes the draft keeps resident beside the target: its weights (none for self: they are the target's) and
-    its KV cache for the prompt, the new tokens and one pass of drafts."""
-    from offload_core.planning.batch_memory import batch_memory
-    from offload_core.speculative.drafts import draft_bytes, draft_config, self_layers
-
-    if spec.name == "self":
-        config = copy.deepcopy(run_model.model.config)
-        config.get_text_config().num_hidden_layers = self_layers(run_model.model, spec.layers)
-        weights = 0
-    else:
-        config, weights = draft_config(spec.path), draft_bytes(spec.path, run_model.dtype)
-    kv = batch_memory(config, 1, prompt_tokens, new_tokens + int(spec.tokens), run_model.dtype).kv_cache
-    return {"weights": weights, "kv_cache": kv}
-
-
 def reserve_speculation(settings: Any, spec: SpeculativeConfig, run_model: Any, prompt_tokens: int) -> tuple[Any, dict]:
     """``settings`` with the draft's resident bytes taken from the execution device's budget before the target is
-    placed, and those bytes; a budget that cannot hold the draft is one line."""
-    if spec.name not in ("draft", "self"):
-        return settings, {}
-    from offload_core.speculative.drafts import hold_draft
+    placed, and those bytes (:func:`offload_core.speculative.drafts.hold_speculation`, the rule of every door)."""
+    from offload_core.planning.generation import Generation
+    from offload_core.speculative.drafts import hold_speculation
 
-    held = draft_memory(spec, run_model, prompt_tokens, settings.sampling.max_new_tokens)
-    key = settings.budget_key
-    what = (
-        f"speculative=draft: the draft {spec.path!r}"
-        if spec.name == "draft"
-        else "speculative=self: the self draft's KV cache"
-    )
-    max_memory = hold_draft(
-        settings.max_memory, key, held, what, f"max_memory.{key}", settings.headroom if key == "cpu" else 0
+    generation = Generation(settings.sampling.max_new_tokens, 1, prompt_tokens)
+    max_memory, held = hold_speculation(
+        spec, run_model.model, run_model.dtype, settings.budget_key, settings.max_memory, settings.headroom, generation
     )
     return dataclasses.replace(settings, max_memory=max_memory), held
 
