@@ -203,6 +203,13 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     return model, info
 
 
+def graph_counters(model) -> dict:
+    """A graphs system's captures, replays and eager steps (none for the others)."""
+    from offload_core.module_hooks.base import module_hooks
+
+    return next((h.counters() for h in module_hooks(model) if hasattr(h, "replays")), {})
+
+
 def checkpoint_keys(model, ckpt, keys) -> list[str]:
     """The checkpoint tensors behind the store's ``keys``: a key the checkpoint holds, or the sources of a tensor
     built from several (a fused expert tensor from its per-expert tensors)."""
@@ -302,6 +309,7 @@ def main() -> None:
         "decode_token_mean_s": sum(intervals) / len(intervals) if intervals else float("nan"),
         "generated_tokens": len(tokens),
         "token_ids": tokens,
+        **graph_counters(model),
         "baseline_anon_rss_bytes": baseline_anon,
         "baseline_file_rss_bytes": baseline_file,
         "peak_anon_rss_bytes": memory.anon_delta,

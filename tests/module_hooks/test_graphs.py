@@ -202,3 +202,22 @@ def test_the_cli_refuses_graphs_on_a_cpu_in_one_line(tmp_path):
     assert errors == ["offload_core: error: graphs=true captures decoding steps on a CUDA GPU; this run computes on "
                       "cpu: drop graphs"], done.stderr  # fmt: skip
     assert "Traceback" not in done.stderr
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly_and_says_so(llama_run, caplog):
+    fake, llama, ids, reference = llama_run
+    want_ids, want_logits = _generate(reference, ids)
+    hook = apply_graphs(reference)
+    norm = reference.model.norm
+    forward = norm.forward
+
+    def syncing(hidden):  # a host synchronization in the step: no graph can hold it
+        float(hidden.sum())
+        return forward(hidden)
+
+    norm.forward = syncing
+    got_ids, got_logits = _generate(reference, ids)
+    fake.timeline.hazards.clear()
+    assert torch.equal(got_ids, want_ids) and all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+    assert hook.failed and "host" in hook.failed and hook.replays == 0
+    assert "decoding goes on without graphs" in caplog.text

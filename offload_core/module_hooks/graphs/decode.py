@@ -5,6 +5,7 @@ buffers first."""
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Callable
 
 import torch
@@ -12,6 +13,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from offload_core.module_hooks.base import ModuleHook
+
+log = logging.getLogger(__name__)
 
 
 def _cache_of(args: tuple, kwargs: dict) -> Any:
@@ -50,6 +53,7 @@ class DecodeGraphs(ModuleHook):
         self.captures = 0
         self.replays = 0
         self.eager_steps = 0
+        self.failed: str | None = None  # why a capture failed: decoding goes on eagerly
 
     def _key(self, args: tuple, kwargs: dict, cache: Any) -> Any:
         def sign(value: Any) -> Any:
@@ -72,7 +76,7 @@ class DecodeGraphs(ModuleHook):
             and ids.shape[1] == 1
             and kwargs.get("inputs_embeds") is None
         )
-        if not decoding:
+        if not decoding or self.failed is not None:
             return forward(*args, **kwargs)
         key = self._key(args, kwargs, cache)
         if key != self.key:  # a new cache or new shapes
@@ -82,7 +86,15 @@ class DecodeGraphs(ModuleHook):
                 self.eager_steps += 1
                 return forward(*args, **kwargs)
         if self.graph is None:  # ... and the next one (and a new cache's first) is captured
-            self._capture(forward, args, kwargs, cache)
+            try:
+                self._capture(forward, args, kwargs, cache)
+            except Exception as error:  # a capture runs nothing: this step, and the ones after, run eagerly
+                self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
+                self._drop()
+                log.warning(
+                    "graphs: capturing a decoding step failed (%s); decoding goes on without graphs", self.failed
+                )
+                return forward(*args, **kwargs)
         static_args, static_kwargs = self.inputs
         pairs = [*zip(static_args, args), *((static_kwargs[name], value) for name, value in kwargs.items())]
         for static, value in pairs:
@@ -120,7 +132,12 @@ class DecodeGraphs(ModuleHook):
         return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out)
 
     def counters(self) -> dict[str, int]:
-        return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_eager_steps": self.eager_steps}
+        return {
+            "graph_captures": self.captures,
+            "graph_replays": self.replays,
+            "graph_eager_steps": self.eager_steps,
+            "graph_failed": int(self.failed is not None),
+        }
 
     def _drop(self) -> None:
         """Let the graph go, once the work reading its pool (the last outputs' copies) is done."""
