@@ -85,17 +85,16 @@ def decode_rates(device: torch.device, elements: int, chunk: int, reps: int) -> 
     packed = codec.encode(weights, chunk, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pin))
     out = torch.empty(elements, dtype=torch.bfloat16, device=device)
     scratch = codec.Scratch(device, chunk)
-    blob = packed.blob.to(device)
+    blob = codec.Views(packed.blob.to(device))
 
     def check() -> None:
         assert torch.equal(out.cpu().view(torch.int16), weights.view(torch.int16)), "decoded bytes differ"
         out.fill_(float("nan"))
 
     def decode_on_device() -> None:  # the packed bytes already there: the decoding kernels alone
+        pairs = out.view(torch.uint8).view(-1, 2)
         for c in packed.chunks:
-            raw = blob[c.offset : c.offset + c.nbytes]
-            pairs = out.view(torch.uint8).view(-1, 2)[c.start : c.start + c.count]
-            codec.decode_chunk(raw, c, scratch.indices[: c.pairs], scratch.high[: c.pairs], pairs)
+            codec.decode_chunk(blob, c.offset, c, scratch.indices, scratch.high, pairs[c.start : c.start + c.count])
 
     raw_s = timed(lambda: out.copy_(host, non_blocking=pin), device, reps)
     check()

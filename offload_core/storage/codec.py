@@ -58,6 +58,14 @@ class Packed:
     shape: torch.Size
     dtype: torch.dtype
     chunk: int  # the most elements of a chunk, here or in the other tensors decoded with the same scratch
+    _host: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def host(self) -> np.ndarray:
+        """The blob as a numpy array (made once: its headers are read on every decode)."""
+        if self._host is None:
+            self._host = self.blob.numpy()
+        return self._host
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +80,7 @@ class Packed:
         """Raise :class:`StorageError` where a chunk's bytes no longer match the CRC-32 taken when it was packed."""
         for chunk in self.chunks:
             check_header(self, chunk, name)
-            data = self.blob[chunk.offset : chunk.offset + chunk.nbytes].numpy()
+            data = self.host[chunk.offset : chunk.offset + chunk.nbytes]
             if zlib.crc32(memoryview(data)) != chunk.crc:
                 raise StorageError(damaged(name, f"chunk at element {chunk.start} fails its checksum"))
 
@@ -93,7 +101,7 @@ def scratch_bytes(chunk: int = CHUNK_ELEMENTS) -> int:
 
 def raw_bound(chunk: int) -> int:
     """The most bytes one packed chunk of at most ``chunk`` elements may take."""
-    return 2 * chunk + HEADER + TABLE + PIECE
+    return -(-(2 * chunk + HEADER + TABLE + PIECE) // PIECE) * PIECE
 
 
 def applies(dtype: torch.dtype, numel: int) -> bool:
@@ -178,7 +186,7 @@ def _escapes(codes: np.ndarray) -> np.ndarray:
 def check_header(packed: Packed, chunk: Chunk, name: str) -> None:
     """A chunk's header read from host memory (16 bytes, no device work): the code, and the counts it was packed
     with."""
-    header = packed.blob[chunk.offset : chunk.offset + HEADER].view(torch.int32).tolist()
+    header = packed.host[chunk.offset : chunk.offset + HEADER].view(np.int32).tolist()
     if header != [MAGIC, chunk.count, chunk.exceptions, 0]:
         raise StorageError(damaged(name, f"chunk at element {chunk.start} has a wrong header"))
 
@@ -191,13 +199,13 @@ class Scratch:
         pairs = (chunk + 1) // 2
         self.chunk = chunk
         with torch.inference_mode(False):  # written in place by every decode: never inference tensors
-            self.raw = torch.empty(raw_bound(chunk), dtype=torch.uint8, device=device)
+            self.raw = Views(torch.empty(raw_bound(chunk), dtype=torch.uint8, device=device))
             self.indices = torch.empty(pairs, dtype=torch.int32, device=device)
-            self.high = torch.empty(pairs, dtype=torch.int16, device=device)
+            self.high = Views(torch.empty(2 * pairs, dtype=torch.uint8, device=device))
 
     @property
     def nbytes(self) -> int:
-        return self.raw.numel() + 4 * self.indices.numel() + 2 * self.high.numel()
+        return self.raw.u8.numel() + 4 * self.indices.numel() + self.high.u8.numel()
 
 
 def decode_into(packed: Packed, out: torch.Tensor, scratch: Scratch | None = None, name: str = "tensor") -> None:
@@ -205,41 +213,51 @@ def decode_into(packed: Packed, out: torch.Tensor, scratch: Scratch | None = Non
 
     With ``scratch`` (on ``out``'s device) each chunk is copied there (asynchronously from pinned memory) and decoded
     in its buffers, with no allocation; without, the host blob is decoded where it lies and every chunk's checksum
-    is checked first. Each chunk's header is checked in host memory either way."""
+    is checked first. Each chunk's header is checked in host memory either way. Only slices are taken per chunk:
+    the views in other dtypes are made once (a dtype view costs several times a slice)."""
     pairs_out = out.view(torch.uint8).view(-1, 2)
     if pairs_out.shape[0] != math.prod(packed.shape):
         raise ValueError(f"decode_into: {tuple(out.shape)} {out.dtype} does not hold {tuple(packed.shape)} bf16")
     if scratch is None:
         packed.verify(name)
+        source = Views(packed.blob)
+        high = Views(torch.empty(2 * ((packed.chunk + 1) // 2), dtype=torch.uint8))
+        indices = torch.empty((packed.chunk + 1) // 2, dtype=torch.int32)
+    else:
+        source, high, indices = scratch.raw, scratch.high, scratch.indices
     for chunk in packed.chunks:
         check_header(packed, chunk, name)
-        if scratch is not None and (chunk.count > scratch.chunk or chunk.nbytes > scratch.raw.numel()):
-            raise ValueError(f"decode_into: a chunk of {chunk.count} elements exceeds the scratch's {scratch.chunk}")
-        src = packed.blob[chunk.offset : chunk.offset + chunk.nbytes]
+        base = chunk.offset
         if scratch is not None:
-            raw = scratch.raw[: chunk.nbytes]
-            raw.copy_(src, non_blocking=True)
-            indices, high = scratch.indices[: chunk.pairs], scratch.high[: chunk.pairs]
-        else:
-            raw = src
-            indices = torch.empty(chunk.pairs, dtype=torch.int32)
-            high = torch.empty(chunk.pairs, dtype=torch.int16)
-        decode_chunk(raw, chunk, indices, high, pairs_out[chunk.start : chunk.start + chunk.count])
+            if chunk.count > scratch.chunk or chunk.nbytes > scratch.raw.u8.numel():
+                raise ValueError(f"decode_into: a chunk of {chunk.count} elements exceeds the scratch: {scratch.chunk}")
+            scratch.raw.u8[: chunk.nbytes].copy_(packed.blob[base : base + chunk.nbytes], non_blocking=True)
+            base = 0
+        decode_chunk(source, base, chunk, indices, high, pairs_out[chunk.start : chunk.start + chunk.count])
 
 
-def decode_chunk(raw: torch.Tensor, chunk: Chunk, indices: torch.Tensor, high: torch.Tensor, out: torch.Tensor):
-    count, pairs = chunk.count, chunk.pairs
-    table = raw[HEADER : HEADER + TABLE].view(torch.int16)
-    low = raw[HEADER + TABLE : HEADER + TABLE + count]
-    indices.copy_(raw[HEADER + TABLE + count : HEADER + TABLE + count + pairs])
-    torch.index_select(table, 0, indices, out=high)  # one byte of two indices -> the two high bytes
-    high_bytes = high.view(torch.uint8)[:count]
+class Views:
+    """A byte buffer (its length a multiple of 4, its start aligned) with its int16 and int32 views, made once."""
+
+    def __init__(self, u8: torch.Tensor) -> None:
+        self.u8 = u8
+        self.i16 = u8.view(torch.int16)
+        self.i32 = u8.view(torch.int32) if u8.numel() % 4 == 0 else None
+
+
+def decode_chunk(buf: Views, base: int, chunk: Chunk, indices: torch.Tensor, high: Views, out: torch.Tensor) -> None:
+    """Decode the chunk lying at byte ``base`` of ``buf`` into ``out`` (its ``count`` x 2 bytes), through ``indices``
+    (int32) and ``high`` (its int16 view gets the high bytes two at a time), each at least the chunk's pairs long."""
+    count, pairs, at = chunk.count, chunk.pairs, base + HEADER + TABLE
+    table = buf.i16[(base + HEADER) // 2 : at // 2]
+    indices = indices[:pairs]
+    indices.copy_(buf.u8[at + count : at + count + pairs])
+    torch.index_select(table, 0, indices, out=high.i16[:pairs])  # one byte of two indices -> the two high bytes
+    high_bytes = high.u8[:count]
     if chunk.exceptions:
-        at = chunk.positions_at
-        positions = raw[at : at + 4 * chunk.exceptions].view(torch.int32)
-        values = raw[at + 4 * chunk.exceptions : at + 5 * chunk.exceptions]
-        high_bytes.index_put_((positions,), values)
-    torch.stack((low, high_bytes), dim=1, out=out)
+        at, k = base + chunk.positions_at, chunk.exceptions
+        high_bytes.index_put_((buf.i32[at // 4 : at // 4 + k],), buf.u8[at + 4 * k : at + 5 * k])
+    torch.stack((buf.u8[base + HEADER + TABLE : base + HEADER + TABLE + count], high_bytes), dim=1, out=out)
 
 
 def decode(packed: Packed, name: str = "tensor") -> torch.Tensor:
