@@ -161,8 +161,19 @@ def test_a_hybrid_run_on_a_gpu_plans_the_split_and_matches_in_memory(hybrid, tmp
     from offload_core.runner.job import run
     from offload_core.runner.plan import hybrid as planning
 
+    from offload_core.module_hooks.prefetch.prefetcher import Prefetcher
+
     if hybrid == "given":
         monkeypatch.setattr(planning, "measured_rates", lambda *args: Rates(h2d_bps=1e9, host_bps=1e12))
+    copies: dict[str, int] = {}  # unit name -> copies to the GPU while decoding
+    copy_in = Prefetcher._copy_in
+
+    def counted(self, unit, *args, **kwargs):
+        if getattr(self, "decoding", False):
+            copies[unit.name] = copies.get(unit.name, 0) + 1
+        return copy_in(self, unit, *args, **kwargs)
+
+    monkeypatch.setattr(Prefetcher, "_copy_in", counted)
     fake_gpu(count=1, memory=8 * 2**20)
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -192,6 +203,9 @@ def test_a_hybrid_run_on_a_gpu_plans_the_split_and_matches_in_memory(hybrid, tmp
     host = int(out.split("hybrid: ")[1].split(" of ")[0])
     assert counters["host_units"] == host and (host == 4 or hybrid == "measured")
     assert counters["host_calls"] == host * 3  # every decoding step after the prefill
+    if hybrid == "given":  # no host block is copied in the decoding steps (but once, read ahead before the first
+        # decoding step showed itself), though the run keeps a page-cache set; the other offloaded units are
+        assert all(copies.get(f"model.layers.{i}", 0) <= 1 for i in range(4)) and sum(copies.values()) >= 3, copies
 
 
 def _compose(*overrides):

@@ -86,8 +86,8 @@ class HybridPrefetcher(Prefetcher):
         self.host_s = 0.0
 
     def _window(self, index: int, predicted: bool) -> list[int]:
-        if not self.decoding or not self.host or self.residency is not None:
-            return super()._window(index, predicted)
+        if not self.decoding or not self.host or (self.residency is not None and not self.copy):
+            return super()._window(index, predicted)  # (a kept set on mapped pages: no GPU run)
         n = len(self.units)
         ahead = self.trace.upcoming(n) if predicted else list(range(index + 1, n))
         return [i for i in ahead if i not in self.host][: self.depth]
