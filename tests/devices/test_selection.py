@@ -63,6 +63,7 @@ def test_a_cpu_test_stays_on_the_cpu_on_a_gpu_machine(gpu_machine):
         assert default_execution_device() == torch.device("fakegpu", 0)
 
 
+@pytest.mark.slow  # a process
 def test_processes_the_tests_start_use_the_cpu():
     assert os.environ.get(devices.ENV) == "cpu"
     code = "from offload_core import devices; print(devices.active().type)"

@@ -93,6 +93,7 @@ def sybil_run(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a pytest process
 def test_an_unmarked_block_that_fails_fails_the_run_and_a_marked_one_is_skipped(tmp_path):
     done = sybil_run(
         tmp_path,

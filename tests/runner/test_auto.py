@@ -180,6 +180,7 @@ def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_
     )  # a GPU run's copies read the pages: in its copy time
 
 
+@pytest.mark.slow  # the runner's job with auto=true on two models: each configuration it ranks calibrated
 def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for_a_dense_model(compose_run, tmp_path):
     from offload_core.module_hooks.experts.lists import routed_shares
     from offload_core.runner.plan.model import open_model
