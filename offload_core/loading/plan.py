@@ -50,6 +50,10 @@ class Plan:
     held: dict[str, int] = field(default_factory=dict)
     #: the store the plan was made for (its ``reads_from`` and conversions priced the bytes moved)
     storage: Storage | None = None
+    #: the device that computes, the no-split classes and the dtype the plan was made for: what dispatching it reads
+    execution_device: torch.device | None = None
+    no_split: list[str] = field(default_factory=list)
+    dtype: torch.dtype | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
@@ -187,6 +191,9 @@ def make_plan(
         policy=policy,
         lightened=lightened,
         storage=storage,
+        execution_device=execution_device,
+        no_split=list(no_split),
+        dtype=dtype,
     )
 
 

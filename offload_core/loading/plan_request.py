@@ -124,6 +124,31 @@ def plan_request(model: nn.Module, checkpoint: Any, request: PlanRequest) -> Pla
     return plan
 
 
+def dispatch(
+    plan: Plan, model: nn.Module, checkpoint: Any, offload_folder: str | Path | None = None, progress: bool = False
+) -> nn.Module:
+    """Load the opened ``checkpoint`` into the empty ``model`` as ``plan`` says: its device map, store, policy (its
+    buffers offloaded with the weights where it asks), no-split classes, dtype, execution device and kept set. The
+    one door every caller with a plan dispatches by (``run.py``'s modes, a pipeline, :func:`from_pretrained`);
+    ``offload_folder``: where a store that writes one writes it."""
+    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+
+    return load_checkpoint_and_dispatch(
+        model,
+        checkpoint,
+        plan.device_map,
+        no_split_module_classes=plan.no_split,
+        offload_folder=offload_folder,
+        dtype=plan.dtype,
+        storage=plan.storage,
+        policy=plan.policy,
+        execution_device=plan.execution_device,
+        progress=progress,
+        offload_buffers=plan.policy.offload_buffers,
+        residency=plan.residency(),
+    )
+
+
 def held_beside_weights(memory: Any, drafted: Mapping[str, int]) -> dict[str, int]:
     """What a plan holds back for the run beside its weights, by kind: the KV cache and activations of its
     generation (``memory``, a :class:`~offload_core.planning.batch_memory.BatchMemory` or None) and a draft's

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from offload_core import defaults
-from offload_core.loading.plan_request import PlanRequest, plan_request, resolved
+from offload_core.loading.plan_request import PlanRequest, dispatch, plan_request
 from offload_core.planning.generation import Generation
 
 
@@ -223,25 +223,11 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Any, request: PlanRequest) -
     """Plan ``model`` (empty) for ``request`` (:func:`plan_request`) and load the opened ``checkpoint`` into it as
     the plan says (closing the checkpoint if that fails), prepared for the request's speculative decoding: what
     :func:`from_pretrained` does once the model is built. The plan is ``model.offload_plan``."""
-    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.speculative import prepare
 
     try:
         plan = plan_request(model, checkpoint, request)
-        model = load_checkpoint_and_dispatch(
-            model,
-            checkpoint,
-            plan.device_map,
-            no_split_module_classes=request.no_split,
-            offload_folder=request.offload_folder,
-            dtype=request.dtype,
-            storage=resolved(request)[1],
-            policy=plan.policy,
-            execution_device=request.execution_device,
-            progress=request.progress,
-            offload_buffers=plan.policy.offload_buffers,
-            residency=plan.residency(),
-        )
+        model = dispatch(plan, model, checkpoint, request.offload_folder, request.progress)
         model.speculation = prepare(request.speculative, model, request.dtype, request.execution_device)
         model.offload_plan = plan
         return model

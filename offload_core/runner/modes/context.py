@@ -30,23 +30,10 @@ def frozen_heap() -> Iterator[None]:
 def dispatched(job: Prepared) -> Iterator[Any]:
     """Load the prepared checkpoint into the model as the plan places it, with the run's storage and policy; yields
     the model's ``offload_state`` and, however the block ends, drops every loaded unit and closes the store."""
-    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.loading.plan_request import dispatch
 
-    settings, strategies, run_model = job.settings, job.strategies, job.run_model
-    load_checkpoint_and_dispatch(
-        run_model.model,
-        job.checkpoint,
-        job.plan.device_map,
-        no_split_module_classes=run_model.no_split,
-        storage=strategies.storage,
-        policy=strategies.policy,
-        offload_folder=settings.offload_folder,
-        dtype=run_model.dtype,
-        execution_device=settings.execution_device,
-        progress=settings.progress,
-        offload_buffers=strategies.policy.offload_buffers,
-        residency=job.plan.residency(),
-    )
+    settings, run_model = job.settings, job.run_model
+    dispatch(job.plan, run_model.model, job.checkpoint, settings.offload_folder, settings.progress)
     if settings.graphs:
         from offload_core.module_hooks.graphs import apply_graphs
 

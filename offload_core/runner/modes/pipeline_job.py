@@ -105,7 +105,7 @@ class StepTimer:
 
 def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> RunResult:
     """The run of ``settings`` (whose ``model.path`` is a pipeline folder): plan, dispatch, images, metrics."""
-    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.loading.plan_request import dispatch
     from offload_core.loading.pipeline import build_empty_pipeline
     from offload_core.loading.pipeline_load import finish_dispatch, open_components
     from offload_core.runner.modes.context import frozen_heap
@@ -127,20 +127,7 @@ def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> Ru
             write_plan(settings, run_model, plan)
             return RunResult.of_plan(plan, settings.output_dir, {})
         started = time.perf_counter()
-        load_checkpoint_and_dispatch(
-            empty.modules,
-            checkpoint,
-            plan.device_map,
-            no_split_module_classes=no_split,
-            storage=strategies.storage,
-            policy=strategies.policy,
-            offload_folder=settings.offload_folder,
-            dtype=empty.dtype,
-            execution_device=settings.execution_device,
-            progress=settings.progress,
-            offload_buffers=strategies.policy.offload_buffers,
-            residency=plan.residency(),
-        )
+        dispatch(plan, empty.modules, checkpoint, settings.offload_folder, settings.progress)
         pipeline = finish_dispatch(empty, settings.execution_device)
         pipeline.set_progress_bar_config(disable=not settings.progress)
         with pipeline.offload_state as state, MemoryMonitor() as memory:

@@ -83,6 +83,7 @@ def prepare(
         plan = make_plan(settings, strategies, run_model, checkpoint)
         plan.held = held_beside_weights(batches.memory if batches is not None else None, held)
         strategies = hybrid_strategies(settings, strategies.planned(plan.policy), run_model, plan)
+        plan.policy = strategies.policy  # the one the run dispatches with (hybrid's, where asked)
         placement = None if settings.device_map_file else strategies.names["placement"]
         speculate.check_self_resident(spec, run_model, plan.device_map, settings.execution_device, placement)
         job = Prepared(settings, strategies, run_model, checkpoint, batches, input_ids, plan, held)
