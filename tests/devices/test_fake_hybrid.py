@@ -264,7 +264,12 @@ def test_from_pretrained_hybrid_measures_the_split_as_it_dispatches(rates, tmp_p
         expected = reference.generate(ids, max_new_tokens=5, do_sample=False)
     fake = fake_gpu(count=1, memory="64MiB")
     model = offload_core.from_pretrained(
-        tmp_path / "ckpt", max_memory={0: "150KiB", "cpu": "64MiB"}, storage="pinned_cpu", hybrid=True, dtype="float32"
+        tmp_path / "ckpt",
+        max_memory={0: "250KiB", "cpu": "64MiB"},  # after the generation's memory and slack, some blocks
+        storage="pinned_cpu",
+        hybrid=True,
+        dtype="float32",
+        generation={"max_new_tokens": 5, "prompt_tokens": 5},  # the one it generates below
     )
     policy = model.offload_state.handle
     split = policy.split

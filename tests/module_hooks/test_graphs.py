@@ -51,10 +51,11 @@ def test_offloaded_graphs_generate_what_the_in_memory_model_does(llama_run):
     del reference
     model = offload_core.from_pretrained(
         llama.path,
-        max_memory={0: total // 3 + graph_pool_bytes(llama.config, dtype=torch.float32)},
+        max_memory={0: total // 2 + graph_pool_bytes(llama.config, dtype=torch.float32)},
         storage="pinned_cpu",
         graphs=True,
         execution_device=fake.device(0),
+        generation={"max_new_tokens": 5, "prompt_tokens": ids.shape[1]},  # the one it generates
     )
     try:
         ring = model.offload_state.handle.prefetcher
@@ -78,10 +79,11 @@ def test_a_wrong_ring_schedule_is_a_hazard(llama_run, mistake):
     del reference
     model = offload_core.from_pretrained(
         llama.path,
-        max_memory={0: total // 3 + graph_pool_bytes(llama.config, dtype=torch.float32)},
+        max_memory={0: total // 2 + graph_pool_bytes(llama.config, dtype=torch.float32)},
         storage="pinned_cpu",
         graphs=True,
         execution_device=fake.device(0),
+        generation={"max_new_tokens": 5, "prompt_tokens": ids.shape[1]},  # the one it generates
     )
     ring = model.offload_state.handle.prefetcher
     if mistake == "compute before its copy":
