@@ -34,8 +34,9 @@ NOTE="$GPU (one GPU), $(nproc) CPUs, torch $($PY -c 'import torch; print(torch._
 echo "== $NOTE; load $(cut -d' ' -f1-3 /proc/loadavg)"
 if [ -n "${QUICK:-}" ]; then TOKENS=16 REPS=1 PRESET=${PRESET:-1.1b} BUDGET=${BUDGET:-1GB}; else
     TOKENS=32 REPS=2 PRESET=${PRESET:-3.4b} BUDGET=${BUDGET:-1.5GB}; fi
-DENSE_SYSTEMS=${DENSE_SYSTEMS:-inmem,ours:prefetch:pinned_cpu,ours:functional_call:pinned_cpu}
-MOE_SYSTEMS=${MOE_SYSTEMS:-inmem,ours:experts:pinned_cpu,ours:prefetch:pinned_cpu}
+P=ours:prefetch:pinned_cpu
+DENSE_SYSTEMS=${DENSE_SYSTEMS:-inmem,inmem-static,inmem-graphs,$P,$P:graphs,$P:hybrid,$P+codec=exponent}
+MOE_SYSTEMS=${MOE_SYSTEMS:-inmem,ours:experts:pinned_cpu,ours:prefetch:pinned_cpu,ours:experts+guess=none:pinned_cpu}
 
 for stage in $stages; do
     echo "== stage $stage ($(date +%T))"
@@ -47,6 +48,9 @@ for stage in $stages; do
         timeout 120 $PY run.py model=synthetic max_memory.0=1MB storage=pinned_cpu hook=prefetch \
             max_new_tokens=8 compare_in_memory=true progress=false hydra.run.dir=/tmp/gpu-main
         echo "exit $?"
+        timeout 120 $PY run.py model=synthetic max_memory.0=1MB storage=pinned_cpu hook=prefetch graphs=true \
+            max_new_tokens=8 compare_in_memory=true progress=false hydra.run.dir=/tmp/gpu-graphs
+        echo "exit $? (graphs)"
         ;;
     dense)
         timeout 360 $PY bench/compare.py --preset "$PRESET" --device cuda --budget "$BUDGET" --tokens "$TOKENS" \
@@ -54,7 +58,9 @@ for stage in $stages; do
             --systems "$DENSE_SYSTEMS" --note "$NOTE"
         ;;
     trace)
-        timeout 120 $PY bench/gpu_trace.py --preset "$PRESET" --budget "$BUDGET" --out "$OUT"
+        timeout 120 $PY bench/gpu_trace.py --preset "$PRESET" --budget "$BUDGET" --out "$OUT" --tag "$PRESET-cuda-$SLUG"
+        timeout 120 $PY run.py model=synthetic model.preset="$PRESET" max_memory.0="$BUDGET" storage=pinned_cpu \
+            hook=prefetch hybrid=true plan_only=true progress=false hydra.run.dir=/tmp/gpu-hybrid-plan
         ;;
     moe)
         $PY -c "import sys; sys.path.insert(0, 'bench'); import moe; print(moe.build('mixtral-2.6g'))"
@@ -64,10 +70,11 @@ for stage in $stages; do
             --note "$NOTE" --note "a quarter of the model on GPU 0 (max_memory.0), the rest in host memory"
         ;;
     codec)
-        timeout 120 $PY bench/gpu_codec.py --device cuda --out "$OUT"
+        timeout 120 $PY bench/gpu_codec.py --device cuda --preset "$PRESET" --no-smollm2 --out "$OUT" \
+            --tag "cuda-$SLUG"
         ;;
     diffusion)
-        timeout 240 $PY bench/diffusion.py --device cuda --out "$OUT"
+        timeout 240 $PY bench/diffusion.py --device cuda --out "$OUT" --timeout 120 --reps "$REPS"
         ;;
     dense11)
         timeout 300 $PY bench/compare.py --preset 1.1b --device cuda --budget 1GB --tokens "$TOKENS" --reps "$REPS" \
