@@ -42,7 +42,8 @@ for stage in $stages; do
     echo "== stage $stage ($(date +%T))"
     case $stage in
     tests)
-        timeout 240 $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/ 2>&1 | tail -25
+        timeout 240 $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider -W ignore tests/ >"$OUT/gpu_tests.txt" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -30
         ;;
     main)
         timeout 120 $PY run.py model=synthetic max_memory.0=1MB storage=pinned_cpu hook=prefetch \
