@@ -81,6 +81,7 @@ def _offloaded_llama(path, config, placement, store, policy, tmp_path):
         policy=_policy(policy),
         offload_folder=tmp_path / "offload",
         progress=False,
+        headroom=0,
     )
     return model
 
@@ -135,6 +136,7 @@ def test_bert_encoder_hidden_states(store, policy, tmp_path):
         policy=_policy(policy),
         offload_folder=tmp_path / "off",
         progress=False,
+        headroom=0,
     )
     assert "disk" in set(model.hf_device_map.values())
     with torch.no_grad():

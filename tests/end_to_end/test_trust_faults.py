@@ -112,9 +112,11 @@ def _dispatch(tiny: Path, folder: Path):
         tiny,
         device_map="sequential",
         max_memory={"cpu": 1024},
+        storage="memmap",
         offload_folder=folder,
         execution_device="cpu",
         progress=False,
+        headroom=0,
     )
 
 
