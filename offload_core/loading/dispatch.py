@@ -280,16 +280,8 @@ def load_checkpoint_and_dispatch(
             store.close()
         raise
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(
-        model,
-        device_map,
-        routes,
-        store,
-        policy,
-        execution_device,
-        [*no_split, *(preload_module_classes or [])],
-        residency,
-    )
+    blocks = [*no_split, *(preload_module_classes or [])]
+    _attach(model, device_map, routes, store, policy, execution_device, blocks, residency)
     return model
 
 
@@ -388,14 +380,6 @@ def dispatch_model(
                 set_tensor(model, name, tensor.detach().to(device), routes.is_param[name])
     retie(model, routes)
     move_leftover_buffers(model, device_map, execution_device)
-    _attach(
-        model,
-        device_map,
-        routes,
-        store,
-        policy,
-        execution_device,
-        [*no_split, *(preload_module_classes or [])],
-        residency,
-    )
+    blocks = [*no_split, *(preload_module_classes or [])]
+    _attach(model, device_map, routes, store, policy, execution_device, blocks, residency)
     return model

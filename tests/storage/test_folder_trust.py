@@ -197,6 +197,7 @@ def test_a_second_store_in_this_process_shares_the_folder_while_the_first_is_ali
 def test_a_dropped_store_lets_the_folder_go_when_collected(tmp_path):
     folder = tmp_path / "off"
     first = build(folder)
+    first.wait_until_sealed()  # its sealing thread holds it until done (slow under load)
     del first
     gc.collect()
     other = build(folder, fingerprint={"v": 2})  # a different build: only possible once the first is gone
