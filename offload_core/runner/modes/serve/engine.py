@@ -21,7 +21,7 @@ from offload_core.runner.modes.serve.cache import BatchCache, check_mergeable
 from offload_core.runner.modes.serve.logprobs import TokenLogprob, token_logprob
 from offload_core.runner.modes.serve.metrics import ServeMetrics
 from offload_core.runner.modes.serve.sampling import Detokenizer, Params, Picker
-from offload_core.runner.modes.serve.speculate import Drafter, accept, draft_inputs, speculating
+from offload_core.runner.modes.serve.speculate import Drafter, accept, draft_inputs, drafts, speculating
 
 _ids = itertools.count(1)
 
@@ -272,8 +272,8 @@ class Engine:
         self.metrics.active.set(self.active)
 
     def _decode(self, group: Group) -> None:
-        drafts = [self.drafter.draft(r) if self.drafter is not None else [] for r in group.rows]
-        ids, positions, width = draft_inputs(self, group, drafts)
+        drafted = drafts(self, group)
+        ids, positions, width = draft_inputs(self, group, drafted)
         mask = group.cache.grow(width)
         try:
             logits = self._forward(ids, mask, positions, group.cache.cache, keep=width)
@@ -282,7 +282,7 @@ class Engine:
             self._fail(group.rows, error)
             return
         if width > 1:
-            accept(self, group, logits, drafts)
+            accept(self, group, logits, drafted)
         else:
             self.metrics.on_pass(len(group.rows))
             self._deliver(group, logits)

@@ -33,10 +33,10 @@ class Drafter:
             max_length=context + int(config.tokens) + 2,  # never the limit: ``room`` below is
         )
 
-    def draft(self, request: Request) -> list[int]:
-        """The tokens ``request`` drafts now (none when nothing matches or it has no room for more)."""
+    def draft(self, request: Request, most: int) -> list[int]:
+        """The tokens (at most ``most``) ``request`` drafts now: none when nothing matches or it has no room left."""
         made = len(request.tokens)
-        room = min(request.params.max_tokens - made, self.context - len(request.prompt) - made) - 1
+        room = min(request.params.max_tokens - made - 1, self.context - len(request.prompt) - made - 1, most)
         if room < 1 or not request.tokens:
             return []
         if not request.lookup:
@@ -50,6 +50,15 @@ class Drafter:
         """``request`` drafted ``drafted`` tokens of which ``matched`` were accepted: its next draft's length."""
         if self.config.adaptive:
             request.lookup = next_lookup_tokens(request.lookup, drafted, matched, int(self.config.tokens))
+
+
+def drafts(engine: Engine, group: Group) -> list[list[int]]:
+    """Each row's drafts this step (none without speculation); a step checks at most ``context`` tokens in all, as
+    the prefill the plan holds activations for."""
+    if engine.drafter is None:
+        return [[] for _ in group.rows]
+    most = engine.context // len(group.rows) - 1
+    return [engine.drafter.draft(r, most) for r in group.rows]
 
 
 def draft_inputs(engine: Engine, group: Group, drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
