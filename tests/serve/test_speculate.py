@@ -122,3 +122,30 @@ def test_settle_drops_each_rows_rejected_columns():
     assert batch.mask.tolist() == [[0, 0, 0, 0, 1], [1, 1, 1, 1, 1]]
     assert cache.layers[0].keys[:, 0, :, 0].tolist() == [[0, 0, 0, 1, 2], [7, 8, 9, 10, 11]]
     assert cache.layers[0].values.shape == cache.layers[0].keys.shape == (2, 1, 5, 1)
+
+
+@pytest.mark.slow
+def test_the_server_speculates_per_request_and_says_so_in_its_metrics(folder, model, tmp_path):
+    from tests.serve.server import call, metric, start_server, stop_server
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    expected = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    proc, url = start_server(
+        folder, tmp_path, "speculative=prompt_lookup", "serve.max_batch=2", "serve.context=128", "serve.model_name=tiny"
+    )
+    try:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        status, answer = call(url, "POST", "/v1/completions", body)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == expected
+        accepted = metric(url, "offload_core_serve_accepted_tokens_total")
+        assert 0 < accepted <= metric(url, "offload_core_serve_drafted_tokens_total")
+        passes = metric(url, "offload_core_serve_forward_passes_total")
+        assert passes < metric(url, "offload_core_serve_generated_tokens_total")
+    finally:
+        code, printed, err = stop_server(proc)
+    assert code == 0, err[-2000:]
+    assert "served 1 requests" in printed
