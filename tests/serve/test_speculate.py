@@ -149,3 +149,32 @@ def test_the_server_speculates_per_request_and_says_so_in_its_metrics(folder, mo
         code, printed, err = stop_server(proc)
     assert code == 0, err[-2000:]
     assert "served 1 requests" in printed
+
+
+@pytest.mark.slow
+def test_bench_serve_speculation_writes_its_report(folder, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests import ROOT
+    from tests.end_to_end.helpers import child_env
+    from tests.serve.server import OFFLOADED
+
+    done = subprocess.run(
+        [sys.executable, "bench/serve_speculation.py", "--clients", "1,2", "--tokens", "8", "--tag", "tiny"]
+        + ["--out", str(tmp_path), "model=local", f"model.path={folder}", "serve.context=128", *OFFLOADED],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "serve-speculation-tiny.json").read_text())
+    assert set(result["runs"]) == {"none", "prompt_lookup"} and result["same_text"] is True
+    plain, speculating = result["runs"]["none"]["loads"], result["runs"]["prompt_lookup"]["loads"]
+    assert [row["clients"] for row in speculating] == [1, 2]
+    assert [row["generated_tokens"] for row in speculating] == [row["generated_tokens"] for row in plain]
+    assert all(row["drafted_tokens"] == 0 for row in plain)
+    assert "| prompt_lookup | 2 |" in (tmp_path / "serve-speculation-tiny.md").read_text()

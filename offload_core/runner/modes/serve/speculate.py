@@ -5,15 +5,12 @@ drop what was rejected."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from offload_core.speculative.config import SpeculativeConfig
 from offload_core.speculative.counting import next_lookup_tokens
-
-if TYPE_CHECKING:
-    from offload_core.runner.modes.serve.engine import Engine, Group, Request
 
 
 class Drafter:
@@ -33,7 +30,7 @@ class Drafter:
             max_length=context + int(config.tokens) + 2,  # never the limit: ``room`` below is
         )
 
-    def draft(self, request: Request, most: int) -> list[int]:
+    def draft(self, request: Any, most: int) -> list[int]:
         """The tokens (at most ``most``) ``request`` drafts now: none when nothing matches or it has no room left."""
         made = len(request.tokens)
         room = min(request.params.max_tokens - made - 1, self.context - len(request.prompt) - made - 1, most)
@@ -46,13 +43,13 @@ class Drafter:
         candidates, _ = self.lookup.get_candidates(ids)
         return candidates[0, ids.shape[1] :].tolist()
 
-    def checked(self, request: Request, drafted: int, matched: int) -> None:
+    def checked(self, request: Any, drafted: int, matched: int) -> None:
         """``request`` drafted ``drafted`` tokens of which ``matched`` were accepted: its next draft's length."""
         if self.config.adaptive:
             request.lookup = next_lookup_tokens(request.lookup, drafted, matched, int(self.config.tokens))
 
 
-def drafts(engine: Engine, group: Group) -> list[list[int]]:
+def drafts(engine: Any, group: Any) -> list[list[int]]:
     """Each row's drafts this step (none without speculation); a step checks at most ``context`` tokens in all, as
     the prefill the plan holds activations for."""
     if engine.drafter is None:
@@ -61,7 +58,7 @@ def drafts(engine: Engine, group: Group) -> list[list[int]]:
     return [engine.drafter.draft(r, most) for r in group.rows]
 
 
-def draft_inputs(engine: Engine, group: Group, drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def draft_inputs(engine: Any, group: Any, drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The ids and positions of a forward that gives each row its last token and its drafts, padded on the right to
     the longest, and that width (1 without drafts: a plain decoding step)."""
     width = max(map(len, drafts), default=0) + 1
@@ -70,7 +67,7 @@ def draft_inputs(engine: Engine, group: Group, drafts: list[list[int]]) -> tuple
     return torch.tensor(ids, dtype=torch.long), positions, width
 
 
-def accept(engine: Engine, group: Group, logits: torch.Tensor, drafts: list[list[int]]) -> None:
+def accept(engine: Any, group: Any, logits: torch.Tensor, drafts: list[list[int]]) -> None:
     """Each row's tokens from ``logits`` (rows x width x vocab): picked at each position in turn (greedy or sampled,
     each token picked as without speculation), going on while the pick equals the row's draft there; then the rejected
     columns leave the row's KV cache."""
