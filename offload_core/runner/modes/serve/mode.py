@@ -173,7 +173,12 @@ def run_serve(job: Prepared, labels: dict) -> RunResult:
     print(
         f"served {figures['requests']} requests: {figures['generated_tokens']} tokens in {figures['forward_passes']} "
         f"passes ({figures['tokens_per_pass']:.2f} per pass), moved "
-        f"{format_size(int(figures['bytes_moved_per_token']))}/token",
+        f"{format_size(int(figures['bytes_moved_per_token']))}/token"
+        + (
+            f", {figures['accepted_tokens']} of {figures['drafted_tokens']} drafted tokens accepted"
+            if settings.speculative.active
+            else ""
+        ),
         flush=True,
     )
     return result
