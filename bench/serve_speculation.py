@@ -88,7 +88,8 @@ def report(result: dict) -> str:
         f"# Serve with speculation: {result['tag']}",
         "",
         f"`python run.py mode=serve {' '.join(result['server_args'])} speculative=...`, {result['tokens']} greedy "
-        f"tokens per request, prompts that ask to repeat a text; machine: {result['machine']}",
+        f"tokens per request, prompts that ask to repeat a text; machine: {result['machine']}, offload_core "
+        f"{result['commit']}, load average {result['loadavg_start']} at start, {result['loadavg_end']} at end",
         "",
         "| speculative | clients | passes | tokens/pass | accepted/drafted | aggregate tok/s | MiB moved/token |",
         "|---|---|---|---|---|---|---|",
@@ -104,6 +105,13 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def commit() -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--clients", default="1,4")
@@ -113,7 +121,7 @@ def main() -> None:
     parser.add_argument("server_args", nargs="*", help="run.py keys (default: %(default)s)", default=DEFAULT_ARGS)
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
-    runs = {}
+    runs, loadavg_start = {}, round(os.getloadavg()[0], 1)
     with tempfile.TemporaryDirectory() as scratch:
         for name in ("none", "prompt_lookup"):
             runs[name] = serve([*args.server_args, f"speculative={name}"], clients, args.tokens, Path(scratch) / name)
@@ -122,6 +130,9 @@ def main() -> None:
         "server_args": args.server_args,
         "tokens": args.tokens,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "commit": commit(),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": round(os.getloadavg()[0], 1),
         "runs": runs,
         "same_text": runs["none"]["texts"] == runs["prompt_lookup"]["texts"],
     }
