@@ -1,5 +1,5 @@
 """What ``mode=serve`` refuses before it serves, each as one line: an unknown mode, a batch the budget cannot hold, a
-speculation, a port already taken, a task that does not generate."""
+draft model's speculation, a port already taken, a task that does not generate."""
 
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ def test_auto_admits_what_the_budget_holds(compose_run, tiny, tmp_path):
         slots("100KiB")
 
 
-def test_speculation_is_refused(compose_run, tiny, tmp_path):
-    with pytest.raises(ConfigError, match="does not run speculative=prompt_lookup"):
-        serve(compose_run, tiny, tmp_path, "speculative=prompt_lookup")
+def test_a_draft_models_speculation_is_refused(compose_run, tiny, tmp_path):
+    with pytest.raises(ConfigError, match="does not run speculative=self yet: use speculative=prompt_lookup"):
+        serve(compose_run, tiny, tmp_path, "speculative=self")
 
 
 def test_a_taken_port_is_one_line(compose_run, tiny, tmp_path):

@@ -29,6 +29,14 @@ def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
+def _moved(tensor: torch.Tensor, source: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (rows x heads x width x dim) with column c of row i taken from column ``source[i, c]``, zero where
+    ``empty``."""
+    rows, heads, width, dim = tensor.shape
+    index = source.to(tensor.device)[:, None, :, None].expand(rows, heads, width, dim)
+    return tensor.gather(2, index).masked_fill(empty.to(tensor.device)[:, None, :, None], 0)
+
+
 class BatchCache:
     """A transformers cache (``cache``) of several rows and their attention ``mask`` (rows x width, 1 where a row
     holds a token); every row's tokens end at the last column, so the next token of every row is one new column."""
@@ -49,10 +57,26 @@ class BatchCache:
         """The position of each row's next token: the tokens it holds (its padding is not counted)."""
         return self.mask.sum(dim=1, keepdim=True)
 
-    def grow(self) -> torch.Tensor:
-        """The mask of a forward that adds one token to every row (one more column of ones), kept as the new mask."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, 1))], dim=1)
+    def grow(self, columns: int = 1) -> torch.Tensor:
+        """The mask of a forward that adds ``columns`` tokens to every row (columns of ones), kept as the new mask."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, columns))], dim=1)
         return self.mask
+
+    def settle(self, kept: list[int], added: int) -> None:
+        """After a forward that added ``added`` columns to every row, row i keeps only the first ``kept[i]`` of them
+        (its rejected drafts are dropped): each row's tokens move right to end at the last column again, the columns
+        it frees on the left become padding, and columns no row holds a token in are cut."""
+        shifts = torch.tensor([added - k for k in kept], dtype=torch.long)
+        if not bool(shifts.any()):
+            return
+        source = torch.arange(self.width)[None, :] - shifts[:, None]  # rows x width: the column each comes from
+        empty = source < 0
+        source = source.clamp(min=0)
+        self.mask = self.mask.gather(1, source.to(self.mask.device)).masked_fill(empty.to(self.mask.device), 0)
+        for layer in _layers(self.cache):
+            layer.keys = _moved(layer.keys, source, empty)
+            layer.values = _moved(layer.values, source, empty)
+        self.keep(list(range(self.rows)))
 
     def pad(self, columns: int) -> None:
         """Add ``columns`` empty columns on the left of every row."""

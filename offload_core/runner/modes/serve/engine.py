@@ -21,6 +21,7 @@ from offload_core.runner.modes.serve.cache import BatchCache, check_mergeable
 from offload_core.runner.modes.serve.logprobs import TokenLogprob, token_logprob
 from offload_core.runner.modes.serve.metrics import ServeMetrics
 from offload_core.runner.modes.serve.sampling import Detokenizer, Params, Picker
+from offload_core.runner.modes.serve.speculate import Drafter, accept, draft_inputs, drafts, speculating
 
 _ids = itertools.count(1)
 
@@ -63,6 +64,7 @@ class Request:
     first_token_s: float | None = None
     picker: Picker | None = None
     text: Detokenizer | None = None
+    lookup: int = 0  # prompt lookup: the tokens it drafts next (adapts)
 
     @property
     def done(self) -> bool:
@@ -80,7 +82,8 @@ class Group:
 class Engine:
     """Runs ``model`` over the requests it is given: at most ``slots`` generate at once, each holding up to
     ``context`` tokens; ``max_queue`` more wait. ``exact``: each request computes in a forward of its own, so its
-    tokens are those it gets alone (the pass over the weights is not shared)."""
+    tokens are those it gets alone (the pass over the weights is not shared). ``speculative``: prompt lookup, each
+    request drafting from its own text and every request's drafts checked in the step's one forward."""
 
     def __init__(
         self,
@@ -92,6 +95,7 @@ class Engine:
         max_queue: int = 64,
         exact: bool = False,
         metrics: ServeMetrics | None = None,
+        speculative: Any = None,
     ) -> None:
         from transformers import DynamicCache
 
@@ -112,7 +116,9 @@ class Engine:
         self.cache_key = "cache" if "cache" in params else "past_key_values"
         self.keep_logits = "logits_to_keep" in params
         self.new_cache = lambda: DynamicCache(config=model.config)
-        if not exact:
+        spec = speculating(speculative)
+        self.drafter = Drafter(spec, self.eos, context) if spec is not None else None
+        if not exact or spec is not None:  # speculation drops rejected columns row by row
             check_mergeable(self.new_cache())
 
     # -- the requests' side (any thread) --
@@ -229,15 +235,19 @@ class Engine:
             self.metrics.waiting.set(len(self.waiting))
         return taken
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, keep: int = 1
+    ) -> torch.Tensor:
+        """The logits of each row's last position (rows x vocab), or of its last ``keep`` (rows x keep x vocab)."""
         kwargs = {self.cache_key: cache, "use_cache": True, "return_dict": True}
         if self.keep_logits:
-            kwargs["logits_to_keep"] = 1
+            kwargs["logits_to_keep"] = keep
         device = self.device
         out = self.model(
             input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device), **kwargs
         )
-        return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        logits = out.logits[:, -1] if keep == 1 else out.logits[:, -keep:]
+        return logits.to(copy=True, dtype=torch.float32)
 
     def _prefill(self, requests: list[Request]) -> None:
         ids, mask = left_padded([r.prompt for r in requests], self.pad)
@@ -262,41 +272,49 @@ class Engine:
         self.metrics.active.set(self.active)
 
     def _decode(self, group: Group) -> None:
-        ids = torch.tensor([[r.tokens[-1]] for r in group.rows], dtype=torch.long)
-        positions = group.cache.positions()
-        mask = group.cache.grow()
+        drafted = drafts(self, group)
+        ids, positions, width = draft_inputs(self, group, drafted)
+        mask = group.cache.grow(width)
         try:
-            logits = self._forward(ids, mask, positions, group.cache.cache)
+            logits = self._forward(ids, mask, positions, group.cache.cache, keep=width)
         except Exception as error:
             self.groups.remove(group)
             self._fail(group.rows, error)
             return
-        self.metrics.on_pass(len(group.rows))
-        self._deliver(group, logits)
+        if width > 1:
+            accept(self, group, logits, drafted)
+        else:
+            self.metrics.on_pass(len(group.rows))
+            self._deliver(group, logits)
         self._keep_unfinished(group)
         self.metrics.active.set(self.active)
 
     def _deliver(self, group: Group, logits: torch.Tensor) -> None:
-        now = time.perf_counter()
         for row, request in enumerate(group.rows):
-            if request.done:
-                continue
-            try:
-                token = request.picker.pick(logits[row])
-                if request.first_token_s is None:
-                    request.first_token_s = now - request.submitted
-                    self.metrics.first_token.observe(request.first_token_s)
-                request.tokens.append(token)
-                event = self._event(request, token)
-                if request.params.logprobs is not None and token not in self.eos:
-                    top = request.params.logprobs
-                    event.logprobs.append(token_logprob(logits[row], token, top, self._token_text))
-            except Exception as error:  # this request fails alone (its sampling, its text)
-                request.finish_reason = "error"
-                request.emit(Event(error=f"{type(error).__name__}: {error}"))
-                continue
-            request.finish_reason = event.finish_reason
-            request.emit(event)
+            self.give(request, logits[row])
+
+    def give(self, request: Request, logits: torch.Tensor) -> int | None:
+        """Pick ``request``'s next token from ``logits`` (vocab) and send it; the token, or None when the request
+        had ended or fails here."""
+        if request.done:
+            return None
+        try:
+            token = request.picker.pick(logits)
+            if request.first_token_s is None:
+                request.first_token_s = time.perf_counter() - request.submitted
+                self.metrics.first_token.observe(request.first_token_s)
+            request.tokens.append(token)
+            event = self._event(request, token)
+            if request.params.logprobs is not None and token not in self.eos:
+                top = request.params.logprobs
+                event.logprobs.append(token_logprob(logits, token, top, self._token_text))
+        except Exception as error:  # this request fails alone (its sampling, its text)
+            request.finish_reason = "error"
+            request.emit(Event(error=f"{type(error).__name__}: {error}"))
+            return None
+        request.finish_reason = event.finish_reason
+        request.emit(event)
+        return token
 
     def _event(self, request: Request, token: int) -> Event:
         text = request.text

@@ -31,6 +31,9 @@ class ServeMetrics:
         self.tokens_per_pass = Histogram(
             f"{PREFIX}_tokens_per_pass", "tokens one pass made", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
+        self.drafted = Counter(f"{PREFIX}_drafted_tokens", "tokens drafted by speculation and checked", registry=r)
+        self.accepted = Counter(f"{PREFIX}_accepted_tokens", "drafted tokens the model accepted", registry=r)
+        self.drafted_count = self.accepted_count = 0
         self.first_token = Histogram(f"{PREFIX}_time_to_first_token_seconds", "time to first token", registry=r)
         self.moved = moved
         self.generated_count = 0
@@ -50,6 +53,13 @@ class ServeMetrics:
         self.passes_count += 1
         self.prompt_count += prompt_tokens
         self.prompt_tokens.inc(prompt_tokens)
+
+    def on_drafts(self, drafted: int, accepted: int) -> None:
+        """One forward checked ``drafted`` drafted tokens, of which ``accepted`` were kept."""
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+        self.drafted_count += drafted
+        self.accepted_count += accepted
 
     def text(self) -> bytes:
         """Every metric in Prometheus' text format, the bytes moved read now."""

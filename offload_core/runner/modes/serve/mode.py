@@ -24,9 +24,10 @@ def check_servable(job: Prepared) -> None:
     """A server generates with a decoder-only model and plain decoding; anything else is one line before loading."""
     if job.run_model.task != "causal_lm":
         raise ConfigError(f"mode=serve serves causal_lm models; this one is {job.run_model.task}: use mode=run")
-    if job.settings.speculative.name != "none":
+    if job.settings.speculative.name not in ("none", "prompt_lookup"):
         raise ConfigError(
-            f"mode=serve does not run speculative={job.settings.speculative.name} yet; leave speculative out"
+            f"mode=serve does not run speculative={job.settings.speculative.name} yet: use speculative=prompt_lookup "
+            "or leave speculative out"
         )
 
 
@@ -136,8 +137,11 @@ def run_serve(job: Prepared, labels: dict) -> RunResult:
                 options.max_queue,
                 options.exact,
                 metrics,
+                settings.speculative,
             )
         except TypeError as error:
+            if settings.speculative.active:
+                raise ConfigError(f"{error}: speculative=prompt_lookup cannot drop rejected drafts from them") from None
             raise ConfigError(f"{error}: give serve.exact=true (each request computes alone)") from None
         encode_chat, encode_text = encoders(job)
         name = served_name(options, settings.model)
@@ -169,7 +173,12 @@ def run_serve(job: Prepared, labels: dict) -> RunResult:
     print(
         f"served {figures['requests']} requests: {figures['generated_tokens']} tokens in {figures['forward_passes']} "
         f"passes ({figures['tokens_per_pass']:.2f} per pass), moved "
-        f"{format_size(int(figures['bytes_moved_per_token']))}/token",
+        f"{format_size(int(figures['bytes_moved_per_token']))}/token"
+        + (
+            f", {figures['accepted_tokens']} of {figures['drafted_tokens']} drafted tokens accepted"
+            if settings.speculative.active
+            else ""
+        ),
         flush=True,
     )
     return result
@@ -191,6 +200,8 @@ def serve_figures(metrics: Any, run: Any) -> dict[str, Any]:
         "generated_tokens": tokens,
         "forward_passes": metrics.passes_count,
         "tokens_per_pass": tokens / metrics.passes_count if metrics.passes_count else 0.0,
+        "drafted_tokens": metrics.drafted_count,
+        "accepted_tokens": metrics.accepted_count,
         "bytes_moved_per_token": moved["bytes"] / tokens if tokens else 0.0,
         "offloaded_bytes": run.state.offloaded_bytes(),
         "load_s": run.load_s,
