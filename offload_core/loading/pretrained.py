@@ -172,10 +172,11 @@ def from_pretrained(
     max_memory = read_max_memory(max_memory, device)
     if graphs:
         from offload_core.errors import GraphsError
+        from offload_core.loading.dispatch import resolve_strategy
         from offload_core.module_hooks.graphs import graph_pool_bytes, graphs_refusal
 
         policy_name = policy if isinstance(policy, str) else "prefetch"
-        pinned = storage == "pinned_cpu" if isinstance(storage, str) else getattr(storage, "pinned", None)
+        pinned = resolve_strategy("storage", storage).pinned
         refusal = graphs_refusal(device, policy_name, pinned, False)
         if refusal is not None:
             raise GraphsError(refusal)

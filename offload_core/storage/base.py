@@ -89,6 +89,10 @@ class Store(Mapping):
     pinned: bool = False
     #: True when some tensors are held packed (:meth:`packed`): a module hook may copy them so and decode them
     packs: bool = False
+    #: True when :meth:`read_into` builds the tensor in the caller's buffer itself, in one pass (assembled, converted,
+    #: decoded or copied from its mapped file): module hooks then read into their buffers through it rather than copy
+    #: ``store[name]``; False (the default): :meth:`read_into` only copies ``store[name]``
+    reads_into: bool = False
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         """Keep ``tensor`` (already converted to the run's dtype) under ``name``.
@@ -101,6 +105,17 @@ class Store(Mapping):
     def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
         """Keep checkpoint tensor ``key`` under ``name``; stores that read in place override this."""
         self.put(name, convert_dtype(checkpoint.get(key), dtype))
+
+    def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of ``store[name]``; stores that can tell without reading or converting the tensor override
+        this (the default reads ``store[name]``)."""
+        tensor = self[name]
+        return tensor.shape, tensor.dtype
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Write ``store[name]`` into ``out`` (a buffer the caller holds, of its shape and dtype). The default copies
+        ``store[name]``; a store that builds the tensor on read overrides it and sets :attr:`reads_into`."""
+        out.copy_(self[name])
 
     def offset(self, name: str) -> int:
         """``name``'s reference address offset (:mod:`offload_core.alignment`): where the model's in-memory load
@@ -178,6 +193,39 @@ class Store(Mapping):
 
     def __len__(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class MappingStore(Store):
+    """A :class:`Store` over a mapping of tensors held elsewhere (a dict built in memory): no reference offset (0: a
+    copy for the model starts aligned), nothing to read in ahead (:meth:`warm` says the caller copies), rows copied
+    from ``store[name]``."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def offset(self, name: str) -> int:
+        return 0
+
+    def warm(self, name: str) -> bool:
+        return False
+
+    def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
+        out.copy_(self[name][expert])
+
+
+def as_store(store: Mapping[str, torch.Tensor]) -> Store:
+    """``store`` as a :class:`Store`: itself when it is one, else a :class:`MappingStore` over it (every capability at
+    its "not supported" default)."""
+    return store if isinstance(store, Store) else MappingStore(store)
 
 
 def moved_bytes(store: Any, name: str, tensor_bytes: int) -> int:

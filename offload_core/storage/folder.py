@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 class FolderStore(FileMaps, Store):
     """Offloaded tensors in an offload folder, read back through memory maps (file-backed pages, no copy)."""
 
+    reads_into = True  # one copy from the mapped file
+
     #: ``write_file(path, data)`` writes one new file (a tensor's bytes, the index, the completion marker):
     #: the one place this store writes data. A seam: tests replace it to inject a full disk or a crash.
     write_file = staticmethod(write_file)

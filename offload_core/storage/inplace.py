@@ -34,6 +34,8 @@ class InPlaceStore(Store):
     is written to disk.
     """
 
+    reads_into = True  # converts or assembles into the caller's buffer in one pass
+
     def __init__(self, context: StoreContext) -> None:
         checkpoint = context.checkpoint
         if checkpoint is None or not getattr(checkpoint, "is_safetensors", False):

@@ -21,6 +21,7 @@ class PackedMemoryStore(HostMemoryStore):
     host, its checksums checked, and :meth:`packed` hands a module hook the code to decode on its device."""
 
     packs = True
+    reads_into = True  # decodes into the caller's buffer
 
     def __init__(self, context: StoreContext, pin: bool = True, chunk: int = codec.CHUNK_ELEMENTS) -> None:
         super().__init__(context, pin=pin)

@@ -83,7 +83,7 @@ def apply_graphs(model: nn.Module, device: torch.device | str | None = None) -> 
     if handle is not None and handle.units:
         policy = "prefetch" if isinstance(handle, PrefetchHandle) else type(handle).__name__
     store = getattr(state, "store", None)
-    refusal = graphs_refusal(device, policy, bool(getattr(store, "pinned", False)) if policy else None, False)
+    refusal = graphs_refusal(device, policy, (store is not None and store.pinned) if policy else None, False)
     if refusal is not None:
         raise GraphsError(refusal)
     ring = None

@@ -20,6 +20,8 @@ class GGUFStore(Store):
     (:class:`offload_core.loading.gguf_checkpoint.GGUFCheckpoint`, read through its methods ``read_into``,
     ``raw``, ``stored_nbytes``, ``byte_range``, ``shape``)."""
 
+    reads_into = True  # dequantizes into the caller's buffer
+
     def __init__(self, context: StoreContext) -> None:
         checkpoint = context.checkpoint
         if checkpoint is None or not getattr(checkpoint, "is_gguf", False):
