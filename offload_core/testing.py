@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from offload_core.planning import PlacementRequest
+from offload_core.values import budget_key
 
 
 def _resolve(kind: str, strategy: Any) -> Any:
@@ -278,7 +279,7 @@ def check_policy_reservation(policy: Any) -> list[dict]:
                     assert isinstance(size, int) and size >= 0, (
                         f"reserve() gave {size!r} bytes on {key!r} for a {where}"
                     )
-                main = "cpu" if device.type == "cpu" else device.index
+                main = budget_key(device)
                 assert main in reserve, f"reserve() says nothing about the execution device {main!r} for a {where}"
                 if device.type == "cuda":
                     assert reserve[main] >= min(need.block_bytes, need.module_bytes), (

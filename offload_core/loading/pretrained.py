@@ -12,6 +12,7 @@ from torch import nn
 from offload_core import defaults
 from offload_core.loading.plan_request import PlanRequest, dispatch, plan_request
 from offload_core.planning.generation import Generation
+from offload_core.values import budget_key
 
 
 def from_pretrained(
@@ -182,7 +183,7 @@ def from_pretrained(
             raise GraphsError(refusal)
         if max_memory is not None:  # the graph's pool is held back from the execution device's budget
             budgets = get_max_memory(max_memory, check_devices=False)
-            key = device.index or 0
+            key = budget_key(device)
             if key in budgets:
                 budgets[key] -= graph_pool_bytes(config, dtype=dtype)
             max_memory = budgets

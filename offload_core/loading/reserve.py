@@ -12,6 +12,7 @@ from torch import nn
 from offload_core.module_hooks.policy import Policy
 from offload_core.planning.reservation import InFlight
 from offload_core.storage.base import Storage
+from offload_core.values import budget_key
 
 
 def reservation(
@@ -327,5 +328,5 @@ def units_in_flight(policy: Policy | None, execution_device: torch.device) -> in
     if policy is None:
         return 1
     need = InFlight(execution_device, block_bytes=1, module_bytes=1, store_converts=True)
-    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+    key = budget_key(execution_device)
     return max(1, int(policy.reserve(need).get(key, 1)))
