@@ -15,6 +15,7 @@ from offload_core.errors import ConfigError
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.values import budget_key, format_size
+from offload_core.storage.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Plan:
 
 def make_plan(
     model: nn.Module,
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     *,
     placement: Placement,
     storage: Storage,

@@ -13,6 +13,7 @@ from offload_core import defaults
 from offload_core.loading.plan_request import PlanRequest, dispatch, plan_request
 from offload_core.planning.generation import Generation
 from offload_core.values import budget_key
+from offload_core.storage.checkpoint import Checkpoint
 
 
 def from_pretrained(
@@ -221,7 +222,7 @@ def from_pretrained(
     return model
 
 
-def plan_and_dispatch(model: nn.Module, checkpoint: Any, request: PlanRequest) -> nn.Module:
+def plan_and_dispatch(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest) -> nn.Module:
     """Plan ``model`` (empty) for ``request`` (:func:`plan_request`) and load the opened ``checkpoint`` into it as
     the plan says (closing the checkpoint if that fails), prepared for the request's speculative decoding: what
     :func:`from_pretrained` does once the model is built. The plan is ``model.offload_plan``."""

@@ -14,6 +14,7 @@ import torch
 from offload_core.alignment import address_offset, misplaced, reference_offset
 from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
+from offload_core.storage.checkpoint import Checkpoint
 
 
 @dataclass
@@ -32,7 +33,7 @@ class StoreContext:
     names: list[str]
     dtype: torch.dtype | None = None
     offload_folder: Path | None = None
-    checkpoint: Any = None
+    checkpoint: Checkpoint | None = None
     fingerprint: dict = field(default_factory=dict)
     pin_memory: bool = False
     maps_checkpoint: bool = True
@@ -50,7 +51,7 @@ def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
 
 
 def read_tensor(
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     key: str,
     dtype: torch.dtype | None,
     in_place: bool,
@@ -60,8 +61,7 @@ def read_tensor(
     reference offset; ``in_place``: the model's in-memory load uses the checkpoint's tensors where they lie). A
     converted tensor whose parts are placed in it (per-expert tensors fused) is filled part by part: never built
     whole beside the memory that holds it, which would take its bytes twice while it loads."""
-    parts = getattr(checkpoint, "parts", None)
-    parts = parts(key) if callable(parts) else None
+    parts = checkpoint.parts(key)
     if parts:  # built by the conversion, it would lie in a new allocation: reference offset 0
         stored = checkpoint.dtype(key)
         held = allocate(tuple(checkpoint.shape(key)), dtype if converts(stored, dtype) else stored, 0)
@@ -102,7 +102,7 @@ class Store(Mapping):
         """
         raise NotImplementedError
 
-    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+    def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         """Keep checkpoint tensor ``key`` under ``name``; stores that read in place override this."""
         self.put(name, convert_dtype(checkpoint.get(key), dtype))
 
@@ -265,7 +265,7 @@ class Storage(StrategyBase):
     #: converted once into a float32 safetensors folder)
     reads_gguf: bool = False
 
-    def predicted_stored(self, checkpoint: Any, dtype: torch.dtype | None) -> dict[str, int]:
+    def predicted_stored(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> dict[str, int]:
         """The bytes a read of each checkpoint tensor will move, where the store holds it in fewer bytes than the
         tensor the model computes on in ``dtype`` (the plan predicts bytes moved per token from it); {} (the
         default): every read moves the tensor's own bytes."""
