@@ -100,8 +100,10 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
     from offload_core.errors import OffloadError
     from offload_core.storage import StoreContext
 
-    storage = _resolve("storage", storage_factory) if isinstance(storage_factory, str) else storage_factory
-    opener: Callable[[StoreContext], Any] = getattr(storage, "open", storage)
+    # a callable (a Store class, a function) opens the store itself; a name or a built storage through its open()
+    opener: Callable[[StoreContext], Any] = (
+        storage_factory if callable(storage_factory) else _resolve("storage", storage_factory).open
+    )
     tmp_path = Path(tmp_path)
     tensors = round_trip_tensors()
     ckpt_dir = tmp_path / "round_trip_checkpoint"
