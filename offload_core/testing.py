@@ -256,12 +256,9 @@ def check_policy_reservation(policy: Any) -> list[dict]:
     for CPU and GPU runs and every store property, bytes (non-negative integers) per device, with an
     entry for the execution device; a GPU run keeps at least one block there. Returns the answers."""
     from offload_core.planning.reservation import InFlight
-    from offload_core.registry.contracts import Policy
 
-    if isinstance(policy, str):
-        policy = _resolve("policy", policy)
-    # only the reservation is checked here: an object with no ``reserve`` gets the contract's default
-    reserve_of = getattr(policy, "reserve", None) or Policy.reserve.__get__(policy)
+    # a name, or a policy as the registry takes it: a class written without the contract gets its default reserve
+    reserve_of = _resolve("policy", policy).reserve
     answers = []
     for device in (torch.device("cpu"), torch.device("cuda", 1)):
         for converts in (False, True):
