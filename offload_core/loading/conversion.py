@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError
-from offload_core.values import format_size
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import format_size
 
 __all__ = [
     "ConversionMismatchError",

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from offload_core.registry.contracts import Policy, Storage
-from offload_core.values import format_size, parse_dtype
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import format_size, parse_dtype
 
 
 def predicted_bytes_per_token(
@@ -51,12 +51,14 @@ def predicted_bytes_per_token(
     return int(policy.predict_moved([unit_reads(unit, dtype, shares, count, stored or {}) for unit in units]))
 
 
-def stored_bytes(checkpoint: Checkpoint, storage: Storage, dtype: torch.dtype | None = None) -> dict[str, int]:
+def stored_bytes(checkpoint: Checkpoint | None, storage: Storage, dtype: torch.dtype | None = None) -> dict[str, int]:
     """The bytes a read of each tensor moves where the store reads a GGUF file's quantized blocks in place (its
     ``stored_nbytes``), or holds tensors packed (:meth:`Storage.predicted_stored`, in the run's ``dtype``); empty
     for the other stores, whose reads move the tensors' own bytes."""
+    if checkpoint is None:
+        return {}
     if not storage.reads_gguf or not checkpoint.is_gguf:
-        return storage.predicted_stored(checkpoint, dtype) if checkpoint is not None else {}
+        return storage.predicted_stored(checkpoint, dtype)
     return {key: checkpoint.stored_nbytes(key) for key in checkpoint.keys()}
 
 

@@ -14,8 +14,8 @@ from torch import nn
 from offload_core.errors import ConfigError
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
-from offload_core.values import budget_key, format_size
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import budget_key, format_size
 
 log = logging.getLogger(__name__)
 

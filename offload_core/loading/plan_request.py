@@ -17,8 +17,8 @@ from offload_core.planning.generation import Generation, hold_generation, read_g
 from offload_core.planning.headroom import FORWARD_HEADROOM, check_headroom, less_headroom
 from offload_core.speculative import SpeculativeConfig, read_speculative
 from offload_core.speculative.drafts import check_self_resident, hold_speculation
-from offload_core.values import device_key
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import device_key
 
 
 @dataclass

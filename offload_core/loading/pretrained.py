@@ -12,8 +12,8 @@ from torch import nn
 from offload_core import defaults
 from offload_core.loading.plan_request import PlanRequest, dispatch, plan_request
 from offload_core.planning.generation import Generation
-from offload_core.values import budget_key
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import budget_key
 
 
 def from_pretrained(

@@ -12,8 +12,8 @@ from torch import nn
 from offload_core.module_hooks.policy import Policy
 from offload_core.planning.reservation import InFlight
 from offload_core.storage.base import Storage
-from offload_core.values import budget_key
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import budget_key
 
 
 def reservation(

@@ -9,8 +9,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from offload_core.values import is_offloaded, torch_device
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import is_offloaded, torch_device
 
 
 @dataclass

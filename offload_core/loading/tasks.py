@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError, ConfigError
-from offload_core.values import parse_dtype
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import parse_dtype
 
 #: task -> (transformers Auto class, the name of its architecture table in transformers' auto module)
 TASKS: dict[str, tuple[str, str]] = {

@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from offload_core.alignment import address_offset, misplaced, reference_offset
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
-from offload_core.storage.checkpoint import Checkpoint
 
 
 @dataclass

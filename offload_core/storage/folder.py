@@ -60,9 +60,9 @@ from offload_core.storage.folder_record import (
     remove_record,
     write_tag,
 )
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.pagecache import drop, populate
 from offload_core.storage.splice import checkpoint_parts, in_order
-from offload_core.storage.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 

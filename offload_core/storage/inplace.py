@@ -14,9 +14,9 @@ import torch
 from offload_core.alignment import misplaced, placed, reference_offset
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.pagecache import advise_ranges, drop, drop_spans, populate, read_in, resident, will_need
 from offload_core.storage.splice import Spliced, checkpoint_parts
-from offload_core.storage.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 

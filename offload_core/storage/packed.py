@@ -10,8 +10,8 @@ import torch
 
 from offload_core.storage import codec
 from offload_core.storage.base import StoreContext, converts, read_tensor
-from offload_core.storage.memory import HostMemoryStore
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.storage.memory import HostMemoryStore
 
 log = logging.getLogger(__name__)
 

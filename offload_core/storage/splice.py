@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.mapping import address, map_anonymous, register_file_pages, view
 from offload_core.storage.pagecache import libc
-from offload_core.storage.checkpoint import Checkpoint
 
 PAGE = mmap.PAGESIZE
 _PROT_READ, _PROT_WRITE = 1, 2

@@ -14,9 +14,9 @@ from offload_core.loading.plan import Plan
 from offload_core.loading.plan import make_plan as plan_model
 from offload_core.runner.plan.model import RunModel
 from offload_core.runner.settings import Settings, Strategies
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.residency import offloaded_in_plan
 from offload_core.values import format_size
-from offload_core.storage.checkpoint import Checkpoint
 
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Checkpoint) -> Plan:

@@ -10,8 +10,8 @@ import torch
 
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
-from offload_core.storage.pagecache import drop, will_need
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.storage.pagecache import drop, will_need
 
 
 class GGUFStore(Store):
