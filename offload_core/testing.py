@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from offload_core.planning import PlacementRequest
+from offload_core.values import budget_key
 
 
 def _resolve(kind: str, strategy: Any) -> Any:
@@ -99,8 +100,10 @@ def check_store_round_trip(storage_factory: Any, tmp_path: str | Path) -> None:
     from offload_core.errors import OffloadError
     from offload_core.storage import StoreContext
 
-    storage = _resolve("storage", storage_factory) if isinstance(storage_factory, str) else storage_factory
-    opener: Callable[[StoreContext], Any] = getattr(storage, "open", storage)
+    # a callable (a Store class, a function) opens the store itself; a name or a built storage through its open()
+    opener: Callable[[StoreContext], Any] = (
+        storage_factory if callable(storage_factory) else _resolve("storage", storage_factory).open
+    )
     tmp_path = Path(tmp_path)
     tensors = round_trip_tensors()
     ckpt_dir = tmp_path / "round_trip_checkpoint"
@@ -253,12 +256,9 @@ def check_policy_reservation(policy: Any) -> list[dict]:
     for CPU and GPU runs and every store property, bytes (non-negative integers) per device, with an
     entry for the execution device; a GPU run keeps at least one block there. Returns the answers."""
     from offload_core.planning.reservation import InFlight
-    from offload_core.registry.contracts import Policy
 
-    if isinstance(policy, str):
-        policy = _resolve("policy", policy)
-    # only the reservation is checked here: an object with no ``reserve`` gets the contract's default
-    reserve_of = getattr(policy, "reserve", None) or Policy.reserve.__get__(policy)
+    # a name, or a policy as the registry takes it: a class written without the contract gets its default reserve
+    reserve_of = _resolve("policy", policy).reserve
     answers = []
     for device in (torch.device("cpu"), torch.device("cuda", 1)):
         for converts in (False, True):
@@ -278,7 +278,7 @@ def check_policy_reservation(policy: Any) -> list[dict]:
                     assert isinstance(size, int) and size >= 0, (
                         f"reserve() gave {size!r} bytes on {key!r} for a {where}"
                     )
-                main = "cpu" if device.type == "cpu" else device.index
+                main = budget_key(device)
                 assert main in reserve, f"reserve() says nothing about the execution device {main!r} for a {where}"
                 if device.type == "cuda":
                     assert reserve[main] >= min(need.block_bytes, need.module_bytes), (

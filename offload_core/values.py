@@ -103,6 +103,13 @@ NAMED_DEVICES = ("cpu", "disk", "mps")
 DEVICE_FORMS = "a GPU index (0, '0' or 'cuda:0'), 'cpu', 'disk' or 'mps'"
 
 
+def budget_key(device: torch.device) -> int | str:
+    """The key of ``device``'s budget in ``max_memory`` and in a reservation: ``"cpu"`` for a CPU, else its index (0
+    for a bare ``cuda``, as :func:`device_key` reads it). The one rule: every place that keys a budget by a device
+    calls this."""
+    return "cpu" if device.type == "cpu" else (device.index or 0)
+
+
 def device_key(value: object) -> int | str | None:
     """``value`` as an int GPU id, ``"cpu"``, ``"disk"`` or ``"mps"``; ``None`` when it names no device we know.
 

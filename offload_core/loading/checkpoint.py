@@ -82,8 +82,14 @@ def _not_weights(shard: Path) -> CheckpointError:
 class Checkpoint:
     """A local checkpoint (Hugging Face folder layout or a single file) read lazily, shard by shard.
 
-    Opening reads only headers / indexes, never tensor data. Build one with :meth:`open`.
+    Opening reads only headers / indexes, never tensor data. Build one with :meth:`open`. It meets the contract
+    :class:`offload_core.storage.checkpoint.Checkpoint`.
     """
+
+    #: a GGUF file (:class:`~offload_core.loading.gguf_checkpoint.GGUFCheckpoint` says so)
+    is_gguf: bool = False
+    #: keys built on read from tensors of other names: none here (a converted checkpoint's are its conversion's)
+    conversion_targets: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -311,6 +317,14 @@ class Checkpoint:
             return self.safetensors_file(shard).nbytes(key)
         tensor = self._load_bin(shard)[key]
         return tensor.numel() * tensor.element_size()
+
+    def parts(self, key: str) -> list[tuple[Any, torch.Tensor]] | None:
+        """None: every tensor is read whole (a converted checkpoint builds some from parts)."""
+        return None
+
+    def part_ranges(self, key: str) -> list[tuple[Any, Path, int, int]] | None:
+        """None: no tensor is built from parts."""
+        return None
 
     def total_bytes(self) -> int:
         return sum(self.nbytes(key) for key in self._key_files)

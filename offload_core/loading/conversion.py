@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import format_size
 
 __all__ = [
@@ -200,7 +201,9 @@ def _missing_source(converter: Any, sources: dict[str, list[str]], expected: tup
     return None
 
 
-def key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, str] | None = None) -> KeyConversion:
+def key_conversion(
+    model: nn.Module, checkpoint: Checkpoint, key_mapping: dict[str, str] | None = None
+) -> KeyConversion:
     """The conversion from ``checkpoint``'s tensor names to ``model``'s (built on meta), as transformers loads it.
 
     ``checkpoint`` is a checkpoint folder or file, or an opened :class:`Checkpoint`. Keys are renamed
@@ -218,7 +221,7 @@ def key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, str
     return _key_conversion(model, checkpoint, key_mapping)
 
 
-def _key_conversion(model: nn.Module, checkpoint: Any, key_mapping: dict[str, str] | None) -> KeyConversion:
+def _key_conversion(model: nn.Module, checkpoint: Checkpoint, key_mapping: dict[str, str] | None) -> KeyConversion:
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     renamings, converters = _transforms(model, key_mapping)

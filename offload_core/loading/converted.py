@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from offload_core.loading.conversion import Index, KeyConversion, run_converter, key_conversion
+from offload_core.storage.checkpoint import Checkpoint
 
 __all__ = ["ConvertedCheckpoint", "convert_checkpoint"]
 
@@ -37,7 +38,7 @@ class ConvertedCheckpoint:
     read in place use :meth:`parts` instead. Everything else is the wrapped checkpoint's.
     """
 
-    def __init__(self, checkpoint: Any, conversion: KeyConversion, model: nn.Module) -> None:
+    def __init__(self, checkpoint: Checkpoint, conversion: KeyConversion, model: nn.Module) -> None:
         self.checkpoint = checkpoint
         self.conversion = conversion
         # Some operations read the model (a parameter's shape) or its config. A weak reference: the model's
@@ -120,7 +121,7 @@ class ConvertedCheckpoint:
         """``[(index, file, start, end)]``: where each of :meth:`parts`' sources lies (absolute byte offsets), or
         None."""
         item = self.conversion.converted.get(name)
-        if item is None or item.parts is None or not getattr(self.checkpoint, "is_safetensors", False):
+        if item is None or item.parts is None or not self.checkpoint.is_safetensors:
             return None
         files = [(index, self.checkpoint.file_of(key), key) for key, index in item.parts]
         return [(index, file, *self.checkpoint.safetensors_file(file).byte_range(key)) for index, file, key in files]
@@ -151,7 +152,7 @@ class ConvertedCheckpoint:
         )
 
 
-def convert_checkpoint(model: nn.Module, checkpoint: Any) -> Any:
+def convert_checkpoint(model: nn.Module, checkpoint: Checkpoint) -> Any:
     """``checkpoint`` as ``model`` names its tensors: itself when names already match, else a
     :class:`ConvertedCheckpoint`."""
     conversion = key_conversion(model, checkpoint)

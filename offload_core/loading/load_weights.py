@@ -16,6 +16,7 @@ from offload_core.errors import CheckpointError
 from offload_core.storage import Store
 from offload_core.storage.base import read_tensor
 from offload_core.loading.routes import TensorRoutes, retie, set_tensor
+from offload_core.storage.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def computed_by_model(model: nn.Module, keys: set[str]) -> set[str]:
 
 def load_checkpoint_in_model(
     model: nn.Module,
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     routes: TensorRoutes,
     store: Store | None,
     dtype: torch.dtype | None = None,
@@ -61,7 +62,7 @@ def load_checkpoint_in_model(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(
-            f"checkpoint {getattr(checkpoint, 'path', '')} lacks {len(missing)} weight(s) the model needs: {shown}; "
+            f"checkpoint {checkpoint.path} lacks {len(missing)} weight(s) the model needs: {shown}; "
             "check that the checkpoint matches the model's config"
         )
     wanted = {key: canonical for canonical, key in source.items()}

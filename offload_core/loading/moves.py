@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from offload_core.registry.contracts import Policy, Storage
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import format_size, parse_dtype
 
 
@@ -50,17 +51,19 @@ def predicted_bytes_per_token(
     return int(policy.predict_moved([unit_reads(unit, dtype, shares, count, stored or {}) for unit in units]))
 
 
-def stored_bytes(checkpoint: Any, storage: Storage, dtype: torch.dtype | None = None) -> dict[str, int]:
+def stored_bytes(checkpoint: Checkpoint | None, storage: Storage, dtype: torch.dtype | None = None) -> dict[str, int]:
     """The bytes a read of each tensor moves where the store reads a GGUF file's quantized blocks in place (its
     ``stored_nbytes``), or holds tensors packed (:meth:`Storage.predicted_stored`, in the run's ``dtype``); empty
     for the other stores, whose reads move the tensors' own bytes."""
-    if not storage.reads_gguf or not getattr(checkpoint, "is_gguf", False):
-        return storage.predicted_stored(checkpoint, dtype) if checkpoint is not None else {}
+    if checkpoint is None:
+        return {}
+    if not storage.reads_gguf or not checkpoint.is_gguf:
+        return storage.predicted_stored(checkpoint, dtype)
     return {key: checkpoint.stored_nbytes(key) for key in checkpoint.keys()}
 
 
 def stored_lines(
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     stored: Mapping[str, int],
     summary: dict,
     device_map: Mapping[str, int | str],
@@ -75,7 +78,7 @@ def stored_lines(
     from offload_core.planning import normalize_device_map
 
     offloaded = set(route_tensors(model, normalize_device_map(dict(device_map)), execution_device).offloaded.values())
-    if not getattr(checkpoint, "is_gguf", False):  # a store that packs tensors losslessly
+    if not checkpoint.is_gguf:  # a store that packs tensors losslessly
         packed = [key for key in offloaded if key in stored]
         raw = sum(torch.Size(checkpoint.shape(key)).numel() * 2 for key in packed)  # the code holds bf16 only
         kept = sum(stored[key] for key in packed)

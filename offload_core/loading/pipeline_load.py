@@ -10,6 +10,7 @@ import torch
 from offload_core import defaults
 from offload_core.module_hooks.policy import Policy
 from offload_core.loading.pipeline import EmptyPipeline, attach_entries, build_empty_pipeline, component_no_split
+from offload_core.values import budget_key
 
 
 def whole_limit(budgets: Mapping[Any, int], device: torch.device, policy: Policy | None = None) -> int | None:
@@ -18,7 +19,7 @@ def whole_limit(budgets: Mapping[Any, int], device: torch.device, policy: Policy
     (any) when that device has no budget."""
     from offload_core.loading.reserve import units_in_flight
 
-    key = "cpu" if device.type == "cpu" else (device.index or 0)
+    key = budget_key(device)
     budget = budgets.get(key)
     if budget is None:
         return None

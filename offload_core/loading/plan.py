@@ -14,7 +14,8 @@ from torch import nn
 from offload_core.errors import ConfigError
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
-from offload_core.values import format_size
+from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import budget_key, format_size
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Plan:
 
 def make_plan(
     model: nn.Module,
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     *,
     placement: Placement,
     storage: Storage,
@@ -117,7 +118,7 @@ def make_plan(
     budgets = dict(budgets)
     max_memory = dict(budgets if max_memory is None else max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
-    device_budget = budgets.get(execution_device.index or 0) if execution_device.type != "cpu" else None
+    device_budget = budgets.get(budget_key(execution_device)) if execution_device.type != "cpu" else None
     reserve_of = Reserver.of(
         model, checkpoint, storage, execution_device, no_split, dtype, budgets.get("cpu"), device_budget
     )

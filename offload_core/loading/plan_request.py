@@ -17,6 +17,7 @@ from offload_core.planning.generation import Generation, hold_generation, read_g
 from offload_core.planning.headroom import FORWARD_HEADROOM, check_headroom, less_headroom
 from offload_core.speculative import SpeculativeConfig, read_speculative
 from offload_core.speculative.drafts import check_self_resident, hold_speculation
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import device_key
 
 
@@ -75,7 +76,7 @@ def resolved(request: PlanRequest) -> tuple[Any, Any, Any]:
     )
 
 
-def plan_request(model: nn.Module, checkpoint: Any, request: PlanRequest) -> Plan:
+def plan_request(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest) -> Plan:
     """The plan of the empty ``model`` loaded from the opened ``checkpoint`` for ``request``, by the rule every door
     shares: the generation's memory held back (:func:`hold_generation`), then a draft's (:func:`hold_speculation`),
     then the headroom taken from the budget of the device that computes, then the plan
@@ -125,7 +126,11 @@ def plan_request(model: nn.Module, checkpoint: Any, request: PlanRequest) -> Pla
 
 
 def dispatch(
-    plan: Plan, model: nn.Module, checkpoint: Any, offload_folder: str | Path | None = None, progress: bool = False
+    plan: Plan,
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    offload_folder: str | Path | None = None,
+    progress: bool = False,
 ) -> nn.Module:
     """Load the opened ``checkpoint`` into the empty ``model`` as ``plan`` says: its device map, store, policy (its
     buffers offloaded with the weights where it asks), no-split classes, dtype, execution device and kept set. The

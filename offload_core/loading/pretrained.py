@@ -12,6 +12,8 @@ from torch import nn
 from offload_core import defaults
 from offload_core.loading.plan_request import PlanRequest, dispatch, plan_request
 from offload_core.planning.generation import Generation
+from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import budget_key
 
 
 def from_pretrained(
@@ -172,16 +174,17 @@ def from_pretrained(
     max_memory = read_max_memory(max_memory, device)
     if graphs:
         from offload_core.errors import GraphsError
+        from offload_core.loading.dispatch import resolve_strategy
         from offload_core.module_hooks.graphs import graph_pool_bytes, graphs_refusal
 
         policy_name = policy if isinstance(policy, str) else "prefetch"
-        pinned = storage == "pinned_cpu" if isinstance(storage, str) else getattr(storage, "pinned", None)
+        pinned = resolve_strategy("storage", storage).pinned
         refusal = graphs_refusal(device, policy_name, pinned, False)
         if refusal is not None:
             raise GraphsError(refusal)
         if max_memory is not None:  # the graph's pool is held back from the execution device's budget
             budgets = get_max_memory(max_memory, check_devices=False)
-            key = device.index or 0
+            key = budget_key(device)
             if key in budgets:
                 budgets[key] -= graph_pool_bytes(config, dtype=dtype)
             max_memory = budgets
@@ -219,7 +222,7 @@ def from_pretrained(
     return model
 
 
-def plan_and_dispatch(model: nn.Module, checkpoint: Any, request: PlanRequest) -> nn.Module:
+def plan_and_dispatch(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest) -> nn.Module:
     """Plan ``model`` (empty) for ``request`` (:func:`plan_request`) and load the opened ``checkpoint`` into it as
     the plan says (closing the checkpoint if that fails), prepared for the request's speculative decoding: what
     :func:`from_pretrained` does once the model is built. The plan is ``model.offload_plan``."""

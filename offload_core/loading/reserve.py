@@ -12,6 +12,8 @@ from torch import nn
 from offload_core.module_hooks.policy import Policy
 from offload_core.planning.reservation import InFlight
 from offload_core.storage.base import Storage
+from offload_core.storage.checkpoint import Checkpoint
+from offload_core.values import budget_key
 
 
 def reservation(
@@ -55,7 +57,7 @@ def reservation(
 
 def reserve_for(
     model: nn.Module,
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     policy: Policy,
     storage: Storage,
     execution_device: torch.device,
@@ -96,7 +98,7 @@ class Reserver:
     def of(
         cls,
         model: nn.Module,
-        checkpoint: Any,
+        checkpoint: Checkpoint,
         storage: Storage,
         execution_device: torch.device,
         no_split: list[str],
@@ -187,7 +189,7 @@ def largest_unit(
 
 
 def copied_names(
-    model: nn.Module, checkpoint: Any, execution_device: torch.device, dtype: torch.dtype | None
+    model: nn.Module, checkpoint: Checkpoint, execution_device: torch.device, dtype: torch.dtype | None
 ) -> frozenset[str]:
     """The names of ``model``'s tensors that a store reading ``checkpoint`` in place hands out as copies: stored in
     another dtype, built from several checkpoint tensors and not spliced (:func:`splices`), or, on a CPU run, at an
@@ -198,9 +200,7 @@ def copied_names(
 
     conversion = key_conversion(model, checkpoint)
     keys = set(checkpoint.keys())
-    misplaced = (
-        execution_device.type == "cpu" and not maps_checkpoint(model) and getattr(checkpoint, "is_safetensors", False)
-    )
+    misplaced = execution_device.type == "cpu" and not maps_checkpoint(model) and checkpoint.is_safetensors
 
     def moved(key: str) -> bool:
         kind = dtype if dtype is not None and checkpoint.dtype(key).is_floating_point else checkpoint.dtype(key)
@@ -226,7 +226,7 @@ def copied_names(
     return frozenset(copied)
 
 
-def maps_in_place(checkpoint: Any, item: Any, dtype: torch.dtype | None) -> bool:
+def maps_in_place(checkpoint: Checkpoint, item: Any, dtype: torch.dtype | None) -> bool:
     """Whether a store reading ``checkpoint`` in place hands out the tensor assembled from ``item``'s parts as the
     parts' own mapped pages (:class:`offload_core.storage.splice.Spliced`): its parts only placed, and, on a machine
     whose kernels depend on where a weight starts, the address its pages give it aligned as the in-memory tensor's
@@ -236,7 +236,7 @@ def maps_in_place(checkpoint: Any, item: Any, dtype: torch.dtype | None) -> bool
     from offload_core.alignment import ALIGNMENT, kernels_depend_on_alignment
     from offload_core.storage.splice import Part, lead_of
 
-    if not (getattr(checkpoint, "is_safetensors", False) and item.parts is not None):
+    if not (checkpoint.is_safetensors and item.parts is not None):
         return False
     kind = checkpoint.dtype(item.parts[0][0])
     if dtype is None or not kernels_depend_on_alignment(kind):
@@ -251,26 +251,26 @@ def maps_in_place(checkpoint: Any, item: Any, dtype: torch.dtype | None) -> bool
     return lead is not None and lead % ALIGNMENT == 0
 
 
-def splices(checkpoint: Any, converted: dict[str, Any], dtype: torch.dtype | None) -> bool:
+def splices(checkpoint: Checkpoint, converted: dict[str, Any], dtype: torch.dtype | None) -> bool:
     """Whether a store reading ``checkpoint`` in place maps the ``converted`` tensors where their parts lie
     (:mod:`offload_core.storage.splice`): safetensors parts that are only placed, on kernels that ignore alignment."""
     from offload_core.alignment import kernels_depend_on_alignment
 
     return (
-        getattr(checkpoint, "is_safetensors", False)
+        checkpoint.is_safetensors
         and all(item.parts is not None for item in converted.values())
         and not (dtype is not None and kernels_depend_on_alignment(dtype))
     )
 
 
-def splice_copies(model: nn.Module, checkpoint: Any, storage: Storage, dtype: torch.dtype | None) -> int:
+def splice_copies(model: nn.Module, checkpoint: Checkpoint, storage: Storage, dtype: torch.dtype | None) -> int:
     """Bytes ``storage`` holds as copies for the tensors it splices from ``checkpoint``'s parts, were every assembled
     tensor offloaded (:func:`splice_copies_by_name`)."""
     return sum(splice_copies_by_name(model, checkpoint, storage, dtype).values())
 
 
 def splice_copies_by_name(
-    model: nn.Module, checkpoint: Any, storage: Storage, dtype: torch.dtype | None
+    model: nn.Module, checkpoint: Checkpoint, storage: Storage, dtype: torch.dtype | None
 ) -> dict[str, int]:
     """Bytes ``storage`` holds as copies for each tensor it splices from ``checkpoint``'s parts, should it be offloaded
     (:func:`offload_core.storage.splice.copied_bytes`: edges, and the parts that lie in another shard than most of
@@ -286,7 +286,7 @@ def splice_copies_by_name(
     if isinstance(checkpoint, ConvertedCheckpoint):  # the opened checkpoint, whose names are the parts'
         checkpoint = checkpoint.checkpoint
     converted = key_conversion(model, checkpoint).converted
-    if storage.reads_from != "checkpoint" or not getattr(checkpoint, "is_safetensors", False):
+    if storage.reads_from != "checkpoint" or not checkpoint.is_safetensors:
         return {}
     shapes = {name: tensor.shape for name, tensor in model.state_dict(keep_vars=True).items()}
     copies = {}
@@ -304,14 +304,14 @@ def splice_copies_by_name(
     return copies
 
 
-def copies_to_reference_offsets(model: nn.Module, checkpoint: Any, dtype: torch.dtype | None) -> bool:
+def copies_to_reference_offsets(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype | None) -> bool:
     """Whether a store reading ``checkpoint`` in place must copy some tensor to hand it to a CPU run: the in-memory
     load copies every tensor to an aligned address (a model not loaded by mapping, a diffusers component), the
     tensor lies at another offset in its file, and this machine's kernels depend on where a weight starts
     (:func:`offload_core.alignment.misplaced`, decided before anything is mapped)."""
     from offload_core.alignment import ALIGNMENT, kernels_depend_on_alignment, maps_checkpoint
 
-    if maps_checkpoint(model) or not getattr(checkpoint, "is_safetensors", False):
+    if maps_checkpoint(model) or not checkpoint.is_safetensors:
         return False
     for key in checkpoint.keys():
         kind = dtype if dtype is not None and checkpoint.dtype(key).is_floating_point else checkpoint.dtype(key)
@@ -327,5 +327,5 @@ def units_in_flight(policy: Policy | None, execution_device: torch.device) -> in
     if policy is None:
         return 1
     need = InFlight(execution_device, block_bytes=1, module_bytes=1, store_converts=True)
-    key = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+    key = budget_key(execution_device)
     return max(1, int(policy.reserve(need).get(key, 1)))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
 
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import is_offloaded, torch_device
 
 
@@ -91,7 +92,7 @@ def move_leftover_buffers(
 
 
 def store_bytes(
-    model: nn.Module, routes: TensorRoutes, checkpoint: Any = None, dtype: torch.dtype | None = None
+    model: nn.Module, routes: TensorRoutes, checkpoint: Checkpoint | None = None, dtype: torch.dtype | None = None
 ) -> int:
     """The bytes the store will hold for ``routes``' offloaded tensors, as read from ``checkpoint`` (its shapes and
     dtypes) or, without one, as the model holds them; floating tensors in ``dtype`` where given."""

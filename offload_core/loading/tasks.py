@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError, ConfigError
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import parse_dtype
 
 #: task -> (transformers Auto class, the name of its architecture table in transformers' auto module)
@@ -134,7 +135,7 @@ def build_empty(config: Any, task: str, dtype: torch.dtype, what: str = "model.t
     return model.eval()
 
 
-def check_task_fits(model: nn.Module, checkpoint: Any, task: str, what: str = "model.task") -> None:
+def check_task_fits(model: nn.Module, checkpoint: Checkpoint, task: str, what: str = "model.task") -> None:
     """A :class:`TaskError` naming ``task`` when ``checkpoint`` (opened or a folder) lacks weights its model needs
     (a classification head on a masked-LM checkpoint); a tensor tied to another counts as present when either is."""
     from offload_core.loading.converted import convert_checkpoint

@@ -16,7 +16,7 @@ from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import TransferStats, Unit, check_granularity, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
 from offload_core.module_hooks.policy import Policy
-from offload_core.values import format_size, parse_size
+from offload_core.values import budget_key, format_size, parse_size
 
 
 class FunctionalCallHook(ModuleHook):
@@ -132,7 +132,7 @@ class FunctionalCall(Policy):
         if self.cpu_offload is None:
             return None
         cpu_run = execution_device.type == "cpu"
-        main = "cpu" if cpu_run else (execution_device.index or 0)
+        main = budget_key(execution_device)
         offloaded = offload_by_budget(model, self.cpu_offload, "disk" if cpu_run else "cpu")
         return {name: offloaded.get(name, main) for name in model.state_dict(keep_vars=True)}
 
@@ -140,7 +140,7 @@ class FunctionalCall(Policy):
         """The ``hook.cpu_offload`` that moves ``short`` bytes off ``device``: more offloaded when the run's own
         device is over its budget, less when the offload tier is."""
         assert self.cpu_offload is not None, "only a cpu_offload map is the policy's own"
-        main = "cpu" if execution_device.type == "cpu" else (execution_device.index or 0)
+        main = budget_key(execution_device)
         if device != main:
             fits = max(self.cpu_offload - short, 0)
             return f"set hook.cpu_offload to at most {fits} ({format_size(fits)})"

@@ -13,6 +13,7 @@ from torch import nn
 from offload_core.alignment import empty_at
 from offload_core.module_hooks.units import TransferStats, Unit, as_param
 from offload_core.planning.reservation import InFlight, reserve_units
+from offload_core.storage.base import as_store
 from offload_core.storage.residency import Residency
 from offload_core.strategy import StrategyBase
 
@@ -89,9 +90,9 @@ def _restored(store: Mapping[str, torch.Tensor], key: str, device: torch.device)
     """A real copy of ``store[key]`` on ``device``; on the cpu at the tensor's reference address offset (where the
     model's in-memory load puts it, :mod:`offload_core.alignment`), so the restored model computes as that one does."""
     value = store[key]
-    if device.type != "cpu" or not hasattr(store, "offset"):
+    if device.type != "cpu":
         return value.to(device, copy=True)
-    return empty_at(value.shape, value.dtype, store.offset(key)).copy_(value)
+    return empty_at(value.shape, value.dtype, as_store(store).offset(key)).copy_(value)
 
 
 class Policy(StrategyBase):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
+from offload_core.storage.base import as_store, moved_bytes
 
 
 @dataclass
@@ -24,8 +25,6 @@ class TransferStats:
     def add_unit(self, fetched: Mapping[str, torch.Tensor], store: Mapping[str, torch.Tensor] | None = None) -> None:
         """Count one unit brought in: its tensors and the bytes they moved (from ``store``: its quantized blocks
         where it holds them so, :func:`~offload_core.storage.base.moved_bytes`)."""
-        from offload_core.storage.base import moved_bytes
-
         nbytes = sum(moved_bytes(store, key, t.numel() * t.element_size()) for key, t in fetched.items())
         self.add_moved(len(fetched), nbytes)
 
@@ -68,11 +67,7 @@ def as_param(value: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
 
 def tensor_spec(store: Mapping[str, torch.Tensor], key: str) -> tuple[torch.Size, torch.dtype]:
     """Shape and dtype ``store[key]`` hands out, without converting it where the store can tell."""
-    spec = getattr(store, "spec", None)
-    if spec is not None:
-        return spec(key)
-    tensor = store[key]
-    return tensor.shape, tensor.dtype
+    return as_store(store).spec(key)
 
 
 def tensor_nbytes(store: Mapping[str, torch.Tensor], key: str) -> int:

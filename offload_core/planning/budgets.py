@@ -12,7 +12,7 @@ from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.planning.request import PlacementRequest
 from offload_core.planning.sizing import compute_module_sizes
-from offload_core.values import DEVICE_FORMS, device_key, parse_size
+from offload_core.values import DEVICE_FORMS, budget_key, device_key, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def read_max_memory(value: Any, execution_device: torch.device) -> Mapping[Any, 
         return {"cpu": size}
     import psutil
 
-    return {execution_device.index or 0: size, "cpu": psutil.virtual_memory().available}
+    return {budget_key(execution_device): size, "cpu": psutil.virtual_memory().available}
 
 
 def check_execution_device(value: str | torch.device) -> torch.device:

@@ -8,6 +8,8 @@ from typing import Any, Mapping
 
 import torch
 
+from offload_core.values import budget_key
+
 
 @dataclass(frozen=True)
 class InFlight:
@@ -46,4 +48,4 @@ def reserve_units(need: InFlight, unit_bytes: int, count: int = 1, copies_on_cpu
     """
     if need.execution_device.type == "cpu":
         return {"cpu": unit_bytes * count if copies_on_cpu or need.store_converts else 0}
-    return {need.execution_device.index or 0: unit_bytes * count}
+    return {budget_key(need.execution_device): unit_bytes * count}

@@ -13,7 +13,7 @@ from torch import nn
 from offload_core.errors import DeviceMapError
 from offload_core.planning.device_map import DeviceMap, compress_device_map, device_of
 from offload_core.planning.sizing import compute_module_sizes, named_module_tensors, tensor_aliases
-from offload_core.values import format_size
+from offload_core.values import budget_key, format_size
 
 
 @dataclass
@@ -101,7 +101,7 @@ def redeal_by_reads(
         return None
     sizes = compute_module_sizes(model, dtype=dtype)
     gpu = execution_device.type != "cpu"
-    main: int | str = (execution_device.index or 0) if gpu else "cpu"
+    main: int | str = budget_key(execution_device)
     tiers: list[int | str] = [main, "cpu", "disk"] if gpu else ["cpu", "disk"]
     items, movable = _items(model, sizes, shares), []
     used: dict[int | str, int] = {tier: 0 for tier in tiers}

@@ -14,7 +14,7 @@ import pluggy
 
 from offload_core import hookspecs
 from offload_core.errors import PluginError
-from offload_core.registry.contracts import CONTRACTS
+from offload_core.registry.contracts import CONTRACTS, member_fault
 
 ENTRY_POINT_GROUP = "offload_core"
 DISABLE_ENV = "OFFLOAD_CORE_DISABLE_PLUGINS"
@@ -230,6 +230,11 @@ def as_contract(kind: str, name: str, factory: Any) -> type:
     contract = CONTRACTS[kind]
     if not isinstance(factory, type):
         raise PluginError(f"{kind} {name!r}: its factory must be a class built from its config, got {factory!r}")
+    fault = member_fault(contract, factory)
+    if fault is not None:
+        raise PluginError(
+            f"{kind} {name!r}: {fault}; see offload_core.registry.contracts.{contract.__name__} for what it takes"
+        )
     if issubclass(factory, contract):
         return factory
     missing = sorted(m for m in contract.__abstractmethods__ if not callable(getattr(factory, m, None)))

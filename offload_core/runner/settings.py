@@ -17,7 +17,7 @@ from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.registry.manager import Registry, get_registry
 from offload_core.runner.config import GROUPS
 from offload_core.speculative import SpeculativeConfig, read_speculative
-from offload_core.values import device_key, parse_dtype, parse_size
+from offload_core.values import budget_key, device_key, parse_dtype, parse_size
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Settings:
     @property
     def budget_key(self) -> Any:
         """The budget key of the device the run computes on: ``cpu``, or its GPU's index."""
-        return "cpu" if self.execution_device.type == "cpu" else (self.execution_device.index or 0)
+        return budget_key(self.execution_device)
 
     @property
     def budgets(self) -> dict[Any, int]:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from offload_core.alignment import address_offset, misplaced, reference_offset
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
 
@@ -32,7 +33,7 @@ class StoreContext:
     names: list[str]
     dtype: torch.dtype | None = None
     offload_folder: Path | None = None
-    checkpoint: Any = None
+    checkpoint: Checkpoint | None = None
     fingerprint: dict = field(default_factory=dict)
     pin_memory: bool = False
     maps_checkpoint: bool = True
@@ -50,7 +51,7 @@ def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
 
 
 def read_tensor(
-    checkpoint: Any,
+    checkpoint: Checkpoint,
     key: str,
     dtype: torch.dtype | None,
     in_place: bool,
@@ -60,8 +61,7 @@ def read_tensor(
     reference offset; ``in_place``: the model's in-memory load uses the checkpoint's tensors where they lie). A
     converted tensor whose parts are placed in it (per-expert tensors fused) is filled part by part: never built
     whole beside the memory that holds it, which would take its bytes twice while it loads."""
-    parts = getattr(checkpoint, "parts", None)
-    parts = parts(key) if callable(parts) else None
+    parts = checkpoint.parts(key)
     if parts:  # built by the conversion, it would lie in a new allocation: reference offset 0
         stored = checkpoint.dtype(key)
         held = allocate(tuple(checkpoint.shape(key)), dtype if converts(stored, dtype) else stored, 0)
@@ -89,6 +89,10 @@ class Store(Mapping):
     pinned: bool = False
     #: True when some tensors are held packed (:meth:`packed`): a module hook may copy them so and decode them
     packs: bool = False
+    #: True when :meth:`read_into` builds the tensor in the caller's buffer itself, in one pass (assembled, converted,
+    #: decoded or copied from its mapped file): module hooks then read into their buffers through it rather than copy
+    #: ``store[name]``; False (the default): :meth:`read_into` only copies ``store[name]``
+    reads_into: bool = False
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         """Keep ``tensor`` (already converted to the run's dtype) under ``name``.
@@ -98,9 +102,20 @@ class Store(Mapping):
         """
         raise NotImplementedError
 
-    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+    def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         """Keep checkpoint tensor ``key`` under ``name``; stores that read in place override this."""
         self.put(name, convert_dtype(checkpoint.get(key), dtype))
+
+    def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of ``store[name]``; stores that can tell without reading or converting the tensor override
+        this (the default reads ``store[name]``)."""
+        tensor = self[name]
+        return tensor.shape, tensor.dtype
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Write ``store[name]`` into ``out`` (a buffer the caller holds, of its shape and dtype). The default copies
+        ``store[name]``; a store that builds the tensor on read overrides it and sets :attr:`reads_into`."""
+        out.copy_(self[name])
 
     def offset(self, name: str) -> int:
         """``name``'s reference address offset (:mod:`offload_core.alignment`): where the model's in-memory load
@@ -180,6 +195,39 @@ class Store(Mapping):
         raise NotImplementedError
 
 
+class MappingStore(Store):
+    """A :class:`Store` over a mapping of tensors held elsewhere (a dict built in memory): no reference offset (0: a
+    copy for the model starts aligned), nothing to read in ahead (:meth:`warm` says the caller copies), rows copied
+    from ``store[name]``."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def offset(self, name: str) -> int:
+        return 0
+
+    def warm(self, name: str) -> bool:
+        return False
+
+    def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
+        out.copy_(self[name][expert])
+
+
+def as_store(store: Mapping[str, torch.Tensor]) -> Store:
+    """``store`` as a :class:`Store`: itself when it is one, else a :class:`MappingStore` over it (every capability at
+    its "not supported" default)."""
+    return store if isinstance(store, Store) else MappingStore(store)
+
+
 def moved_bytes(store: Any, name: str, tensor_bytes: int) -> int:
     """The bytes reading ``name`` from ``store`` moved: :meth:`Store.moved_nbytes` where the store says, else
     ``tensor_bytes`` (the tensor handed out; any mapping that is not a :class:`Store`)."""
@@ -217,7 +265,7 @@ class Storage(StrategyBase):
     #: converted once into a float32 safetensors folder)
     reads_gguf: bool = False
 
-    def predicted_stored(self, checkpoint: Any, dtype: torch.dtype | None) -> dict[str, int]:
+    def predicted_stored(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> dict[str, int]:
         """The bytes a read of each checkpoint tensor will move, where the store holds it in fewer bytes than the
         tensor the model computes on in ``dtype`` (the plan predicts bytes moved per token from it); {} (the
         default): every read moves the tensor's own bytes."""

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ from offload_core.storage.folder_record import (
     remove_record,
     write_tag,
 )
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.pagecache import drop, populate
 from offload_core.storage.splice import checkpoint_parts, in_order
 
@@ -68,6 +69,8 @@ log = logging.getLogger(__name__)
 
 class FolderStore(FileMaps, Store):
     """Offloaded tensors in an offload folder, read back through memory maps (file-backed pages, no copy)."""
+
+    reads_into = True  # one copy from the mapped file
 
     #: ``write_file(path, data)`` writes one new file (a tensor's bytes, the index, the completion marker):
     #: the one place this store writes data. A seam: tests replace it to inject a full disk or a crash.
@@ -183,7 +186,7 @@ class FolderStore(FileMaps, Store):
         data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
         self._write(name, memoryview(data), tensor.dtype, tensor.shape, offset)
 
-    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+    def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`),
         and so is one whose parts tile it (per-expert tensors fused: never assembled in memory); one that is
         converted otherwise, or comes from a ``.bin`` file, is written through :meth:`put`."""
@@ -192,9 +195,9 @@ class FolderStore(FileMaps, Store):
             self._write(name, spans, checkpoint.dtype(key), checkpoint.shape(key), 0)
             return
         if (
-            not (KERNEL_COPY and getattr(checkpoint, "is_safetensors", False))
+            not (KERNEL_COPY and checkpoint.is_safetensors)
             or converts(checkpoint.dtype(key), dtype)
-            or key in getattr(checkpoint, "conversion_targets", ())
+            or key in checkpoint.conversion_targets
         ):
             value = convert_dtype(checkpoint.get(key), dtype)
             self._put(name, value, reference_offset(value, self.maps_checkpoint))
@@ -206,7 +209,7 @@ class FolderStore(FileMaps, Store):
         self._write(name, FileSpan(shard, start, end), checkpoint.dtype(key), checkpoint.shape(key), offset)
 
     @staticmethod
-    def _spans_of_parts(checkpoint: Any, key: str, dtype: torch.dtype | None) -> FileSpans | None:
+    def _spans_of_parts(checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> FileSpans | None:
         """The file spans of a converted tensor's parts in its byte order, where they tile it in its stored dtype."""
         parts = checkpoint_parts(checkpoint, key)
         if not parts or not KERNEL_COPY or converts(checkpoint.dtype(key), dtype):

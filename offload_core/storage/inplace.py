@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from offload_core.alignment import misplaced, placed, reference_offset
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.pagecache import advise_ranges, drop, drop_spans, populate, read_in, resident, will_need
 from offload_core.storage.splice import Spliced, checkpoint_parts
 
@@ -34,9 +35,11 @@ class InPlaceStore(Store):
     is written to disk.
     """
 
+    reads_into = True  # converts or assembles into the caller's buffer in one pass
+
     def __init__(self, context: StoreContext) -> None:
         checkpoint = context.checkpoint
-        if checkpoint is None or not getattr(checkpoint, "is_safetensors", False):
+        if checkpoint is None or not checkpoint.is_safetensors:
             raise StorageError(
                 "storage=safetensors reads offloaded tensors in place from .safetensors shards, but this "
                 "checkpoint has none; use storage=memmap (or convert the checkpoint to safetensors)"
@@ -52,12 +55,12 @@ class InPlaceStore(Store):
         self._splicing = threading.Lock()
         self.bytes_written = 0
 
-    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+    def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         # Only the header is consulted; the tensor's bytes are not read while loading.
         self._refs[name] = key
         if converts(checkpoint.dtype(key), dtype):
             self.converting.add(name)
-        if key in getattr(checkpoint, "conversion_targets", ()):
+        if key in checkpoint.conversion_targets:
             self.assembled.add(name)
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:

@@ -8,13 +8,14 @@ of two and keep the blocks after the store is gone)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from offload_core import devices
 from offload_core.alignment import address_offset, empty_at
 from offload_core.storage.base import Store, StoreContext, read_tensor
+from offload_core.storage.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class HostMemoryStore(Store):
             return
         self._keep(name, tensor, address_offset(tensor) if tensor.is_contiguous() else 0)
 
-    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+    def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         self._held(name, read_tensor(checkpoint, key, dtype, self.maps_checkpoint, self._allocate))
 
     def _keep(self, name: str, tensor: torch.Tensor, offset: int) -> None:

@@ -4,12 +4,13 @@ of their bytes), so a GPU run copies fewer bytes and decodes them on the device;
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from offload_core.storage import codec
 from offload_core.storage.base import StoreContext, converts, read_tensor
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.memory import HostMemoryStore
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ class PackedMemoryStore(HostMemoryStore):
     host, its checksums checked, and :meth:`packed` hands a module hook the code to decode on its device."""
 
     packs = True
+    reads_into = True  # decodes into the caller's buffer
 
     def __init__(self, context: StoreContext, pin: bool = True, chunk: int = codec.CHUNK_ELEMENTS) -> None:
         super().__init__(context, pin=pin)
@@ -40,7 +42,7 @@ class PackedMemoryStore(HostMemoryStore):
         if not self._pack(name, tensor):
             super().put(name, tensor, owned)
 
-    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+    def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         stored = checkpoint.dtype(key)
         final = dtype if converts(stored, dtype) else stored
         if not codec.applies(final, torch.Size(checkpoint.shape(key)).numel()):
@@ -139,7 +141,7 @@ class PackedMemoryStore(HostMemoryStore):
         super().close()
 
 
-def predicted_packed(checkpoint: Any, dtype: torch.dtype | None, sample: int = 2**20) -> dict[str, int]:
+def predicted_packed(checkpoint: Checkpoint, dtype: torch.dtype | None, sample: int = 2**20) -> dict[str, int]:
     """The packed bytes of each checkpoint tensor the code applies to in ``dtype``, estimated from its first
     ``sample`` elements (:func:`codec.estimate`); the other tensors are left out (read as they are)."""
     out = {}

@@ -15,10 +15,10 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.mapping import address, map_anonymous, register_file_pages, view
 from offload_core.storage.pagecache import libc
 
@@ -78,12 +78,10 @@ def layout(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[tup
     return placed
 
 
-def checkpoint_parts(checkpoint: Any, key: str) -> list[Part]:
+def checkpoint_parts(checkpoint: Checkpoint, key: str) -> list[Part]:
     """Where the parts of a converted checkpoint tensor lie (``checkpoint.part_ranges``); [] where the checkpoint
     reads it whole."""
-    ranges = getattr(checkpoint, "part_ranges", None)
-    found = ranges(key) if callable(ranges) else None
-    return [Part(index, Path(file), start, end) for index, file, start, end in found or []]
+    return [Part(index, Path(file), start, end) for index, file, start, end in checkpoint.part_ranges(key) or []]
 
 
 def in_order(shape: torch.Size, dtype: torch.dtype, parts: list[Part]) -> list[Part] | None:

@@ -21,7 +21,7 @@ class Recorder:
         self.to_host = 0
         self.host_waits = 0
         self.on = True
-        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in dict.values(store)]
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in store.values()]
         real_copy, real_operate, real_wait = fake_tensor._copy_from_host, fake.timeline.operate, None
         timeline = fake.timeline
 

@@ -15,7 +15,7 @@ from offload_core import devices, dispatch_model
 from offload_core.devices import select
 from offload_core.devices.fake import FakeAccelerator
 from offload_core.loading.execution_device import default_execution_device
-from offload_core.values import device_key
+from offload_core.values import budget_key, device_key
 
 
 @pytest.fixture
@@ -98,6 +98,18 @@ def test_gpu_indices_name_the_active_accelerators_devices(fake_gpu):
     assert fake.normalize("fakegpu") == torch.device("fakegpu", 0)
     assert default_execution_device({"a": "cpu", "b": 3, "c": 1}) == torch.device("fakegpu", 3)
     assert default_execution_device({"a": "disk"}) == torch.device("fakegpu", 0)
+
+
+@pytest.mark.parametrize(
+    ("device", "key"),
+    [("cpu", "cpu"), ("cuda", 0), ("cuda:0", 0), ("cuda:3", 3), ("fakegpu", 0), ("fakegpu:2", 2)],
+)
+def test_a_devices_budget_key_is_cpu_or_its_index_zero_for_a_bare_gpu(fake_gpu, device, key):
+    """The budget key of an execution device: "cpu" for a CPU, its index otherwise (0 for a bare ``cuda``, never
+    None), the key :func:`device_key` reads ``max_memory`` by."""
+    fake_gpu(count=4)
+    assert budget_key(torch.device(device)) == key
+    assert device_key(torch.device(device)) == key == device_key(device)
 
 
 def test_an_unindexed_accelerator_device_is_its_device_0(fake_gpu):

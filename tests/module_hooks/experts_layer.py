@@ -15,6 +15,7 @@ from torch import nn
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.experts.loader import Buffers, ExpertCounters, ExpertLayer, expert_slots
 from offload_core.module_hooks.units import TransferStats, Unit
+from offload_core.storage.base import MappingStore
 
 EXPERTS = 4
 ROW_BYTES = 2 * 3 * 4 + 1 * 2 * 2  # 24 + 4
@@ -41,8 +42,10 @@ def store_tensors() -> dict[str, torch.Tensor]:
     }
 
 
-class RecordingStore(dict):
+class RecordingStore(MappingStore):
     """A store that reads rows and whole tensors itself (as the on-disk stores do), and records each call."""
+
+    reads_into = True
 
     def __init__(self) -> None:
         super().__init__(store_tensors())
@@ -52,11 +55,11 @@ class RecordingStore(dict):
     def read_expert(self, key: str, expert: int, out: torch.Tensor) -> None:
         self.calls.append(("read_expert", key, expert))
         self.outs.append((tuple(out.shape), out.dtype))
-        out.copy_(dict.__getitem__(self, key)[expert])
+        out.copy_(self.tensors[key][expert])
 
     def read_into(self, key: str, out: torch.Tensor) -> None:
         self.calls.append(("read_into", key))
-        out.copy_(dict.__getitem__(self, key))
+        out.copy_(self.tensors[key])
 
 
 class Queued:
@@ -117,7 +120,7 @@ def fill(layer: ExpertLayer, value: float) -> dict[str, torch.Tensor]:
     return buffers
 
 
-class PinnedStore(dict):
+class PinnedStore(MappingStore):
     """:func:`store_tensors` in page-locked memory of ``accelerator`` (one arena), as the pinned_cpu store has them."""
 
     pinned = True
@@ -125,13 +128,14 @@ class PinnedStore(dict):
     def __init__(self, accelerator) -> None:
         tensors = store_tensors()
         arena = accelerator.pinned_arena(sum(t.numel() * t.element_size() for t in tensors.values()))
-        at = 0
+        at, held_tensors = 0, {}
         for key, tensor in tensors.items():
             nbytes = tensor.numel() * tensor.element_size()
             held = arena[at : at + nbytes].view(tensor.dtype).view(tensor.shape)
             held.copy_(tensor)
-            self[key] = held
+            held_tensors[key] = held
             at += nbytes
+        super().__init__(held_tensors)
         self.arena = arena
 
 

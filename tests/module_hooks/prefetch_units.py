@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.units import find_units
+from offload_core.storage.base import MappingStore
 
 CPU = torch.device("cpu")
 X = torch.arange(8, dtype=torch.float32).view(2, 4)
@@ -32,7 +33,7 @@ def settle(prefetcher):
         future.result(timeout=30)
 
 
-class MappedStore(dict):
+class MappedStore(MappingStore):
     """A store that maps its tensors in place (``warm`` brings them in and says no copy is needed)."""
 
     def __init__(self, tensors):
@@ -44,7 +45,7 @@ class MappedStore(dict):
         return True
 
 
-class GatedStore(dict):
+class GatedStore(MappingStore):
     """Reading a key in ``gated`` (``store[key]``) stalls until ``gate`` is set: a slow read held in flight."""
 
     def __init__(self, tensors, gated):

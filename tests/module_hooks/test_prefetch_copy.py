@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from offload_core.module_hooks.prefetch import BlockPool, Prefetch, PrefetchConfig, Prefetcher, StagingRing, Streams
+from offload_core.storage.base import MappingStore
 from tests.module_hooks.prefetch_model import DISK, dispatched
 from tests.module_hooks.prefetch_model import tiny_llama as _model
 from tests.waits import blocked_in
@@ -316,21 +316,16 @@ def test_ctrl_c_while_waiting_for_a_read_ahead_leaks_no_buffer(tmp_path):
     assert prefetcher.block_pool is None  # remove() lets the pool go at once
 
 
-class _SlowStore(Mapping):
+class _SlowStore(MappingStore):
     """A store whose every read takes ``delay`` seconds more."""
 
     def __init__(self, store, delay):
-        self.inner, self.delay = store, delay
+        super().__init__(store)
+        self.delay = delay
 
     def __getitem__(self, key):
         time.sleep(self.delay)
-        return self.inner[key]
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self):
-        return len(self.inner)
+        return super().__getitem__(key)
 
 
 def test_a_forward_with_autograd_on_runs_on_the_pool(tmp_path):

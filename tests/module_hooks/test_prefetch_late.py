@@ -14,12 +14,13 @@ import offload_core.module_hooks.prefetch.pool as pool_module
 import offload_core.module_hooks.prefetch.prefetcher as prefetcher_module
 from offload_core.module_hooks.prefetch import Prefetcher
 from offload_core.module_hooks.units import TransferStats
+from offload_core.storage.base import MappingStore
 from tests.logs import records_of
 from tests.module_hooks.prefetch_units import CPU, X, GatedStore, MappedStore, settle, stack
 from tests.waits import blocked_in
 
 
-class _FailingStore(dict):
+class _FailingStore(MappingStore):
     """Reading a key in ``failing`` raises, as a read from a vanished file would."""
 
     def __init__(self, tensors, failing):

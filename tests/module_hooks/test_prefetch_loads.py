@@ -15,6 +15,7 @@ import offload_core.module_hooks.prefetch.pool as pool_module
 import offload_core.module_hooks.prefetch.prefetcher as prefetcher_module
 from offload_core.module_hooks.prefetch import Prefetcher
 from offload_core.module_hooks.units import TransferStats, find_units
+from offload_core.storage.base import MappingStore
 from tests.module_hooks.prefetch_units import CPU, X, GatedStore, MappedStore, settle, stack
 from tests.waits import blocked_in
 
@@ -91,9 +92,11 @@ def test_a_read_ahead_that_found_every_buffer_held_is_read_when_its_unit_runs(mo
         prefetcher.close()
 
 
-class _ReadIntoStore(dict):
+class _ReadIntoStore(MappingStore):
     """A store that tells shapes without reading (``spec``) and reads into a buffer given (``read_into``, as the
     converting stores do); records which way each tensor was read."""
+
+    reads_into = True
 
     def __init__(self, tensors):
         super().__init__(tensors)

@@ -11,17 +11,18 @@ from offload_core.module_hooks.prefetch import Prefetcher, StagingRing
 from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK
 from offload_core.module_hooks.units import TransferStats, find_units
 from offload_core.storage.residency import Residency
+from offload_core.storage.base import MappingStore
 
 CPU = torch.device("cpu")
 
 
 def _units_and_store():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 8))
-    store = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    store = MappingStore({name: t.detach().clone() for name, t in model.state_dict().items()})
     return find_units(model, {name: name for name in store}, [], "block"), store
 
 
-class _PinnedStore(dict):
+class _PinnedStore(MappingStore):
     """A store whose tensors are in pinned host memory (as ``pinned_cpu``): nothing to stage."""
 
     pinned = True

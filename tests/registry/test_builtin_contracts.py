@@ -73,10 +73,13 @@ def test_builtin_policy_contract(name, tmp_path):
 
 def test_reservation_contract_catches_a_negative_or_missing_answer():
     class Negative:
+        def attach(self, model, context):
+            raise NotImplementedError
+
         def reserve(self, need):
             return {"cpu": -1}
 
-    class Elsewhere:  # says nothing about the GPU it runs on
+    class Elsewhere(Negative):  # says nothing about the GPU it runs on
         def reserve(self, need):
             return {"cpu": need.block_bytes}
 

@@ -146,6 +146,7 @@ def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_
         summary = {"devices": {"cpu": {"bytes": 10}, "disk": {"bytes": 10**7}}}
         page_cache = {"predicted_disk_bytes_per_token": 0}
         predicted_bytes_per_token = 10**7
+        predicted_loads_per_token = 0
 
     class Storage:
         def __init__(self, reads_from):

@@ -117,6 +117,7 @@ class _Plan:
     def __init__(self, page_cache=None):
         self.summary = {"devices": {"cpu": {"bytes": 400}, "disk": {"bytes": 10**7}}}
         self.predicted_bytes_per_token = 10**7
+        self.predicted_loads_per_token = 0
         self.page_cache = page_cache or {}
 
 

@@ -80,7 +80,16 @@ def test_a_bin_checkpoint_view_keeps_its_reference_offset(tmp_path, maps):
 
 
 class Tensors:
-    """The least a checkpoint can be: tensors by key (no shards, no ``is_safetensors``)."""
+    """The least a checkpoint can be: tensors by key, each read whole (no shards, not safetensors, no conversion)."""
+
+    is_safetensors = is_gguf = False
+    conversion_targets: frozenset[str] = frozenset()
+
+    def parts(self, key: str) -> None:
+        return None
+
+    def part_ranges(self, key: str) -> None:
+        return None
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors

@@ -129,9 +129,7 @@ class DeviceLayer(ExpertLayer):
         self.signature = tuple((shape[1:], dtype) for shape, dtype in self.specs.values())
         self.guess: dict[int, DeviceRows] = {}
         # a page-locked store: its rows are copied to the device as they lie
-        self.direct = bool(getattr(store, "pinned", False)) and all(
-            self.accelerator.is_pinned(store[key]) for key in self.keys
-        )
+        self.direct = self.store.pinned and all(self.accelerator.is_pinned(store[key]) for key in self.keys)
 
     # -- the routing ------------------------------------------------------------------------------
     def route(self, args: tuple, kwargs: dict) -> tuple[list[int], list[int]]:

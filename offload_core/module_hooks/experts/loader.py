@@ -25,6 +25,7 @@ from offload_core import devices
 from offload_core.module_hooks.base import ModuleHook
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.units import Slot, TransferStats, Unit
+from offload_core.storage.base import as_store
 
 
 def routing_argument(module: nn.Module) -> int | None:
@@ -125,7 +126,7 @@ class ExpertLayer:
         router: Any = None,
     ) -> None:
         self.unit = unit
-        self.store = store
+        self.store = as_store(store)
         self.buffers = buffers
         self.cache = cache
         self.counters = counters
@@ -285,21 +286,17 @@ class ExpertsHook(ModuleHook):
 def read_expert(store: Mapping[str, torch.Tensor], key: str, expert: int, out: torch.Tensor) -> None:
     """Copy row ``expert`` of ``store[key]`` into ``out``: the store's own ``read_expert`` where it has one
     (assembled or converted tensors), else a row of the view it hands out (only that row's bytes are read)."""
-    reader = getattr(store, "read_expert", None)
-    if reader is not None:
-        reader(key, expert, out)
-    else:
-        out.copy_(store[key][expert])
+    as_store(store).read_expert(key, expert, out)
 
 
 def read_whole(store: Mapping[str, torch.Tensor], key: str, buffer: torch.Tensor) -> None:
     """Copy all of ``store[key]`` into ``buffer``: in one pass where the store reads into host memory itself; to
     a device buffer from such a store (it builds the tensor on read: assembled from per-expert checkpoint tensors,
     or converted) expert by expert through one host row, never the whole tensor in pageable memory."""
-    read_into = getattr(store, "read_into", None)
-    if read_into is not None and buffer.device.type == "cpu":
-        read_into(key, buffer)
-    elif read_into is not None:
+    store = as_store(store)
+    if store.reads_into and buffer.device.type == "cpu":
+        store.read_into(key, buffer)
+    elif store.reads_into:
         row = torch.empty(buffer.shape[1:], dtype=buffer.dtype)
         for expert in range(buffer.shape[0]):
             read_expert(store, key, expert, row)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from offload_core.module_hooks.experts.loader import ExpertLayer
+from offload_core.storage.base import as_store
 from offload_core.storage.pagecache import read_in, resident
 
 DONE: Future = Future()  # a guess whose rows were in memory already
@@ -20,10 +21,8 @@ DONE.set_result(None)
 
 def mapped_views(store: Any, keys: list[str]) -> dict[str, torch.Tensor] | None:
     """``{key: view}`` where the store hands every key out as a mapped view to compute on in place; else None."""
-    viewer = getattr(store, "mapped_view", None)
-    if viewer is None:
-        return None
-    views = {key: viewer(key) for key in keys}
+    store = as_store(store)
+    views = {key: store.mapped_view(key) for key in keys}
     return views if all(v is not None and v.device.type == "cpu" for v in views.values()) else None
 
 

@@ -43,7 +43,7 @@ from offload_core.module_hooks.reader import Reader
 from offload_core.module_hooks.prefetch.policy import Prefetch, PrefetchConfig, PrefetchHandle
 from offload_core.module_hooks.units import Unit
 from offload_core.planning.reservation import InFlight
-from offload_core.values import format_size
+from offload_core.values import budget_key, format_size
 
 GUESSES = ("router", "previous", "none")
 AUTO_SLOTS = 2  # the most cache slots per layer chosen from the budget
@@ -217,7 +217,7 @@ class Experts(Prefetch):
             reserve = dict(super().reserve(replace(need, offloaded=rest, store_converts=not copied.isdisjoint(rest))))
             need = replace(need, store_converts=not copied.isdisjoint(held.names))
             if held.buffers and need.execution_device.type != "cpu":  # the routed experts' whole tensors
-                gpu = need.execution_device.index or 0
+                gpu = budget_key(need.execution_device)
                 reserve[gpu] = reserve.get(gpu, 0) + held.buffers
         row, layers = max(fused_row, listed_row), fused_layers + listed_layers
         top_k = getattr(getattr(need.model, "config", None), "num_experts_per_tok", None)
@@ -242,7 +242,7 @@ class Experts(Prefetch):
         cache = self.slots * row * layers
         reserve["cpu"] = reserve.get("cpu", 0) + cache + in_flight
         if listed_layers and need.execution_device.type != "cpu":
-            gpu = need.execution_device.index or 0
+            gpu = budget_key(need.execution_device)
             reserve[gpu] = reserve.get(gpu, 0) + self.slots * listed_row * listed_layers
         chosen = " (as many as the cpu budget holds)" if self.config.cache_slots is None else ""
         self.cache_note = (
@@ -264,7 +264,7 @@ class Experts(Prefetch):
         budget has left once the placement has put its weights there (:meth:`_device_experts`), so weights every token
         reads stay on the device first. Host memory only to stage the rows of a store that is not page-locked."""
         (row, layers), (listed_row, listed_layers) = fused, listed
-        gpu = need.execution_device.index or 0
+        gpu = budget_key(need.execution_device)
         self.ahead = top_k if self.config.guess != "none" else 0
         self.device_slots = None if self.config.cache_slots is None else self.config.cache_slots * layers
         cache = (self.device_slots or 0) * row

@@ -75,15 +75,15 @@ def apply_graphs(model: nn.Module, device: torch.device | str | None = None) -> 
     from offload_core.errors import GraphsError
 
     state = getattr(model, "offload_state", None)
-    handle = getattr(state, "handle", None)
+    handle = state.handle if state is not None else None
     if device is None:
         device = state.execution_device if state is not None else next(model.parameters()).device
     device = torch.device(device)
     policy = None
     if handle is not None and handle.units:
         policy = "prefetch" if isinstance(handle, PrefetchHandle) else type(handle).__name__
-    store = getattr(state, "store", None)
-    refusal = graphs_refusal(device, policy, bool(getattr(store, "pinned", False)) if policy else None, False)
+    store = state.store if state is not None else None
+    refusal = graphs_refusal(device, policy, (store is not None and store.pinned) if policy else None, False)
     if refusal is not None:
         raise GraphsError(refusal)
     ring = None

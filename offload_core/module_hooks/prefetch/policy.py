@@ -21,6 +21,7 @@ from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import Unit, find_units
 from offload_core.planning.reservation import InFlight, reserve_units
 from offload_core.module_hooks.policy import Policy
+from offload_core.values import budget_key
 
 
 class PrefetchHandle(PolicyHandle):
@@ -111,7 +112,7 @@ class Prefetch(Policy):
         reserve = reserve_units(need, unit_bytes, nesting + self.config.depth, copies_on_cpu=bool(self.config.pool))
         if need.execution_device.type != "cpu":
             if need.offloaded is None or need.offloaded:  # the scratch decoding the store's packed tensors there
-                reserve[need.execution_device.index or 0] += need.store_scratch
+                reserve[budget_key(need.execution_device)] += need.store_scratch
             staged = not need.store_pinned and (need.offloaded is None or bool(need.offloaded))
             reserve["cpu"] = STAGING_BUFFERS * self.chunk if staged else 0
         return reserve

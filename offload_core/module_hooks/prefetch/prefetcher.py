@@ -20,7 +20,7 @@ from offload_core.module_hooks.prefetch.transfer import STAGING_CHUNK, StagingRi
 from offload_core.module_hooks.keeper import PageCacheKeeper
 from offload_core.module_hooks.reader import Reader
 from offload_core.module_hooks.units import TransferStats, Unit, tensor_spec
-from offload_core.storage.base import Store, moved_bytes
+from offload_core.storage.base import as_store, moved_bytes
 from offload_core.storage.pagecache import page_spans, resident, spans_resident
 from offload_core.storage.residency import Residency
 
@@ -59,18 +59,18 @@ class Prefetcher:
         units it streams have their pages dropped from the page cache once they have run; the ones it
         keeps stay cached across tokens."""
         self.units = units
-        self.store = store
+        self.store = store = as_store(store)
         self.device = device
         self.depth = max(int(depth), 0)
         self.stats = stats
         self.accel = Streams(device)
         self.copy = device.type != "cpu" if copy is None else bool(copy)
         if staging is None:
-            staging = self.accel.cuda and not getattr(store, "pinned", False)
+            staging = self.accel.cuda and not store.pinned
         self.staging = StagingRing(self.accel, chunk=staging_chunk) if staging else None
         # Copies from pinned memory only queue DMA on the side stream: issued by the compute thread itself, the next
         # units' copies are queued before the current unit's kernels, with no hand-off to a reader thread to wait for.
-        self.inline = self.accel.cuda and self.copy and not staging and bool(getattr(store, "pinned", False))
+        self.inline = self.accel.cuda and self.copy and not staging and store.pinned
         self.trace = Trace()
         self.pending: dict[int, tuple[Future, threading.Event, Fetched]] = {}
         self.held: dict[int, Fetched] = {}
@@ -130,9 +130,7 @@ class Prefetcher:
             offsets, end = {}, 0
             for key in unit.keys:
                 shape, dtype = tensor_spec(self.store, key)
-                start = _aligned(end) + (
-                    self.store.offset(key) if self.device.type == "cpu" and isinstance(self.store, Store) else 0
-                )
+                start = _aligned(end) + (self.store.offset(key) if self.device.type == "cpu" else 0)
                 offsets[key] = (start, shape, dtype)
                 end = start + _nbytes(shape, dtype)
             layout = self._layouts[unit.name] = (offsets, _aligned(end))
@@ -181,7 +179,7 @@ class Prefetcher:
         for key in unit.keys:
             if key in fetched.tensors:
                 continue
-            if not self.copy and hasattr(self.store, "warm") and self.store.warm(key):
+            if not self.copy and self.store.warm(key):
                 tensor = fetched.tensors[key] = self.store[key]
                 fetched.moved += tensor.numel() * tensor.element_size()
                 fetched.mapped.append(key)
@@ -213,9 +211,8 @@ class Prefetcher:
         return True
 
     def _copy_tensor(self, key: str, view: torch.Tensor, dst_bytes: torch.Tensor) -> None:
-        read_into = getattr(self.store, "read_into", None)
-        if not self.accel.cuda and self.staging is None and read_into is not None:
-            read_into(key, view)  # host to host: one pass, converting where the store does
+        if not self.accel.cuda and self.staging is None and self.store.reads_into:
+            self.store.read_into(key, view)  # host to host: one pass, converting where the store does
             return
         src = self.store[key]
         if self.staging is not None and not self.accel.is_pinned(src):

@@ -87,7 +87,7 @@ def _sections(registry: Registry, kind: str, given: dict[str, Any], fixed: bool)
     found = []
     for name in registry.names(kind):
         strategy = registry.get(kind, name)
-        if not getattr(strategy.factory, "auto", False):
+        if not strategy.factory.auto:
             continue
         defaults = dataclasses.asdict(strategy.config())
         for variant in strategy.factory.auto_variants():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -15,11 +14,12 @@ from offload_core.loading.plan import Plan
 from offload_core.loading.plan import make_plan as plan_model
 from offload_core.runner.plan.model import RunModel
 from offload_core.runner.settings import Settings, Strategies
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.residency import offloaded_in_plan
 from offload_core.values import format_size
 
 
-def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Any) -> Plan:
+def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Checkpoint) -> Plan:
     """The run's plan (:func:`offload_core.loading.plan.make_plan`, the rule ``from_pretrained`` plans by): a user's
     ``device_map`` file, else the policy's own map, else the placement's within the budgets less the headroom."""
     from offload_core.runner.validate import check_device_map_devices, check_module_classes

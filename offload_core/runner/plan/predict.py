@@ -130,7 +130,7 @@ def predict_time(
     io = io_s(
         calibration, moved, disk, storage.reads_from, storage.pinned, torch.device("cpu") if probe else execution_device
     )
-    loads = getattr(plan, "predicted_loads_per_token", 0)
+    loads = plan.predicted_loads_per_token
 
     def forward(shape: str) -> float:
         times = compute[shape]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -20,6 +20,7 @@ from offload_core.runner.plan.batches import Batches, plan_batches, read_batches
 from offload_core.runner.plan.model import RunModel, open_model
 from offload_core.runner.plan.plan import make_plan
 from offload_core.runner.settings import Settings, Strategies
+from offload_core.storage.checkpoint import Checkpoint
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Prepared:
     settings: Settings
     strategies: Strategies
     run_model: RunModel
-    checkpoint: Any
+    checkpoint: Checkpoint
     batches: Batches | None
     input_ids: torch.Tensor
     plan: Plan
@@ -98,7 +99,7 @@ def predict_plan(job: Prepared) -> None:
     job.plan.predicted_time.update(speculate.predicted(job.settings.speculative, job.plan.predicted_time))
 
 
-def check_run_task(settings: Settings, run_model: RunModel, checkpoint: Any) -> None:
+def check_run_task(settings: Settings, run_model: RunModel, checkpoint: Checkpoint) -> None:
     """Before planning: a ``model.task`` the checkpoint lacks weights for is one line naming the task, ``texts``
     belong to the tasks that read texts (a generating run reads ``prompt``) and ``prompts`` to the generating ones."""
     if run_model.task_given:

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import StoppingCriteria
 
 from offload_core import devices
+from offload_core.values import budget_key
 
 #: the cache key's version: a probe measured by an older rule is measured again
 PROBE_VERSION = 5
@@ -148,7 +149,7 @@ def probe_times(
     torch.manual_seed(0)
     model = type(run_model.model)(config).to(run_model.dtype).eval()
     gpu = devices.is_accelerator(execution_device)
-    on, off = (execution_device.index or 0, "cpu") if gpu else ("cpu", "disk")
+    on, off = (budget_key(execution_device), "cpu") if gpu else ("cpu", "disk")
     device_map = split_map(model, run_model.no_split, on, off)
     ids = torch.randint(1, config.get_text_config().vocab_size, (rows, tokens), device=execution_device)
     with tempfile.TemporaryDirectory(prefix=".offload-probe-", dir=folder) as tmp:

@@ -11,6 +11,7 @@ from offload_core.planning.batch_memory import BatchMemory
 from offload_core.planning.generation import Generation, context_length, hold_generation
 from offload_core.planning.headroom import FORWARD_HEADROOM, check_headroom
 from offload_core.runner.settings import Settings
+from offload_core.values import budget_key
 
 __all__ = ["context_length", "forward_headroom", "plan_run_memory"]
 
@@ -32,7 +33,7 @@ def plan_run_memory(
     generation = Generation(settings.sampling.max_new_tokens, rows, longest, prefill_rows)
     what = "the longest prompt" if settings.prompts_file else "the prompt"
     budgets, device = dict(settings.max_memory), settings.execution_device
-    key = device.index or 0
+    key = budget_key(device)
     if settings.graphs and device.type != "cpu" and budgets.get(key) is not None:
         from offload_core.module_hooks.graphs import graph_pool_bytes  # the graph's pool: one step's activations, kept
 

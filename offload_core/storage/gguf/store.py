@@ -4,12 +4,13 @@ read, into the buffer the module hook holds where it hands one (nothing is writt
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
+from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.pagecache import drop, will_need
 
 
@@ -20,9 +21,11 @@ class GGUFStore(Store):
     (:class:`offload_core.loading.gguf_checkpoint.GGUFCheckpoint`, read through its methods ``read_into``,
     ``raw``, ``stored_nbytes``, ``byte_range``, ``shape``)."""
 
+    reads_into = True  # dequantizes into the caller's buffer
+
     def __init__(self, context: StoreContext) -> None:
         checkpoint = context.checkpoint
-        if checkpoint is None or not getattr(checkpoint, "is_gguf", False):
+        if checkpoint is None or not checkpoint.is_gguf:
             raise StorageError(
                 "storage=gguf reads offloaded tensors in place from a GGUF file, and this model's checkpoint is "
                 "not one; give model.path=<file.gguf> (or a folder holding one), or use storage=safetensors"
@@ -32,7 +35,7 @@ class GGUFStore(Store):
         self._refs: dict[str, str] = {}
         self.bytes_written = 0
 
-    def add_from_checkpoint(self, name: str, checkpoint: Any, key: str, dtype: torch.dtype | None) -> None:
+    def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         self._refs[name] = key  # only the header is consulted: the blocks are read as the model runs
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
