@@ -240,17 +240,7 @@ class HybridPrefetch(Prefetch):
         self.host_units = [units[i].name for i in self.split.host]
 
     def make_prefetcher(self, units: list[Unit], plan: PolicyContext, host: Iterable[int] = ()) -> HybridPrefetcher:
-        return HybridPrefetcher(
-            units,
-            plan.store,
-            plan.execution_device,
-            self.config.depth,
-            plan.stats,
-            copy=self.config.pool,
-            staging_chunk=self.chunk,
-            residency=plan.residency,
-            host=host,
-        )
+        return HybridPrefetcher(units, host=host, **self.prefetcher_options(plan))
 
 
 def check_hybrid_device(device: torch.device, given: str = "hybrid=true") -> None:

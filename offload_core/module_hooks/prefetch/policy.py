@@ -150,12 +150,16 @@ class Prefetch(Policy):
     def make_prefetcher(self, units: list[Unit], plan: PolicyContext) -> Prefetcher:
         """The reader that :meth:`attach` drives. A seam: a subclass may build it otherwise (tests force
         the pinned staging ring on, to run the GPU data path on a CPU)."""
-        return (DecodingPrefetcher if packs(plan.store) else Prefetcher)(
-            units,
-            plan.store,
-            plan.execution_device,
-            self.config.depth,
-            plan.stats,
+        return (DecodingPrefetcher if packs(plan.store) else Prefetcher)(units, **self.prefetcher_options(plan))
+
+    def prefetcher_options(self, plan: PolicyContext) -> dict[str, Any]:
+        """What a prefetcher of this policy is built with beside its units: the store, device, depth, counters,
+        copy pool, staging chunk and kept set."""
+        return dict(
+            store=plan.store,
+            device=plan.execution_device,
+            depth=self.config.depth,
+            stats=plan.stats,
             copy=self.config.pool,
             staging_chunk=self.chunk,
             residency=plan.residency,
