@@ -197,24 +197,19 @@ class DeviceLayer(ExpertLayer):
         if missing:
             self.copy_missing(missing, buffers)
             self.counters.misses += len(missing)
-            for expert in missing:
-                rows = self.admit(expert, stream)
-                if rows is not None:
-                    for buffer, row in zip(buffers, rows.rows):
-                        row.copy_(buffer[expert])
-                    touched.append(rows)
-        if touched:
-            used = self.accelerator.record_event(stream)
-            for rows in touched:
-                rows.used = used
+        self.cache_rows(missing, buffers, stream, touched)
 
     def keep_routed(self, experts: list[int], tensors: dict, stream: Any) -> None:
         """After a whole read: the routed experts the cache wants are copied into it on the device."""
-        buffers = [tensors[key] for key in self.keys]
-        touched = []
+        new = [expert for expert in experts if self.cache.get((self.index, expert)) is None]
+        self.cache_rows(new, [tensors[key] for key in self.keys], stream, [])
+
+    def cache_rows(self, experts: list[int], buffers: list, stream: Any, touched: list[DeviceRows]) -> None:
+        """Copy each of ``experts``' rows of ``buffers`` into the cache slot it is admitted to (if any), then mark
+        those slots and ``touched`` used until this point of ``stream``."""
         for expert in experts:
-            rows = self.cache.get((self.index, expert)) is None and self.admit(expert, stream)
-            if rows:
+            rows = self.admit(expert, stream)
+            if rows is not None:
                 for buffer, row in zip(buffers, rows.rows):
                     row.copy_(buffer[expert])
                 touched.append(rows)
