@@ -55,21 +55,6 @@ def reservation(
     return dict(policy.reserve(need))
 
 
-def reserve_for(
-    model: nn.Module,
-    checkpoint: Checkpoint,
-    policy: Policy,
-    storage: Storage,
-    execution_device: torch.device,
-    no_split: list[str],
-    dtype: torch.dtype,
-    cpu_budget: int | None = None,
-    device_budget: int | None = None,
-) -> dict[Any, int]:
-    """:func:`reservation` for ``model`` loaded from ``checkpoint`` in ``dtype`` (:class:`Reserver`)."""
-    return Reserver.of(model, checkpoint, storage, execution_device, no_split, dtype, cpu_budget, device_budget)(policy)
-
-
 @dataclass(frozen=True)
 class Reserver:
     """What a placement holds back for a policy's units in flight, all but the policy worked out once (a plan asks it

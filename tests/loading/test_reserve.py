@@ -8,7 +8,7 @@ import torch
 
 from offload_core import init_empty_weights
 from offload_core.loading.checkpoint import Checkpoint
-from offload_core.loading.reserve import reserve_for
+from offload_core.loading.reserve import Reserver
 from offload_core.registry.manager import get_registry
 
 
@@ -24,9 +24,9 @@ def test_copies_made_on_read_are_held_back(saved, name, store, holds_back):
     policy, storage = registry.create("policy", "prefetch"), registry.create("storage", store)
     dtype = next(model.parameters()).dtype
     with Checkpoint.open(model_source.path) as checkpoint:
-        reserve = reserve_for(
-            model, checkpoint, policy, storage, torch.device("cpu"), list(model._no_split_modules), dtype, None
-        )
+        reserve = Reserver.of(
+            model, checkpoint, storage, torch.device("cpu"), list(model._no_split_modules), dtype, None
+        )(policy)
     assert (reserve.get("cpu", 0) > 0) == holds_back
 
 

@@ -14,7 +14,7 @@ import offload_core
 from offload_core.alignment import assume_kernels_depend_on_alignment
 from offload_core.loading.pipeline import component_no_split
 from offload_core.loading.pipeline_load import open_pipeline, whole_limit
-from offload_core.loading.reserve import reserve_for, units_in_flight
+from offload_core.loading.reserve import Reserver, units_in_flight
 from offload_core.planning import compute_module_sizes
 from offload_core.registry.manager import get_registry
 
@@ -37,8 +37,8 @@ def test_the_reservation_counts_the_copies_a_misaligned_component_needs(pipeline
     with checkpoint, assume_kernels_depend_on_alignment(depends):
         starts = [checkpoint.safetensors_file(checkpoint.file_of(k)).byte_range(k)[0] for k in checkpoint.keys()]
         assert any(start % 64 for start in starts)  # safetensors aligns to 8 bytes only: some tensors lie elsewhere
-        held = reserve_for(
-            empty.modules, checkpoint, _policy("chained"), _storage("safetensors"), CPU, no_split, empty.dtype
+        held = Reserver.of(empty.modules, checkpoint, _storage("safetensors"), CPU, no_split, empty.dtype)(
+            _policy("chained")
         )
     sizes = compute_module_sizes(empty.modules, dtype=empty.dtype)
     block = max(sizes[name] for name, m in empty.modules.named_modules() if type(m).__name__ in no_split)
