@@ -42,7 +42,7 @@ for stage in $stages; do
     echo "== stage $stage ($(date +%T))"
     case $stage in
     tests)
-        timeout ${TESTS_TIMEOUT:-240} $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider -W ignore tests/ >"$OUT/gpu_tests.txt" 2>&1
+        timeout ${TESTS_TIMEOUT:-240} $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider -W ignore $(grep -rlE "pytest.mark.gpu" tests --include="test_*.py") >"$OUT/gpu_tests.txt" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -30
         ;;
     main)

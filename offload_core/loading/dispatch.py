@@ -15,6 +15,7 @@ from torch import nn
 
 from offload_core import defaults, devices
 from offload_core.alignment import maps_checkpoint
+from offload_core.module_hooks.base import no_auto_compile
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import tensor_nbytes
 from offload_core.planning import no_split_classes
@@ -166,6 +167,8 @@ def _attach(
         residency=residency,
     )
     handle = policy.attach(model, context)
+    if routes.offloaded:
+        no_auto_compile(model)
     state = OffloadState(device_map, execution_device, store, handle, routes, _encoder_io_hook(model))
     model.hf_device_map = dict(device_map)
     model.offload_state = state

@@ -173,3 +173,12 @@ def send_to_device(
 
 def _is_model_output(obj: Any) -> bool:
     return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
+
+
+def no_auto_compile(model: nn.Module) -> None:
+    """Keep transformers' ``generate`` from compiling ``model``'s forward (it does so on its own for a static KV cache
+    on a GPU): a compiled graph would trace the hooks' host-side work (reads, events, counters) and take its weights'
+    addresses as fixed, which offloading and captured graphs change. Set on the model's generation config."""
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        config.disable_compile = True

@@ -94,6 +94,7 @@ def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_pat
     )
     try:
         assert {"cpu", "disk"} <= set(model.hf_device_map.values())
+        assert model.generation_config.disable_compile  # generate() never compiles through the hooks
         with torch.no_grad():
             got = model(ids).logits
     finally:

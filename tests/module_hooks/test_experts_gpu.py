@@ -43,6 +43,7 @@ def test_experts_policy_on_gpu_bit_identical(store, guess, dtype, tmp_path):
         execution_device="cuda:0",
         dtype=dtype,
         progress=False,
+        generation={"max_new_tokens": 2, "prompt_tokens": ids.shape[1]},  # the forwards below: one prompt, two tokens
     )
     with torch.no_grad():
         got = [model(input_ids=ids).logits, model(input_ids=ids[:, :1]).logits, model(input_ids=ids[:, :1]).logits]
@@ -80,7 +81,11 @@ def test_decoding_from_a_device_cache_of_every_expert_copies_nothing_once_warm(g
     dtype = torch.bfloat16
     reference = moe.auto.from_pretrained(moe.path, dtype=dtype).eval().to("cuda")
     ids = moe.inputs["input_ids"][:1].cuda()
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     want = _decode(reference, ids)
+    running = torch.cuda.max_memory_allocated() - resident  # what decoding takes beside the weights, in memory
     del reference
     with init_empty_weights():
         model = moe.auto.from_config(moe.config, dtype=dtype).eval()
@@ -110,7 +115,11 @@ def test_the_device_cache_takes_what_the_budget_leaves_and_the_gpu_stays_within_
     dtype = torch.bfloat16
     reference = moe.auto.from_pretrained(moe.path, dtype=dtype).eval().to("cuda")
     ids = moe.inputs["input_ids"][:1].cuda()
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     want = _decode(reference, ids)
+    running = torch.cuda.max_memory_allocated() - resident  # what decoding takes beside the weights, in memory
     del reference
     with init_empty_weights():
         model = moe.auto.from_config(moe.config, dtype=dtype).eval()
@@ -148,5 +157,6 @@ def test_the_device_cache_takes_what_the_budget_leaves_and_the_gpu_stays_within_
     model.offload_state.remove()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert shared.cache_slots == 2 and kept == 2  # 3 experts' bytes left, one spared
-    # beside the budget: the activations, KV cache and logits of a tiny model, and the allocator's 512-byte blocks
-    assert peak <= budget + 2**16
+    # beside the budget: what the in-memory model's decoding took beside its weights (activations, KV cache, logits),
+    # and the allocator's 512-byte blocks
+    assert peak <= budget + running + 2**12, (peak, budget, running)

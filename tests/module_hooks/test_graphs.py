@@ -48,6 +48,7 @@ def test_offloaded_graphs_generate_what_the_in_memory_model_does(llama_run):
     fake, llama, ids, reference = llama_run
     want_ids, want_logits = _generate(reference, ids)
     apply_graphs(reference)  # in memory, with graphs: the same again
+    assert reference.generation_config.disable_compile  # transformers' compile of a static cache would trace the hook
     got_ids, got_logits = _generate(reference, ids)
     assert torch.equal(got_ids, want_ids) and all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
     assert _graphs_hook(reference).replays == 3
@@ -64,6 +65,7 @@ def test_offloaded_graphs_generate_what_the_in_memory_model_does(llama_run):
     try:
         ring = model.offload_state.handle.prefetcher
         assert isinstance(ring, StaticRing) and len(ring.units) >= 2
+        assert model.generation_config.disable_compile
         hook = _graphs_hook(model)
         for _ in range(2):  # a second call captures again (a new cache) and still matches
             got_ids, got_logits = _generate(model, ids)

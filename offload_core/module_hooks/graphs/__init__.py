@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from offload_core import devices
-from offload_core.module_hooks.base import add_hook_to_module, module_hooks
+from offload_core.module_hooks.base import add_hook_to_module, module_hooks, no_auto_compile
 from offload_core.module_hooks.graphs.decode import DecodeGraphs
 from offload_core.module_hooks.graphs.ring import StaticRing
 from offload_core.module_hooks.prefetch.layout import _max_nesting
@@ -104,6 +104,7 @@ def apply_graphs(model: nn.Module, device: torch.device | str | None = None) -> 
         return existing[0]
     hook = DecodeGraphs(devices.for_device(device), device, ring)
     add_hook_to_module(model, hook)
+    no_auto_compile(model)  # the graph replaces transformers' own compiled one
     config = getattr(model, "generation_config", None)
     if config is not None:
         config.cache_implementation = "static"

@@ -289,8 +289,9 @@ class Prefetcher:
                 continue  # checked where it runs (see __init__)
             if index not in self.pending and not self.units[index].loaded:
                 dropped = threading.Event()
-                fetched = self._borrow(self.units[index])
-                self.pending[index] = (self._issue(index, fetched, dropped), dropped, fetched)
+                with torch.inference_mode(False):  # blocks and copies made by any caller are plain tensors
+                    fetched = self._borrow(self.units[index])
+                    self.pending[index] = (self._issue(index, fetched, dropped), dropped, fetched)
 
     def _issue(self, index: int, fetched: Fetched, dropped: threading.Event) -> Future:
         """Unit ``index`` read ahead: on the reader thread, or at once where its copies only queue (:attr:`inline`;
