@@ -46,10 +46,10 @@ for stage in $stages; do
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -30
         ;;
     main)
-        timeout 120 $PY run.py model=synthetic max_memory.0=1MB storage=pinned_cpu hook=prefetch \
+        timeout 120 $PY run.py model=synthetic model.preset=small max_memory.0=64MB storage=pinned_cpu hook=prefetch \
             max_new_tokens=8 compare_in_memory=true progress=false hydra.run.dir=/tmp/gpu-main
         echo "exit $?"
-        timeout 120 $PY run.py model=synthetic max_memory.0=1MB storage=pinned_cpu hook=prefetch graphs=true \
+        timeout 120 $PY run.py model=synthetic model.preset=small max_memory.0=64MB storage=pinned_cpu hook=prefetch graphs=true \
             max_new_tokens=8 compare_in_memory=true progress=false hydra.run.dir=/tmp/gpu-graphs
         echo "exit $? (graphs)"
         ;;

@@ -125,9 +125,9 @@ def _accelerator(request):
 
 @pytest.fixture
 def fake_gpu(_accelerator):
-    """``fake_gpu(count=1, memory="1GiB")`` installs a fake accelerator of ``count`` devices for the rest of the
-    test and returns it; the test fails if it saw a hazard (a buffer used, overwritten or freed before the
-    event guarding it)."""
+    """``fake_gpu(count=1, memory="1GiB", workspace=0)`` installs a fake accelerator of ``count`` devices (each taking
+    ``workspace`` bytes at its first matrix product) for the rest of the test and returns it; the test fails if it saw a
+    hazard (a buffer used, overwritten or freed before the event guarding it)."""
     import gc
 
     from offload_core.devices.fake import FakeAccelerator
@@ -136,8 +136,9 @@ def fake_gpu(_accelerator):
     made: list = []
     stack: list = []
 
-    def make(count: int = 1, memory: int | str = "1GiB") -> FakeAccelerator:
-        accelerator = FakeAccelerator(count=count, memory=parse_size(memory) if isinstance(memory, str) else memory)
+    def make(count: int = 1, memory: int | str = "1GiB", workspace: int = 0) -> FakeAccelerator:
+        memory = parse_size(memory) if isinstance(memory, str) else memory
+        accelerator = FakeAccelerator(count=count, memory=memory, workspace=workspace)
         accelerator.install()
         context = devices.use(accelerator)
         context.__enter__()

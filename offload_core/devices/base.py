@@ -73,6 +73,12 @@ class Accelerator:
     def reset_peak_memory_stats(self, index: int) -> None:
         return None
 
+    def workspace_bytes(self, index: int) -> int:
+        """Device memory the math libraries take through the allocator once device ``index`` multiplies matrices
+        (cuBLAS's workspace for the compute stream), kept for the process's life: a run holds it back beside what
+        it plans."""
+        return 0
+
     def empty(
         self, shape: tuple[int, ...] | torch.Size | int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:

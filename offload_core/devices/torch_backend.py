@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
 import threading
 import weakref
 from typing import Any, ContextManager
@@ -17,6 +19,15 @@ log = logging.getLogger(__name__)
 
 #: cudaHostRegister pins whole pages
 PAGE = 4096
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], config: str | None) -> int:
+    """The cuBLAS workspace torch allocates per stream: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KIB:COUNT`` pairs) where
+    set, else torch's default, 32 MiB from Hopper (compute capability 9) on and ``:4096:2:16:8`` (8.125 MiB) before."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        return sum(int(size) * int(count) * 1024 for size, count in pairs)
+    return 4096 * 8 * 1024 if capability[0] >= 9 else 4096 * 2 * 1024 + 16 * 8 * 1024
 
 
 def _pow2(n: int) -> int:
@@ -64,6 +75,12 @@ class TorchAccelerator(Accelerator):
 
     def reset_peak_memory_stats(self, index: int) -> None:
         self._call("reset_peak_memory_stats", index)
+
+    def workspace_bytes(self, index: int) -> int:
+        if self.type != "cuda":
+            return 0
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        return cublas_workspace_bytes(torch.cuda.get_device_capability(index), config)
 
     # -- pinned host memory -----------------------------------------------------------------------
     def pinned_empty(self, nbytes: int) -> torch.Tensor:

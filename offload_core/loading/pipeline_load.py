@@ -91,7 +91,8 @@ def pipeline_from_pretrained(
     empty = build_empty_pipeline(path, parse_dtype(dtype))
     held = read_headroom(headroom)
     if held is None:
-        held = pipeline_headroom(empty, {**default_call(), **(plan_call or {})}, budgets.get(device_key(device)))
+        call = {**default_call(), **(plan_call or {})}
+        held = pipeline_headroom(empty, call, budgets.get(device_key(device)), device)
     limit = whole_limit(less_headroom(budgets, held, device), device, resolve_strategy("policy", policy))
     checkpoint, no_split = open_components(empty, path, limit, no_split_module_classes)
     request = PlanRequest(

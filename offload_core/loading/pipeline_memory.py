@@ -198,11 +198,13 @@ def default_call() -> dict[str, Any]:
     return {"prompt": "a", "num_inference_steps": 2, "output_type": "pt"}
 
 
-def pipeline_headroom(empty: EmptyPipeline, call: dict[str, Any], budget: int | None) -> int:
-    """What a pipeline run holds back from the ``budget`` of the device it computes on (CPU or GPU): the activations
-    of ``call`` traced on the empty pipeline, and a pipeline's runtime slack; a pipeline that cannot be traced gets
-    the fixed headroom of a forward instead, and a warning line saying so. At most half the budget (a warning
-    line when it is capped): the weights keep the other half."""
+def pipeline_headroom(
+    empty: EmptyPipeline, call: dict[str, Any], budget: int | None, device: torch.device | str | None = None
+) -> int:
+    """What a pipeline run holds back from the ``budget`` of the ``device`` it computes on (CPU or GPU): the
+    activations of ``call`` traced on the empty pipeline, and a pipeline's runtime slack (a GPU's workspace in it);
+    a pipeline that cannot be traced gets the fixed headroom of a forward instead, and a warning line saying so. At
+    most half the budget (a warning line when it is capped): the weights keep the other half."""
     try:
         activations = trace_activations(empty, call)
     except Exception as error:  # any pipeline code that cannot run on fake tensors: planned with a fixed allowance
@@ -215,7 +217,7 @@ def pipeline_headroom(empty: EmptyPipeline, call: dict[str, Any], budget: int | 
             format_size(FORWARD_HEADROOM),
         )
         activations = FORWARD_HEADROOM
-    needed = activations + runtime_slack(budget, pipeline=True)
+    needed = activations + runtime_slack(budget, device, pipeline=True)
     if budget is not None and needed > budget // 2:
         logger.warning(
             "the pipeline's activations and runtime (%s) are over half of its budget (%s): holding back half, so the "

@@ -119,7 +119,7 @@ def hold_generation(
     if key == "cpu" and headroom is not None:  # the user's headroom, checked when read
         return Held(max_memory, headroom, need)
     budget = max_memory.get(key)
-    slack = runtime_slack(budget, gpu=key != "cpu")
+    slack = runtime_slack(budget, device)
     if budget is None:
         return Held(max_memory, need.total + slack if key == "cpu" else 0, need)
     # A GPU computes each block in its own memory: the budget holds one beside the KV cache. A CPU run computes
@@ -128,8 +128,10 @@ def hold_generation(
     room = budget - block - slack
     if need.total > room:
         name = "cpu" if key == "cpu" else str(key)
-        where = f"more than max_memory.{name}={format_size(budget)} leaves beside " + (
-            "one block" if block else f"{format_size(slack)} for the runtime"
+        where = (
+            f"more than max_memory.{name}={format_size(budget)} leaves beside "
+            + ("one block and " if block else "")
+            + f"{format_size(slack)} for the runtime"
         )
         if rows > 1:
             fits = largest_batch(config, room, longest, new, dtype, rows)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from offload_core import devices
 from offload_core.errors import ConfigError
 from offload_core.values import device_key, format_size, parse_size
 
@@ -21,9 +22,11 @@ FORWARD_HEADROOM = 48 * 2**20
 #: and with hook=experts on memmap its prompt peaked 44-51 MB over the weights, 0.66 GB on a 0.65 GB budget with
 #: 32 MiB held back), at most a quarter of a smaller budget (a tiny model)
 RUNTIME_SLACK = 64 * 2**20
-#: held back from a GPU budget beside the KV cache, activations and one block: cuBLAS's workspace and the caching
-#: allocator's rounding (the 1.1B preset on an H100 peaked 4 MiB over a 1 GB budget without it)
-GPU_RUNTIME_SLACK = 40 * 2**20
+#: held back from a GPU budget beside the KV cache, activations, one block and the math libraries' workspace (which
+#: the device layer gives: cuBLAS's 32 MiB on an H100 or H200): the caching allocator's rounding (the 1.1B preset on an
+#: H100 peaked 4 MiB over a 1 GB budget without it; the small preset on an H200 peaked 1.1 MiB over 96 MiB when the
+#: workspace was held within a quarter of the budget)
+GPU_RUNTIME_SLACK = 8 * 2**20
 
 #: held back beside a pipeline's traced activations (CPU or GPU): its first call's one-time buffers and the
 #: allocator's retention of freed activations (a 2 GB Stable-Diffusion-shaped pipeline's first 64x64 image peaked at
@@ -32,11 +35,18 @@ GPU_RUNTIME_SLACK = 40 * 2**20
 PIPELINE_RUNTIME_SLACK = 128 * 2**20
 
 
-def runtime_slack(budget: int | None, gpu: bool = False, pipeline: bool = False) -> int:
-    """:data:`RUNTIME_SLACK` (:data:`GPU_RUNTIME_SLACK` for a ``gpu`` budget, :data:`PIPELINE_RUNTIME_SLACK` for a
-    ``pipeline``'s), or a quarter of a smaller ``budget``."""
+def runtime_slack(budget: int | None, device: torch.device | str | None = None, pipeline: bool = False) -> int:
+    """:data:`RUNTIME_SLACK` (:data:`GPU_RUNTIME_SLACK` for the budget of an accelerator ``device``,
+    :data:`PIPELINE_RUNTIME_SLACK` for a ``pipeline``'s), or a quarter of a smaller ``budget``; on an accelerator
+    the workspace its math libraries keep on top, whole (it does not shrink with the budget; the quarter is of the
+    budget it leaves)."""
+    gpu = device is not None and devices.is_accelerator(device)
+    workspace = 0
+    if gpu:
+        accelerator = devices.for_device(device)
+        workspace = accelerator.workspace_bytes(accelerator.normalize(device).index)
     slack = PIPELINE_RUNTIME_SLACK if pipeline else GPU_RUNTIME_SLACK if gpu else RUNTIME_SLACK
-    return slack if budget is None else min(slack, budget // 4)
+    return workspace + (slack if budget is None else min(slack, max(budget - workspace, 0) // 4))
 
 
 def check_headroom(max_memory: dict, headroom: int, execution_device: torch.device) -> None:

@@ -39,11 +39,14 @@ class FakeAccelerator(Accelerator):
     type = BACKEND
     index_type = BACKEND
 
-    def __init__(self, count: int = 1, memory: int = 2**30, name: str = "Fake GPU") -> None:
+    def __init__(self, count: int = 1, memory: int = 2**30, name: str = "Fake GPU", workspace: int = 0) -> None:
+        """``workspace``: bytes a device takes at its first matrix product and keeps, as cuBLAS's workspace does."""
         register_backend()
         self._count = int(count)
         self.memory = int(memory)
         self.name = name
+        self.workspace = int(workspace)
+        self._workspaces: set[int] = set()  # the devices that took theirs
         self.timeline = Timeline()
         self.allocated = [0] * self._count
         self.peak = [0] * self._count
@@ -113,6 +116,21 @@ class FakeAccelerator(Accelerator):
                 return
             timeline.freed(ptr)
             self.allocated[index] -= block.nbytes
+
+    def take_workspace(self, device: torch.device) -> None:
+        """A matrix product on ``device``: its first takes the workspace (out of memory where it does not fit)."""
+        index = self._check_index(device.index)
+        with self.timeline.lock:
+            if not self.workspace or index in self._workspaces:
+                return
+            if self.allocated[index] + self.workspace > self.memory:
+                raise torch.OutOfMemoryError(f"fake accelerator: out of memory on {device} for the workspace")
+            self._workspaces.add(index)
+            self.allocated[index] += self.workspace
+            self.peak[index] = max(self.peak[index], self.allocated[index])
+
+    def workspace_bytes(self, index: int) -> int:
+        return self.workspace
 
     def mem_get_info(self, index: int) -> tuple[int, int]:
         index = self._check_index(index)

@@ -27,6 +27,9 @@ HOST_COMPOSITES = {
     torch.Tensor.matmul,
     torch.Tensor.__matmul__,
 }
+#: the operations (aten names, and the composites above) that run on cuBLAS and take its workspace
+MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "addmv", "mv", *HOST_COMPOSITES}
+MATRIX_PRODUCTS.discard(torch.nn.functional.scaled_dot_product_attention)
 if hasattr(torch.nn.functional, "rms_norm"):
     HOST_COMPOSITES.add(torch.nn.functional.rms_norm)
 
@@ -160,6 +163,8 @@ def _on_host(func, args, kwargs):
     device = _same_device(getattr(func, "__name__", str(func)), fakes, hosts)
     reads = [_storage_ptr(t.elem) for t in flat if isinstance(t, FakeTensor)]
     a, k = _unwrap(args), _unwrap(kwargs)
+    if func in MATRIX_PRODUCTS and _runtime is not None:
+        _runtime.take_workspace(device)
 
     def run():
         with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode():
@@ -249,6 +254,8 @@ def dispatch(func, args, kwargs):
     a, k = _unwrap(args), _unwrap(kwargs)
     if name == "histc" and not a[0].is_floating_point():  # a GPU counts integers; the CPU kernel wants floats
         a = (a[0].float(), *a[1:])
+    if name in MATRIX_PRODUCTS and _runtime is not None:
+        _runtime.take_workspace(device)
     out = _operate(device, reads, writes, lambda: _compute(func, a, k), name)
     # an in-place operation returns its own operand
     if isinstance(out, torch.Tensor) and writes and args and isinstance(args[0], FakeTensor) and out is args[0].elem:

@@ -77,7 +77,7 @@ def planned_headroom(settings: Settings, empty: Any, prompts: list[str]) -> Sett
         return settings
     call = image_call(settings, prompts[: max(settings.batch_size, 1)], "pt")
     budget = settings.max_memory.get(settings.budget_key)
-    headroom = pipeline_headroom(empty, call, budget)
+    headroom = pipeline_headroom(empty, call, budget, settings.execution_device)
     check_headroom(settings.max_memory, headroom, settings.execution_device)
     return dataclasses.replace(settings, headroom=headroom)
 

@@ -112,6 +112,7 @@ class Engine:
         self.stopping = False
         self.prefilled_last = False
         self.thread: threading.Thread | None = None
+        self.finished: list[tuple[Request, Event]] = []  # a pass's last events, sent once its counters are in
         params = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in params else "past_key_values"
         self.keep_logits = "logits_to_keep" in params
@@ -292,6 +293,7 @@ class Engine:
     def _deliver(self, group: Group, logits: torch.Tensor) -> None:
         for row, request in enumerate(group.rows):
             self.give(request, logits[row])
+        self.send_finished()
 
     def give(self, request: Request, logits: torch.Tensor) -> int | None:
         """Pick ``request``'s next token from ``logits`` (vocab) and send it; the token, or None when the request
@@ -313,8 +315,18 @@ class Engine:
             request.emit(Event(error=f"{type(error).__name__}: {error}"))
             return None
         request.finish_reason = event.finish_reason
-        request.emit(event)
+        if event.finish_reason is None:
+            request.emit(event)
+        else:  # the response ends with it: sent by :meth:`send_finished`, after the pass's counters
+            self.finished.append((request, event))
         return token
+
+    def send_finished(self) -> None:
+        """Send the requests that ended in this pass their last event (the metrics a client reads after its response
+        count its tokens)."""
+        finished, self.finished = self.finished, []
+        for request, event in finished:
+            request.emit(event)
 
     def _event(self, request: Request, token: int) -> Event:
         text = request.text

@@ -91,6 +91,7 @@ def accept(engine: Any, group: Any, logits: torch.Tensor, drafts: list[list[int]
             engine.drafter.checked(request, len(draft), matched)
     engine.metrics.on_pass(made)
     engine.metrics.on_drafts(drafted, accepted)
+    engine.send_finished()
     group.cache.settle(kept, width)
 
 
