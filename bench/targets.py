@@ -14,6 +14,15 @@ def agreement(tokens: list[int], reference: list[int] | None) -> float | None:
     return sum(a == b for a, b in zip(tokens, reference)) / len(reference)
 
 
+def _over_step_bound(row: dict, inmem: dict | None) -> float | None:
+    """A token's time over the larger of its transfer bound (its offloaded bytes at the pinned H2D bandwidth) and the
+    in-memory eager model's decoding step on the same GPU: an eager offloaded step is bound by both."""
+    token, ideal = row.get("decode_token_mean_s"), row.get("ideal_h2d_s_per_token")
+    step = (inmem or {}).get("decode_token_mean_s")
+    bounds = [b for b in (ideal, step) if b]
+    return token / max(bounds) if token and bounds else None
+
+
 def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = False) -> dict:
     """Each target, for each of our systems it applies to: the figure, the bound and whether it is met."""
     targets: dict[str, dict] = {}
@@ -41,10 +50,10 @@ def evaluate_targets(medians: dict, budget_bytes: int, cold: bool, gpu: bool = F
                 put("GPU: peak GPU memory <= budget", system, row["peak_gpu_bytes"], budget_bytes, "<=")
             elif not system.endswith(":fit"):
                 put(
-                    "GPU: per-token time <= 1.18 x offloaded bytes / pinned H2D bandwidth",
+                    "GPU: per-token time <= 1.15 x max(transfer bound, in-memory eager step)",
                     system,
-                    row["h2d_token_over_ideal"],
-                    1.18,
+                    _over_step_bound(row, medians.get("inmem")),
+                    1.15,
                     "<=",
                 )
                 put("GPU: peak GPU memory <= budget", system, row["peak_gpu_bytes"], budget_bytes, "<=")
