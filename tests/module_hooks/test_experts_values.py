@@ -91,7 +91,6 @@ def test_the_layer_knows_its_routing_argument_and_one_experts_bytes():
     assert layer.row_bytes == ROW_BYTES == 28
     assert layer.specs == {"gu": ((4, 2, 3), torch.float32), "dn": ((4, 1, 2), torch.float16)}
     assert layer.next is None and layer.guess == {} and layer.shadow == set() and layer.previous == []
-    assert not layer.pinned  # a CPU buffer: plain host rows
 
 
 def test_selected_experts_are_unique_sorted_and_in_range():

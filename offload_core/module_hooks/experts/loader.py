@@ -21,7 +21,6 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from offload_core import devices
 from offload_core.module_hooks.base import ModuleHook
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.units import Slot, TransferStats, Unit
@@ -141,8 +140,6 @@ class ExpertLayer:
         self.guess: dict[int, Future] = {}
         self.shadow: set[int] = set()  # the guess while guessing does not pay: scored, not read
         self.previous: list[int] = []
-        self.accelerator = devices.for_device(buffers.device)
-        self.pinned = self.accelerator is not devices.HOST
 
     # -- reading ----------------------------------------------------------------------------------
     def read_rows(self, expert: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -154,17 +151,11 @@ class ExpertLayer:
                 out = into[key]
             else:
                 with torch.inference_mode(False):  # kept in the cache across calls
-                    out = self._host_row(shape[1:], dtype)
+                    out = torch.empty(shape[1:], dtype=dtype)
             read_expert(self.store, key, expert, out)
             rows[key] = out
         self.counters.add_bytes(len(rows), self.row_bytes)
         return rows
-
-    def _host_row(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Host memory for one expert's rows of one tensor: pinned on an accelerator (asynchronous copies)."""
-        if not self.pinned:
-            return torch.empty(shape, dtype=dtype)
-        return self.accelerator.pinned_empty(shape.numel() * dtype.itemsize).view(dtype).view(shape)
 
     def read_ahead(self, experts: list[int]) -> None:
         """Start reading ``experts`` on the reader thread (those neither cached nor already under way)."""
@@ -224,22 +215,17 @@ class ExpertLayer:
             self.counters.predicted_hits += 1
             self.cache.admit(expert, rows)
         elif self.cache.wants(expert):
-            # On a GPU an evicted slot's pinned rows may still be read by a copy in flight: a new one is
-            # allocated (the caching host allocator frees the old once its copy is done).
-            rows = self.read_rows(expert, None if self.pinned else self.cache.spare())
+            rows = self.read_rows(expert, self.cache.spare())
             self.counters.misses += 1
             self.cache.admit(expert, rows)
-        elif self.pinned:
-            rows = self.read_rows(expert)
-            self.counters.misses += 1
-        else:  # a CPU run, not kept: read straight into the buffer's row
+        else:  # not kept: read straight into the buffer's row
             for key, buffer in tensors.items():
                 read_expert(self.store, key, expert, buffer[expert])
             self.counters.add_bytes(len(tensors), self.row_bytes)
             self.counters.misses += 1
             return
         for key, buffer in tensors.items():
-            buffer[expert].copy_(rows[key], non_blocking=self.pinned)
+            buffer[expert].copy_(rows[key])
 
     def drop_guesses(self, experts: list[int] | None = None) -> None:
         """Guesses the routing did not select (all but ``experts``): cancelled if not started (their bytes, once
