@@ -95,6 +95,13 @@ class ServeConfig:
     exact: bool = False
     #: seconds in-flight requests get to finish after SIGTERM or Ctrl-C before they are cancelled
     shutdown_timeout: float = 30.0
+    #: copies of the server behind Ray Serve's HTTP proxy on serve.host:serve.port, each loading its own offloaded
+    #: model (1 and no serve.ray_address: one server in this process, no Ray)
+    replicas: int = 1
+    #: the Ray cluster the replicas run on: null starts a local one; "auto" or ray://<head>:10001 joins a cluster
+    ray_address: Optional[str] = None
+    #: CPU cores Ray reserves for each replica (on a GPU run each replica also takes one GPU of its own)
+    replica_cpus: float = 1.0
 
 
 @dataclass

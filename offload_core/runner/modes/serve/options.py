@@ -35,6 +35,14 @@ class ServeOptions:
     max_tokens: int = 256
     exact: bool = False
     shutdown_timeout: float = 30.0
+    replicas: int = 1
+    ray_address: str | None = None
+    replica_cpus: float = 1.0
+
+    @property
+    def replicated(self) -> bool:
+        """Served by Ray Serve replicas rather than one server in this process."""
+        return self.replicas > 1 or self.ray_address is not None
 
 
 def read_options(section: dict) -> ServeOptions:
@@ -53,6 +61,10 @@ def read_options(section: dict) -> ServeOptions:
             raise ConfigError(f"serve.{key}={getattr(options, key)} must be at least 1")
     if options.max_queue < 0:
         raise ConfigError(f"serve.max_queue={options.max_queue} must be 0 or more")
+    if options.replicas < 1:
+        raise ConfigError(f"serve.replicas={options.replicas} must be at least 1")
+    if not (math.isfinite(options.replica_cpus) and options.replica_cpus >= 0):
+        raise ConfigError(f"serve.replica_cpus={options.replica_cpus} must be 0 or more cores")
     if not (math.isfinite(options.shutdown_timeout) and options.shutdown_timeout >= 0):
         raise ConfigError(f"serve.shutdown_timeout={options.shutdown_timeout} must be 0 or more seconds")
     if options.api_key is None and os.environ.get(API_KEY_ENV):
