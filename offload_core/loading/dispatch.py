@@ -202,6 +202,7 @@ def load_checkpoint_and_dispatch(
     page_cache: int | str | None = defaults.PAGE_CACHE,
     headroom: int | str | None = defaults.HEADROOM,
     generation: Any = None,
+    over_budget: str = "warn",
 ) -> nn.Module:
     """Load ``checkpoint`` into ``model`` (built under :func:`init_empty_weights`) and attach offloading.
 
@@ -215,7 +216,9 @@ def load_checkpoint_and_dispatch(
     ``run.py`` do (:func:`offload_core.loading.plan_request.plan_request`, the plan left in ``model.offload_plan``):
     within ``max_memory`` less the ``headroom`` (``"auto"``: a model that generates holds back the KV cache and
     activations of ``generation``, a :class:`~offload_core.planning.generation.Generation` or a dict of its fields,
-    default ``run.py``'s), with the ``page_cache`` rule (``"auto"``, a size, ``0``; None or ``"lru"``: the kernel's
+    default ``run.py``'s; a budget that cannot hold the units in flight is run over, warned, or refused with
+    ``over_budget="refuse"``), with the
+    ``page_cache`` rule (``"auto"``, a size, ``0``; None or ``"lru"``: the kernel's
     cache decides). ``reserve`` (bytes per device held back for units in flight) instead places by that alone.
     ``residency`` (:class:`offload_core.storage.residency.Residency`: the offloaded blocks kept in the page cache
     across tokens; the others are streamed and dropped after use by policies that stream blocks) for a dict map.
@@ -241,7 +244,7 @@ def load_checkpoint_and_dispatch(
 
         blocks, device = [*no_split, *(preload_module_classes or [])], resolve_execution_device(execution_device, None)
         request = PlanRequest(device, blocks, dtype or model_dtype(model), max_memory, device_map, storage, policy)
-        request.page_cache = page_cache
+        request.page_cache, request.over_budget = page_cache, over_budget
         request.headroom, request.generation = read_headroom(headroom), read_request_generation(model, generation)
         try:
             plan = plan_request(model, opened, request)

@@ -70,6 +70,7 @@ def pipeline_from_pretrained(
     no_split_module_classes: list[str] | None = None,
     headroom: int | str | None = "auto",
     plan_call: Mapping[str, Any] | None = None,
+    over_budget: str = "warn",
 ) -> Any:
     """The diffusers pipeline of ``path``, its components planned in one device map within ``max_memory`` and
     dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a
@@ -109,6 +110,7 @@ def pipeline_from_pretrained(
         device_map=device_map,
         offload_folder=offload_folder,
         progress=progress,
+        over_budget=over_budget,
     )
     plan_and_dispatch(empty.modules, checkpoint, request)
     return finish_dispatch(empty, device)

@@ -14,6 +14,7 @@ from torch import nn
 from offload_core.errors import ConfigError
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
+from offload_core.planning.budgets import check_over_budget
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import budget_key, format_size
 
@@ -96,12 +97,15 @@ def make_plan(
     page_cache: int | str | None = None,
     policy_name: str = "?",
     strict: bool = True,
+    over_budget: str = "warn",
 ) -> Plan:
     """The plan of the empty ``model`` loaded from the opened ``checkpoint``: ``device_map`` when given, else the
     policy's own (checked against ``budgets``), else the placement's within ``budgets`` less what the policy keeps
     in flight. ``max_memory``: the budgets as the user gave them (``budgets`` is that less ``headroom`` on the
     device that computes, held back from the cpu budget on a CPU run); the summary and the disk limit read it.
-    ``page_cache`` None plans no kept set."""
+    ``page_cache`` None plans no kept set. A budget that cannot hold what the policy keeps in flight (a block larger
+    than it): ``over_budget="warn"`` runs over it, a warning line saying by how much; ``"refuse"`` refuses the plan in
+    one line."""
     from offload_core.loading.conversion import key_conversion
     from offload_core.loading.reserve import Reserver
     from offload_core.loading.routes import route_tensors
@@ -151,7 +155,7 @@ def make_plan(
     moved = offloaded(device_map)
     if not placed:  # a map given, or the policy's own: what it offloads is known
         policy, reserve, lightened = fit_in_flight(policy, budgets, lambda p: reserve_of(p, moved))
-    warn_reserve_over_budget(reserve, budgets, max_memory, block, policy_name)
+    check_reserve_in_budget(reserve, budgets, max_memory, block, policy_name, over_budget)
     summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
     if own:
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
@@ -283,31 +287,37 @@ def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_bloc
     )
 
 
-def warn_reserve_over_budget(
-    reserve: Mapping[Any, int], budgets: Mapping[Any, int], max_memory: Mapping[Any, int], block: int, policy_name: str
+def check_reserve_in_budget(
+    reserve: Mapping[Any, int],
+    budgets: Mapping[Any, int],
+    max_memory: Mapping[Any, int],
+    block: int,
+    policy_name: str,
+    over_budget: str = "warn",
 ) -> None:
-    """One warning line per device whose budget cannot hold the units the policy keeps in flight: the placement
-    puts nothing there and the run still takes them, over the budget by the difference."""
+    """A device whose budget cannot hold the units the policy keeps in flight (the placement puts nothing else there
+    and the run still takes them, over the budget by the difference): one warning line per such device saying by how
+    much the run goes over it, or with ``over_budget="refuse"`` a :class:`ConfigError` in one line."""
+    check_over_budget(over_budget)
     for dev, held in reserve.items():
         if dev not in budgets or held <= budgets[dev]:
             continue
         given = max_memory.get(dev, budgets[dev])
         needed = given + held - budgets[dev]
+        what = (
+            f"hook={policy_name} holds {format_size(held)} on {dev} for units in flight (the largest unsplittable "
+            f"block is {format_size(block)}), over max_memory.{dev}={format_size(given)}"
+            + (" less headroom" if budgets[dev] != given else "")
+        )
+        remedy = (
+            f"raise max_memory.{dev} to at least {needed} ({format_size(needed)}), or choose a policy that holds fewer "
+            "units (hook.depth, hook=align_per_call)"
+        )
+        over = format_size(held - budgets[dev])
+        if over_budget == "refuse":
+            raise ConfigError(f"{what}: the run would go over it by {over} (over_budget=refuse); {remedy}")
         log.warning(
-            "hook=%s holds %s on %s for units in flight (the largest unsplittable block is %s), over "
-            "max_memory.%s=%s%s: the run will go over it by %s; raise max_memory.%s to at least %d (%s), or choose a "
-            "policy that holds fewer units (hook.depth, hook=align_per_call)",
-            policy_name,
-            format_size(held),
-            dev,
-            format_size(block),
-            dev,
-            format_size(given),
-            " less headroom" if budgets[dev] != given else "",
-            format_size(held - budgets[dev]),
-            dev,
-            needed,
-            format_size(needed),
+            "%s: the run will go over it by %s; %s (over_budget=refuse refuses such a plan)", what, over, remedy
         )
 
 

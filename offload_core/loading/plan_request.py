@@ -45,6 +45,7 @@ class PlanRequest:
     device_map: Mapping[str, int | str] | None = None
     offload_folder: str | Path | None = None
     progress: bool = False
+    over_budget: str = "warn"  # a budget the plan cannot hold (a block larger than it): "warn" and run, or "refuse"
 
     @property
     def policy_name(self) -> str:
@@ -117,6 +118,7 @@ def plan_request(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest)
         page_cache=request.page_cache,
         policy_name=request.policy_name,
         strict=request.device_map is None,
+        over_budget=request.over_budget,
     )
     plan.held = held_beside_weights(memory, drafted)
     if spec.name == "self":

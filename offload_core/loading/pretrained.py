@@ -41,6 +41,7 @@ def from_pretrained(
     cache_dir: str | Path | None = None,
     graphs: bool = False,
     hybrid: bool = False,
+    over_budget: str = "warn",
 ) -> nn.Module:
     """Build the ``task`` model of the checkpoint folder ``path`` (default: what ``config.architectures`` names),
     plan where each weight lives within ``max_memory`` and load it, ready to call: the model has
@@ -56,7 +57,9 @@ def from_pretrained(
     rule (:func:`offload_core.loading.plan_request.plan_request`): the placement holds back what the policy's units in
     flight need, and the generation's KV cache and activations (below). ``dtype`` None runs in the checkpoint's dtype;
     ``execution_device`` defaults to ``cuda:0`` when present, else ``cpu``. ``model.offload_state.remove()`` undoes
-    the offloading.
+    the offloading. A budget the plan cannot hold (the policy's units in flight, a block larger than it) is run
+    over with a warning naming by how much; ``over_budget="refuse"`` makes it a
+    :class:`~offload_core.errors.ConfigError`.
 
     ``page_cache``, as ``run.py``'s: a set of the offloaded blocks stays in the page cache across calls and the
     rest is streamed, each dropped once it has run (``"auto"``: the memory available less the cpu budget and a
@@ -135,6 +138,7 @@ def from_pretrained(
             page_cache=page_cache,
             headroom=headroom,
             plan_call=plan_call,
+            over_budget=over_budget,
         )
     if graphs and speculative not in (None, "none"):
         from offload_core.errors import GraphsError
@@ -210,6 +214,7 @@ def from_pretrained(
             device_map=device_map,
             offload_folder=offload_folder,
             progress=progress,
+            over_budget=over_budget,
         )
     except BaseException:
         checkpoint.close()

@@ -211,3 +211,15 @@ def get_balanced_memory(
         first = gpus[0]
         budgets[first] = min(max(0, total - sum(budgets[g] for g in spread)), budgets[first])
     return budgets
+
+
+#: what a plan does with a budget it cannot hold: run over it with a warning, or refuse
+OVER_BUDGET = ("warn", "refuse")
+
+
+def check_over_budget(value: str) -> str:
+    """``over_budget`` as given, if it is one of :data:`OVER_BUDGET`; else a
+    :class:`~offload_core.errors.ConfigError`."""
+    if value not in OVER_BUDGET:
+        raise ConfigError(f"over_budget={value!r} is not one of {', '.join(OVER_BUDGET)}")
+    return value

@@ -166,6 +166,9 @@ class RunConfig:
     #: use): auto (the memory available at load less a safety margin), a size (0 streams everything),
     #: or lru (keep no set: the kernel's page cache decides)
     page_cache: str = defaults.PAGE_CACHE
+    #: where the plan cannot keep a budget (the policy's units in flight, a block larger than it): warn (run over it by
+    #: the amount a warning line names) or refuse (one error line, nothing loaded)
+    over_budget: str = "warn"
     #: show progress bars (loading, prompts); TQDM_DISABLE=1 hides them too
     progress: bool = True
     #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction

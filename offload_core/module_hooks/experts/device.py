@@ -124,6 +124,7 @@ class DeviceLayer(ExpertLayer):
     ) -> None:
         super().__init__(unit, store, shared.buffers, shared.cache, counters, whole_fraction, reader)
         self.shared = shared
+        self.accelerator = shared.accelerator
         self.index = index
         self.keys = list(self.specs)
         self.signature = tuple((shape[1:], dtype) for shape, dtype in self.specs.values())
@@ -270,6 +271,10 @@ class DeviceLayer(ExpertLayer):
                     self.counters.transfers += 1
                 at += end - first
         self.counters.add_bytes(len(self.keys) * len(missing), nbytes)
+
+    def _host_row(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked host memory of ``shape`` from the caching pinned allocator (copied from asynchronously)."""
+        return self.accelerator.pinned_empty(shape.numel() * dtype.itemsize).view(dtype).view(shape)
 
     def stage(self, experts: list[int]) -> list[torch.Tensor]:
         """``experts``' rows gathered from the store into pinned host memory, one tensor per expert tensor (fresh

@@ -44,6 +44,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
         device_map=device_map,
         page_cache=settings.page_cache,
         policy_name=strategies.policy_name,
+        over_budget=settings.over_budget,
     )
 
 

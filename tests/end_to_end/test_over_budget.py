@@ -1,0 +1,52 @@
+"""A budget the plan cannot hold (the policy's layers in flight are larger than it): ``run.py`` runs over it, a warning
+line naming by how much and what to change; ``over_budget=refuse`` refuses it in one error line instead, and a value
+that is neither is one line too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests import ROOT
+from tests.checkpoints import Saved
+from tests.end_to_end.helpers import child_env
+
+
+@pytest.mark.slow  # two processes
+def test_a_budget_smaller_than_the_layers_in_flight_is_run_over_warned_or_refused(tmp_path):
+    moe = Saved("mixtral", tmp_path / "moe")
+    command = [
+        sys.executable,
+        "run.py",
+        "model=local",
+        "model.tokenizer=bytes",
+        f"model.path={moe.path}",
+        "hook=prefetch",
+        "storage=safetensors",
+        "max_memory.cpu=200KiB",
+        "headroom=0",
+        "execution_device=cpu",
+        "plan_only=true",
+        "progress=false",
+    ]
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        where = f"hydra.run.dir={tmp_path / ('run' + str(len(extra)))}"
+        return subprocess.run(
+            [*command, where, *extra], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300
+        )
+
+    warned = run()
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    said = warned.stdout + warned.stderr
+    assert "hook=prefetch holds " in said and "over max_memory.cpu=200.00 KiB: the run will go over it by" in said
+    refused = run("over_budget=refuse")
+    assert refused.returncode != 0
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("offload_core: error: hook=prefetch holds "), refused.stderr[-2000:]
+    assert "the run would go over it by" in lines[0] and "raise max_memory.cpu to at least" in lines[0]
+    wrong = run("over_budget=maybe")
+    lines = [line for line in wrong.stderr.splitlines() if line.strip()]
+    assert wrong.returncode != 0 and lines == ["offload_core: error: over_budget='maybe' is not one of warn, refuse"]
