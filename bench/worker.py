@@ -147,9 +147,9 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     from omegaconf import OmegaConf
 
     from offload_core.runner.modes.context import dispatched
-    from offload_core.runner.plan.batches import Batches
-    from offload_core.runner.plan.predict import calibrate_and_predict
-    from offload_core.runner.plan.prepare import prepare
+    from offload_core.plan.batches import Batches
+    from offload_core.plan.predict import calibrate_and_predict
+    from offload_core.plan.prepare import prepare
     from offload_core.runner.settings import build_strategies, read_settings
 
     offload_folder = str(Path(spec["scratch"]) / "offload") if spec["store"] == "memmap" else None

@@ -10,11 +10,11 @@ from offload_core.runner.modes.batched import run_batched
 from offload_core.runner.modes.encoder import run_encoder
 from offload_core.runner.modes.results import RunResult, write_outputs
 from offload_core.runner.modes.single import run_single
-from offload_core.runner.plan import speculate
-from offload_core.runner.plan.busy import busy_notice
-from offload_core.runner.plan.plan import print_plan, write_plan
-from offload_core.runner.plan.predict import print_prediction
-from offload_core.runner.plan.prepare import Prepared, prediction_shape, prepare
+from offload_core.plan import speculate
+from offload_core.plan.busy import busy_notice
+from offload_core.plan.run_plan import print_plan, write_plan
+from offload_core.plan.predict import print_prediction
+from offload_core.plan.prepare import Prepared, prediction_shape, prepare
 from offload_core.runner.settings import build_strategies, read_settings
 from offload_core.storage.residency import offloaded_in_plan
 
@@ -65,7 +65,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
 
 def choose_configuration(settings: Any, labels: dict) -> tuple[Any, dict]:
     """``auto=true``: the settings of the configuration predicted fastest, and the labels saying what was picked."""
-    from offload_core.runner.plan.auto import choose
+    from offload_core.plan.auto import choose
 
     settings, table = choose(settings, list(labels.get("overrides", [])))
     choices = {

@@ -122,7 +122,7 @@ def test_a_reference_larger_than_the_gpus_free_memory_computes_on_the_cpu(tmp_pa
 def test_the_copy_probe_fits_a_small_gpu(fake_gpu):
     """The host-to-device probe copies 64 MiB where the GPU has room, and a quarter of its free memory where not
     (a fresh calibration on an 8 MiB GPU ran out of memory)."""
-    from offload_core.runner.plan.calibrate import h2d_bandwidth
+    from offload_core.plan.calibrate import h2d_bandwidth
 
     fake = fake_gpu(count=1, memory=8 * 2**20)
     assert h2d_bandwidth(fake.device(0)) > 0

@@ -14,7 +14,7 @@ import offload_core
 from offload_core.alignment import assume_kernels_depend_on_alignment
 from offload_core.loading.pipeline import component_no_split
 from offload_core.loading.pipeline_load import open_pipeline, whole_limit
-from offload_core.loading.reserve import Reserver, units_in_flight
+from offload_core.plan.reserve import Reserver, units_in_flight
 from offload_core.planning import compute_module_sizes
 from offload_core.registry.manager import get_registry
 
@@ -76,7 +76,7 @@ def test_a_block_class_larger_than_the_limit_is_split_into_its_inner_blocks(pipe
 
 
 def test_a_policy_whose_units_in_flight_do_not_fit_the_budget_says_so_in_one_line(pipeline_dir):
-    with assume_kernels_depend_on_alignment(True), records_of("offload_core.loading.plan", logging.WARNING) as said:
+    with assume_kernels_depend_on_alignment(True), records_of("offload_core.plan.make", logging.WARNING) as said:
         pipeline = offload_core.from_pretrained(
             pipeline_dir,
             max_memory={"cpu": 20_000},

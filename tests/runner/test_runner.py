@@ -66,7 +66,7 @@ def test_reservation_follows_store_and_policy():
     import torch
 
     from offload_core.registry.manager import get_registry
-    from offload_core.loading.reserve import reservation
+    from offload_core.plan.reserve import reservation
 
     registry = get_registry()
 

@@ -12,9 +12,9 @@ from offload_core.runner.modes.context import loaded
 from offload_core.runner.modes.disk_reads import DiskReads
 from offload_core.runner.modes.journal import Journal, fingerprint
 from offload_core.runner.modes.results import RunResult, per_token_counters, write_outputs
-from offload_core.runner.plan import learn
-from offload_core.runner.plan.batches import Batches
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.plan import learn
+from offload_core.plan.batches import Batches
+from offload_core.plan.prepare import Prepared
 from offload_core.values import format_size
 
 

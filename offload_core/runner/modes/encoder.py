@@ -11,8 +11,8 @@ import torch
 from offload_core.runner.inputs import decode, encode_texts, run_texts
 from offload_core.runner.modes.context import loaded
 from offload_core.runner.modes.results import RunResult, write_outputs
-from offload_core.runner.plan.model import RunModel
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.plan.model import RunModel
+from offload_core.plan.prepare import Prepared
 from offload_core.values import format_size
 
 

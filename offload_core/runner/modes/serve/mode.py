@@ -16,7 +16,7 @@ from offload_core.runner.inputs import byte_ids
 from offload_core.runner.modes.context import loaded
 from offload_core.runner.modes.results import RunResult, write_outputs
 from offload_core.runner.modes.serve.options import ServeOptions, read_options, serve_context, served_name
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.plan.prepare import Prepared
 from offload_core.values import format_size
 
 

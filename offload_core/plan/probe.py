@@ -139,7 +139,7 @@ def probe_times(
     from offload_core.loading.tasks import build_empty, read_config
 
     from offload_core.planning import largest_block_size
-    from offload_core.runner.plan.calibrate import block_seconds
+    from offload_core.plan.calibrate import block_seconds
     from offload_core.values import format_size
 
     block = largest_block_size(run_model.model, run_model.no_split, dtype=run_model.dtype)
