@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import batch_memory, largest_batch
 from offload_core.runner.inputs import read_prompts
-from offload_core.runner.modes.batch import left_padded, trim
+from offload_core.jobs.batch import left_padded, trim
 from offload_core.plan.batches import Batches
 from offload_core.runner.job import run
 from offload_core.plan.predict import predict_time

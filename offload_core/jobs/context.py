@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from offload_core import devices
-from offload_core.runner.modes.metrics import MemoryMonitor
+from offload_core.jobs.metrics import MemoryMonitor
 from offload_core.plan.prepare import Prepared
 
 

@@ -13,9 +13,9 @@ from typing import Any, Iterator
 
 from offload_core.errors import ConfigError
 from offload_core.runner.inputs import byte_ids
-from offload_core.runner.modes.context import loaded
-from offload_core.runner.modes.results import RunResult, write_outputs
-from offload_core.runner.modes.serve.options import ServeOptions, read_options, serve_context, served_name
+from offload_core.jobs.context import loaded
+from offload_core.jobs.results import RunResult, write_outputs
+from offload_core.serve.options import ServeOptions, read_options, serve_context, served_name
 from offload_core.plan.prepare import Prepared
 from offload_core.values import format_size
 
@@ -111,9 +111,9 @@ def run_serve(job: Prepared, labels: dict) -> RunResult:
     try:
         import uvicorn
 
-        from offload_core.runner.modes.serve.app import Served, build_app
-        from offload_core.runner.modes.serve.engine import Engine
-        from offload_core.runner.modes.serve.metrics import ServeMetrics
+        from offload_core.serve.app import Served, build_app
+        from offload_core.serve.engine import Engine
+        from offload_core.serve.metrics import ServeMetrics
     except ImportError as error:
         raise ConfigError(
             f"mode=serve needs the serve extra ({error.name} is missing): pip install 'offload_core[serve]'"
