@@ -132,7 +132,7 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str,
     from transformers import CLIPTextModel, CLIPTokenizer  # noqa: F401
 
     import offload_core
-    from offload_core.runner.modes.metrics import MemoryMonitor
+    from offload_core.jobs.metrics import MemoryMonitor
 
     torch.manual_seed(0)
     memory = MemoryMonitor().__enter__()

@@ -67,7 +67,7 @@ def worker(system: str, folder: str, device: str, budget: int, steps: int, size:
     from diffusers import DiffusionPipeline
 
     import offload_core
-    from offload_core.runner.modes.metrics import MemoryMonitor
+    from offload_core.jobs.metrics import MemoryMonitor
 
     accelerator, target, using = None, device, None
     if device == "fake":

@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: F401
 
-from offload_core.runner.modes.metrics import MemoryMonitor, rss_split
+from offload_core.jobs.metrics import MemoryMonitor, rss_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagecache  # noqa: E402
@@ -146,10 +146,10 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
 
     from omegaconf import OmegaConf
 
-    from offload_core.runner.modes.context import dispatched
-    from offload_core.runner.plan.batches import Batches
-    from offload_core.runner.plan.predict import calibrate_and_predict
-    from offload_core.runner.plan.prepare import prepare
+    from offload_core.jobs.context import dispatched
+    from offload_core.plan.batches import Batches
+    from offload_core.plan.predict import calibrate_and_predict
+    from offload_core.plan.prepare import prepare
     from offload_core.runner.settings import build_strategies, read_settings
 
     offload_folder = str(Path(spec["scratch"]) / "offload") if spec["store"] == "memmap" else None
@@ -357,7 +357,7 @@ def main() -> None:
     if "_predict" in info:
         result.update(info["_predict"]())  # after the measurement: a first calibration is not timed
     if state is not None:
-        from offload_core.runner.modes.results import per_token_counters
+        from offload_core.jobs.results import per_token_counters
 
         policy = info["_policy"]
         result.update(

@@ -210,9 +210,10 @@ def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: A
     """
     from transformers import AutoModelForCausalLM
 
-    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
+    from offload_core.loading.checkpoint import Checkpoint
     from offload_core.loading.empty import init_empty_weights
-    from offload_core.planning import compute_module_sizes
+    from offload_core.plan.request import PlanRequest, dispatch, model_dtype, plan_request, read_request_generation
+    from offload_core.planning import compute_module_sizes, no_split_classes
 
     tmp_path = Path(tmp_path)
     config, reference = tiny_tied_llama(tmp_path / "tiny_tied_llama")
@@ -222,18 +223,23 @@ def check_policy_preserves_outputs(policy: Any, tmp_path: str | Path, storage: A
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config).eval()
     total = compute_module_sizes(model)[""]
-    load_checkpoint_and_dispatch(
-        model,
-        tmp_path / "tiny_tied_llama",
-        device_map="sequential",
+    request = PlanRequest(
+        torch.device("cpu"),
+        no_split_classes(model, None),
+        model_dtype(model),
         max_memory={"cpu": total // 2},
+        placement="sequential",
         storage=_resolve("storage", storage),
         policy=_resolve("policy", policy),
-        offload_folder=tmp_path / "offload",
-        execution_device="cpu",
-        progress=False,
         headroom=0,  # forwards only: nothing held beside the weights, half of which go to disk
+        generation=read_request_generation(model, None),
     )
+    checkpoint = Checkpoint.open(tmp_path / "tiny_tied_llama")  # planned and dispatched through the one door
+    try:
+        dispatch(plan_request(model, checkpoint, request), model, checkpoint, tmp_path / "offload")
+    except BaseException:
+        checkpoint.close()
+        raise
     state = model.offload_state
     assert "disk" in set(model.hf_device_map.values()), f"nothing was offloaded: {model.hf_device_map}"
     try:

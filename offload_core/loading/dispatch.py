@@ -213,7 +213,7 @@ def load_checkpoint_and_dispatch(
 
     Ours, keyword-only, with the defaults of every door (:mod:`offload_core.defaults`): ``storage`` and ``policy``
     (plugin names or built objects), ``execution_device``. A placement name plans as :func:`from_pretrained` and
-    ``run.py`` do (:func:`offload_core.loading.plan_request.plan_request`, the plan left in ``model.offload_plan``):
+    ``run.py`` do (:func:`offload_core.plan.request.plan_request`, the plan left in ``model.offload_plan``):
     within ``max_memory`` less the ``headroom`` (``"auto"``: a model that generates holds back the KV cache and
     activations of ``generation``, a :class:`~offload_core.planning.generation.Generation` or a dict of its fields,
     default ``run.py``'s; a budget that cannot hold the units in flight is run over, warned, or refused with
@@ -239,7 +239,7 @@ def load_checkpoint_and_dispatch(
     ckpt = convert_checkpoint(model, opened)
     storage, policy = resolve_strategy("storage", storage), _policy(policy, skip_keys, preload_module_classes)
     if isinstance(device_map, str) and reserve is None:  # planned as every door plans
-        from offload_core.loading.plan_request import PlanRequest, model_dtype, plan_request, read_request_generation
+        from offload_core.plan.request import PlanRequest, model_dtype, plan_request, read_request_generation
         from offload_core.planning.headroom import read_headroom
 
         blocks, device = [*no_split, *(preload_module_classes or [])], resolve_execution_device(execution_device, None)
@@ -332,7 +332,7 @@ def dispatch_model(
     storage, policy = resolve_strategy("storage", storage), _policy(policy, skip_keys, preload_module_classes)
     reserve = None
     if isinstance(device_map, str):  # the placement holds back what the policy keeps in flight
-        from offload_core.loading.reserve import reservation
+        from offload_core.plan.reserve import reservation
         from offload_core.planning import largest_block_size
 
         blocks = [*no_split, *(preload_module_classes or [])]

@@ -17,7 +17,7 @@ def whole_limit(budgets: Mapping[Any, int], device: torch.device, policy: Policy
     """The largest component (or block) that moves whole: the execution device's budget shared by the units the
     policy holds in flight at once and what runs beside them (half of it for a policy holding one unit); None
     (any) when that device has no budget."""
-    from offload_core.loading.reserve import units_in_flight
+    from offload_core.plan.reserve import units_in_flight
 
     key = budget_key(device)
     budget = budgets.get(key)
@@ -79,7 +79,7 @@ def pipeline_from_pretrained(
     held back from the execution device's budget (a size: that)."""
     from offload_core.loading.dispatch import default_execution_device, resolve_strategy
     from offload_core.loading.pipeline_memory import default_call, pipeline_headroom
-    from offload_core.loading.plan_request import PlanRequest
+    from offload_core.plan.request import PlanRequest
     from offload_core.loading.pretrained import plan_and_dispatch
     from offload_core.planning import get_max_memory
     from offload_core.planning.budgets import read_max_memory

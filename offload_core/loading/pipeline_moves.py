@@ -27,7 +27,7 @@ def predicted_pipeline_moves(
 ) -> tuple[int, int]:
     """(bytes brought in per denoising step, per call of the pipeline) for ``modules`` (the pipeline's components as
     children named by component) under ``device_map``, by the policy's own rule (``predict_moved``) as
-    :func:`offload_core.loading.plan.predicted_bytes_per_token` applies it to a decoder's forward: a call runs every
+    :func:`offload_core.plan.make.predicted_bytes_per_token` applies it to a decoder's forward: a call runs every
     component once and the denoiser ``steps`` times, so it moves one pass through every offloaded unit and
     ``steps - 1`` further passes through the denoiser's (``chained`` keeps a lone offloaded denoiser from step to
     step: nothing moves per step). The pass counts every offloaded unit the call runs once at least, as the first

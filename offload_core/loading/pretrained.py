@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from offload_core import defaults
-from offload_core.loading.plan_request import PlanRequest, dispatch, plan_request
+from offload_core.plan.request import PlanRequest, dispatch, plan_request
 from offload_core.planning.generation import Generation
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import budget_key
@@ -54,7 +54,7 @@ def from_pretrained(
     ``placement``, ``storage`` and ``policy`` are plugin names or built strategies; ``device_map`` (a dict)
     replaces the placement. The defaults are ``run.py``'s (:mod:`offload_core.defaults`: ``sequential``,
     ``safetensors``, ``align_per_call``, ``page_cache="auto"``, ``headroom="auto"``), and the plan is made by the same
-    rule (:func:`offload_core.loading.plan_request.plan_request`): the placement holds back what the policy's units in
+    rule (:func:`offload_core.plan.request.plan_request`): the placement holds back what the policy's units in
     flight need, and the generation's KV cache and activations (below). ``dtype`` None runs in the checkpoint's dtype;
     ``execution_device`` defaults to ``cuda:0`` when present, else ``cpu``. ``model.offload_state.remove()`` undoes
     the offloading. A budget the plan cannot hold (the policy's units in flight, a block larger than it) is run

@@ -1,3 +1,3 @@
-"""The runner, cut by stage: the edge (cli, config, settings, overrides, validate, options, sweep, inputs), plan/
-(the prepare step: model, batches, plan, prediction, report) and modes/ (the measured dispatch context and the
-single, batched, encoder and pipeline runs); job.run reads the steps in order."""
+"""The runner: the command line and its config (cli, config, settings, overrides, validate, options, sweep, inputs,
+console) and job.run, which composes a run's steps in order: the plan's prepare step (offload_core.plan), then the
+run mode (offload_core.jobs) or the server (offload_core.serve)."""

@@ -53,7 +53,7 @@ def hydra_main(command: str = "python run.py") -> None:
     from offload_core.runner.config import CONF_DIR, register_configs
     from offload_core.runner.options import register_help_resolver
     from offload_core.runner.overrides import check_composes, check_parses, prepare
-    from offload_core.runner.plan.batches import run_in_resumed_folder
+    from offload_core.plan.batches import run_in_resumed_folder
 
     try:
         register_configs()

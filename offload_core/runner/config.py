@@ -71,7 +71,7 @@ class PipelineConfig:
 
 @dataclass
 class ServeConfig:
-    """``mode=serve``: the OpenAI-compatible server (offload_core.runner.modes.serve) and its continuous batching."""
+    """``mode=serve``: the OpenAI-compatible server (offload_core.serve) and its continuous batching."""
 
     #: the address to listen on (loopback by default; 0.0.0.0 listens on every interface)
     host: str = "127.0.0.1"

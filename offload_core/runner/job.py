@@ -6,15 +6,15 @@ from pathlib import Path
 from typing import Any
 
 from offload_core.loading.pipeline import is_pipeline_folder
-from offload_core.runner.modes.batched import run_batched
-from offload_core.runner.modes.encoder import run_encoder
-from offload_core.runner.modes.results import RunResult, write_outputs
-from offload_core.runner.modes.single import run_single
-from offload_core.runner.plan import speculate
-from offload_core.runner.plan.busy import busy_notice
-from offload_core.runner.plan.plan import print_plan, write_plan
-from offload_core.runner.plan.predict import print_prediction
-from offload_core.runner.plan.prepare import Prepared, prediction_shape, prepare
+from offload_core.jobs.batched import run_batched
+from offload_core.jobs.encoder import run_encoder
+from offload_core.jobs.results import RunResult, write_outputs
+from offload_core.jobs.single import run_single
+from offload_core.plan import speculate
+from offload_core.plan.busy import busy_notice
+from offload_core.plan.run_plan import print_plan, write_plan
+from offload_core.plan.predict import print_prediction
+from offload_core.plan.prepare import Prepared, prediction_shape, prepare
 from offload_core.runner.settings import build_strategies, read_settings
 from offload_core.storage.residency import offloaded_in_plan
 
@@ -37,12 +37,12 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         settings, labels = choose_configuration(settings, labels)
     strategies = build_strategies(settings)
     if pipeline:
-        from offload_core.runner.modes.pipeline_job import run_pipeline
+        from offload_core.jobs.pipeline_job import run_pipeline
 
         return run_pipeline(settings, strategies, labels)
     batches_of, serve = None, settings.mode == "serve"
     if serve:  # planned for the requests served at once, each holding serve.context tokens
-        from offload_core.runner.modes.serve.options import read_options, serving_settings, slots_of
+        from offload_core.serve.options import read_options, serving_settings, slots_of
 
         settings = serving_settings(settings)
         batches_of = slots_of(settings, read_options(settings.sections["serve"]))
@@ -53,7 +53,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
         if job.settings.plan_only:
             return plan_only(job, labels, plot)
         if serve:
-            from offload_core.runner.modes.serve.mode import run_serve
+            from offload_core.serve.mode import run_serve
 
             return run_serve(job, labels)
         if not job.generates:
@@ -65,7 +65,7 @@ def run(cfg: Any, output_dir: str | Path | None = None, labels: dict | None = No
 
 def choose_configuration(settings: Any, labels: dict) -> tuple[Any, dict]:
     """``auto=true``: the settings of the configuration predicted fastest, and the labels saying what was picked."""
-    from offload_core.runner.plan.auto import choose
+    from offload_core.plan.auto import choose
 
     settings, table = choose(settings, list(labels.get("overrides", [])))
     choices = {

@@ -47,7 +47,7 @@ class Settings:
 
     execution_device: torch.device
     max_memory: dict[Any, int]
-    headroom: int | None  # None: planned for the run's prompts (see offload_core.runner.plan.batches.read_batches)
+    headroom: int | None  # None: planned for the run's prompts (see offload_core.plan.batches.read_batches)
     dtype: torch.dtype | None
     output_dir: Path
     sections: dict[str, dict]
@@ -65,11 +65,11 @@ class Settings:
     over_budget: str = "warn"
     compare_in_memory: bool = False
     plan_only: bool = False
-    #: compute a share of the offloaded blocks on the host in decoding steps (:mod:`offload_core.runner.plan.hybrid`)
+    #: compute a share of the offloaded blocks on the host in decoding steps (:mod:`offload_core.plan.hybrid`)
     hybrid: bool = False
     progress: bool = True
     calibrate: bool = False
-    #: pick the fastest predicted configuration among those that fit (:mod:`offload_core.runner.plan.auto`)
+    #: pick the fastest predicted configuration among those that fit (:mod:`offload_core.plan.auto`)
     auto: bool = False
     #: capture decoding steps in a graph and replay them (:mod:`offload_core.module_hooks.graphs`)
     graphs: bool = False
@@ -122,7 +122,7 @@ class Strategies:
 
     def planned(self, policy: Policy | None) -> Strategies:
         """These strategies with the policy the plan was made for (it may hold fewer units in flight than asked:
-        :func:`offload_core.loading.plan.fit_in_flight`)."""
+        :func:`offload_core.plan.make.fit_in_flight`)."""
         return self if policy is None or policy is self.policy else dataclasses.replace(self, policy=policy)
 
     def __str__(self) -> str:

@@ -159,7 +159,7 @@ def test_a_hybrid_run_on_a_gpu_plans_the_split_and_matches_in_memory(hybrid, tmp
     in-memory model's. ``given``: a host as fast as memory and slow copies put all four blocks there."""
     from offload_core.runner.config import register_configs
     from offload_core.runner.job import run
-    from offload_core.runner.plan import hybrid as planning
+    from offload_core.plan import hybrid as planning
 
     from offload_core.module_hooks.prefetch.prefetcher import Prefetcher
 
@@ -221,7 +221,7 @@ def _compose(*overrides):
 
 def test_plan_only_shows_the_split_and_loads_nothing(tmp_path, fake_gpu, capsys, monkeypatch):
     from offload_core.runner.job import run
-    from offload_core.runner.plan import hybrid as planning
+    from offload_core.plan import hybrid as planning
 
     monkeypatch.setattr(planning, "measured_rates", lambda *args: Rates(h2d_bps=1e9, host_bps=1e12))
     fake = fake_gpu(count=1, memory=8 * 2**20)

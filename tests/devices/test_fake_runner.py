@@ -20,7 +20,7 @@ GPU_BUDGET = 2 * 2**20
     [("prefetch", "pinned_cpu"), ("prefetch", "memmap"), ("align_per_call", "safetensors"), ("chained", "pinned_cpu")],
 )
 def test_a_run_on_a_gpu_stays_in_its_budget_and_compares_on_the_gpu(hook, storage, tmp_path, fake_gpu, monkeypatch):
-    from offload_core.runner.modes import generate
+    from offload_core.jobs import generate
 
     fake = fake_gpu(count=1, memory=4 * GPU_BUDGET)  # room for the reference model, which must fit whole
     references = []
@@ -98,7 +98,7 @@ def test_the_workspace_is_held_whole_on_a_gpu_and_not_on_the_cpu(fake_gpu):
 def test_a_reference_larger_than_the_gpus_free_memory_computes_on_the_cpu(tmp_path, fake_gpu, capsys):
     import torch
 
-    from offload_core.runner.modes.generate import reference_model
+    from offload_core.jobs.generate import reference_model
     from offload_core.testing import tiny_tied_llama
 
     tiny_tied_llama(tmp_path / "ckpt")
@@ -122,7 +122,7 @@ def test_a_reference_larger_than_the_gpus_free_memory_computes_on_the_cpu(tmp_pa
 def test_the_copy_probe_fits_a_small_gpu(fake_gpu):
     """The host-to-device probe copies 64 MiB where the GPU has room, and a quarter of its free memory where not
     (a fresh calibration on an 8 MiB GPU ran out of memory)."""
-    from offload_core.runner.plan.calibrate import h2d_bandwidth
+    from offload_core.plan.calibrate import h2d_bandwidth
 
     fake = fake_gpu(count=1, memory=8 * 2**20)
     assert h2d_bandwidth(fake.device(0)) > 0

@@ -109,7 +109,7 @@ GENERATING_SCRIPT = textwrap.dedent("""
 
     def announced(self, *args, **kwargs):
         caller = sys._getframe(1)
-        while caller is not None and caller.f_globals.get("__name__") != "offload_core.runner.plan.probe":
+        while caller is not None and caller.f_globals.get("__name__") != "offload_core.plan.probe":
             caller = caller.f_back
         if caller is None:  # the run's generation, not the calibration probe's (a model of two blocks, in memory)
             print("GENERATING", flush=True)

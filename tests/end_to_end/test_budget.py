@@ -24,7 +24,7 @@ BUDGET_MIB = (
 _RUN_WITH_KERNEL_PEAK = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
-    from offload_core.runner.modes import metrics
+    from offload_core.jobs import metrics
     from offload_core.runner.cli import hydra_main
     from tests.memory_peak import KernelPeak
     init, exit_, peaks = metrics.MemoryMonitor.__init__, metrics.MemoryMonitor.__exit__, {}

@@ -111,7 +111,7 @@ def test_a_tagged_revision_of_sharded_bin_files_runs_by_repo_id(tmp_path, capsys
     """``model.revision`` picks the tag's snapshot; ``.bin`` shards (the index naming linked files) copy to disk."""
     from huggingface_hub import constants
 
-    from offload_core.runner.plan import calibrate, probe
+    from offload_core.plan import calibrate, probe
 
     smollm2 = sources.smollm2_checkpoint()
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)

@@ -17,7 +17,7 @@ from tests.end_to_end.helpers import child_env, cli, run_args, wait_for_line
 # announces on stdout when the third token is stamped, so the test interrupts mid-answer
 _ANNOUNCING = textwrap.dedent("""
     import sys
-    from offload_core.runner.modes.metrics import TokenTimer
+    from offload_core.jobs.metrics import TokenTimer
     real = TokenTimer.__call__
 
     def stamped(self, input_ids, scores, **kwargs):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from offload_core.runner.plan.calibrate import MEASURING
+from offload_core.plan.calibrate import MEASURING
 from tests import ROOT
 from tests.end_to_end.helpers import child_env
 

@@ -8,7 +8,7 @@ import torch
 
 from offload_core import init_empty_weights
 from offload_core.loading.checkpoint import Checkpoint
-from offload_core.loading.reserve import Reserver
+from offload_core.plan.reserve import Reserver
 from offload_core.registry.manager import get_registry
 
 
@@ -58,7 +58,7 @@ def test_prefetch_holds_one_block_fewer_in_flight_down_to_none_read_ahead():
     ],
 )
 def test_the_plan_lowers_the_read_ahead_until_its_units_fit_the_budget(budget, staging, depth, line):
-    from offload_core.loading.plan import fit_in_flight
+    from offload_core.plan.make import fit_in_flight
     from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
 
     def reserve_of(policy):  # one block that runs and depth more, 100 bytes each; a staging ring on the cpu

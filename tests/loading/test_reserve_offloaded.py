@@ -10,7 +10,7 @@ import offload_core
 from offload_core import init_empty_weights
 from offload_core.alignment import assume_kernels_depend_on_alignment
 from offload_core.loading.checkpoint import Checkpoint
-from offload_core.loading.plan import make_plan
+from offload_core.plan.make import make_plan
 from offload_core.planning import compute_module_sizes
 from offload_core.registry.manager import get_registry
 from tests.checkpoints import POLICIES

@@ -13,7 +13,7 @@ import transformers
 import offload_core
 from offload_core import defaults, init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.planning.generation import Generation
-from offload_core.runner.plan.prepare import prepare
+from offload_core.plan.prepare import prepare
 from offload_core.runner.settings import build_strategies, read_settings
 
 #: a tiny Llama, a GPT-2 (its own block class, tied head, 64 positions) and a tiny Mixtral (experts, whose parts

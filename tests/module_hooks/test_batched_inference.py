@@ -12,7 +12,7 @@ from offload_core.loading.empty import init_empty_weights
 from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.planning.batch_memory import batch_memory
 from offload_core.registry import get_registry
-from offload_core.runner.modes.metrics import MemoryMonitor
+from offload_core.jobs.metrics import MemoryMonitor
 from tests.memory_peak import KernelPeak
 
 #: allocator and thread-pool slack beside what the plan counts

@@ -203,7 +203,7 @@ def test_cached_experts_are_used_in_place_with_no_read(saved, tmp_path):
 
 def test_released_rows_give_their_memory_back():
     from offload_core.module_hooks.experts import ReservedRows
-    from offload_core.runner.modes.metrics import rss_split
+    from offload_core.jobs.metrics import rss_split
 
     rows = ReservedRows(torch.Size([4, 1024, 1024]), torch.bfloat16)  # 2 MiB a row
     before = rss_split()[0]

@@ -81,7 +81,7 @@ def test_a_hybrid_run_stays_in_its_gpu_budget(tmp_path, monkeypatch):
     max_memory.0 (the tokens' agreement is the test above's)."""
     from offload_core.runner.config import register_configs
     from offload_core.runner.job import run
-    from offload_core.runner.plan import hybrid as planning
+    from offload_core.plan import hybrid as planning
 
     monkeypatch.setattr(planning, "measured_rates", lambda *args: Rates(h2d_bps=1e9, host_bps=1e12))
     budget = 96 * 2**20

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from offload_core.runner.job import run
-from offload_core.runner.plan.auto import given_options
+from offload_core.plan.auto import given_options
 
 TINY = ["model=synthetic", "progress=false", "max_new_tokens=4", "max_memory.cpu=1MiB", "headroom=0"]
 
@@ -47,7 +47,7 @@ def test_plan_only_auto_keeps_what_was_given_ranks_the_rest_and_writes_the_table
 
 def test_a_strategy_that_does_not_declare_itself_stays_out_of_auto(compose_run, tmp_path):
     from offload_core.registry.manager import get_registry
-    from offload_core.runner.plan.auto import candidates
+    from offload_core.plan.auto import candidates
     from offload_core.runner.settings import read_settings
 
     settings = read_settings(compose_run([*TINY, "auto=true", "storage=memmap"]), tmp_path)
@@ -65,8 +65,8 @@ def test_a_strategy_that_does_not_declare_itself_stays_out_of_auto(compose_run, 
 
 def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_path, compose_run):
     from offload_core.registry.manager import get_registry
-    from offload_core.runner.plan.model import open_model
-    from offload_core.runner.plan.probe import PROBE_BLOCKS, probe_times
+    from offload_core.plan.model import open_model
+    from offload_core.plan.probe import PROBE_BLOCKS, probe_times
 
     run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
     registry = get_registry()
@@ -92,7 +92,7 @@ def test_the_dispatched_probe_counts_tensors_brought_in_and_its_fixed_costs(tmp_
 def test_the_prediction_adds_the_probe_terms_per_tensor_loaded():
     import torch
 
-    from offload_core.runner.plan.predict import predict_time
+    from offload_core.plan.predict import predict_time
 
     class Plan:
         summary = {"devices": {"cpu": {"bytes": 10, "tensors": 1}, "disk": {"bytes": 10, "tensors": 9}}}
@@ -140,7 +140,7 @@ def test_the_prediction_adds_the_probe_terms_per_tensor_loaded():
 def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_reach():
     import torch
 
-    from offload_core.runner.plan.predict import predict_time
+    from offload_core.plan.predict import predict_time
 
     class Plan:
         summary = {"devices": {"cpu": {"bytes": 10}, "disk": {"bytes": 10**7}}}
@@ -184,8 +184,8 @@ def test_the_first_token_pays_once_for_the_offloaded_weights_it_is_the_first_to_
 @pytest.mark.slow  # the runner's job with auto=true on two models: each configuration it ranks calibrated
 def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for_a_dense_model(compose_run, tmp_path):
     from offload_core.module_hooks.experts.lists import routed_shares
-    from offload_core.runner.plan.model import open_model
-    from offload_core.runner.plan.plan import make_plan
+    from offload_core.plan.model import open_model
+    from offload_core.plan.run_plan import make_plan
     from offload_core.runner.settings import build_strategies, read_settings
     from tests.speculative.models import mixtral
 
@@ -231,8 +231,8 @@ def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for
 def test_the_first_touch_rate_is_measured_on_the_cached_pages_of_the_file_itself(tmp_path):
     import os
 
-    from offload_core.runner.plan.first_touch import file_pages
-    from offload_core.runner.plan.predict import with_checkpoint_pages
+    from offload_core.plan.first_touch import file_pages
+    from offload_core.plan.predict import with_checkpoint_pages
 
     shard = tmp_path / "model.safetensors"
     shard.write_bytes(os.urandom(8 * 2**20))

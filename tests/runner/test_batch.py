@@ -17,10 +17,10 @@ from transformers import LlamaConfig
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import batch_memory, largest_batch
 from offload_core.runner.inputs import read_prompts
-from offload_core.runner.modes.batch import left_padded, trim
-from offload_core.runner.plan.batches import Batches
+from offload_core.jobs.batch import left_padded, trim
+from offload_core.plan.batches import Batches
 from offload_core.runner.job import run
-from offload_core.runner.plan.predict import predict_time
+from offload_core.plan.predict import predict_time
 from offload_core.planning.headroom import runtime_slack
 from offload_core.runner.config import register_configs
 
@@ -267,8 +267,8 @@ def test_sweep_summary_shows_predicted_beside_measured(tmp_path):
 
 @pytest.mark.slow  # measures the disk twice
 def test_calibration_is_measured_once_and_again_on_request(tmp_path, monkeypatch):
-    from offload_core.runner.plan.calibrate import calibrate, calibration_file
-    from offload_core.runner.plan.model import open_model
+    from offload_core.plan.calibrate import calibrate, calibration_file
+    from offload_core.plan.model import open_model
 
     run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))

@@ -156,7 +156,7 @@ def test_a_device_map_file_replaces_the_placement_in_the_header(tmp_path, capsys
 
 
 def test_counters_print_sizes_in_binary_units():
-    from offload_core.runner.modes.results import counter_text
+    from offload_core.jobs.results import counter_text
 
     assert (
         counter_text("kept_bytes", 3 * 2**20) == "3.00 MiB"

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from offload_core.runner.plan import learn
+from offload_core.plan import learn
 
 PREDICTED = {"predicted_load_s": 0.5, "predicted_ttft_s": 0.01, "predicted_step_s": 0.02}
 MEASURED = {"load_s": 1.0, "time_to_first_token_s": 0.05, "time_per_decode_step_s": 0.08}
@@ -119,7 +119,7 @@ def test_a_run_records_its_prediction_and_the_next_run_predicts_from_it(correcti
 
 
 def test_a_calibration_whose_probe_terms_are_damaged_is_not_trusted():
-    from offload_core.runner.plan.calibrate import calibration_problem
+    from offload_core.plan.calibrate import calibration_problem
 
     assert calibration_problem({"probe": {"k": {"per_load_decode_s": 0.001}, "failed": {}}}) is None
     for bad in (
@@ -136,7 +136,7 @@ def test_a_calibration_whose_probe_terms_are_damaged_is_not_trusted():
 def busy_machine(monkeypatch):
     """Other work holds every core: a load average of 5 per core, over the default bound of 2; this process has not
     said so yet, and torch computes with two threads."""
-    from offload_core.runner.plan import busy
+    from offload_core.plan import busy
 
     monkeypatch.delenv("OFFLOAD_CORE_BUSY_LOAD")
     monkeypatch.setattr(busy, "told", False)
@@ -164,7 +164,7 @@ def test_a_run_on_a_busy_machine_is_compared_but_not_learned_from(corrections, b
 
 
 def test_the_busy_line_gives_the_one_thread_hint_only_to_a_run_of_several_threads():
-    from offload_core.runner.plan.busy import busy_line
+    from offload_core.plan.busy import busy_line
 
     assert busy_line("load average 9.4 on 2 cores", 2) == (
         "offload_core: the machine is busy (load average 9.4 on 2 cores): what this run measures is used for it, not "
@@ -178,7 +178,7 @@ def test_the_busy_line_gives_the_one_thread_hint_only_to_a_run_of_several_thread
 
 
 def test_the_busy_bound_is_the_load_per_core(monkeypatch):
-    from offload_core.runner.plan.busy import busy
+    from offload_core.plan.busy import busy
 
     cores = os.cpu_count() or 1
     monkeypatch.setattr(os, "getloadavg", lambda: (2.5 * cores, 0.0, 0.0))
@@ -195,9 +195,9 @@ def test_the_busy_bound_is_the_load_per_core(monkeypatch):
 def test_a_calibration_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path, monkeypatch, busy_machine, capsys):
     import torch
 
-    from offload_core.runner.plan import calibrate as calibrate_module
-    from offload_core.runner.plan.calibrate import calibrate, calibration_file
-    from offload_core.runner.plan.model import open_model
+    from offload_core.plan import calibrate as calibrate_module
+    from offload_core.plan.calibrate import calibrate, calibration_file
+    from offload_core.plan.model import open_model
 
     run_model = open_model({"name": "synthetic", "preset": "tiny"}, None)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from offload_core.errors import ConfigError
 from offload_core.runner.job import run
-from offload_core.runner.modes.disk_reads import DiskReads
+from offload_core.jobs.disk_reads import DiskReads
 from offload_core.storage.residency import page_cache_plan, page_cache_setting
 from offload_core.runner.config import register_configs
 

@@ -10,8 +10,8 @@ from offload_core.loading.dispatch import load_checkpoint_and_dispatch
 from offload_core.loading.empty import init_empty_weights
 from offload_core.planning import compute_module_sizes, summarize_device_map
 from offload_core.registry.manager import build_registry
-from offload_core.loading.plan import predicted_bytes_per_token
-from offload_core.runner.plan.report import plan_text, plot_placement
+from offload_core.plan.make import predicted_bytes_per_token
+from offload_core.plan.report import plan_text, plot_placement
 from offload_core.testing import tiny_tied_llama
 
 REGISTRY = build_registry(load_entry_points=False)

@@ -9,7 +9,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-import offload_core.runner.modes.batch as batch
+import offload_core.jobs.batch as batch
 from offload_core.errors import ConfigError
 from offload_core.runner.job import run
 from offload_core.runner.config import register_configs

@@ -66,7 +66,7 @@ def test_reservation_follows_store_and_policy():
     import torch
 
     from offload_core.registry.manager import get_registry
-    from offload_core.loading.reserve import reservation
+    from offload_core.plan.reserve import reservation
 
     registry = get_registry()
 
@@ -173,7 +173,7 @@ def test_a_run_s_full_collections_leave_out_what_was_made_before_it_and_take_it_
     import gc
     import weakref
 
-    from offload_core.runner.modes.context import frozen_heap
+    from offload_core.jobs.context import frozen_heap
 
     class Node:
         pass

@@ -12,7 +12,7 @@ from offload_core.errors import ConfigError, StorageError
 
 
 def test_calibration_of_another_shape_is_measured_again_with_one_line(tmp_path, monkeypatch, capsys):
-    from offload_core.runner.plan.calibrate import _read_cached, calibration_file
+    from offload_core.plan.calibrate import _read_cached, calibration_file
 
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
     monkeypatch.delenv("OFFLOAD_CORE_CALIBRATION")  # beside that cache, as a user's is
@@ -153,7 +153,7 @@ def test_a_block_that_could_not_be_timed_is_said_and_timed_again_next_run(tmp_pa
     import torch
     import transformers
 
-    from offload_core.runner.plan import calibrate as calibration
+    from offload_core.plan import calibrate as calibration
 
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path))
     monkeypatch.delenv("OFFLOAD_CORE_CALIBRATION")  # beside that cache, as a user's is

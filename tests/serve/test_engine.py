@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from offload_core.runner.modes.batch import left_padded
-from offload_core.runner.modes.serve.engine import Engine, QueueFull, Request
-from offload_core.runner.modes.serve.sampling import Detokenizer, Params
+from offload_core.jobs.batch import left_padded
+from offload_core.serve.engine import Engine, QueueFull, Request
+from offload_core.serve.sampling import Detokenizer, Params
 from tests.serve.tiny import save_tiny_chat_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41]]

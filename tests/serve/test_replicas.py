@@ -64,14 +64,14 @@ def test_two_replicas_answer_as_the_in_memory_model_and_stop_on_sigterm(tiny, tm
     [("replicas", 0, "serve.replicas=0 must be at least 1"), ("replica_cpus", -1, "serve.replica_cpus=-1")],
 )
 def test_bad_replica_settings_are_one_line(key, value, message):
-    from offload_core.runner.modes.serve.options import read_options
+    from offload_core.serve.options import read_options
 
     with pytest.raises(ConfigError, match=message):
         read_options({key: value})
 
 
 def test_one_replica_without_a_cluster_serves_in_process():
-    from offload_core.runner.modes.serve.options import read_options
+    from offload_core.serve.options import read_options
 
     assert not read_options({}).replicated and not read_options({"replicas": 1}).replicated
     assert read_options({"replicas": 2}).replicated and read_options({"ray_address": "auto"}).replicated

@@ -37,8 +37,8 @@ def test_a_batch_the_budget_cannot_hold_names_what_to_do(compose_run, tiny, tmp_
 
 
 def test_auto_admits_what_the_budget_holds(compose_run, tiny, tmp_path):
-    from offload_core.runner.modes.serve.options import read_options, serving_settings, slots_of
-    from offload_core.runner.plan.model import open_model
+    from offload_core.serve.options import read_options, serving_settings, slots_of
+    from offload_core.plan.model import open_model
     from offload_core.runner.settings import read_settings
 
     def slots(budget: str) -> int:

@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from offload_core.runner.modes.serve.cache import BatchCache
-from offload_core.runner.modes.serve.engine import Engine, Request
-from offload_core.runner.modes.serve.sampling import Params
+from offload_core.serve.cache import BatchCache
+from offload_core.serve.engine import Engine, Request
+from offload_core.serve.sampling import Params
 from offload_core.speculative import read_speculative
 from tests.serve.tiny import save_tiny_chat_model
 

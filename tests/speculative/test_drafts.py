@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from offload_core.runner.modes.metrics import TokenTimer
+from offload_core.jobs.metrics import TokenTimer
 from offload_core.speculative import prepare
 from offload_core.speculative.drafts import self_draft
 

@@ -14,7 +14,7 @@ from offload_core import init_empty_weights
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.converted import convert_checkpoint
 from offload_core.loading.dispatch import resolve_strategy
-from offload_core.loading.reserve import splice_copies
+from offload_core.plan.reserve import splice_copies
 from offload_core.storage.splice import PAGE, Part, Spliced, copied_bytes
 from tests.checkpoints import paged_mixtral
 from tests.maps import file_backed

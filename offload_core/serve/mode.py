@@ -11,12 +11,12 @@ import threading
 from typing import Any, Iterator
 
 from offload_core.errors import ConfigError
-from offload_core.runner.modes.context import loaded
-from offload_core.runner.modes.results import RunResult, write_outputs
-from offload_core.runner.modes.serve.build import open_server, serve_figures
-from offload_core.runner.modes.serve.replicas import run_replicas
-from offload_core.runner.modes.serve.options import ServeOptions, read_options, serve_context, served_name
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.jobs.context import loaded
+from offload_core.jobs.results import RunResult, write_outputs
+from offload_core.plan.prepare import Prepared
+from offload_core.serve.build import open_server, serve_figures
+from offload_core.serve.options import ServeOptions, read_options, serve_context, served_name
+from offload_core.serve.replicas import run_replicas
 from offload_core.values import format_size
 
 

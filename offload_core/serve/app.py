@@ -14,11 +14,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from offload_core.runner.modes.serve import schema
-from offload_core.runner.modes.serve.engine import Draining, Engine, Event, QueueFull, Request
-from offload_core.runner.modes.serve.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
-from offload_core.runner.modes.serve.sampling import Params
-from offload_core.runner.modes.serve.schema import ApiError
+from offload_core.serve import schema
+from offload_core.serve.engine import Draining, Engine, Event, QueueFull, Request
+from offload_core.serve.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from offload_core.serve.sampling import Params
+from offload_core.serve.schema import ApiError
 
 #: seconds between checks that a client waiting for its tokens is still there (and SSE keep-alive comments)
 POLL_S = 0.5

@@ -9,8 +9,8 @@ from typing import Any
 
 from offload_core.errors import ConfigError
 from offload_core.runner.inputs import byte_ids
-from offload_core.runner.modes.serve.options import ServeOptions, serve_context, served_name
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.serve.options import ServeOptions, serve_context, served_name
+from offload_core.plan.prepare import Prepared
 
 
 def encoders(job: Prepared) -> tuple[Any, Any]:
@@ -38,9 +38,9 @@ def encoders(job: Prepared) -> tuple[Any, Any]:
 def open_server(job: Prepared, run: Any, options: ServeOptions) -> tuple[Any, Any, Any]:
     """The loaded model's engine (not started), its metrics and the ASGI app answering the OpenAI routes."""
     # the serve extra's web stack (checked before loading): imported where a server is built
-    from offload_core.runner.modes.serve.app import Served, build_app
-    from offload_core.runner.modes.serve.engine import Engine
-    from offload_core.runner.modes.serve.metrics import ServeMetrics
+    from offload_core.serve.app import Served, build_app
+    from offload_core.serve.engine import Engine
+    from offload_core.serve.metrics import ServeMetrics
 
     settings, slots = job.settings, job.batches.rows
     context = serve_context(options, job.run_model.model.config)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from offload_core.errors import ConfigError
-from offload_core.runner.plan.batches import Batches
-from offload_core.runner.plan.run_memory import context_length, plan_run_memory
+from offload_core.plan.batches import Batches
+from offload_core.plan.run_memory import context_length, plan_run_memory
 from offload_core.runner.settings import Settings
 
 #: the environment variable holding the API key when ``serve.api_key`` is not given
@@ -95,7 +95,7 @@ def serving_settings(settings: Settings) -> Settings:
 
 
 def slots_of(settings: Settings, options: ServeOptions) -> Callable[[Any], Batches]:
-    """``batches_of`` for :func:`offload_core.runner.plan.prepare.prepare`: ``max_batch`` requests of the whole
+    """``batches_of`` for :func:`offload_core.plan.prepare.prepare`: ``max_batch`` requests of the whole
     context, KV cache for each and the activations of one prefill at a time held back from the budget. With
     ``serve.max_batch=auto``, the most requests (up to :data:`AUTO_MAX_BATCH`) whose memory fits."""
 

@@ -1,5 +1,5 @@
-"""The run's plan, made before anything is loaded: the device map, the bytes held back for units in flight, and what it
-predicts."""
+"""The run's plan from its settings (:func:`offload_core.plan.make.make_plan` for a run), made before anything is
+loaded: the device map, the bytes held back for units in flight, and what it predicts."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from offload_core import devices
 from offload_core.errors import DeviceMapError
-from offload_core.loading.plan import Plan
-from offload_core.loading.plan import make_plan as plan_model
-from offload_core.runner.plan.model import RunModel
+from offload_core.plan.make import Plan
+from offload_core.plan.make import make_plan as plan_model
+from offload_core.plan.model import RunModel
 from offload_core.runner.settings import Settings, Strategies
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.residency import offloaded_in_plan
@@ -20,7 +20,7 @@ from offload_core.values import format_size
 
 
 def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, checkpoint: Checkpoint) -> Plan:
-    """The run's plan (:func:`offload_core.loading.plan.make_plan`, the rule ``from_pretrained`` plans by): a user's
+    """The run's plan (:func:`offload_core.plan.make.make_plan`, the rule ``from_pretrained`` plans by): a user's
     ``device_map`` file, else the policy's own map, else the placement's within the budgets less the headroom."""
     from offload_core.runner.validate import check_device_map_devices, check_module_classes
 
@@ -73,7 +73,7 @@ def print_plan(
     plan (with the device map's keys in a plan-only run); ``per``: what one forward makes (an encoder's is a
     forward); ``held_for``: what the headroom holds."""
     from offload_core.storage.residency import page_cache_text
-    from offload_core.runner.plan.report import plan_text
+    from offload_core.plan.report import plan_text
 
     path = settings.device_map_file
     print(
@@ -110,7 +110,7 @@ def print_plan(
 def write_plan(settings: Settings, run_model: RunModel, plan: Plan, picture: bool = True) -> None:
     """Write ``device_map.json`` (and ``placement.png`` with ``picture``) for a plan-only run."""
     from offload_core.planning import compute_module_sizes
-    from offload_core.runner.plan.report import plot_placement
+    from offload_core.plan.report import plot_placement
 
     out_dir = settings.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)

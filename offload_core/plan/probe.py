@@ -135,11 +135,11 @@ def probe_times(
     the run's, on ``execution_device`` for ``rows`` sequences of ``tokens`` prompt tokens. Its files are written in a
     temporary folder under ``folder`` (where the checkpoint lies) and removed."""
     from offload_core.loading.checkpoint import Checkpoint
-    from offload_core.loading.dispatch import load_checkpoint_and_dispatch
     from offload_core.loading.tasks import build_empty, read_config
+    from offload_core.plan.request import PlanRequest, dispatch, plan_request
 
     from offload_core.planning import largest_block_size
-    from offload_core.runner.plan.calibrate import block_seconds
+    from offload_core.plan.calibrate import block_seconds
     from offload_core.values import format_size
 
     block = largest_block_size(run_model.model, run_model.no_split, dtype=run_model.dtype)
@@ -168,20 +168,20 @@ def probe_times(
         del model
         offloaded = build_empty(config, run_model.task, run_model.dtype)
         with Checkpoint.open(Path(tmp) / "model") as checkpoint:
-            started = time.perf_counter()  # timed as a run times its load: the dispatch, the plan made before
-            load_checkpoint_and_dispatch(
-                offloaded,
-                checkpoint,
-                device_map,
-                no_split_module_classes=run_model.no_split,
+            # the probe's own map through the one door: no budgets, so nothing held back and no kept set
+            request = PlanRequest(
+                execution_device,
+                run_model.no_split,
+                run_model.dtype,
                 storage=storage,
                 policy=policy,
-                offload_folder=Path(tmp) / "offload",
-                dtype=run_model.dtype,
-                execution_device=execution_device,
-                progress=False,
-                offload_buffers=policy.offload_buffers,
+                page_cache=None,
+                generation=None,
+                device_map=device_map,
             )
+            plan = plan_request(offloaded, checkpoint, request)
+            started = time.perf_counter()  # timed as a run times its load: the dispatch, the plan made before
+            dispatch(plan, offloaded, checkpoint, Path(tmp) / "offload")
             sizes["probe_load_s"] = time.perf_counter() - started
             sizes["probe_offloaded_bytes"] = offloaded.offload_state.offloaded_bytes()
             with offloaded.offload_state as state:

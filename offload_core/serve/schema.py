@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from offload_core.runner.modes.serve.logprobs import CHAT_TOP, COMPLETION_TOP
+from offload_core.serve.logprobs import CHAT_TOP, COMPLETION_TOP
 
 #: the error type OpenAI's clients read for each status
 ERROR_TYPES = {

@@ -11,7 +11,7 @@ from typing import Any
 from offload_core.errors import ConfigError
 from offload_core.planning.batch_memory import BatchMemory
 from offload_core.runner.inputs import encode_all, read_prompts
-from offload_core.runner.plan.run_memory import forward_headroom, plan_run_memory
+from offload_core.plan.run_memory import forward_headroom, plan_run_memory
 from offload_core.runner.settings import Settings
 
 

@@ -10,15 +10,15 @@ from typing import Callable, Iterator
 import torch
 
 from offload_core.errors import ConfigError
-from offload_core.loading.plan import Plan
-from offload_core.loading.plan_request import held_beside_weights
+from offload_core.plan.make import Plan
+from offload_core.plan.request import held_beside_weights
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
 from offload_core.runner.inputs import prompt_ids
-from offload_core.runner.plan import speculate
-from offload_core.runner.plan.hybrid import check_hybrid, hybrid_strategies
-from offload_core.runner.plan.batches import Batches, plan_batches, read_batches
-from offload_core.runner.plan.model import RunModel, open_model
-from offload_core.runner.plan.plan import make_plan
+from offload_core.plan import speculate
+from offload_core.plan.hybrid import check_hybrid, hybrid_strategies
+from offload_core.plan.batches import Batches, plan_batches, read_batches
+from offload_core.plan.model import RunModel, open_model
+from offload_core.plan.run_plan import make_plan
 from offload_core.runner.settings import Settings, Strategies
 from offload_core.storage.checkpoint import Checkpoint
 
@@ -118,10 +118,10 @@ def check_run_task(settings: Settings, run_model: RunModel, checkpoint: Checkpoi
 
 def predicted_time(job: Prepared) -> dict[str, float]:
     """The plan's predicted times for the run's batch, or its single prompt, corrected by this machine's earlier runs
-    of the same configuration (:mod:`offload_core.runner.plan.learn`); none for a run that does not generate
+    of the same configuration (:mod:`offload_core.plan.learn`); none for a run that does not generate
     (one forward over the texts: no decoding step to predict)."""
-    from offload_core.runner.plan import learn
-    from offload_core.runner.plan.predict import calibrate_and_predict
+    from offload_core.plan import learn
+    from offload_core.plan.predict import calibrate_and_predict
 
     if not job.generates:
         return {}

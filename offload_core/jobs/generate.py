@@ -38,7 +38,7 @@ def generate_rows(
 
     from transformers import StoppingCriteriaList
 
-    from offload_core.runner.modes.metrics import TokenTimer
+    from offload_core.jobs.metrics import TokenTimer
 
     torch.manual_seed(sampling.seed)
     timer = TokenTimer(total=sampling.max_new_tokens, progress=progress)

@@ -7,12 +7,12 @@ from typing import Any
 
 from offload_core.runner.console import print_line
 from offload_core.runner.inputs import decode
-from offload_core.runner.modes.context import loaded
-from offload_core.runner.modes.disk_reads import DiskReads
-from offload_core.runner.modes.generate import generate, in_memory_tokens
-from offload_core.runner.modes.results import RunResult, generation_figures, print_result, write_outputs
-from offload_core.runner.plan import learn, speculate
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.jobs.context import loaded
+from offload_core.jobs.disk_reads import DiskReads
+from offload_core.jobs.generate import generate, in_memory_tokens
+from offload_core.jobs.results import RunResult, generation_figures, print_result, write_outputs
+from offload_core.plan import learn, speculate
+from offload_core.plan.prepare import Prepared
 
 
 def run_single(job: Prepared, labels: dict) -> RunResult:

@@ -6,7 +6,7 @@ A correction is the median of the last :data:`KEPT` ratios measured / predicted 
 decoding step), per configuration: the model's shape and dtype, the device and threads, placement, store, policy and
 their options, the budgets, ``page_cache``, the batch's shape and ``max_new_tokens``. The file is validated on read: a
 damaged one, or one written on another machine, is ignored with one line and made again. A run on a busy machine
-(:func:`offload_core.runner.plan.busy.busy`) is compared but not learned from, and a line says so once."""
+(:func:`offload_core.plan.busy.busy`) is compared but not learned from, and a line says so once."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from offload_core.atomic import write_text_atomic
-from offload_core.runner.plan.busy import busy_notice
+from offload_core.plan.busy import busy_notice
 
 VERSION = 1
 #: ratios kept per configuration and figure (the correction is their median)
@@ -105,7 +105,7 @@ def read() -> dict[str, Any]:
 
 
 def config_key(job: Any) -> tuple[str, str]:
-    """The key of ``job``'s configuration (a :class:`offload_core.runner.plan.prepare.Prepared`) and a short label."""
+    """The key of ``job``'s configuration (a :class:`offload_core.plan.prepare.Prepared`) and a short label."""
     settings, strategies = job.settings, job.strategies
     rows, tokens = job.shape
     sections = {group: settings.sections[group] for group in ("placement", "storage", "hook")}

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from offload_core.runner.inputs import read_prompts
-from offload_core.runner.plan.model import RunModel, resolve_checkpoint
-from offload_core.runner.plan.plan import make_plan, print_plan, write_plan
-from offload_core.runner.modes.results import RunResult
+from offload_core.plan.model import RunModel, resolve_checkpoint
+from offload_core.plan.run_plan import make_plan, print_plan, write_plan
+from offload_core.jobs.results import RunResult
 from offload_core.runner.settings import Settings, Strategies
 
 
@@ -105,11 +105,11 @@ class StepTimer:
 
 def run_pipeline(settings: Settings, strategies: Strategies, labels: dict) -> RunResult:
     """The run of ``settings`` (whose ``model.path`` is a pipeline folder): plan, dispatch, images, metrics."""
-    from offload_core.loading.plan_request import dispatch
+    from offload_core.plan.request import dispatch
     from offload_core.loading.pipeline import build_empty_pipeline
     from offload_core.loading.pipeline_load import finish_dispatch, open_components
-    from offload_core.runner.modes.context import frozen_heap
-    from offload_core.runner.modes.metrics import MemoryMonitor
+    from offload_core.jobs.context import frozen_heap
+    from offload_core.jobs.metrics import MemoryMonitor
 
     path = resolve_checkpoint(settings.model)
     prompts = pipeline_prompts(settings)

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from offload_core.errors import ConfigError
-from offload_core.runner.modes.context import loaded
-from offload_core.runner.modes.results import RunResult, write_outputs
-from offload_core.runner.modes.serve.build import open_server, serve_figures
-from offload_core.runner.modes.serve.options import ServeOptions, served_name, slots_of
-from offload_core.runner.plan.prepare import Prepared, prepare
+from offload_core.jobs.context import loaded
+from offload_core.jobs.results import RunResult, write_outputs
+from offload_core.serve.build import open_server, serve_figures
+from offload_core.serve.options import ServeOptions, served_name, slots_of
+from offload_core.plan.prepare import Prepared, prepare
 from offload_core.runner.settings import build_strategies
 
 #: the name of the Ray Serve application and deployment

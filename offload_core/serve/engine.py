@@ -14,14 +14,14 @@ from typing import Any, Callable
 
 import torch
 
-from offload_core.runner.modes.batch import eos_ids, left_padded
-from offload_core.runner.modes.generate import pad_token_id
+from offload_core.jobs.batch import eos_ids, left_padded
+from offload_core.jobs.generate import pad_token_id
 from offload_core.runner.inputs import decode
-from offload_core.runner.modes.serve.cache import BatchCache, check_mergeable
-from offload_core.runner.modes.serve.logprobs import TokenLogprob, token_logprob
-from offload_core.runner.modes.serve.metrics import ServeMetrics
-from offload_core.runner.modes.serve.sampling import Detokenizer, Params, Picker
-from offload_core.runner.modes.serve.speculate import Drafter, accept, draft_inputs, drafts, speculating
+from offload_core.serve.cache import BatchCache, check_mergeable
+from offload_core.serve.logprobs import TokenLogprob, token_logprob
+from offload_core.serve.metrics import ServeMetrics
+from offload_core.serve.sampling import Detokenizer, Params, Picker
+from offload_core.serve.speculate import Drafter, accept, draft_inputs, drafts, speculating
 
 _ids = itertools.count(1)
 

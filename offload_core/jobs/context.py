@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from offload_core import devices
-from offload_core.runner.modes.metrics import MemoryMonitor
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.jobs.metrics import MemoryMonitor
+from offload_core.plan.prepare import Prepared
 
 
 @contextmanager
@@ -30,7 +30,7 @@ def frozen_heap() -> Iterator[None]:
 def dispatched(job: Prepared) -> Iterator[Any]:
     """Load the prepared checkpoint into the model as the plan places it, with the run's storage and policy; yields
     the model's ``offload_state`` and, however the block ends, drops every loaded unit and closes the store."""
-    from offload_core.loading.plan_request import dispatch
+    from offload_core.plan.request import dispatch
 
     settings, run_model = job.settings, job.run_model
     dispatch(job.plan, run_model.model, job.checkpoint, settings.offload_folder, settings.progress)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from offload_core.runner.modes.generate import generate_rows, pad_token_id
+from offload_core.jobs.generate import generate_rows, pad_token_id
 from offload_core.runner.settings import Sampling
 
 

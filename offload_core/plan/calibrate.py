@@ -19,7 +19,7 @@ from torch import nn
 
 from offload_core import devices
 from offload_core.atomic import fsync_path, write_text_atomic
-from offload_core.runner.plan.busy import busy_notice
+from offload_core.plan.busy import busy_notice
 
 PROBE_BYTES = 64 * 2**20
 #: what :func:`disk_bandwidth` measures per filesystem (a cached entry without each is measured again)
@@ -152,9 +152,9 @@ def _copy_once(path: Path) -> tuple[float, float | None]:
     """Seconds to copy ``path`` (in the page cache) to a new file beside it as an offload folder is written while a
     run loads: file to file in the kernel where it can, not flushed (the folder is flushed after loading, or never
     when it is temporary; SmolLM2's 0.4 GB offloaded loaded in 0.25-0.29 s where the flushed write rate said
-    1.19 s); and the copy's first-touch rate (:mod:`offload_core.runner.plan.first_touch`: a run computes on its
+    1.19 s); and the copy's first-touch rate (:mod:`offload_core.plan.first_touch`: a run computes on its
     offload folder's pages as the copy left them)."""
-    from offload_core.runner.plan.first_touch import file_pages
+    from offload_core.plan.first_touch import file_pages
     from offload_core.storage.filecopy import FileSpan
 
     target = path.with_name(path.name + ".copy")
@@ -323,7 +323,7 @@ def calibrate(
     """The calibration for this machine and model: per ``folders`` entry (``offload_folder``, ``checkpoint``) its
     filesystem's bandwidths, ``h2d_bps`` on a GPU run, and per named ``(rows, tokens)`` shape in ``shapes`` the
     :func:`compute_times` under ``compute``; with ``probe`` (a key naming the store, the policy and the shape, and
-    the function that measures them: :mod:`offload_core.runner.plan.probe`)
+    the function that measures them: :mod:`offload_core.plan.probe`)
     its terms under ``probe`` (empty where it could not run, said in one line). Each is measured once and cached
     (``refresh`` measures again)."""
     data = _read_cached()

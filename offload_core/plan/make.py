@@ -1,6 +1,6 @@
-"""The plan made before anything is loaded, one rule for ``run.py``, :func:`offload_core.from_pretrained` and the
-benchmarks: the bytes held back for units in flight, the device map (given, the policy's own, or the placement's),
-its checks, the bytes predicted to move per token and the page-cache plan."""
+"""The :class:`Plan` and :func:`make_plan`: the plan made before anything is loaded, one rule for ``run.py``,
+:func:`offload_core.from_pretrained` and the benchmarks: the bytes held back for units in flight, the device map (given,
+the policy's own, or the placement's), its checks, the bytes predicted to move per token and the page-cache plan."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Plan:
     page_cache: dict[str, Any] = field(default_factory=dict)
     #: offloaded tensors the policy brings in per forward, predicted as the bytes are (each costs a fixed time)
     predicted_loads_per_token: int = 0
-    #: predicted_load_s, predicted_ttft_s, predicted_step_s (see :func:`offload_core.runner.plan.predict.predict_time`)
+    #: predicted_load_s, predicted_ttft_s, predicted_step_s (see :func:`offload_core.plan.predict.predict_time`)
     predicted_time: dict[str, float] = field(default_factory=dict)
     #: what re-dealing the placement's map by bytes read per token changed (:mod:`offload_core.planning.shares`)
     redealt: str = ""
@@ -107,7 +107,7 @@ def make_plan(
     than it): ``over_budget="warn"`` runs over it, a warning line saying by how much; ``"refuse"`` refuses the plan in
     one line."""
     from offload_core.loading.conversion import key_conversion
-    from offload_core.loading.reserve import Reserver
+    from offload_core.plan.reserve import Reserver
     from offload_core.loading.routes import route_tensors
     from offload_core.planning import (
         PlacementRequest,

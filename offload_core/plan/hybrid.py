@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
-from offload_core.loading.plan import Plan
+from offload_core.plan.make import Plan
 from offload_core.module_hooks.prefetch import Prefetch
 from offload_core.module_hooks.prefetch.hybrid import HybridPrefetch, check_hybrid_device, host_threads
 from offload_core.planning import device_of
 from offload_core.planning.hybrid import Rates, Split, solve_split
-from offload_core.runner.plan.calibrate import calibrate
+from offload_core.plan.calibrate import calibrate
 from offload_core.runner.settings import Settings, Strategies
 from offload_core.values import is_offloaded
 

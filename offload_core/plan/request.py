@@ -1,6 +1,7 @@
 """The typed request the Python doors make of the plan (:class:`PlanRequest`, its defaults those of
 :mod:`offload_core.defaults`) and the one function that plans it by ``run.py``'s rule: the generation's KV cache and
-activations and a draft's resident bytes held back from the budget of the device that computes, then the plan."""
+activations and a draft's resident bytes held back from the budget of the device that computes, then the plan; and
+:func:`dispatch`, the one door every caller with a plan loads its model by."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from offload_core import defaults
-from offload_core.loading.plan import Plan, make_plan
+from offload_core.plan.make import Plan, make_plan
 from offload_core.planning.generation import Generation, hold_generation, read_generation
 from offload_core.planning.headroom import FORWARD_HEADROOM, check_headroom, less_headroom
 from offload_core.speculative import SpeculativeConfig, read_speculative
@@ -81,7 +82,7 @@ def plan_request(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest)
     """The plan of the empty ``model`` loaded from the opened ``checkpoint`` for ``request``, by the rule every door
     shares: the generation's memory held back (:func:`hold_generation`), then a draft's (:func:`hold_speculation`),
     then the headroom taken from the budget of the device that computes, then the plan
-    (:func:`offload_core.loading.plan.make_plan`), whose ``held`` says what was held for the run beside its weights."""
+    (:func:`offload_core.plan.make.make_plan`), whose ``held`` says what was held for the run beside its weights."""
     from offload_core.planning import get_max_memory
 
     placement, storage, policy = resolved(request)

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from offload_core.runner.inputs import decode, encode_texts, run_texts
-from offload_core.runner.modes.context import loaded
-from offload_core.runner.modes.results import RunResult, write_outputs
-from offload_core.runner.plan.model import RunModel
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.jobs.context import loaded
+from offload_core.jobs.results import RunResult, write_outputs
+from offload_core.plan.model import RunModel
+from offload_core.plan.prepare import Prepared
 from offload_core.values import format_size
 
 
@@ -64,9 +64,9 @@ def describe(
 
 
 def in_memory_output(run_model: RunModel, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The task's result from the reference model (:func:`offload_core.runner.modes.generate.reference_model`) on
+    """The task's result from the reference model (:func:`offload_core.jobs.generate.reference_model`) on
     ``device``."""
-    from offload_core.runner.modes.generate import reference_model
+    from offload_core.jobs.generate import reference_model
 
     model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, device)
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU

@@ -110,7 +110,7 @@ def candidates(settings: Settings, given: set[str], prompts: int, registry: Regi
 def page_cache_twin(candidate: Candidate, given: set[str]) -> Candidate | None:
     """The same configuration with the other page-cache rule (``lru`` against a kept set), worth predicting only
     where the offloaded files do not fit in the page cache (otherwise both keep every page) and the user gave none."""
-    from offload_core.runner.plan.predict import fits_page_cache
+    from offload_core.plan.predict import fits_page_cache
 
     if "page_cache" in given or candidate.problem or fits_page_cache(candidate.offloaded_bytes):
         return None
@@ -133,7 +133,7 @@ def settings_of(settings: Settings, candidate: Candidate) -> Settings:
 def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> Candidate | None:
     """Plan and predict ``candidate`` (nothing loaded); a plan that cannot be made, or one over the cpu budget, is its
     ``problem``; None for a policy that does not take part for this model (:meth:`Policy.takes_part_in`)."""
-    from offload_core.runner.plan.prepare import predict_plan, prepare, prediction_shape
+    from offload_core.plan.prepare import predict_plan, prepare, prediction_shape
 
     chosen = settings_of(settings, candidate)
     try:

@@ -7,14 +7,14 @@ from typing import Any
 
 from offload_core.runner.console import print_line
 from offload_core.runner.inputs import decode
-from offload_core.runner.modes.batch import batch_figures, generate_batches, print_generations
-from offload_core.runner.modes.context import loaded
-from offload_core.runner.modes.disk_reads import DiskReads
-from offload_core.runner.modes.journal import Journal, fingerprint
-from offload_core.runner.modes.results import RunResult, per_token_counters, write_outputs
-from offload_core.runner.plan import learn
-from offload_core.runner.plan.batches import Batches
-from offload_core.runner.plan.prepare import Prepared
+from offload_core.jobs.batch import batch_figures, generate_batches, print_generations
+from offload_core.jobs.context import loaded
+from offload_core.jobs.disk_reads import DiskReads
+from offload_core.jobs.journal import Journal, fingerprint
+from offload_core.jobs.results import RunResult, per_token_counters, write_outputs
+from offload_core.plan import learn
+from offload_core.plan.batches import Batches
+from offload_core.plan.prepare import Prepared
 from offload_core.values import format_size
 
 
@@ -93,9 +93,9 @@ def run_batched(job: Prepared, labels: dict) -> RunResult:
 
 
 def in_memory_batches(job: Prepared, batches: Batches) -> list[list[int]]:
-    """Each prompt's tokens from the reference model (:func:`offload_core.runner.modes.generate.reference_model`) on the
+    """Each prompt's tokens from the reference model (:func:`offload_core.jobs.generate.reference_model`) on the
     run's execution device, in the same batches."""
-    from offload_core.runner.modes.generate import reference_model
+    from offload_core.jobs.generate import reference_model
 
     run_model = job.run_model
     model = reference_model(run_model.checkpoint_dir, run_model.task, run_model.dtype, job.settings.execution_device)

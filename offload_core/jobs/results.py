@@ -30,7 +30,7 @@ class RunResult:
     def of_plan(
         cls, plan: Any, output_dir: Path, figures: dict[str, Any], text: str = "", token_ids: list[int] | None = None
     ) -> "RunResult":
-        """The result of a run of ``plan`` (:class:`offload_core.loading.plan.Plan`): its device map, summary and
+        """The result of a run of ``plan`` (:class:`offload_core.plan.make.Plan`): its device map, summary and
         figures beside what the run made."""
         return cls(
             text=text,
@@ -115,7 +115,7 @@ def print_result(result: RunResult, policy_name: str) -> None:
     if counters:
         shown = ", ".join(f"{name} {counter_text(name, value)}" for name, value in counters.items())
         print(f"{policy_name}: {shown}")
-    from offload_core.runner.plan.speculate import result_line
+    from offload_core.plan.speculate import result_line
 
     line = result_line(f)
     if line:

@@ -17,7 +17,7 @@ from offload_core.values import is_offloaded
 
 def count_blocks(model: nn.Module, no_split: list[str]) -> int:
     """How many blocks of the calibrated kind (the first no-split module's class) a forward runs."""
-    from offload_core.runner.plan.calibrate import first_block
+    from offload_core.plan.calibrate import first_block
 
     block = first_block(model, no_split)
     return 0 if block is None else sum(type(m) is type(block) for m in model.modules())
@@ -110,7 +110,7 @@ def predict_time(
     as ``prefill`` (the batch's rows over its prompt) and ``decode`` (one token per row).
 
     A forward costs ``blocks`` times the calibrated block, the output embedding, and, from the dispatched probe
-    (:mod:`offload_core.runner.plan.probe`) where it ran: what lies outside the blocks (embedding, norms, the generate
+    (:mod:`offload_core.plan.probe`) where it ran: what lies outside the blocks (embedding, norms, the generate
     loop) and a fixed cost per offloaded tensor the policy brings in (its hooks, the store's read path, the reader's
     overlap: ``plan.predicted_loads_per_token`` of them); the first token adds what a process's first generation
     pays once (unless the probe ran in this process: it paid it) and the first touch of the weights it reads through
@@ -167,7 +167,7 @@ def calibrate_and_predict(
     import tempfile
 
     from offload_core.loading.hub import probe_folder
-    from offload_core.runner.plan.calibrate import calibrate
+    from offload_core.plan.calibrate import calibrate
 
     folders = {
         "offload_folder": Path(settings.offload_folder or tempfile.gettempdir()),
@@ -205,7 +205,7 @@ def with_checkpoint_pages(calibration: dict[str, Any], checkpoint_dir: Path) -> 
     """``calibration`` with what the checkpoint's pages are now, where it can be told: ``first_touch_bps``, the rate
     its cached pages map at (how they came into the page cache decides it), and ``cached_share``, the share of its
     bytes in the page cache (a checkpoint read after a reboot comes from the disk, and its first token with it)."""
-    from offload_core.runner.plan.first_touch import file_pages
+    from offload_core.plan.first_touch import file_pages
 
     found = file_pages(sorted(Path(checkpoint_dir).glob("*.safetensors")))
     if not found:
@@ -215,15 +215,15 @@ def with_checkpoint_pages(calibration: dict[str, Any], checkpoint_dir: Path) -> 
 
 def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> tuple[str, Any]:
     """The probe of the run's store and policy (built afresh from their sections) at its batch shape: its cache key
-    and the function measuring it (:func:`offload_core.runner.plan.probe.probe_times`)."""
+    and the function measuring it (:func:`offload_core.plan.probe.probe_times`)."""
     import json
     import os
     import tempfile
 
     from offload_core.loading.hub import probe_folder
     from offload_core.registry.manager import get_registry
-    from offload_core.runner.plan.calibrate import existing_folder
-    from offload_core.runner.plan.probe import PROBE_VERSION, probe_times
+    from offload_core.plan.calibrate import existing_folder
+    from offload_core.plan.probe import PROBE_VERSION, probe_times
 
     storage, hook = settings.sections["storage"], settings.sections["hook"]
     key = json.dumps(
