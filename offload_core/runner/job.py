@@ -13,6 +13,7 @@ from offload_core.runner.modes.single import run_single
 from offload_core.runner.plan import speculate
 from offload_core.runner.plan.busy import busy_notice
 from offload_core.runner.plan.plan import print_plan, write_plan
+from offload_core.runner.plan.dequant import dequant_lines
 from offload_core.runner.plan.predict import print_prediction
 from offload_core.runner.plan.prepare import Prepared, prediction_shape, prepare
 from offload_core.runner.settings import build_strategies, read_settings
@@ -81,6 +82,8 @@ def report_plan(job: Prepared) -> None:
     print_plan(job.settings, job.strategies, job.plan, job.per)
     if job.generates:
         print_prediction(job.plan.predicted_time, prediction_shape(job)[0])
+    for line in dequant_lines(job.plan.dequant, job.per):
+        print(line)
     for line in speculate.plan_lines(job.settings.speculative, job.held, job.plan.predicted_time):
         print(line)
 
@@ -96,6 +99,8 @@ def plan_only(job: Prepared, labels: dict, plot: bool) -> RunResult:
         "predicted_bytes_per_token": plan.predicted_bytes_per_token,
         **plan.predicted_time,
     }
+    if plan.dequant:
+        figures["predicted_dequant_by_type"] = plan.dequant
     result = RunResult.of_plan(plan, settings.output_dir, figures)
     write_outputs(result, settings.prompts_file or settings.prompt, labels)
     return result
