@@ -217,3 +217,20 @@ def test_auto_leaves_the_gguf_store_out_for_a_model_without_a_gguf_file(compose_
     table = _auto(compose_run, tmp_path, saved("llama").path, ["model.tokenizer=bytes"])
     assert [row for row in table if not row["problem"]]
     assert not any(row["configuration"].startswith("storage=gguf ") for row in table)
+
+
+def test_a_type_whose_rate_cannot_be_measured_is_left_out_and_said(calibration_file, monkeypatch, capsys):
+    path, measured = calibration_file
+
+    def fails(name):
+        if name == "IQ2_XXS":
+            raise ValueError("no such grid")
+        return 3e9 if name == CONVERT else {"fresh_bps": 1e9, "into_bps": 2e9}
+
+    monkeypatch.setattr(dequant, "measure", fails)
+    rates = dequant_rates({"Q4_1", "IQ2_XXS"})
+    assert "IQ2_XXS" not in rates and "no dequantization rate for IQ2_XXS" in capsys.readouterr().out
+    assert "IQ2_XXS" not in json.loads(path.read_text())["dequant"][rates_key()]  # nothing half-written kept
+    rows = [{**_rows()[1], "type": "IQ2_XXS"}, _rows()[1]]
+    assert dequant_seconds(rows, rates, held_buffers=False) == pytest.approx(0.4)
+    assert "predicted_s" not in rows[0] and "not predicted" in dequant_lines(rows)[1]

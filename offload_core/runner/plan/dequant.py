@@ -61,7 +61,12 @@ def dequant_rates(types: Iterable[str], refresh: bool = False) -> dict[str, Any]
     for name in sorted(set(types)) + [CONVERT]:
         if refresh or not valid_entry(name, held.get(name)):
             _measuring()
-            held[name] = measure(name)
+            try:
+                held[name] = measure(name)
+            except Exception as exc:  # noqa: BLE001 - any type gguf-py reads: its time is left out, the run goes on
+                held.pop(name, None)
+                print(f"  no dequantization rate for {name} ({type(exc).__name__}: {exc}); its time is left out")
+                continue
             changed = True
     if changed and busy_notice() is None:
         _write_cached(data)
@@ -72,11 +77,14 @@ def dequant_seconds(rows: list[dict[str, Any]], rates: dict[str, Any], held_buff
     """Seconds per generated token dequantizing the plan's offloaded tensors (``rows``: :attr:`Plan.dequant`), each
     row's ``predicted_s`` set: its float32 bytes at its type's rate into the buffers a policy holds
     (``held_buffers``) or else into new tensors, and a converted tensor's processor pass on top (it is dequantized
-    into a new tensor first)."""
+    into a new tensor first). A row whose rate could not be measured is left out."""
     total = 0.0
     for row in rows:
-        rate = rates[row["type"]]
+        rate = rates.get(row["type"])
         nbytes = row["dequant_bytes"]
+        if rate is None or (row["converted"] and CONVERT not in rates):
+            row.pop("predicted_s", None)  # a rate that could not be measured: said in the plan's lines
+            continue
         if row["converted"]:
             seconds = nbytes / rate["fresh_bps"] + nbytes / rates[CONVERT]
         else:
