@@ -260,7 +260,8 @@ def gguf_why(ranked: list[Candidate]) -> list[str]:
     ratio = second.total_s / first.total_s if first.total_s else math.inf
     return [
         f"auto: {'reading the GGUF file in place' if first is gguf else 'the converted float32 files'} "
-        f"predicted {ratio:.2f}x faster than {'the GGUF file in place' if first is other else 'the converted files'}:",
+        f"predicted {ratio:.2f}x faster than {'the GGUF file in place' if first is other else 'the converted files'} "
+        "over the whole run (load, first token and the decoding steps):",
         f"  storage=gguf ({gguf.label.split(' ', 1)[1]}): {said(gguf)}",
         f"  storage={other.storage['name']} ({other.label.split(' ', 1)[1]}): {said(other)}",
     ]
