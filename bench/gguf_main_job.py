@@ -4,6 +4,12 @@ on a fresh cache (the whole ``python run.py`` process, conversion included), and
 written to bench/results/gguf-main-job.{json,md}.
 
     python bench/gguf_main_job.py            # two configurations, a fresh cache each, then two warm runs each
+    python bench/gguf_main_job.py --plan     # what the plan chooses: warm and cold (page_cache=0, half offloaded)
+
+``--plan`` runs the converted default, ``storage=gguf`` and ``auto=true`` in turn, ``--rounds`` times (alternated, so a
+shared machine's load falls on each alike), on a warm page cache and on a cold one (``page_cache=0``: every offloaded
+byte read from the disk each token) with half the model offloaded (``max_memory.cpu=330MiB``), and writes the decode
+speeds, their ratios, what ``auto=true`` picked and the prediction of each to bench/results/gguf-plan.{json,md}.
 """
 
 from __future__ import annotations
@@ -41,8 +47,14 @@ def run(args: list[str], cache: Path, out: Path) -> tuple[float, dict, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--warm-runs", type=int, default=2)
+    parser.add_argument("--plan", action="store_true", help="compare what the plan chooses, warm and cold")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
+    if args.plan:
+        from gguf_plan import compare
+
+        return compare(args.rounds, args.out)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in CONFIGS.items():

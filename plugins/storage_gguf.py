@@ -17,6 +17,9 @@ class GGUFConfig:
 
 
 class GGUFStorage(Storage):
+    #: auto=true ranks it against the converted stores for a GGUF model (left out for any other); the dispatched probe
+    #: times its policy on safetensors' read path (the probe's model is no GGUF file), the dequantization priced apart
+    auto = True
     #: every read dequantizes into new memory (the planner holds room for the copies in flight)
     converts_on_read = True
     #: offloaded tensors are read in place from the checkpoint's file

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
+from offload_core.loading.gguf_moves import dequant_rows
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.planning.budgets import check_over_budget
@@ -56,6 +57,9 @@ class Plan:
     execution_device: torch.device | None = None
     no_split: list[str] = field(default_factory=list)
     dtype: torch.dtype | None = None
+    #: per GGML type, what a store reading a GGUF file in place dequantizes per token
+    #: (:func:`offload_core.loading.gguf_moves.dequant_rows`; the prediction adds ``predicted_s``); empty otherwise
+    dequant: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
@@ -171,6 +175,11 @@ def make_plan(
             f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
     lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
+    dequant = (
+        dequant_rows(model, device_map, policy, execution_device, dtype, no_split, checkpoint, stored)
+        if storage.reads_gguf
+        else []
+    )
     if conversion.converted:
         names = sorted(conversion.converted)
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
@@ -199,6 +208,7 @@ def make_plan(
         execution_device=execution_device,
         no_split=list(no_split),
         dtype=dtype,
+        dequant=dequant,
     )
 
 

@@ -105,6 +105,7 @@ def predict_time(
     execution_device: torch.device,
     calibration: dict[str, Any],
     cold: bool = False,
+    dequant_s: float = 0.0,
 ) -> dict[str, float]:
     """``predicted_load_s``, ``predicted_ttft_s`` and ``predicted_step_s`` of a run whose forwards were calibrated
     as ``prefill`` (the batch's rows over its prompt) and ``decode`` (one token per row).
@@ -116,16 +117,22 @@ def predict_time(
     pays once (unless the probe ran in this process: it paid it) and the first touch of the weights it reads through
     a mapping (:func:`first_touch_s`), the load a fixed cost per tensor. Then the plan's
     reads from the disk itself (:func:`io_s`; on a GPU without a probe, the host-to-device copy too), overlapped (the
-    larger of the two) for a policy that ``overlaps_io``. Empty when no block could be timed."""
+    larger of the two) for a policy that ``overlaps_io``. ``dequant_s``: the seconds a forward spends dequantizing
+    what a store reading a GGUF file in place brings in (:mod:`.dequant`): the host's cores do it, so on a CPU run it
+    adds to the compute; on a GPU an overlapping policy does it while the device computes, beside the reads.
+    Empty when no block could be timed."""
     compute = calibration.get("compute") or {}
     if any("block_s" not in compute.get(name, {}) for name in ("prefill", "decode")):
         return {}
     probe = calibration.get("probe") or {}
-    devices = plan.summary["devices"]
-    total = sum(info["bytes"] for info in devices.values())
-    offloaded = sum(info["bytes"] for dev, info in devices.items() if is_offloaded(dev, execution_device))
+    accelerated = devices.is_accelerator(execution_device)
+    placed = plan.summary["devices"]
+    total = sum(info["bytes"] for info in placed.values())
+    offloaded = sum(info["bytes"] for dev, info in placed.items() if is_offloaded(dev, execution_device))
     moved = plan.predicted_bytes_per_token
     disk = disk_bytes_per_forward(plan.page_cache, offloaded, moved, storage.reads_from, cold)
+    if dequant_s and offloaded and not cold and "predicted_disk_bytes_per_token" in plan.page_cache:
+        disk = int(disk * moved / offloaded)  # the page-cache plan streams the file's quantized bytes
     # the probe's tensors came through the real path (a GPU's copy included): only the cold disk reads are left
     io = io_s(
         calibration, moved, disk, storage.reads_from, storage.pinned, torch.device("cpu") if probe else execution_device
@@ -137,6 +144,9 @@ def predict_time(
         work = blocks * times["block_s"] + times.get("head_s", 0.0)
         if probe:
             work += probe[f"outside_{shape}_s"] + loads * probe[f"per_load_{shape}_s"]
+        if accelerated and policy.overlaps_io:
+            return max(work, io + dequant_s)
+        work += dequant_s
         return max(work, io) if policy.overlaps_io else work + io
 
     first_call = 0.0 if calibration.get("probed_here") else probe.get("first_call_s", 0.0)
@@ -148,7 +158,7 @@ def predict_time(
     if probe.get("probe_tensors"):  # loading's fixed cost per tensor, beyond the probe's own bytes
         written = {**calibration, "checkpoint": {**calibration["checkpoint"], "cached_share": 1.0}}  # just written
         bytes_s = load_s(written, probe["probe_bytes"], probe["probe_offloaded_bytes"], storage.reads_from)
-        tensors = sum(info.get("tensors", 0) for info in devices.values())
+        tensors = sum(info.get("tensors", 0) for info in placed.values())
         load += tensors * max(probe["probe_load_s"] - bytes_s, 0.0) / probe["probe_tensors"]
     return {
         "predicted_load_s": load,
@@ -156,6 +166,8 @@ def predict_time(
         "predicted_step_s": forward("decode"),
         "predicted_first_call_s": first_call,
         "predicted_first_touch_s": first_touch,
+        "predicted_io_s": io,
+        "predicted_dequant_s": dequant_s,
     }
 
 
@@ -198,7 +210,22 @@ def calibrate_and_predict(
         settings.execution_device,
         calibration,
         cold,
+        plan_dequant_s(plan, strategies.policy, settings.execution_device, refresh),
     )
+
+
+def plan_dequant_s(plan: Any, policy: Any, execution_device: torch.device, refresh: bool = False) -> float:
+    """Seconds per forward dequantizing what the plan reads from a GGUF file in place (0 for other stores), at this
+    machine's rates (:mod:`.dequant`); each of ``plan.dequant``'s rows gets its ``predicted_s``. A policy that
+    overlaps its reads fills the buffers it holds on a CPU run (``hook=prefetch``); the others dequantize into new
+    tensors."""
+    from offload_core.plan.dequant import dequant_rates, dequant_seconds
+
+    rows = plan.dequant
+    if not rows:
+        return 0.0
+    rates = dequant_rates({row["type"] for row in rows}, refresh)
+    return dequant_seconds(rows, rates, policy.overlaps_io and not devices.is_accelerator(execution_device))
 
 
 def with_checkpoint_pages(calibration: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
@@ -235,9 +262,12 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
 
     def measure() -> dict[str, float]:
         registry = get_registry()
+        store = registry.create("storage", storage["name"], storage)
+        if store.reads_gguf:  # the probe's model is no GGUF file: its tensors read in place as the file's would be,
+            store = registry.create("storage", "safetensors", {"name": "safetensors"})  # dequantizing priced apart
         return probe_times(
             run_model,
-            registry.create("storage", storage["name"], storage),
+            store,
             registry.create("policy", hook["name"], hook),
             settings.execution_device,
             rows,

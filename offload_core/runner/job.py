@@ -12,6 +12,7 @@ from offload_core.jobs.results import RunResult, write_outputs
 from offload_core.jobs.single import run_single
 from offload_core.plan import speculate
 from offload_core.plan.busy import busy_notice
+from offload_core.plan.dequant import dequant_lines
 from offload_core.plan.run_plan import print_plan, write_plan
 from offload_core.plan.predict import print_prediction
 from offload_core.plan.prepare import Prepared, prediction_shape, prepare
@@ -81,6 +82,8 @@ def report_plan(job: Prepared) -> None:
     print_plan(job.settings, job.strategies, job.plan, job.per)
     if job.generates:
         print_prediction(job.plan.predicted_time, prediction_shape(job)[0])
+    for line in dequant_lines(job.plan.dequant, job.per):
+        print(line)
     for line in speculate.plan_lines(job.settings.speculative, job.held, job.plan.predicted_time):
         print(line)
 
@@ -96,6 +99,8 @@ def plan_only(job: Prepared, labels: dict, plot: bool) -> RunResult:
         "predicted_bytes_per_token": plan.predicted_bytes_per_token,
         **plan.predicted_time,
     }
+    if plan.dequant:
+        figures["predicted_dequant_by_type"] = plan.dequant
     result = RunResult.of_plan(plan, settings.output_dir, figures)
     write_outputs(result, settings.prompts_file or settings.prompt, labels)
     return result

@@ -1,0 +1,153 @@
+"""What the plan chooses for the main job's GGUF (``python bench/gguf_main_job.py --plan``): the converted float32
+default, ``storage=gguf`` and ``auto=true``, run in turn on a warm page cache and on a cold one (``page_cache=0``,
+half the model offloaded); decode speeds, their ratios in each round, what ``auto=true`` picked, and the cost model's
+predicted step beside the measured one. Written to bench/results/gguf-plan.{json,md}."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = {"converted float32 (default)": [], "storage=gguf": ["storage=gguf"], "auto=true": ["auto=true"]}
+CONDITIONS = {"warm page cache": [], "cold (page_cache=0, half offloaded)": ["page_cache=0", "max_memory.cpu=330MiB"]}
+
+
+def run(args: list[str], out: Path, env: dict[str, str]) -> dict:
+    """One ``python run.py`` process: its metrics, wall time and the load average as it ended."""
+    command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={out}", *args]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args) or 'default'} failed:\n{done.stderr[-2000:]}")
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["process_s"] = time.perf_counter() - start
+    metrics["load_average"] = os.getloadavg()[0]
+    why = [line for line in done.stdout.splitlines() if line.startswith(("auto: the", "auto: reading", "  storage="))]
+    metrics["auto_why"] = why[:3]
+    return metrics
+
+
+def kept(metrics: dict) -> dict:
+    """What the report keeps of a run's metrics."""
+    names = (
+        "decode_tokens_per_s",
+        "time_per_decode_step_s",
+        "predicted_step_s",
+        "model_predicted_step_s",
+        "predicted_dequant_s",
+        "predicted_io_s",
+        "bytes_moved_per_token",
+        "offloaded_bytes",
+        "process_s",
+        "load_average",
+        "auto",
+        "auto_why",
+    )
+    row = {name: metrics.get(name) for name in names}
+    row["storage"] = (metrics.get("choices") or {}).get("storage")
+    row["token_ids"] = metrics.get("token_ids")
+    return row
+
+
+def compare(rounds: int, out_dir: Path) -> None:
+    """Run every configuration of every condition ``rounds`` times, alternated, and write the report."""
+    results: dict[str, dict[str, list[dict]]] = {c: {name: [] for name in CONFIGS} for c in CONDITIONS}
+    started_load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {
+            **os.environ,
+            # the calibration and the corrections of this comparison alone, kept however loaded the machine is (so
+            # that auto=true measures its candidates once, not once per run)
+            "OFFLOAD_CORE_CALIBRATION": str(Path(tmp) / "calibration.json"),
+            "OFFLOAD_CORE_CORRECTIONS": str(Path(tmp) / "corrections.json"),
+            "OFFLOAD_CORE_BUSY_LOAD": "inf",
+        }
+        for number in range(rounds):
+            for condition, extra in CONDITIONS.items():
+                names = list(CONFIGS)
+                names = names[number % len(names) :] + names[: number % len(names)]  # each goes first in turn
+                for name in names:
+                    folder = Path(tmp) / f"r{number}-{len(results[condition][name])}-{abs(hash((condition, name)))}"
+                    metrics = run([*CONFIGS[name], *extra], folder, env)
+                    results[condition][name].append(kept(metrics))
+                    print(f"{condition} | {name}: {metrics['decode_tokens_per_s']:.2f} tok/s", flush=True)
+    summary = summarize(results)
+    summary.update({"load_average_start": started_load, "load_average_end": os.getloadavg()[0], "rounds": rounds})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gguf-plan.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
+    text = report(results, summary)
+    (out_dir / "gguf-plan.md").write_text(text)
+    print(text)
+
+
+def summarize(results: dict) -> dict:
+    """Per condition: median decode speed of each configuration, the per-round ratios to the converted default and
+    their median, what auto picked, and whether every run gave the same tokens."""
+    summary: dict = {"conditions": {}}
+    for condition, runs in results.items():
+        base = runs["converted float32 (default)"]
+        entry = {"median_tokens_per_s": {}, "ratio_to_converted": {}, "round_ratios": {}, "same_tokens": True}
+        for name, rows in runs.items():
+            entry["median_tokens_per_s"][name] = statistics.median(r["decode_tokens_per_s"] for r in rows)
+            ratios = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rows, base)]
+            entry["round_ratios"][name] = ratios
+            entry["ratio_to_converted"][name] = statistics.median(ratios)
+            entry["same_tokens"] &= all(r["token_ids"] == base[0]["token_ids"] for r in rows)
+        entry["auto_picked"] = sorted({r["storage"] for r in runs["auto=true"]})
+        entry["auto_configuration"] = runs["auto=true"][0]["auto"]
+        entry["auto_why"] = runs["auto=true"][0]["auto_why"]
+        summary["conditions"][condition] = entry
+    return summary
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def report(results: dict, summary: dict) -> str:
+    lines = [
+        "# What the plan chooses for the main job's GGUF: warm and cold page cache",
+        "",
+        f"{platform.machine()}, {os.cpu_count()} cores, shared (load average {summary['load_average_start']:.1f} at "
+        f"the start, {summary['load_average_end']:.1f} at the end); {summary['rounds']} rounds, the configurations "
+        "alternated in each (ratios are per round, then their median). "
+        "`python bench/gguf_main_job.py --plan` reproduces it.",
+        "",
+    ]
+    for condition, runs in results.items():
+        entry = summary["conditions"][condition]
+        lines += [
+            f"## {condition}",
+            "",
+            "| configuration | median decode | ratio to converted (median of rounds) | rounds | predicted step "
+            "(cost model) | measured step | dequantizing (predicted) | moved / token |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, rows in runs.items():
+            last = rows[-1]
+            predicted = last["model_predicted_step_s"] or last["predicted_step_s"]
+            lines.append(
+                f"| {name} | {entry['median_tokens_per_s'][name]:.2f} tok/s | "
+                f"{entry['ratio_to_converted'][name]:.2f}x | "
+                f"{', '.join(f'{r:.2f}' for r in entry['round_ratios'][name])} | "
+                f"{_cell(predicted, '.3f')} s | {_cell(last['time_per_decode_step_s'], '.3f')} s | "
+                f"{_cell(last['predicted_dequant_s'], '.3f')} s | "
+                f"{_cell(last['bytes_moved_per_token'] and last['bytes_moved_per_token'] / 2**20, '.1f')} MiB |"
+            )
+        lines += [
+            "",
+            f"auto=true picked storage={', '.join(map(str, entry['auto_picked']))} "
+            f"(`{entry['auto_configuration']}`); same tokens in every run: {entry['same_tokens']}.",
+            "",
+            *[f"    {line}" for line in entry["auto_why"]],
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
