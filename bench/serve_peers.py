@@ -224,7 +224,10 @@ def report(result: dict) -> str:
         f"({'met' if target['met_8'] else 'not met'}), 1 client {f(target['ratio_1'])}x "
         f"({'met' if target['met_1'] else 'not met'}).",
         "",
-        f"Same greedy text for `{result['agreement']['prompt']}` alone: {result['agreement']['same']}.",
+        f"Same greedy text for `{result['agreement']['prompt']}` alone: {result['agreement']['same']}. Requests with "
+        "the same text from both, of those answered (first round, client i sends prompt i): "
+        + ", ".join(f"{n}/{of} at {c} clients" for c, (n, of) in result["agreement"]["by_clients"].items())
+        + ".",
         "",
         "Every session (medians above are over these):",
         "",
@@ -284,12 +287,28 @@ def main() -> None:
     print(report(collect(args, sessions, prompts, loads, loadavg_start, batching_error)))
 
 
+def agreement(sessions: list[dict], prompts: list[str]) -> dict:
+    """The first prompt's greedy text from each system alone (1 client), and at every load how many requests got the
+    same text from both (their first sessions; batched requests may differ where a system's batch rounds)."""
+    first = {}
+    for s in sessions:
+        first.setdefault(s["system"], s)
+    texts = {name: {int(c): t for c, t in s["loads"][0]["texts"].items()} for name, s in first.items()}
+    alone = {name: t.get(0) for name, t in texts.items()} if sessions[0]["loads"][0]["clients"] == 1 else {}
+    by_clients = {}
+    for i, row in enumerate(sessions[0]["loads"]):
+        ours, peer = ({int(c): t for c, t in first[n]["loads"][i]["texts"].items()} for n in (OURS, PEER))
+        both = set(ours) & set(peer)
+        by_clients[row["clients"]] = [sum(ours[c] == peer[c] for c in both), len(both)]
+    same = len(alone) == 2 and len(set(alone.values())) == 1
+    return {"prompt": prompts[0], "texts": alone, "same": same, "by_clients": by_clients}
+
+
 def collect(args, sessions: list[dict], prompts: list[str], loads: list[int], loadavg_start: float, error) -> dict:
     """The result dict of the sessions run so far."""
     batching_error = error
     summary = summarize(sessions, loads)
     by = {row["clients"]: row["aggregate_tokens_per_s"]["ratio"] for row in summary}
-    alone = {s["system"]: s["loads"][0]["texts"].get(0) for s in sessions if s["loads"][0]["clients"] == 1}
     result = {
         "tag": args.tag,
         "out": args.out,
@@ -311,7 +330,7 @@ def collect(args, sessions: list[dict], prompts: list[str], loads: list[int], lo
             "ratio_1": by.get(1),
             "met_1": (by.get(1) or 0) > 1,
         },
-        "agreement": {"prompt": prompts[0], "texts": alone, "same": len(set(alone.values())) == 1 and len(alone) == 2},
+        "agreement": agreement(sessions, prompts),
     }
     return result
 
