@@ -35,10 +35,10 @@ OURS, PEER = "offload_core serve", "transformers serve"
 
 def budget_of(server_args: list[str]) -> str:
     """The CPU budget our server is given (``max_memory.cpu=...``), handed to the peer unchanged."""
-    found = [a.split("=", 1)[1] for a in server_args if a.startswith("max_memory.cpu=")]
+    found = key_of(server_args, "max_memory.cpu")
     if not found:
         raise SystemExit("serve_peers: the server arguments need max_memory.cpu=<size>, the budget both systems get")
-    return found[-1]
+    return found
 
 
 def peer_folder(model: Path, into: Path) -> Path:
@@ -59,8 +59,33 @@ def peer_folder(model: Path, into: Path) -> Path:
     return into
 
 
-def peer_command(folder: Path, budget: str, offload: Path, port: int, batching: bool) -> list[str]:
+def key_of(server_args: list[str], key: str) -> str | None:
+    found = [a.split("=", 1)[1] for a in server_args if a.startswith(f"{key}=")]
+    return found[-1] if found else None
+
+
+def kv_blocks(server_args: list[str], clients: int, page: int = 256) -> int:
+    """The peer's KV cache in blocks of ``page`` tokens (transformers' default page size): the tokens our server
+    plans, ``serve.context`` (default 1024) x ``serve.max_batch`` (where it is ``auto`` or unset: the most clients
+    sent at once). Left alone, transformers sizes it from the device's free memory, which on a CPU is most of the
+    host's RAM (14 GB on a 24 GiB machine, allocated at the first request, whatever the model)."""
+    context, batch = key_of(server_args, "serve.context") or "1024", key_of(server_args, "serve.max_batch")
+    slots = int(batch) if batch and batch.isdigit() else clients
+    return -(-int(context) * slots // page)
+
+
+def peak_rss(pid: int) -> int | None:
+    """The process's peak resident memory in bytes (Linux), or None."""
+    try:
+        found = re.search(r"^VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(found.group(1)) * 1024 if found else None
+
+
+def peer_command(folder: Path, budget: str, offload: Path, port: int, batching: bool, blocks: int | None) -> list[str]:
     cb = ["--continuous-batching"] if batching else []
+    cb += ["--cb-num-blocks", str(blocks)] if batching and blocks else []
     wrapper = ["--max-memory-cpu", budget, "--offload-folder", str(offload)]
     serve_args = [*cb, "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", str(folder)]
     return [sys.executable, str(HERE / "hf_serve_offloaded.py"), *wrapper, "--", "serve", *serve_args]
@@ -135,7 +160,8 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
         detail = {"command": "python run.py mode=serve " + " ".join(args.server_args)}
     else:
         offload = Path(tempfile.mkdtemp(dir=scratch, prefix="offload-"))
-        command = peer_command(folder, budget_of(args.server_args), offload, free_port(), args.batching)
+        blocks = kv_blocks(args.server_args, max(int(c) for c in args.clients.split(",")))
+        command = peer_command(folder, budget_of(args.server_args), offload, free_port(), args.batching, blocks)
         log = scratch / f"peer-{time.monotonic_ns()}.log"
         proc, url = start_peer(command, log)
         shown = ["python", "bench/hf_serve_offloaded.py", *command[2:]]
@@ -146,6 +172,7 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
         serve.ask(serve.connect(url), prompts[0], 4)
         rows = [drive(url, prompts, clients, args.tokens, system == OURS) for clients in loads]
         warm = time.perf_counter() - first - sum(r["seconds"] for r in rows)
+        detail["peak_rss_bytes"] = peak_rss(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -204,6 +231,7 @@ def report(result: dict) -> str:
             if result["batching_error"]
             else []
         ),
+        *([result["note"], ""] if result.get("note") else []),
         "Command: `" + result["command"] + "`",
         "",
         "| clients | ours tok/s | peer tok/s | ours / peer | ours TTFT p50 s | peer TTFT p50 s | "
@@ -231,13 +259,15 @@ def report(result: dict) -> str:
         "",
         "Every session (medians above are over these):",
         "",
-        "| round | system | ready s | first request s | clients | tok/s | TTFT p50 s | load avg | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round | system | ready s | first request s | peak RSS MiB | clients | tok/s | TTFT p50 s | load avg | "
+        "failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sessions:
         for row in s["loads"]:
             lines.append(
                 f"| {s['round']} | {s['system']} | {f(s['ready_s'], 1)} | {f(s['first_request_s'], 1)} | "
+                f"{f((s.get('peak_rss_bytes') or 0) / 2**20 or None, 0)} | "
                 f"{row['clients']} | {f(row['aggregate_tokens_per_s'])} | {f(row['ttft_p50_s'])} | "
                 f"{f(row['loadavg'])} | {len(row['failed'])} |"
             )

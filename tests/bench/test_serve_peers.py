@@ -15,7 +15,7 @@ from tests.serve.tiny import save_tiny_chat_model
 
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve_peers import budget_of, peer_folder  # noqa: E402
+from serve_peers import budget_of, kv_blocks, peer_folder  # noqa: E402
 
 
 def test_the_peer_folder_links_the_weights_and_names_the_architecture(tmp_path):
@@ -33,6 +33,12 @@ def test_the_budget_is_the_servers_own_and_required():
     assert budget_of(["serve.context=512", "max_memory.cpu=500MiB"]) == "500MiB"
     with pytest.raises(SystemExit, match="max_memory.cpu"):
         budget_of(["serve.context=512"])
+
+
+def test_the_peers_kv_cache_holds_the_tokens_our_server_plans():
+    assert kv_blocks(["serve.context=512", "serve.max_batch=8"], clients=8) == 16  # 4096 tokens in pages of 256
+    assert kv_blocks(["serve.context=300", "serve.max_batch=auto"], clients=2) == 3  # 600 tokens, rounded up
+    assert kv_blocks([], clients=2) == 8  # serve.context's default of 1024, one request per client
 
 
 @pytest.mark.slow
@@ -74,7 +80,8 @@ def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path):
     assert all(row["generated_tokens"] > 0 and not row["failed"] for s in result["sessions"] for row in s["loads"])
     assert all(row["bytes_moved_per_token"] > 0 for row in ours["loads"])
     assert peer["continuous_batching_used"] and "disk" in peer["placement"]
-    assert "--max-memory-cpu 100KiB" in peer["command"] and "--continuous-batching" in peer["command"]
+    assert "--max-memory-cpu 100KiB" in peer["command"] and "--continuous-batching --cb-num-blocks 8" in peer["command"]
+    assert peer["peak_rss_bytes"] < 4 * 2**30  # its KV cache not sized from the host's free memory
     assert set(result["agreement"]["texts"]) == {"offload_core serve", "transformers serve"}
     assert [row["clients"] for row in result["summary"]] == [1, 2]
     assert "| 2 |" in (tmp_path / "serve-peers-tiny.md").read_text()
