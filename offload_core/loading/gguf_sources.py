@@ -147,6 +147,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     del tensors
     write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
     config.dtype = torch.float32
+    config.architectures = [type(model).__name__]  # as save_pretrained writes it: other tools read the class from it
     config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -310,6 +310,7 @@ def synthetic_checkpoint(
         sizes = [(name, itemsize * math.prod(shape)) for name, shape in entries.items()]
         shards = plan_shards(sizes, int(max_shard_size))
         write_safetensors_shards(tmp, shards, lambda name: _random_tensor(name, entries[name], torch_dtype, seed))
+        config.architectures = [type(model).__name__]  # as a saved model's config names its class
         config.save_pretrained(tmp)
         (tmp / "synthetic.json").write_text(json.dumps(params, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
