@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import secrets
 import signal
 import socket
 import threading
@@ -86,6 +88,11 @@ def free_port(host: str) -> int:
 
 def start_ray(options: ServeOptions) -> Any:
     """Ray and Ray Serve, or one line saying how to install them; a cluster that cannot be reached is one line."""
+    if options.ray_address is None and not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(os.environ):
+        # A local cluster of this command's own, with token authentication: its token lives in this process's
+        # environment (set before Ray is imported, and inherited by Ray's processes), not in ~/.ray/auth_token, where
+        # Ray would write one that this user's other Ray clusters then read.
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     try:  # the ray extra
         import ray
         from ray import serve

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,8 @@ def test_two_replicas_answer_as_the_in_memory_model_and_stop_on_sigterm(tiny, tm
         ids = torch.tensor([tok(prompt)["input_ids"]])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
         expected.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    token = Path.home() / ".ray" / "auth_token"  # Ray writes one for a new local cluster unless told otherwise
+    before = token.stat().st_mtime_ns if token.exists() else None
     proc, url = start_server(tiny, tmp_path, "serve.replicas=2", "serve.model_name=tiny", "serve.exact=true")
     try:
         assert "2 replicas behind Ray Serve" in proc.printed.wait_for("serving ", 1)
@@ -57,6 +60,7 @@ def test_two_replicas_answer_as_the_in_memory_model_and_stop_on_sigterm(tiny, tm
     assert figures["replicas"] == 2 and figures["requests"] == 7 and figures["generated_tokens"] == 48
     replicas = [json.loads(p.read_text()) for p in tmp_path.glob("replica-*/metrics.json")]
     assert len(replicas) == 2 and sum(r["requests"] for r in replicas) == 7
+    assert (token.stat().st_mtime_ns if token.exists() else None) == before  # the user's Ray token left as it was
 
 
 @pytest.mark.parametrize(
