@@ -47,6 +47,17 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_collection_finish(session):
+    """Every test module is imported now, and what they and torch, transformers, Hydra... hold lives as long as the
+    session: frozen out of the collector's way, each ``gc.collect()`` (the ``fake_gpu`` fixture's at every teardown,
+    each automatic full collection) walks only what the tests made since, not the ~10^6 objects before (a second a
+    call on a loaded 2-core machine, a fifth of the quick subset's time). What a test makes is collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -1,7 +1,7 @@
-"""Runs as users run them: ``python run.py`` in a process of its own for every policy x store on a transformers-saved
-Mixtral (the tokens of the in-memory model), and on SmolLM2 for every policy and every store (the answer printed),
-must exit by itself, within a bound of writing its metrics; the same for ``python -m offload_core run`` and a two-job
-sweep."""
+"""Runs as users run them: ``python run.py`` as a process of its own, on a transformers-saved Mixtral for every
+policy x store (a sweep of the policies per store; the tokens of the in-memory model), and on SmolLM2 for every policy
+and every store (the answer printed), must exit by itself, within a bound of writing its metrics; the same for
+``python -m offload_core run`` and a two-job sweep."""
 
 from __future__ import annotations
 
@@ -117,26 +117,35 @@ def test_smollm2_run_exits_with_the_answer(model, hook, store, tmp_path):
     assert "Paris" in out and json.loads((tmp_path / "metrics.json").read_text())["devices"]["disk"]["bytes"] > 0
 
 
-@pytest.mark.parametrize("model, hook, store", _matrix("mixtral"))
-def test_moe_run_exits_with_the_in_memory_tokens(model, hook, store, mixtral, tmp_path):
+@pytest.mark.parametrize("store", STORES)
+def test_moe_run_exits_with_the_in_memory_tokens(store, mixtral, tmp_path):
+    """Every policy on ``store``: one process sweeping the policies, which exits by itself once its last job is done
+    (a thread or a store any job left behind would hold it), each job with the in-memory model's tokens."""
     args = [
         sys.executable,
         str(ROOT / "run.py"),
+        "-m",
         "model=local",
         "model.tokenizer=bytes",
         f"model.path={mixtral}",
-        f"hook={hook}",
+        f"hook={','.join(HOOKS)}",
         f"storage={store}",
         "max_new_tokens=4",
         "max_memory.cpu=500KiB",
         "compare_in_memory=true",
-        f"hydra.run.dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}",
     ]
-    code, out, err = run_as_user(args, tmp_path, tmp_path / "metrics.json")
+    code, out, err = run_as_user(args, tmp_path, tmp_path / "summary.csv")
     assert code == 0, err[-2000:]
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert "same tokens as in memory: True" in out and len(metrics["token_ids"]) == 4
-    assert metrics["devices"]["disk"]["bytes"] > 0
+    assert out.count("same tokens as in memory: True") == len(HOOKS), out[-2000:]
+    ran = set()
+    for job in range(len(HOOKS)):
+        metrics = json.loads((tmp_path / str(job) / "metrics.json").read_text())
+        assert len(metrics["token_ids"]) == 4 and metrics["devices"]["disk"]["bytes"] > 0, job
+        ran.add((metrics["choices"]["hook"], metrics["choices"]["storage"]))
+    assert ran == {(hook, store) for hook in HOOKS}
+    rows = (tmp_path / "summary.csv").read_text().splitlines()[1:]
+    assert len(rows) == len(HOOKS) and all(",ok,True," in row for row in rows), rows
 
 
 def test_python_m_offload_core_run_exits_with_the_answer(tmp_path):

@@ -31,6 +31,11 @@ from offload_core.storage.memory import HostMemoryStore
 
 STORES = ["memmap", "safetensors", "pinned_cpu"]
 POLICIES = ["align_per_call", "prefetch", "chained", "functional_call", "experts"]
+#: every store x policy; the quick subset keeps each policy once, the store turning (so each store too), the rest slow
+GRID = [
+    pytest.param(store, policy, marks=() if i == j % len(STORES) else pytest.mark.slow)
+    for (i, store), (j, policy) in itertools.product(enumerate(STORES), enumerate(POLICIES))
+]
 
 
 def _file_offsets(path) -> list[int]:
@@ -80,7 +85,7 @@ def llama(tmp_path_factory):
     return folder, ids, logits, seen.offsets
 
 
-@pytest.mark.parametrize("store,policy", list(itertools.product(STORES, POLICIES)))
+@pytest.mark.parametrize("store,policy", GRID)
 def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_path):
     folder, ids, want, _ = llama
     model = offload_core.from_pretrained(
@@ -102,7 +107,7 @@ def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_pat
     assert torch.equal(got, want), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("store,policy", list(itertools.product(STORES, POLICIES)))
+@pytest.mark.parametrize("store,policy", GRID)
 def test_weights_reach_the_kernels_at_their_reference_offsets(llama, store, policy, tmp_path):
     """Where the kernels depend on alignment (the probe's answer forced, so on every machine), every offloaded or
     resident weight is handed to ``linear`` at the address offset ``from_pretrained`` gives it."""

@@ -193,6 +193,7 @@ def test_a_run_refuses_graphs_it_cannot_capture(overrides, says, fake_gpu, compo
         run(cfg, output_dir=tmp_path)
 
 
+@pytest.mark.slow  # run.py as a process
 def test_the_cli_refuses_graphs_on_a_cpu_in_one_line(tmp_path):
     import subprocess
     import sys

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from offload_core.storage.leftovers import remove_leftovers
 
 KILLED_RUN = """
@@ -24,6 +26,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow  # a process that imports offload_core and opens a store, then is killed
 def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path, monkeypatch):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN], stdout=subprocess.PIPE, text=True, env=env)

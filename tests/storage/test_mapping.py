@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from offload_core.loading.safetensors_file import SafetensorsFile
@@ -102,6 +103,7 @@ def _stress(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # a benchmark script run twice, each starting a child process
 def test_mapped_paths_survive_drops_and_closes_from_other_threads_and_crash_without_the_rule(tmp_path):
     done, report = _stress(tmp_path, "--seconds", "1")
     assert done.returncode == 0 and report["returncode"] == 0, report["stderr_tail"]
