@@ -127,6 +127,7 @@ def run_replicas(job: Prepared, options: ServeOptions, labels: dict) -> RunResul
     import ray  # installed: start_ray imported it
 
     port = options.port or free_port(options.host)
+    started = time.time()
     actor: dict[str, float] = {"num_cpus": options.replica_cpus}
     if settings.execution_device.type != "cpu":
         actor["num_gpus"] = 1  # one GPU of its own: Ray makes it the replica's cuda:0
@@ -159,7 +160,7 @@ def run_replicas(job: Prepared, options: ServeOptions, labels: dict) -> RunResul
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
-    figures = replica_figures(settings.output_dir)
+    figures = replica_figures(settings.output_dir, since=started)
     result = RunResult.of_plan(job.plan, settings.output_dir, figures)
     write_outputs(result, None, labels)
     print(
@@ -170,11 +171,15 @@ def run_replicas(job: Prepared, options: ServeOptions, labels: dict) -> RunResul
     return result
 
 
-def replica_figures(output_dir: Path) -> dict[str, Any]:
-    """The replicas' figures summed (each wrote ``replica-*/metrics.json``; a folder without one is skipped)."""
+def replica_figures(output_dir: Path, since: float = 0.0) -> dict[str, Any]:
+    """The figures of the replicas that stopped after ``since`` (a time) summed: each wrote
+    ``replica-*/metrics.json`` in ``output_dir`` (on a cluster, those that ran on this machine); an earlier run's, an
+    unreadable one or a folder without one is skipped."""
     figures: dict[str, Any] = {"mode": "serve", "replicas": 0, **{key: 0 for key in SUMMED}}
     for path in sorted(Path(output_dir).glob("replica-*/metrics.json")):
         try:
+            if path.stat().st_mtime < since:
+                continue
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue

@@ -79,3 +79,20 @@ def test_one_replica_without_a_cluster_serves_in_process():
 
     assert not read_options({}).replicated and not read_options({"replicas": 1}).replicated
     assert read_options({"replicas": 2}).replicated and read_options({"ray_address": "auto"}).replicated
+
+
+def test_the_command_sums_the_figures_of_this_runs_replicas_only(tmp_path):
+    import os
+    import time
+
+    from offload_core.serve.replicas import replica_figures
+
+    for name, requests in [("old", 5), ("a", 2), ("b", 3)]:
+        (tmp_path / f"replica-{name}").mkdir()
+        (tmp_path / f"replica-{name}" / "metrics.json").write_text(json.dumps({"requests": requests}))
+    (tmp_path / "replica-broken").mkdir()
+    (tmp_path / "replica-broken" / "metrics.json").write_text("{")
+    started = time.time() - 1
+    os.utime(tmp_path / "replica-old" / "metrics.json", (started - 60, started - 60))  # an earlier run's
+    figures = replica_figures(tmp_path, since=started)
+    assert figures["replicas"] == 2 and figures["requests"] == 5 and figures["per_replica_requests"] == 2.5
