@@ -44,7 +44,13 @@ def test_plan_and_run_with_the_codec(tmp_path):
     assert 0.7 < _mib(planned, per_token) / _mib(raw, per_token) < 0.85
     ran = _run(tmp_path / "run", "storage.codec=exponent", "compare_in_memory=true", "max_new_tokens=3")
     assert "same tokens as in memory: True" in ran
-    assert _mib(ran, "moved") == pytest.approx(_mib(planned, per_token), rel=0.01)
+    moved, predicted = _mib(ran, "moved"), _mib(planned, per_token)
+    if int(re.search(r"borrowed (\d+)", ran).group(1)):
+        # a tied tensor read ahead while the block that brought it in still held it is borrowed from that block's
+        # buffer: no bytes move for it (how often depends on the reader's timing)
+        assert moved < predicted
+    else:
+        assert moved == pytest.approx(predicted, rel=0.01)
 
 
 def test_an_unknown_codec_is_one_line(tmp_path, capsys):
