@@ -83,25 +83,31 @@ def connect(url: str):
     return client
 
 
-def load(url: str, prompts: list[str], clients: int, rounds: int, tokens: int) -> dict:
-    """``clients`` threads, each sending ``rounds`` requests one after another; the aggregate figures."""
-    client = connect(url)
-    results: list[dict] = []
+def concurrently(url: str, calls: list) -> tuple[float, dict[str, float]]:
+    """Run ``calls`` at once, each on a thread of its own: the wall time, and how much each of the server's counters
+    (``/metrics``) grew meanwhile."""
     before = metrics(url)
-
-    def worker(c: int) -> None:
-        for r in range(rounds):
-            results.append(ask(client, prompts[(c + r * clients) % len(prompts)], tokens))
-
+    threads = [threading.Thread(target=call) for call in calls]
     began = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - began
     after = metrics(url)
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return wall, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def load(url: str, prompts: list[str], clients: int, rounds: int, tokens: int) -> dict:
+    """``clients`` threads, each sending ``rounds`` requests one after another; the aggregate figures."""
+    client = connect(url)
+    results: list[dict] = []
+
+    def worker(c: int) -> None:
+        for r in range(rounds):
+            results.append(ask(client, prompts[(c + r * clients) % len(prompts)], tokens))
+
+    wall, delta = concurrently(url, [lambda c=c: worker(c) for c in range(clients)])
     generated = delta["offload_core_serve_generated_tokens_total"]
     passes = delta["offload_core_serve_forward_passes_total"]
     ttft = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)

@@ -16,14 +16,12 @@ import os
 import platform
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from serve import DEFAULT_ARGS, ask, connect, metrics, start  # noqa: E402
+from serve import DEFAULT_ARGS, ask, concurrently, connect, start  # noqa: E402
 
 PARAGRAPHS = [
     "Offloaded weights are streamed from disk around each module's forward, once per pass for every request.",
@@ -46,21 +44,12 @@ def serve(server_args: list[str], clients: list[int], tokens: int, scratch: Path
         client = connect(url)
         ask(client, "Hello", 4)  # warm-up: first touch of every weight
         for count in clients:
-            before = metrics(url)
             answers: dict[int, dict] = {}
             asked = prompts()[:count] if count <= len(PARAGRAPHS) else prompts() * (count // len(PARAGRAPHS) + 1)
-            threads = [
-                threading.Thread(target=lambda i=i, p=p: answers.__setitem__(i, ask(client, p, tokens)))
-                for i, p in enumerate(asked[:count])
+            calls = [
+                lambda i=i, p=p: answers.__setitem__(i, ask(client, p, tokens)) for i, p in enumerate(asked[:count])
             ]
-            began = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - began
-            after = metrics(url)
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            wall, delta = concurrently(url, calls)
             generated = delta["offload_core_serve_generated_tokens_total"]
             passes = delta["offload_core_serve_forward_passes_total"]
             texts[count] = [answers[i]["text"] for i in range(count)]
