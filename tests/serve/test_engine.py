@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from offload_core.jobs.batch import left_padded
 from offload_core.serve.engine import Engine, QueueFull, Request
 from offload_core.serve.sampling import Detokenizer, Params
-from tests.serve.tiny import save_tiny_chat_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41]]
 NEW = 10
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
-
-
-@pytest.fixture(scope="module")
-def model(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 def greedy(tokens: int = NEW) -> Params:

@@ -12,21 +12,10 @@ from offload_core.serve.cache import BatchCache
 from offload_core.serve.engine import Engine, Request
 from offload_core.serve.sampling import Params
 from offload_core.speculative import read_speculative
-from tests.serve.tiny import save_tiny_chat_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41], list(range(30, 45)) * 3]
 NEW = 30
 LOOKUP = read_speculative("prompt_lookup")
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
-
-
-@pytest.fixture(scope="module")
-def model(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 def run_schedule(engine: Engine, joins: dict[int, list[int]], params: Params) -> list[list[int]]:
