@@ -142,12 +142,14 @@ def worker(config: str, path: str, budget: int, steps: int, size: int, out: str,
         policy, _, store = config.removeprefix("ours_").partition(":")
         pipe = offload_core.from_pretrained(
             path,
+            offload={
+                "storage": store or "safetensors",
+                "policy": policy,
+                "offload_folder": tempfile.mkdtemp(dir=out),
+                "execution_device": "cpu",
+                "page_cache": 0 if cold else None,
+            },
             max_memory={"cpu": budget},
-            storage=store or "safetensors",
-            policy=policy,
-            offload_folder=tempfile.mkdtemp(dir=out),
-            execution_device="cpu",
-            page_cache=0 if cold else None,
             plan_call={"height": size, "width": size},
         )
         moved = pipe.offload_state.stats

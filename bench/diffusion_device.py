@@ -89,11 +89,13 @@ def worker(system: str, folder: str, device: str, budget: int, steps: int, size:
         store = store or ("safetensors" if device == "cpu" else "pinned_cpu")
         pipe = offload_core.from_pretrained(
             folder,
+            offload={
+                "storage": store,
+                "policy": None if policy == "auto" else policy,
+                "offload_folder": tempfile.mkdtemp(dir=scratch),
+                "execution_device": target,
+            },
             max_memory=budget,
-            storage=store,
-            policy=None if policy == "auto" else policy,
-            offload_folder=tempfile.mkdtemp(dir=scratch),
-            execution_device=target,
             plan_call={"height": size, "width": size},
         )
         stats = pipe.offload_state.stats

@@ -51,10 +51,12 @@ def load_all(checkpoint: str, budget: int, scratch: Path, ours: list[str]) -> di
             policy = Experts(ExpertsConfig(**dict(o.split("=") for o in options)))
         models[f"ours:{system}"] = offload_core.from_pretrained(
             checkpoint,
+            offload={
+                "storage": store,
+                "policy": policy if name == "experts" else name,
+                "offload_folder": scratch / system,
+            },
             max_memory={"cpu": budget},
-            storage=store,
-            policy=policy if name == "experts" else name,
-            offload_folder=scratch / system,
             dtype=torch.bfloat16,
         )
     return models

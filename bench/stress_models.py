@@ -84,7 +84,13 @@ def run_models(root: Path, deadline: float, counts) -> None:
         policy = random.choice(["experts", "prefetch"])
         chosen = Experts(ExpertsConfig(guess="router", cache_slots=1)) if policy == "experts" else "prefetch"
         model = offload_core.from_pretrained(
-            path, device_map={"": "disk"}, storage=storage, policy=chosen, offload_folder=root / f"off{runs % 3}"
+            path,
+            offload={
+                "device_map": {"": "disk"},
+                "storage": storage,
+                "policy": chosen,
+                "offload_folder": root / f"off{runs % 3}",
+            },
         )
         stop = threading.Event()
         harasser = threading.Thread(target=_harass, args=(model, stop, counts), daemon=True)

@@ -7,10 +7,12 @@ Importing this package loads no plugin; the registry is built on first use.
 from offload_core.loading.cpu_offload import cpu_offload_with_hook
 from offload_core.loading.dispatch import dispatch_model, load_checkpoint_and_dispatch
 from offload_core.loading.empty import init_empty_weights, init_on_device
-from offload_core.loading.pretrained import from_pretrained
 from offload_core.errors import OffloadError
+from offload_core.loading.hub import Hub
 from offload_core.module_hooks.align import AlignDevicesHook
 from offload_core.module_hooks.base import ModuleHook, add_hook_to_module, remove_hook_from_module
+from offload_core.options import Offload
+from offload_core.pretrained import from_pretrained
 from offload_core.planning import (
     check_device_map,
     compute_module_sizes,
@@ -26,7 +28,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlignDevicesHook",
+    "Hub",
     "ModuleHook",
+    "Offload",
     "OffloadError",
     "add_hook_to_module",
     "check_device_map",

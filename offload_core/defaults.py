@@ -24,3 +24,6 @@ BATCH_SIZE = 1
 #: prompt tokens a Python door plans for when not told (``run.py`` counts its prompt's; its default prompt, under
 #: SmolLM2's chat template, is about 30)
 PROMPT_TOKENS = 32
+#: a budget the plan cannot hold (a block larger than it, the policy's units in flight): refused in one line naming by
+#: how much (``warn`` runs over it instead, a warning line naming by how much)
+OVER_BUDGET = "refuse"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Mapping
 
 import torch
 
@@ -156,3 +158,22 @@ def torch_device(device: int | str, execution_device: torch.device) -> torch.dev
     if is_offloaded(device, execution_device):
         return execution_device
     return torch.device(device)
+
+
+def read_fields(cls: type, value: object, what: str, example: str) -> object:
+    """``value`` as the frozen dataclass ``cls``: itself, ``cls()`` for None, or a dict of its fields (anything else,
+    or a key it does not have, refused in one line naming the fields it takes; ``example`` shows one)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{what}={value!r} is not a {cls.__name__} or a dict of its fields; give for example {what}={example} "
+            f"(fields: {', '.join(names)})"
+        )
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ConfigError(f"{what} has no field {', '.join(map(repr, unknown))}; its fields: {', '.join(names)}")
+    return cls(**dict(value))

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from offload_core.runner.settings import Sampling
+from offload_core.plan.model import RunModel
+from offload_core.runner.settings import Sampling, Settings
 
 
 def generate(
@@ -120,23 +121,21 @@ def reference_model(checkpoint: Path, task: str, dtype: torch.dtype | None, devi
 
 
 def in_memory_tokens(
-    checkpoint: Path,
-    dtype: torch.dtype,
+    run_model: RunModel,
     input_ids: torch.Tensor,
-    sampling: Sampling,
-    task: str = "causal_lm",
-    device: torch.device = torch.device("cpu"),
+    settings: Settings,
     speculative: Any = None,
     replay: str | None = None,
-    static_cache: bool = False,
 ) -> list[int]:
-    """Tokens of the reference model (:func:`reference_model`) on ``device``, generated plainly or with
-    ``speculative`` (a :class:`offload_core.speculative.SpeculativeConfig`; ``replay``: the run's draft decisions);
-    ``static_cache``: with a static KV cache, as a ``graphs=true`` run decodes."""
+    """Tokens of the reference model of ``run_model``'s checkpoint (:func:`reference_model`) on the run's execution
+    device, sampled as ``settings`` says, generated plainly or with ``speculative`` (a
+    :class:`offload_core.speculative.SpeculativeConfig`; ``replay``: the run's draft decisions); with a static KV cache
+    where the run captures graphs, as a ``graphs=true`` run decodes."""
     from offload_core.speculative import prepare
 
-    model = reference_model(checkpoint, task, dtype, device)
-    if static_cache:
+    dtype, sampling = run_model.dtype, settings.sampling
+    model = reference_model(run_model.checkpoint_dir, run_model.task, dtype, settings.execution_device)
+    if settings.graphs:
         model.generation_config.cache_implementation = "static"
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
     speculation = prepare(speculative, model, dtype, device, replay) if speculative is not None else None

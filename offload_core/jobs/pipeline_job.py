@@ -19,7 +19,7 @@ from offload_core.runner.settings import Settings, Strategies
 def whole_components(settings: Settings, policy: Any) -> int | None:
     """``pipeline.whole_components`` in bytes (auto: the execution device's budget shared by the policy's units in
     flight and what runs beside them; None: no limit)."""
-    from offload_core.loading.pipeline_load import whole_limit
+    from offload_core.plan.reserve import whole_limit
     from offload_core.values import parse_size
 
     value = str(settings.pipeline["whole_components"])

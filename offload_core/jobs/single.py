@@ -69,17 +69,7 @@ def compare_in_memory(job: Prepared, tokens: list[int], result: RunResult) -> No
     settings, run_model = job.settings, job.run_model
 
     def reference(speculative: Any = None, replay: str | None = None) -> list[int]:
-        return in_memory_tokens(
-            run_model.checkpoint_dir,
-            run_model.dtype,
-            job.input_ids,
-            settings.sampling,
-            run_model.task,
-            settings.execution_device,
-            speculative,
-            replay,
-            static_cache=settings.graphs,
-        )
+        return in_memory_tokens(run_model, job.input_ids, settings, speculative, replay)
 
     figures = result.figures
     figures["in_memory_tokens"] = reference()

@@ -202,7 +202,7 @@ def load_checkpoint_and_dispatch(
     page_cache: int | str | None = defaults.PAGE_CACHE,
     headroom: int | str | None = defaults.HEADROOM,
     generation: Any = None,
-    over_budget: str = "warn",
+    over_budget: str = defaults.OVER_BUDGET,
 ) -> nn.Module:
     """Load ``checkpoint`` into ``model`` (built under :func:`init_empty_weights`) and attach offloading.
 
@@ -334,17 +334,12 @@ def dispatch_model(
     if isinstance(device_map, str):  # the placement holds back what the policy keeps in flight
         from offload_core.plan.reserve import reservation
         from offload_core.planning import largest_block_size
+        from offload_core.planning.reservation import InFlight
 
         blocks = [*no_split, *(preload_module_classes or [])]
-        reserve = reservation(
-            policy,
-            storage,
-            resolve_execution_device(main_device, None),
-            largest_block_size(model, blocks),
-            largest_block_size(model, []),
-            False,
-            model,
-        )
+        device = resolve_execution_device(main_device, None)
+        need = InFlight(device, largest_block_size(model, blocks), largest_block_size(model, []), model=model)
+        reserve = reservation(policy, storage, need)
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, reserve)
     execution_device = resolve_execution_device(main_device, device_map)
     routes = route_tensors(model, device_map, execution_device, offload_buffers)

@@ -7,13 +7,15 @@ import contextlib
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 from offload_core.errors import ConfigError
 from offload_core.loading.sources import ModelSourceError
+from offload_core.values import read_fields
 
-__all__ = ["resolve_model_path", "looks_like_repo_id", "probe_folder"]
+__all__ = ["Hub", "resolve_model_path", "looks_like_repo_id", "probe_folder"]
 
 #: what a run reads besides the weights: configs, indexes, tokenizer and chat-template files (never code, never
 #: another framework's weights)
@@ -22,6 +24,23 @@ READ = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 _VARIANT = re.compile(r"\.(fp16|fp32|bf16|ema|non_ema)(?=\.(safetensors|bin)$)")
 #: file endings of a path that names a file, never a repo
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".gguf")
+
+
+@dataclass(frozen=True)
+class Hub:
+    """Where a Hub repo id is read from, as transformers' ``from_pretrained`` takes it: ``revision`` (a branch, tag or
+    commit; default ``main``), ``token`` (default ``HF_TOKEN`` or the saved login) for private or gated repos,
+    ``local_files_only`` (never download) and ``cache_dir`` (default ``HF_HUB_CACHE`` / ``HF_HOME``'s)."""
+
+    revision: str | None = None
+    token: str | bool | None = None
+    local_files_only: bool = False
+    cache_dir: str | os.PathLike[str] | None = None
+
+
+def read_hub(value: Hub | Mapping[str, Any] | None) -> Hub:
+    """``value`` as a :class:`Hub`: itself, the defaults for None, or a dict of its fields."""
+    return read_fields(Hub, value, "hub", "{'revision': 'v1.0', 'local_files_only': True}")
 
 
 def looks_like_repo_id(name: str) -> bool:

@@ -1,29 +1,14 @@
-"""``from_pretrained`` for a diffusers pipeline folder: one plan over every module component, one store, one policy."""
+"""A diffusers pipeline folder opened for one plan: its empty pipeline, its module components' weights as one
+checkpoint, and the dispatched pipeline put back together."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from offload_core import defaults
-from offload_core.module_hooks.policy import Policy
 from offload_core.loading.pipeline import EmptyPipeline, attach_entries, build_empty_pipeline, component_no_split
-from offload_core.values import budget_key
-
-
-def whole_limit(budgets: Mapping[Any, int], device: torch.device, policy: Policy | None = None) -> int | None:
-    """The largest component (or block) that moves whole: the execution device's budget shared by the units the
-    policy holds in flight at once and what runs beside them (half of it for a policy holding one unit); None
-    (any) when that device has no budget."""
-    from offload_core.plan.reserve import units_in_flight
-
-    key = budget_key(device)
-    budget = budgets.get(key)
-    if budget is None:
-        return None
-    return budget // (units_in_flight(policy, device) + 1)
 
 
 def open_pipeline(
@@ -52,65 +37,3 @@ def finish_dispatch(empty: EmptyPipeline, device: torch.device) -> Any:
     entries = attach_entries(empty, device)
     empty.modules.offload_state.extra_handles.append(entries)
     return empty.pipeline
-
-
-def pipeline_from_pretrained(
-    path: str | Path,
-    max_memory: Mapping[Any, int | str] | int | float | str | None,
-    placement: str | Any,
-    storage: str | Any,
-    policy: str | Any,
-    offload_folder: str | Path | None,
-    dtype: torch.dtype | str | None,
-    *,
-    device_map: Mapping[str, int | str] | None = None,
-    execution_device: torch.device | str | None = None,
-    progress: bool = False,
-    page_cache: int | str | None = defaults.PAGE_CACHE,
-    no_split_module_classes: list[str] | None = None,
-    headroom: int | str | None = "auto",
-    plan_call: Mapping[str, Any] | None = None,
-    over_budget: str = "warn",
-) -> Any:
-    """The diffusers pipeline of ``path``, its components planned in one device map within ``max_memory`` and
-    dispatched (see :func:`offload_core.loading.pretrained.from_pretrained`); ``pipeline.offload_state`` as a
-    model's. ``headroom`` ``"auto"``: the activations of ``plan_call`` (the pipeline call's keyword arguments;
-    default: one image of the pipeline's default size), traced on the empty pipeline, and the runtime's slack are
-    held back from the execution device's budget (a size: that)."""
-    from offload_core.loading.dispatch import default_execution_device, resolve_strategy
-    from offload_core.loading.pipeline_memory import default_call, pipeline_headroom
-    from offload_core.plan.request import PlanRequest
-    from offload_core.loading.pretrained import plan_and_dispatch
-    from offload_core.planning import get_max_memory
-    from offload_core.planning.budgets import read_max_memory
-    from offload_core.planning.headroom import less_headroom, read_headroom
-    from offload_core.values import device_key, parse_dtype
-
-    device = torch.device(execution_device) if execution_device is not None else default_execution_device()
-    max_memory = read_max_memory(max_memory, device)
-    budgets = get_max_memory(max_memory)
-    empty = build_empty_pipeline(path, parse_dtype(dtype))
-    held = read_headroom(headroom)
-    if held is None:
-        call = {**default_call(), **(plan_call or {})}
-        held = pipeline_headroom(empty, call, budgets.get(device_key(device)), device)
-    limit = whole_limit(less_headroom(budgets, held, device), device, resolve_strategy("policy", policy))
-    checkpoint, no_split = open_components(empty, path, limit, no_split_module_classes)
-    request = PlanRequest(
-        execution_device=device,
-        no_split=no_split,
-        dtype=empty.dtype,
-        max_memory=max_memory,
-        placement=placement,
-        storage=storage,
-        policy=policy,
-        page_cache=page_cache,
-        headroom=held,
-        generation=None,
-        device_map=device_map,
-        offload_folder=offload_folder,
-        progress=progress,
-        over_budget=over_budget,
-    )
-    plan_and_dispatch(empty.modules, checkpoint, request)
-    return finish_dispatch(empty, device)

@@ -236,21 +236,28 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: 
     return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std).to(dtype)
 
 
+#: the Llama shape of a synthetic model (its ``LlamaConfig`` fields) and what :func:`synthetic_checkpoint` defaults to
+SYNTHETIC_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+}
+
+
 def synthetic_checkpoint(
     directory: str | os.PathLike[str] | None = None,
-    hidden_size: int = 128,
-    intermediate_size: int = 256,
-    num_hidden_layers: int = 4,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    vocab_size: int = 1024,
     dtype: str | torch.dtype = "bfloat16",
     seed: int = 0,
-    tie_word_embeddings: bool = False,
     max_shard_size: int = 2**30,
-    max_position_embeddings: int = 2048,
+    **shape: int | bool,
 ) -> Path:
-    """A random-init ``LlamaForCausalLM`` as sharded safetensors + ``config.json`` (no tokenizer; use token ids).
+    """A random-init ``LlamaForCausalLM`` as sharded safetensors + ``config.json`` (no tokenizer; use token ids), of
+    the ``shape`` given as ``LlamaConfig`` fields (those of :data:`SYNTHETIC_SHAPE`, its values the defaults).
 
     The same arguments give the same bytes. Cached under ``cache_root()/synthetic-<key>`` (or in
     ``directory``) and built one shard at a time, so models far larger than RAM can be written.
@@ -258,40 +265,31 @@ def synthetic_checkpoint(
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    unknown = sorted(set(shape) - set(SYNTHETIC_SHAPE))
+    if unknown:
+        raise ConfigError(f"a synthetic model has no {', '.join(unknown)}; its shape: {', '.join(SYNTHETIC_SHAPE)}")
+    shape = {**SYNTHETIC_SHAPE, **shape, "tie_word_embeddings": bool(shape.get("tie_word_embeddings", False))}
     torch_dtype = parse_dtype(dtype, "dtype")
     if torch_dtype is None:
         raise ConfigError("synthetic models need a concrete dtype; use bfloat16, float16 or float32")
-    if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
+    hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    if hidden % heads or heads % kv_heads:
         raise ConfigError(
-            f"hidden_size={hidden_size}, num_attention_heads={num_attention_heads}, num_key_value_heads="
-            f"{num_key_value_heads}: heads must divide hidden_size and kv heads must divide heads"
+            f"hidden_size={hidden}, num_attention_heads={heads}, num_key_value_heads="
+            f"{kv_heads}: heads must divide hidden_size and kv heads must divide heads"
         )
     params = dict(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        vocab_size=vocab_size,
+        **shape,
         dtype=str(torch_dtype).removeprefix("torch."),
         seed=seed,
-        tie_word_embeddings=bool(tie_word_embeddings),
         max_shard_size=int(max_shard_size),
-        max_position_embeddings=max_position_embeddings,
     )
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     target = Path(directory).expanduser() if directory is not None else cache_root() / f"synthetic-{key}"
 
     def build(tmp: Path) -> None:
         config = LlamaConfig(
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads,
-            vocab_size=vocab_size,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            max_position_embeddings=max_position_embeddings,
+            **shape,
             bos_token_id=1,
             eos_token_id=2,
         )

@@ -177,13 +177,11 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
     return candidate
 
 
-def choose(settings: Settings, overrides: list[str]) -> tuple[Settings, list[dict[str, Any]]]:
-    """The settings of the fastest predicted configuration and the ranked table (written to ``auto.json`` and
-    ``auto.csv`` in the run folder, and printed); the options in ``overrides`` stay as given. With nothing left to
-    choose, or nothing predicted, the settings as they are."""
+def rank(settings: Settings, given: set[str]) -> list[Candidate]:
+    """Every configuration auto tries (the options in ``given`` kept as the settings have them), planned and predicted,
+    fastest first (those that cannot run last)."""
     from offload_core.runner.inputs import read_prompts
 
-    given = given_options(overrides)
     prompts = len(read_prompts(settings.prompts_file)) if settings.prompts_file else 1
     tried = []
     for candidate in candidates(settings, given, prompts):
@@ -194,8 +192,16 @@ def choose(settings: Settings, overrides: list[str]) -> tuple[Settings, list[dic
         if twin is not None:  # the same policy: it takes part as its twin does
             evaluate(settings, twin, settings.sampling.max_new_tokens)
             tried.append(twin)
-    ranked = sorted(tried, key=lambda c: (bool(c.problem), c.total_s))
-    table = [c.row(rank) for rank, c in enumerate(ranked, 1)]
+    return sorted(tried, key=lambda c: (bool(c.problem), c.total_s))
+
+
+def choose(settings: Settings, overrides: list[str]) -> tuple[Settings, list[dict[str, Any]]]:
+    """The settings of the fastest predicted configuration and the ranked table (written to ``auto.json`` and
+    ``auto.csv`` in the run folder, and printed); the options in ``overrides`` stay as given. With nothing left to
+    choose, or nothing predicted, the settings as they are."""
+    given = given_options(overrides)
+    ranked = rank(settings, given)
+    table = [c.row(place) for place, c in enumerate(ranked, 1)]
     write_table(settings, table)
     print_table(table, given)
     for line in gguf_why(ranked):

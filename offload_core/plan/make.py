@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from offload_core import defaults
 from offload_core.errors import ConfigError
 from offload_core.loading.gguf_moves import dequant_rows
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
@@ -60,6 +61,8 @@ class Plan:
     #: per GGML type, what a store reading a GGUF file in place dequantizes per token
     #: (:func:`offload_core.loading.gguf_moves.dequant_rows`; the prediction adds ``predicted_s``); empty otherwise
     dequant: list[dict[str, Any]] = field(default_factory=list)
+    #: ``auto``'s ranked configurations (``auto.json``'s rows), where it chose the store and policy; empty otherwise
+    auto: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
@@ -84,25 +87,32 @@ class Plan:
         return make_residency(self.page_cache)
 
 
-def make_plan(
-    model: nn.Module,
-    checkpoint: Checkpoint,
-    *,
-    placement: Placement,
-    storage: Storage,
-    policy: Policy,
-    execution_device: torch.device,
-    budgets: Mapping[Any, int],
-    no_split: list[str],
-    dtype: torch.dtype | None,
-    max_memory: Mapping[Any, int] | None = None,
-    headroom: int = 0,
-    device_map: Mapping[str, int | str] | None = None,
-    page_cache: int | str | None = None,
-    policy_name: str = "?",
-    strict: bool = True,
-    over_budget: str = "warn",
-) -> Plan:
+@dataclass
+class PlanInputs:
+    """What :func:`make_plan` plans with beside the model and its checkpoint: the built strategies (``policy_name`` as
+    the user named it, for the lines it prints), the device that computes, ``budgets`` (``max_memory`` less
+    ``headroom`` on the device that computes, held back from the cpu budget on a CPU run), ``max_memory`` as the user
+    gave it (None: ``budgets``; the summary and the disk limit read it), the no-split classes and dtype, a
+    ``device_map`` that replaces the placement's (checked ``strict``ly unless it is the user's), the page-cache rule
+    (None: no kept set) and what a budget the plan cannot hold does (``over_budget``)."""
+
+    placement: Placement
+    storage: Storage
+    policy: Policy
+    execution_device: torch.device
+    budgets: Mapping[Any, int]
+    no_split: list[str]
+    dtype: torch.dtype | None
+    max_memory: Mapping[Any, int] | None = None
+    headroom: int = 0
+    device_map: Mapping[str, int | str] | None = None
+    page_cache: int | str | None = None
+    policy_name: str = "?"
+    strict: bool = True
+    over_budget: str = defaults.OVER_BUDGET
+
+
+def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> Plan:
     """The plan of the empty ``model`` loaded from the opened ``checkpoint``: ``device_map`` when given, else the
     policy's own (checked against ``budgets``), else the placement's within ``budgets`` less what the policy keeps
     in flight. ``max_memory``: the budgets as the user gave them (``budgets`` is that less ``headroom`` on the
@@ -123,8 +133,16 @@ def make_plan(
     from offload_core.planning.shares import redeal_by_reads
     from offload_core.storage.residency import page_cache_plan
 
-    budgets = dict(budgets)
-    max_memory = dict(budgets if max_memory is None else max_memory)
+    placement, storage, policy, policy_name = inputs.placement, inputs.storage, inputs.policy, inputs.policy_name
+    execution_device, no_split, dtype, device_map = (
+        inputs.execution_device,
+        inputs.no_split,
+        inputs.dtype,
+        inputs.device_map,
+    )
+    headroom, page_cache = inputs.headroom, inputs.page_cache
+    budgets = dict(inputs.budgets)
+    max_memory = dict(budgets if inputs.max_memory is None else inputs.max_memory)
     block = largest_block_size(model, no_split, dtype=dtype)
     device_budget = budgets.get(budget_key(execution_device)) if execution_device.type != "cpu" else None
     reserve_of = Reserver.of(
@@ -155,11 +173,11 @@ def make_plan(
             policy, budgets, place, lambda p, made: reserve_of(p, offloaded(made)), reserve_of
         )
     device_map = normalize_device_map(dict(device_map))
-    check_device_map(model, device_map, strict=strict)
+    check_device_map(model, device_map, strict=inputs.strict)
     moved = offloaded(device_map)
     if not placed:  # a map given, or the policy's own: what it offloads is known
         policy, reserve, lightened = fit_in_flight(policy, budgets, lambda p: reserve_of(p, moved))
-    check_reserve_in_budget(reserve, budgets, max_memory, block, policy_name, over_budget)
+    check_reserve_in_budget(reserve, budgets, max_memory, block, policy_name, inputs.over_budget)
     summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
     if own:
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
@@ -303,7 +321,7 @@ def check_reserve_in_budget(
     max_memory: Mapping[Any, int],
     block: int,
     policy_name: str,
-    over_budget: str = "warn",
+    over_budget: str = defaults.OVER_BUDGET,
 ) -> None:
     """A device whose budget cannot hold the units the policy keeps in flight (the placement puts nothing else there
     and the run still takes them, over the budget by the difference): one warning line per such device saying by how

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from offload_core import defaults
-from offload_core.plan.make import Plan, make_plan
+from offload_core.plan.make import Plan, PlanInputs, make_plan
 from offload_core.planning.generation import Generation, hold_generation, read_generation
 from offload_core.planning.headroom import FORWARD_HEADROOM, check_headroom, less_headroom
-from offload_core.speculative import SpeculativeConfig, read_speculative
+from offload_core.speculative import SpeculativeConfig, prepare, read_speculative
 from offload_core.speculative.drafts import check_self_resident, hold_speculation
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import device_key
@@ -46,7 +46,8 @@ class PlanRequest:
     device_map: Mapping[str, int | str] | None = None
     offload_folder: str | Path | None = None
     progress: bool = False
-    over_budget: str = "warn"  # a budget the plan cannot hold (a block larger than it): "warn" and run, or "refuse"
+    #: a budget the plan cannot hold (a block larger than it): "refuse" in one line, or "warn" and run over it
+    over_budget: str = defaults.OVER_BUDGET
 
     @property
     def policy_name(self) -> str:
@@ -103,9 +104,7 @@ def plan_request(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest)
         generation = request.generation or Generation()
         max_memory, drafted = hold_speculation(spec, model, dtype, device_key(device), max_memory, headroom, generation)
     budgets = less_headroom(max_memory, headroom, device) if headroom else dict(max_memory)
-    plan = make_plan(
-        model,
-        checkpoint,
+    inputs = PlanInputs(
         placement=placement,
         storage=storage,
         policy=policy,
@@ -121,6 +120,7 @@ def plan_request(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest)
         strict=request.device_map is None,
         over_budget=request.over_budget,
     )
+    plan = make_plan(model, checkpoint, inputs)
     plan.held = held_beside_weights(memory, drafted)
     if spec.name == "self":
         remedy = "raise max_memory or lower the layers"
@@ -155,6 +155,21 @@ def dispatch(
         offload_buffers=plan.policy.offload_buffers,
         residency=plan.residency(),
     )
+
+
+def plan_and_dispatch(model: nn.Module, checkpoint: Checkpoint, request: PlanRequest) -> nn.Module:
+    """Plan ``model`` (empty) for ``request`` (:func:`plan_request`) and load the opened ``checkpoint`` into it as
+    the plan says (closing the checkpoint if that fails), prepared for the request's speculative decoding: what
+    :func:`from_pretrained` does once the model is built. The plan is ``model.offload_plan``."""
+    try:
+        plan = plan_request(model, checkpoint, request)
+        model = dispatch(plan, model, checkpoint, request.offload_folder, request.progress)
+        model.speculation = prepare(request.speculative, model, request.dtype, request.execution_device)
+        model.offload_plan = plan
+        return model
+    except BaseException:
+        checkpoint.close()
+        raise
 
 
 def held_beside_weights(memory: Any, drafted: Mapping[str, int]) -> dict[str, int]:

@@ -3,7 +3,7 @@ units in flight, given the model, the checkpoint, the store and where the run ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -16,41 +16,17 @@ from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import budget_key
 
 
-def reservation(
-    policy: Policy,
-    storage: Storage,
-    execution_device: torch.device,
-    block_bytes: int,
-    module_bytes: int,
-    converts: bool,
-    model: nn.Module | None = None,
-    dtype: torch.dtype | None = None,
-    cpu_budget: int | None = None,
-    no_split: list[str] | None = None,
-    offloaded: Mapping[str, str] | None = None,
-    copied: frozenset[str] | None = None,
-    device_budget: int | None = None,
-) -> dict[Any, int]:
-    """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``),
-    given what the storage declares (``converts_on_read``: a checkpoint dtype other than the run's
-    (``converts``) makes copies on read; ``pinned``: no staging needed for a GPU). ``offloaded``: the tensors a
-    device map offloads (name -> store key; None: every tensor, a bound for any map), of which the units are
-    made; ``block_bytes`` and ``module_bytes`` are then those units' largest, ``copied`` which of them are copies."""
-    need = InFlight(
-        execution_device,
-        block_bytes,
-        module_bytes,
+def reservation(policy: Policy, storage: Storage, need: InFlight, converts: bool = False) -> dict[Any, int]:
+    """Bytes the placement must hold back for the units in flight: the policy's answer (its ``reserve``) to ``need``
+    (the units' sizes, the model, the budgets; see :class:`InFlight`) completed with what the storage declares
+    (``converts_on_read``: a checkpoint dtype other than the run's (``converts``) makes copies on read; ``pinned``: no
+    staging needed for a GPU; ``decode_scratch``; whether it hands out views)."""
+    need = replace(
+        need,
         store_converts=(converts and storage.converts_on_read) or storage.decode_scratch > 0,
         store_pinned=storage.pinned,
         store_scratch=storage.decode_scratch,
         store_maps=storage.reads_from in ("offload_folder", "checkpoint", "memory"),
-        model=model,
-        dtype=dtype,
-        cpu_budget=cpu_budget,
-        no_split_module_classes=tuple(no_split or ()),
-        offloaded=offloaded,
-        copied=copied,
-        device_budget=device_budget,
     )
     return dict(policy.reserve(need))
 
@@ -132,21 +108,19 @@ class Reserver:
             copied = self.copied.intersection(offloaded) if self.storage.converts_on_read else frozenset()
             differs = bool(copied)
             copies = self.copies_of(offloaded)
-        reserve = reservation(
-            policy,
-            self.storage,
+        need = InFlight(
             self.execution_device,
             block,
             module,
-            differs,
-            self.model,
-            self.dtype,
-            self.cpu_budget,
-            self.no_split,
-            offloaded,
-            copied,
-            self.device_budget,
+            model=self.model,
+            dtype=self.dtype,
+            cpu_budget=self.cpu_budget,
+            no_split_module_classes=tuple(self.no_split or ()),
+            offloaded=offloaded,
+            copied=copied,
+            device_budget=self.device_budget,
         )
+        reserve = reservation(policy, self.storage, need, differs)
         if copies:
             reserve["cpu"] = reserve.get("cpu", 0) + copies
         if offloaded is not None and not offloaded:  # nothing is in flight where nothing is offloaded
@@ -314,3 +288,14 @@ def units_in_flight(policy: Policy | None, execution_device: torch.device) -> in
     need = InFlight(execution_device, block_bytes=1, module_bytes=1, store_converts=True)
     key = budget_key(execution_device)
     return max(1, int(policy.reserve(need).get(key, 1)))
+
+
+def whole_limit(budgets: Mapping[Any, int], device: torch.device, policy: Policy | None = None) -> int | None:
+    """The largest component (or block) that moves whole: the execution device's budget shared by the units the
+    policy holds in flight at once and what runs beside them (half of it for a policy holding one unit); None
+    (any) when that device has no budget."""
+    key = budget_key(device)
+    budget = budgets.get(key)
+    if budget is None:
+        return None
+    return budget // (units_in_flight(policy, device) + 1)

@@ -10,7 +10,7 @@ import torch
 
 from offload_core import devices
 from offload_core.errors import DeviceMapError
-from offload_core.plan.make import Plan
+from offload_core.plan.make import Plan, PlanInputs
 from offload_core.plan.make import make_plan as plan_model
 from offload_core.plan.model import RunModel
 from offload_core.runner.settings import Settings, Strategies
@@ -29,9 +29,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
     device_map = read_device_map(path) if path else None
     if path:
         check_device_map_devices(device_map, settings.execution_device)
-    return plan_model(
-        run_model.model,
-        checkpoint,
+    inputs = PlanInputs(
         placement=strategies.placement,
         storage=strategies.storage,
         policy=strategies.policy,
@@ -46,6 +44,7 @@ def make_plan(settings: Settings, strategies: Strategies, run_model: RunModel, c
         policy_name=strategies.policy_name,
         over_budget=settings.over_budget,
     )
+    return plan_model(run_model.model, checkpoint, inputs)
 
 
 def read_device_map(path: str) -> dict:

@@ -168,7 +168,7 @@ class RunConfig:
     page_cache: str = defaults.PAGE_CACHE
     #: where the plan cannot keep a budget (the policy's units in flight, a block larger than it): warn (run over it by
     #: the amount a warning line names) or refuse (one error line, nothing loaded)
-    over_budget: str = "warn"
+    over_budget: str = defaults.OVER_BUDGET
     #: show progress bars (loading, prompts); TQDM_DISABLE=1 hides them too
     progress: bool = True
     #: measure the machine again (disk and host-to-device bandwidth, one block's compute) for the time prediction

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from offload_core import devices
+from offload_core import defaults, devices
 from offload_core.errors import ConfigError
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.registry.manager import Registry, get_registry
@@ -62,7 +62,7 @@ class Settings:
     offload_folder: str | None = None
     device_map_file: str | None = None
     page_cache: str = "auto"
-    over_budget: str = "warn"
+    over_budget: str = defaults.OVER_BUDGET
     compare_in_memory: bool = False
     plan_only: bool = False
     #: compute a share of the offloaded blocks on the host in decoding steps (:mod:`offload_core.plan.hybrid`)
@@ -175,7 +175,7 @@ def read_settings(cfg: Any, output_dir: str | Path | None = None) -> Settings:
         offload_folder=cfg.offload_folder,
         device_map_file=cfg.device_map,
         page_cache=str(cfg.page_cache),
-        over_budget=check_over_budget(str(cfg.get("over_budget", "warn"))),
+        over_budget=check_over_budget(str(cfg.get("over_budget", defaults.OVER_BUDGET))),
         compare_in_memory=bool(cfg.compare_in_memory),
         plan_only=bool(cfg.plan_only),
         hybrid=bool(cfg.get("hybrid", False)),

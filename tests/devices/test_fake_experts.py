@@ -33,6 +33,7 @@ def test_experts_on_a_gpu_match_in_memory(saved, store, guess, tmp_path, fake_gp
         moe.path,
         device_map="sequential",
         max_memory={0: total // 2, "cpu": total // 4},  # the GPU holds one block beside the generation
+        over_budget="warn",
         storage=store,
         policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
         offload_folder=tmp_path / "off",

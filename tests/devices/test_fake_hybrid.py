@@ -265,11 +265,10 @@ def test_from_pretrained_hybrid_measures_the_split_as_it_dispatches(rates, tmp_p
     fake = fake_gpu(count=1, memory="64MiB")
     model = offload_core.from_pretrained(
         tmp_path / "ckpt",
-        max_memory={0: "250KiB", "cpu": "64MiB"},  # after the generation's memory and slack, some blocks
-        storage="pinned_cpu",
-        hybrid=True,
+        offload={"storage": "pinned_cpu", "hybrid": True},
+        max_memory={0: "250KiB", "cpu": "64MiB"},
         dtype="float32",
-        generation={"max_new_tokens": 5, "prompt_tokens": 5},  # the one it generates below
+        generation={"max_new_tokens": 5, "prompt_tokens": 5},
     )
     policy = model.offload_state.handle
     split = policy.split
@@ -293,5 +292,6 @@ def test_from_pretrained_hybrid_refuses_another_policy_or_no_gpu(policy, tmp_pat
     says = "not 'chained': pass policy='prefetch'" if policy else "this run computes on cpu: leave hybrid out"
     with pytest.raises(ConfigError, match=says):
         offload_core.from_pretrained(
-            tmp_path / "ckpt", policy=policy, hybrid=True, execution_device="cpu" if not policy else None
+            tmp_path / "ckpt",
+            offload={"policy": policy, "hybrid": True, "execution_device": "cpu" if not policy else None},
         )

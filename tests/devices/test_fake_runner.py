@@ -195,10 +195,8 @@ def test_from_pretrained_loads_the_policy_its_plan_lightened(tmp_path, fake_gpu)
     fake = fake_gpu(count=1, memory=8 * total)
     model = from_pretrained(
         tmp_path / "moe",
+        offload={"storage": "pinned_cpu", "policy": "prefetch", "execution_device": fake.device(0)},
         max_memory={0: total // 4, "cpu": 2 * total},
-        storage="pinned_cpu",
-        policy="prefetch",
-        execution_device=fake.device(0),
     )
     try:
         plan = model.offload_plan

@@ -1,6 +1,6 @@
-"""A budget the plan cannot hold (the policy's layers in flight are larger than it): ``run.py`` runs over it, a warning
-line naming by how much and what to change; ``over_budget=refuse`` refuses it in one error line instead, and a value
-that is neither is one line too."""
+"""A budget the plan cannot hold (the policy's layers in flight are larger than it): ``run.py`` refuses it in one error
+line naming by how much and what to change (the default, ``over_budget=refuse``); ``over_budget=warn`` runs over it,
+a warning line saying so, and a value that is neither is one line too."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.end_to_end.helpers import child_env
 
 
 @pytest.mark.slow  # two processes
-def test_a_budget_smaller_than_the_layers_in_flight_is_run_over_warned_or_refused(tmp_path):
+def test_a_budget_smaller_than_the_layers_in_flight_is_refused_or_run_over_warned(tmp_path):
     moe = Saved("mixtral", tmp_path / "moe")
     command = [
         sys.executable,
@@ -38,11 +38,11 @@ def test_a_budget_smaller_than_the_layers_in_flight_is_run_over_warned_or_refuse
             [*command, where, *extra], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300
         )
 
-    warned = run()
+    warned = run("over_budget=warn")
     assert warned.returncode == 0, warned.stderr[-2000:]
     said = warned.stdout + warned.stderr
     assert "hook=prefetch holds " in said and "over max_memory.cpu=200.00 KiB: the run will go over it by" in said
-    refused = run("over_budget=refuse")
+    refused = run()
     assert refused.returncode != 0
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("offload_core: error: hook=prefetch holds "), refused.stderr[-2000:]

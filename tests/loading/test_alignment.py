@@ -90,12 +90,14 @@ def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_pat
     folder, ids, want, _ = llama
     model = offload_core.from_pretrained(
         folder,
+        offload={
+            "storage": store,
+            "policy": policy,
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "headroom": 0,
+        },
         max_memory={"cpu": 60_000},
-        storage=store,
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        headroom=0,
     )
     try:
         assert {"cpu", "disk"} <= set(model.hf_device_map.values())
@@ -115,12 +117,14 @@ def test_weights_reach_the_kernels_at_their_reference_offsets(llama, store, poli
     with assume_kernels_depend_on_alignment(True):
         model = offload_core.from_pretrained(
             folder,
+            offload={
+                "storage": store,
+                "policy": policy,
+                "offload_folder": tmp_path / "off",
+                "execution_device": "cpu",
+                "headroom": 0,
+            },
             max_memory={"cpu": 60_000},
-            storage=store,
-            policy=policy,
-            offload_folder=tmp_path / "off",
-            execution_device="cpu",
-            headroom=0,
         )
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
@@ -138,12 +142,14 @@ def test_where_the_kernels_do_not_care_a_memmap_folder_still_lies_at_the_referen
     with assume_kernels_depend_on_alignment(False):
         model = offload_core.from_pretrained(
             folder,
+            offload={
+                "storage": "memmap",
+                "policy": "align_per_call",
+                "offload_folder": tmp_path / "off",
+                "execution_device": "cpu",
+                "headroom": 0,
+            },
             max_memory={"cpu": 60_000},
-            storage="memmap",
-            policy="align_per_call",
-            offload_folder=tmp_path / "off",
-            execution_device="cpu",
-            headroom=0,
         )
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
@@ -269,12 +275,14 @@ def test_remove_restores_the_address_offsets_from_pretrained_gives(llama, store,
     assert len(set(offsets.values())) > 1, "the checkpoint must put weights at several offsets"
     model = offload_core.from_pretrained(
         folder,
+        offload={
+            "storage": store,
+            "policy": policy,
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "headroom": 0,
+        },
         max_memory={"cpu": 60_000},
-        storage=store,
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        headroom=0,
     )
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
@@ -296,12 +304,14 @@ def test_remove_restores_a_bert_encoder_as_from_pretrained_loads_it(tmp_path):
     offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
     model = offload_core.from_pretrained(
         tmp_path / "bert",
+        offload={
+            "storage": "memmap",
+            "policy": "align_per_call",
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "headroom": 0,
+        },
         max_memory={"cpu": 60_000},
-        storage="memmap",
-        policy="align_per_call",
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        headroom=0,
     )
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
@@ -320,11 +330,8 @@ def test_a_memmap_folder_maps_each_tensor_at_its_reference_offset_without_a_copy
     for build in ("new", "reused"):
         model = offload_core.from_pretrained(
             folder,
+            offload={"storage": "memmap", "offload_folder": tmp_path / "off", "execution_device": "cpu", "headroom": 0},
             max_memory={"cpu": 60_000},
-            storage="memmap",
-            offload_folder=tmp_path / "off",
-            execution_device="cpu",
-            headroom=0,
         )
         store = model.offload_state.store
         assert store.reused == (build == "reused") and len(store) > 4

@@ -58,15 +58,20 @@ def test_a_cached_checkpoint_of_each_format_runs_offloaded_as_transformers_loads
     files = [p for p in snapshot_folder.iterdir()]
     assert files and all(p.is_symlink() and not os.path.isabs(os.readlink(p)) for p in files)
     before = snapshot(cache)
-    source = dict(path=snapshot_folder) if by == "snapshot folder" else dict(path=REPO, cache_dir=cache)
+    source = (
+        dict(path=snapshot_folder)
+        if by == "snapshot folder"
+        else dict(path=REPO, hub={"cache_dir": cache, "local_files_only": True})
+    )
     model = from_pretrained(
-        **source,
-        local_files_only=by == "repo id",
+        offload={
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "storage": "safetensors" if layout.startswith("safetensors") else "memmap",
+            "headroom": 0,
+        },
         max_memory={"cpu": "40KiB"},
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        storage="safetensors" if layout.startswith("safetensors") else "memmap",
-        headroom=0,
+        **source,
     )
     assert "disk" in set(model.hf_device_map.values()), model.hf_device_map
     reference = _reference(cache)
@@ -115,8 +120,8 @@ def test_a_planted_link_in_the_offload_folder_still_cannot_redirect_a_write(tmp_
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, num_key_value_heads=2))
     model.save_pretrained(tmp_path / "saved")
     folder = as_hub_cache(tmp_path / "saved", tmp_path / "cache", REPO)
-    budget = dict(max_memory={"cpu": "40KiB"}, execution_device="cpu", storage="memmap", headroom=0)
-    first = from_pretrained(folder, offload_folder=tmp_path / "learn", **budget)
+    budget = dict(execution_device="cpu", storage="memmap", headroom=0)
+    first = from_pretrained(folder, {"cpu": "40KiB"}, {"offload_folder": tmp_path / "learn", **budget})
     written = sorted(p.name for p in (tmp_path / "learn").iterdir() if p.suffix == ".dat")
     first.offload_state.remove()
     assert written
@@ -126,7 +131,10 @@ def test_a_planted_link_in_the_offload_folder_still_cannot_redirect_a_write(tmp_
     (tmp_path / "off" / written[0]).symlink_to(victim)
     with pytest.raises(StorageError, match=r"holds a symlink"):
         from_pretrained(
-            REPO, cache_dir=tmp_path / "cache", local_files_only=True, offload_folder=tmp_path / "off", **budget
+            REPO,
+            {"cpu": "40KiB"},
+            {"offload_folder": tmp_path / "off", **budget},
+            hub={"cache_dir": tmp_path / "cache", "local_files_only": True},
         )
     assert victim.read_text() == "precious"
 
@@ -168,7 +176,7 @@ def test_an_existing_local_path_wins_over_a_repo_id(offline_cache, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     _tiny_folder(tmp_path / "acme" / "smol", layers=2)
     assert resolve_model_path(REPO) == Path(REPO)
-    model = from_pretrained(REPO, execution_device="cpu")
+    model = from_pretrained(REPO, offload={"execution_device": "cpu"})
     assert model.config.num_hidden_layers == 2
 
 
@@ -185,7 +193,7 @@ def test_a_repo_the_cache_lacks_offline_is_one_line_saying_what_to_do(offline_ca
 
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with pytest.raises(OffloadError) as caught:
-        from_pretrained("acme/nope", local_files_only=how == "local_files_only")
+        from_pretrained("acme/nope", hub={"local_files_only": how == "local_files_only"})
     message = str(caught.value)
     assert "\n" not in message and "path='acme/nope' is neither a local folder nor a model" in message
     assert str(offline_cache) in message and all(part in message for part in parts), message
@@ -285,7 +293,7 @@ def online(offline_cache, tmp_path, monkeypatch):
 
 
 def test_online_a_repo_id_downloads_the_files_transformers_reads_at_the_asked_revision(online, offline_cache):
-    model = from_pretrained(REPO, revision="v1", token="hf_secret", execution_device="cpu")
+    model = from_pretrained(REPO, offload={"execution_device": "cpu"}, hub={"revision": "v1", "token": "hf_secret"})
     assert type(model).__name__ == "LlamaForCausalLM"
     assert online["info"] == (REPO, "v1", "hf_secret")
     download = online["download"]

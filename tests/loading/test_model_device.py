@@ -61,11 +61,13 @@ def test_fully_offloaded_moe_generates_as_in_memory(saved, policy, store, tmp_pa
     cls, want_tokens, want_logits, want_impl = _reference(moe)
     model = offload_core.from_pretrained(
         moe.path,
-        device_map={"": "disk"},
-        storage=store,
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
+        offload={
+            "device_map": {"": "disk"},
+            "storage": store,
+            "policy": policy,
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+        },
     )
     assert next(model.parameters()).device.type == "meta"
     assert model.device == torch.device("cpu")
@@ -86,7 +88,8 @@ def test_generation_steps_are_bit_identical(saved, name, policy, tmp_path):
     moe = saved(name)
     _, want_tokens, want_logits, _ = _reference(moe)
     model = offload_core.from_pretrained(
-        moe.path, device_map={"": "disk"}, storage="safetensors", policy=policy, execution_device="cpu"
+        moe.path,
+        offload={"device_map": {"": "disk"}, "storage": "safetensors", "policy": policy, "execution_device": "cpu"},
     )
     tokens, logits, _ = _generate(model, moe)
     model.offload_state.remove()
@@ -99,10 +102,17 @@ def test_a_model_with_a_resident_first_weight_reports_that_weight_s_device(saved
     moe = saved("mixtral")
     model = offload_core.from_pretrained(
         moe.path,
-        device_map={"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "disk", "lm_head": "disk"},
-        storage="memmap",
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
+        offload={
+            "device_map": {
+                "model.embed_tokens": "cpu",
+                "model.layers": "disk",
+                "model.norm": "disk",
+                "lm_head": "disk",
+            },
+            "storage": "memmap",
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+        },
     )
     assert model.device == torch.device("cpu")
     model.offload_state.remove()
@@ -126,7 +136,7 @@ def test_weights_resting_on_the_cpu_report_the_device_they_run_on(saved, fake_gp
     moe = saved("mixtral")
     device = fake_gpu().device(0)
     model = offload_core.from_pretrained(
-        moe.path, device_map={"": "cpu"}, storage="pinned_cpu", execution_device=device
+        moe.path, offload={"device_map": {"": "cpu"}, "storage": "pinned_cpu", "execution_device": device}
     )
     try:
         assert model.device == device

@@ -58,14 +58,16 @@ def test_from_pretrained_and_a_plan_only_run_make_the_same_plan(
     planned = _run_plan(compose_run, path, budget, placement, storage, hook, page_cache, tmp_path)
     model = from_pretrained(
         path,
+        offload={
+            "placement": placement,
+            "storage": storage,
+            "policy": hook,
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "page_cache": page_cache,
+            "headroom": 0,
+        },
         max_memory={"cpu": budget},
-        placement=placement,
-        storage=storage,
-        policy=hook,
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        page_cache=page_cache,
-        headroom=0,
     )
     try:
         loaded = model.offload_plan
@@ -104,12 +106,14 @@ def test_a_policys_own_device_map_is_the_plan_of_both_doors(saved, compose_run, 
     policy = get_registry().create("policy", "functional_call", {"name": "functional_call", "cpu_offload": "40KiB"})
     model = from_pretrained(
         path,
+        offload={
+            "policy": policy,
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "page_cache": 0,
+            "headroom": 0,
+        },
         max_memory={"cpu": 10 * 2**20},
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        page_cache=0,
-        headroom=0,
     )
     try:
         assert "disk" in set(planned.device_map.values())

@@ -20,7 +20,9 @@ def checkpoint(tmp_path_factory):
 
 
 def _plan(path, max_memory):
-    model = offload_core.from_pretrained(path, max_memory, storage="safetensors", execution_device="cpu", headroom=0)
+    model = offload_core.from_pretrained(
+        path, max_memory, offload={"storage": "safetensors", "execution_device": "cpu", "headroom": 0}
+    )
     try:
         return model.hf_device_map, torch.equal(
             model(torch.tensor([[1, 2, 3]])).logits, model(torch.tensor([[1, 2, 3]])).logits
@@ -59,6 +61,6 @@ def test_one_size_on_a_gpu_run_is_that_gpus_budget_beside_the_available_ram():
 )
 def test_a_bad_max_memory_is_one_line_naming_it(checkpoint, bad, said):
     with pytest.raises(ConfigError) as caught:
-        offload_core.from_pretrained(checkpoint, max_memory=bad, execution_device="cpu", headroom=0)
+        offload_core.from_pretrained(checkpoint, offload={"execution_device": "cpu", "headroom": 0}, max_memory=bad)
     message = str(caught.value)
     assert message.startswith(said) and "\n" not in message

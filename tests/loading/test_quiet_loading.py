@@ -55,7 +55,7 @@ def test_tensors_the_model_makes_itself_load_silently_and_an_unused_one_is_said(
     folder, tensors = old_bert
     with records_of("offload_core.loading.load_weights", logging.WARNING) as said:
         model = offload_core.from_pretrained(
-            folder, {"cpu": "20KB"}, storage="safetensors", execution_device="cpu", headroom=0
+            folder, {"cpu": "20KB"}, offload={"storage": "safetensors", "execution_device": "cpu", "headroom": 0}
         )
     model.offload_state.remove()
     assert said == []
@@ -64,7 +64,7 @@ def test_tensors_the_model_makes_itself_load_silently_and_an_unused_one_is_said(
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with records_of("offload_core.loading.load_weights", logging.WARNING) as said:
         model = offload_core.from_pretrained(
-            tmp_path, {"cpu": "20KB"}, storage="safetensors", execution_device="cpu", headroom=0
+            tmp_path, {"cpu": "20KB"}, offload={"storage": "safetensors", "execution_device": "cpu", "headroom": 0}
         )
     model.offload_state.remove()
     assert said == ["checkpoint has 1 tensor(s) the model does not use (ignored): encoder.extra.weight"]

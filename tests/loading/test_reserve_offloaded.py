@@ -10,7 +10,7 @@ import offload_core
 from offload_core import init_empty_weights
 from offload_core.alignment import assume_kernels_depend_on_alignment
 from offload_core.loading.checkpoint import Checkpoint
-from offload_core.plan.make import make_plan
+from offload_core.plan.make import PlanInputs, make_plan
 from offload_core.planning import compute_module_sizes
 from offload_core.registry.manager import get_registry
 from tests.checkpoints import POLICIES
@@ -23,9 +23,7 @@ def _plan(source, policy: str, storage: str, budget: int):
         model = source.auto.from_config(source.config).eval()
     registry = get_registry()
     with Checkpoint.open(source.path) as checkpoint:
-        return make_plan(
-            model,
-            checkpoint,
+        inputs = PlanInputs(
             placement=registry.create("placement", "sequential"),
             storage=registry.create("storage", storage),
             policy=registry.create("policy", policy),
@@ -35,6 +33,7 @@ def _plan(source, policy: str, storage: str, budget: int):
             dtype=torch.float32,
             policy_name=policy,
         )
+        return make_plan(model, checkpoint, inputs)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -58,11 +57,9 @@ def test_the_experts_policy_holds_back_what_its_offloaded_layers_hold(saved):
     total = sum(p.numel() * 2 for p in reference.parameters())
     model = offload_core.from_pretrained(
         source.path,
+        offload={"policy": "experts", "storage": "safetensors", "headroom": 0},
         max_memory={"cpu": int(total * 0.95)},
-        policy="experts",
-        storage="safetensors",
         dtype=torch.bfloat16,
-        headroom=0,
     )
     try:
         handle = model.offload_state.handle
@@ -88,7 +85,9 @@ def test_prefetch_holds_back_its_pool_for_the_blocks_it_offloads(saved):
     total = sum(p.numel() * 4 for p in reference.parameters())
     budget = int(total * 0.9)
     policy = get_registry().create("policy", "prefetch", {"pool": True, "depth": 1})  # copies into its pool
-    model = offload_core.from_pretrained(source.path, max_memory={"cpu": budget}, policy=policy, headroom=0)
+    model = offload_core.from_pretrained(
+        source.path, offload={"policy": policy, "headroom": 0}, max_memory={"cpu": budget}
+    )
     try:
         with torch.no_grad():
             assert torch.equal(model(**source.inputs).logits, source.expected)

@@ -54,12 +54,14 @@ def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, 
     model_saved = saved(name)
     model = from_pretrained(
         model_saved.path,
+        offload={
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "storage": "safetensors",
+            "policy": "prefetch",
+            "headroom": 0,
+        },
         max_memory={"cpu": budget},
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        storage="safetensors",
-        policy="prefetch",
-        headroom=0,
     )
     assert type(model).__name__ == cls
     assert {"cpu", "disk"} <= set(model.hf_device_map.values()), model.hf_device_map
@@ -72,7 +74,9 @@ def test_from_pretrained_returns_the_checkpoints_class_with_equal_logits(saved, 
 def test_from_pretrained_seq2seq_generates_as_in_memory(saved, tmp_path):
     t5 = saved("t5")
     model = from_pretrained(
-        t5.path, max_memory={"cpu": "60KiB"}, offload_folder=tmp_path / "off", execution_device="cpu", headroom=0
+        t5.path,
+        offload={"offload_folder": tmp_path / "off", "execution_device": "cpu", "headroom": 0},
+        max_memory={"cpu": "60KiB"},
     )
     reference = t5.auto.from_pretrained(t5.path).eval()
     ids = t5.inputs["input_ids"][:1]
@@ -102,7 +106,9 @@ def test_from_pretrained_reserves_as_the_runner_so_an_embedding_leaves_room_on_c
     )
     assert {"cpu", "disk"} <= set(empty.hf_device_map.values()), empty.hf_device_map
     empty.offload_state.remove()
-    model = from_pretrained(folder, max_memory=half, offload_folder=tmp_path / "b", execution_device="cpu", headroom=0)
+    model = from_pretrained(
+        folder, offload={"offload_folder": tmp_path / "b", "execution_device": "cpu", "headroom": 0}, max_memory=half
+    )
     assert type(model).__name__ == "BertModel"
     assert model.hf_device_map == empty.hf_device_map
     model.offload_state.remove()
@@ -120,14 +126,14 @@ def test_unknown_architecture_is_one_line_naming_model_type(tmp_path):
 
 def test_task_without_a_model_for_the_checkpoint_is_one_line_naming_it(saved, tmp_path):
     with pytest.raises(OffloadError) as caught:
-        from_pretrained(saved("bert").path, task="seq2seq_lm", offload_folder=tmp_path)
+        from_pretrained(saved("bert").path, offload={"offload_folder": tmp_path}, task="seq2seq_lm")
     message = str(caught.value)
     assert "\n" not in message and "task='seq2seq_lm'" in message and "task=masked_lm" in message
 
 
 def test_task_whose_head_the_checkpoint_lacks_is_one_line_naming_it(saved, tmp_path):
     with pytest.raises(OffloadError) as caught:
-        from_pretrained(saved("bert").path, task="sequence_classification", offload_folder=tmp_path)
+        from_pretrained(saved("bert").path, offload={"offload_folder": tmp_path}, task="sequence_classification")
     message = str(caught.value)
     assert "\n" not in message and "task='sequence_classification'" in message and "lacks" in message
 

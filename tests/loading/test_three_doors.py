@@ -11,6 +11,7 @@ import pytest
 import transformers
 
 import offload_core
+from offload_core.options import Offload
 from offload_core import defaults, init_empty_weights, load_checkpoint_and_dispatch
 from offload_core.planning.generation import Generation
 from offload_core.plan.prepare import prepare
@@ -42,7 +43,7 @@ def _runner_door(compose_run, path, budget, extra, tmp_path):
 
 def _python_doors(path, budget, generation, tmp_path, **options):
     made = offload_core.from_pretrained(
-        path, max_memory={"cpu": budget}, execution_device="cpu", generation=generation, **options
+        path, {"cpu": budget}, {"execution_device": "cpu", **options}, generation=generation
     )
     config = transformers.AutoConfig.from_pretrained(path)
     with init_empty_weights():
@@ -102,12 +103,14 @@ def test_a_longer_generation_and_a_self_draft_are_held_alike_by_every_door(saved
     generation = Generation(max_new_tokens=24, prompt_tokens=prompt_tokens)
     made = offload_core.from_pretrained(
         path,
+        offload={
+            "execution_device": "cpu",
+            "placement": "balanced",
+            "policy": "prefetch",
+            "speculative": {"name": "self", "layers": 1},
+        },
         max_memory={"cpu": budget},
-        execution_device="cpu",
-        placement="balanced",
-        policy="prefetch",
         generation=generation,
-        speculative={"name": "self", "layers": 1},
     )
     try:
         assert planned.held["draft_kv_cache"] > 0
@@ -125,13 +128,49 @@ def test_each_door_reads_its_defaults_from_one_module(compose_run):
     )
     assert (cfg.page_cache, cfg.headroom) == (defaults.PAGE_CACHE, defaults.HEADROOM)
     assert (cfg.max_new_tokens, cfg.batch_size) == (defaults.MAX_NEW_TOKENS, defaults.BATCH_SIZE)
-    pretrained = inspect.signature(offload_core.from_pretrained).parameters
-    assert pretrained["placement"].default == defaults.PLACEMENT
-    assert pretrained["storage"].default == defaults.STORAGE
-    assert pretrained["page_cache"].default == defaults.PAGE_CACHE
-    assert pretrained["headroom"].default == defaults.HEADROOM
+    assert cfg.over_budget == defaults.OVER_BUDGET
+    python = Offload()  # from_pretrained's options (its policy None: the default, prefetch for graphs or hybrid)
+    assert (python.placement, python.storage, python.policy) == (defaults.PLACEMENT, defaults.STORAGE, None)
+    assert (python.page_cache, python.headroom) == (defaults.PAGE_CACHE, defaults.HEADROOM)
+    assert python.over_budget == defaults.OVER_BUDGET
     dispatch = inspect.signature(load_checkpoint_and_dispatch).parameters
     assert dispatch["storage"].default == defaults.STORAGE and dispatch["policy"].default == defaults.POLICY
     assert dispatch["page_cache"].default == defaults.PAGE_CACHE
     assert dispatch["headroom"].default == defaults.HEADROOM
+    assert dispatch["over_budget"].default == defaults.OVER_BUDGET
     assert Generation() == Generation(defaults.MAX_NEW_TOKENS, defaults.BATCH_SIZE, defaults.PROMPT_TOKENS)
+
+
+def test_auto_chooses_from_python_what_it_chooses_for_run_py(saved, compose_run, tmp_path, capsys):
+    from offload_core.plan.auto import choose
+
+    path, budget = saved("llama").path, BUDGETS["llama"]
+    overrides = ["model=local", "model.tokenizer=bytes", f"model.path={path}", f"max_memory.cpu={budget}"]
+    overrides += ["execution_device=cpu", "progress=false", "auto=true", "storage=memmap"]
+    settings = read_settings(compose_run(overrides), tmp_path / "run")
+    chosen, table = choose(settings, overrides)
+    with prepare(chosen, build_strategies(chosen), predict=False) as job:
+        planned, prompt_tokens = job.plan, job.input_ids.shape[1]
+    made = offload_core.from_pretrained(
+        path,
+        {"cpu": budget},
+        {"execution_device": "cpu", "auto": True, "storage": "memmap", "offload_folder": tmp_path / "off"},
+        generation=Generation(prompt_tokens=prompt_tokens),
+    )
+    try:
+        ranked = made.offload_plan.auto
+        assert len(ranked) > 1 and {row["configuration"] for row in ranked} == {row["configuration"] for row in table}
+        assert all(row["configuration"].startswith("storage=memmap ") for row in ranked)  # given: kept
+        assert ranked[0]["configuration"] == table[0]["configuration"]
+        assert _fields(made.offload_plan) == _fields(planned)
+    finally:
+        made.offload_state.remove()
+
+
+def test_auto_takes_plugin_names_only(saved):
+    from offload_core.errors import ConfigError
+    from offload_core.registry.manager import get_registry
+
+    prefetch = get_registry().create("policy", "prefetch")
+    with pytest.raises(ConfigError, match=r"^auto=True ranks plugins by name; policy=.* give its name, or drop auto$"):
+        offload_core.from_pretrained(saved("llama").path, "1MiB", {"auto": True, "policy": prefetch})

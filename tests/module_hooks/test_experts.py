@@ -26,6 +26,7 @@ def _dispatch(saved: Saved, path: Path, store: str, folder: Path, **config) -> t
         path,
         device_map="sequential",
         max_memory={"cpu": total // 8},
+        over_budget="warn",  # the tiny blocks are larger than an eighth of the model
         storage=store,
         policy=Experts(ExpertsConfig(**config)),
         offload_folder=folder,

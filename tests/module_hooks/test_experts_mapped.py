@@ -46,7 +46,9 @@ def mixtral(request, tmp_path_factory):
 
 def test_fused_experts_are_spliced_from_the_shard_and_survive_a_drop(mixtral):
     path, _, _, _, reference, dtype = mixtral
-    model = offload_core.from_pretrained(path, device_map={"": "disk"}, storage="safetensors", dtype=dtype)
+    model = offload_core.from_pretrained(
+        path, offload={"device_map": {"": "disk"}, "storage": "safetensors"}, dtype=dtype
+    )
     store = model.offload_state.store
     fused = [name for name in store if name.endswith("gate_up_proj") or name.endswith("down_proj")]
     assert fused
@@ -69,11 +71,14 @@ def test_experts_on_mapped_views_give_the_in_memory_tokens(mixtral, store, guess
     path, ids, want, total, _, dtype = mixtral
     model = offload_core.from_pretrained(
         path,
+        offload={
+            "storage": store,
+            "policy": Experts(ExpertsConfig(guess=guess, cache_slots=0)),
+            "offload_folder": tmp_path / "off",
+            "over_budget": "warn",  # the tiny blocks are larger than a quarter of the model
+        },
         max_memory={"cpu": total // 4},
-        storage=store,
         dtype=dtype,
-        policy=Experts(ExpertsConfig(guess=guess, cache_slots=0)),
-        offload_folder=tmp_path / "off",
     )
     layers = model.offload_state.handle.layers
     assert layers
@@ -108,11 +113,13 @@ def test_routed_rows_are_asked_for_before_they_are_read(mixtral, tmp_path, monke
     monkeypatch.setattr(pagecache, "resident", lambda tensor: False)
     model = offload_core.from_pretrained(
         path,
-        device_map={"": "disk"},
-        storage="memmap",
+        offload={
+            "device_map": {"": "disk"},
+            "storage": "memmap",
+            "policy": Experts(ExpertsConfig(guess="none", cache_slots=0)),
+            "offload_folder": tmp_path / "off",
+        },
         dtype=dtype,
-        policy=Experts(ExpertsConfig(guess="none", cache_slots=0)),
-        offload_folder=tmp_path / "off",
     )
     layers = model.offload_state.handle.layers
     assert all(isinstance(layer, MappedLayer) for layer in layers)
@@ -182,11 +189,14 @@ def test_guesses_in_memory_already_wake_no_reader(mixtral, tmp_path):
     path, ids, want, total, _, dtype = mixtral
     model = offload_core.from_pretrained(
         path,
+        offload={
+            "storage": "memmap",
+            "policy": Experts(ExpertsConfig(guess="router", cache_slots=0)),
+            "offload_folder": tmp_path / "off",
+            "over_budget": "warn",  # the tiny blocks are larger than a quarter of the model
+        },
         max_memory={"cpu": total // 4},
-        storage="memmap",
         dtype=dtype,
-        policy=Experts(ExpertsConfig(guess="router", cache_slots=0)),
-        offload_folder=tmp_path / "off",
     )
     handle = model.offload_state.handle
     assert all(isinstance(layer, MappedLayer) for layer in handle.layers)
@@ -212,11 +222,13 @@ def test_a_held_expert_whose_pages_were_taken_back_is_read_in_not_faulted_in(mix
     path, ids, want, total, _, dtype = mixtral
     model = offload_core.from_pretrained(
         path,
-        device_map={"": "disk"},
-        storage="memmap",
+        offload={
+            "device_map": {"": "disk"},
+            "storage": "memmap",
+            "policy": Experts(ExpertsConfig(guess="none", cache_slots=2)),
+            "offload_folder": tmp_path / "off",
+        },
         dtype=dtype,
-        policy=Experts(ExpertsConfig(guess="none", cache_slots=2)),
-        offload_folder=tmp_path / "off",
     )
     handle, store = model.offload_state.handle, model.offload_state.store
     assert all(isinstance(layer, MappedLayer) for layer in handle.layers)

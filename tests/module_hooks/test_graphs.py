@@ -56,11 +56,9 @@ def test_offloaded_graphs_generate_what_the_in_memory_model_does(llama_run):
     del reference
     model = offload_core.from_pretrained(
         llama.path,
+        offload={"storage": "pinned_cpu", "graphs": True, "execution_device": fake.device(0), "over_budget": "warn"},
         max_memory={0: total // 2 + graph_pool_bytes(llama.config, dtype=torch.float32)},
-        storage="pinned_cpu",
-        graphs=True,
-        execution_device=fake.device(0),
-        generation={"max_new_tokens": 5, "prompt_tokens": ids.shape[1]},  # the one it generates
+        generation={"max_new_tokens": 5, "prompt_tokens": ids.shape[1]},
     )
     try:
         ring = model.offload_state.handle.prefetcher
@@ -85,11 +83,9 @@ def test_a_wrong_ring_schedule_is_a_hazard(llama_run, mistake):
     del reference
     model = offload_core.from_pretrained(
         llama.path,
+        offload={"storage": "pinned_cpu", "graphs": True, "execution_device": fake.device(0), "over_budget": "warn"},
         max_memory={0: total // 2 + graph_pool_bytes(llama.config, dtype=torch.float32)},
-        storage="pinned_cpu",
-        graphs=True,
-        execution_device=fake.device(0),
-        generation={"max_new_tokens": 5, "prompt_tokens": ids.shape[1]},  # the one it generates
+        generation={"max_new_tokens": 5, "prompt_tokens": ids.shape[1]},
     )
     ring = model.offload_state.handle.prefetcher
     if mistake == "compute before its copy":
@@ -149,7 +145,7 @@ def test_replay_recomputes_from_the_inputs_and_the_capture_runs_nothing(fake_gpu
 def test_graphs_are_refused_where_they_cannot_apply(saved, tmp_path):
     llama = saved("llama")
     with pytest.raises(GraphsError, match="CUDA GPU; this run computes on cpu"):
-        offload_core.from_pretrained(llama.path, graphs=True)
+        offload_core.from_pretrained(llama.path, offload={"graphs": True})
 
 
 def test_a_run_with_graphs_matches_the_in_memory_model_and_stays_in_its_budget(tmp_path, fake_gpu, compose_run):

@@ -61,7 +61,9 @@ def test_gpu_graphs_generate_what_the_in_memory_model_does(tmp_path):
     torch.cuda.empty_cache()
     budget = total // 3 + graph_pool_bytes(CONFIG, dtype=torch.bfloat16)
     offloaded = offload_core.from_pretrained(
-        tmp_path, max_memory={0: budget}, storage="pinned_cpu", graphs=True, execution_device="cuda:0"
+        tmp_path,
+        offload={"storage": "pinned_cpu", "graphs": True, "execution_device": "cuda:0"},
+        max_memory={0: budget},
     )
     try:
         assert isinstance(offloaded.offload_state.handle.prefetcher, StaticRing)

@@ -216,11 +216,13 @@ def test_from_pretrained_takes_a_page_cache(tmp_path, page_cache, kept):
     expected = _generate(_model(), ids)
     model = offload_core.from_pretrained(
         folder,
-        device_map=DISK,
-        storage="safetensors",
-        policy="align_per_call",
-        execution_device="cpu",
-        page_cache=page_cache,
+        offload={
+            "device_map": DISK,
+            "storage": "safetensors",
+            "policy": "align_per_call",
+            "execution_device": "cpu",
+            "page_cache": page_cache,
+        },
     )
     try:
         assert torch.equal(_generate(model, ids), expected)
@@ -233,4 +235,6 @@ def test_from_pretrained_takes_a_page_cache(tmp_path, page_cache, kept):
 
 def test_from_pretrained_refuses_a_page_cache_it_cannot_read(tmp_path):
     with pytest.raises(ConfigError, match="page_cache"):
-        offload_core.from_pretrained(_checkpoint(tmp_path), device_map=DISK, storage="safetensors", page_cache="lots")
+        offload_core.from_pretrained(
+            _checkpoint(tmp_path), offload={"device_map": DISK, "storage": "safetensors", "page_cache": "lots"}
+        )

@@ -24,11 +24,8 @@ def test_three_prefetch_models_used_in_turn_generate_as_in_memory(saved, tmp_pat
     models = {
         name: offload_core.from_pretrained(
             s.path,
+            offload={"policy": "prefetch", "storage": storage, "offload_folder": tmp_path / name, "headroom": 0},
             max_memory={"cpu": "60KiB"},
-            policy="prefetch",
-            storage=storage,
-            offload_folder=tmp_path / name,
-            headroom=0,
         )
         for (name, s), storage in zip(sources.items(), ["safetensors", "memmap", "safetensors"])
     }

@@ -96,12 +96,15 @@ def test_generation_ends_and_no_reader_outlives_the_run(mixtral, policy, store, 
     before = ours()
     model = offload_core.from_pretrained(
         path,
+        offload={
+            "storage": store,
+            "policy": POLICIES[policy](),
+            "offload_folder": tmp_path / "off",
+            "page_cache": kept,
+            "headroom": 0,
+            "over_budget": "warn",  # the tiny blocks are larger than a quarter of the model
+        },
         max_memory={"cpu": total // 4},
-        storage=store,
-        policy=POLICIES[policy](),
-        offload_folder=tmp_path / "off",
-        page_cache=kept,
-        headroom=0,
     )
     assert "disk" in set(model.hf_device_map.values())
     got: list = []
@@ -131,7 +134,9 @@ def test_no_reader_outlives_remove(mixtral, policy, tmp_path):
     path, ids, want_tokens, total = mixtral
     before = ours()
     model = offload_core.from_pretrained(
-        path, max_memory={"cpu": total // 4}, storage="safetensors", policy=policy, headroom=0
+        path,
+        offload={"storage": "safetensors", "policy": policy, "headroom": 0, "over_budget": "warn"},
+        max_memory={"cpu": total // 4},
     )
     with torch.no_grad():
         assert torch.equal(

@@ -14,7 +14,8 @@ import offload_core
 from offload_core.alignment import assume_kernels_depend_on_alignment
 from offload_core.errors import ConfigError
 from offload_core.loading.pipeline import component_no_split
-from offload_core.loading.pipeline_load import open_pipeline, whole_limit
+from offload_core.loading.pipeline_load import open_pipeline
+from offload_core.plan.reserve import whole_limit
 from offload_core.plan.reserve import Reserver, units_in_flight
 from offload_core.planning import compute_module_sizes
 from offload_core.registry.manager import get_registry
@@ -77,21 +78,20 @@ def test_a_block_class_larger_than_the_limit_is_split_into_its_inner_blocks(pipe
 
 
 def test_a_policy_whose_units_in_flight_do_not_fit_the_budget_says_so_in_one_line_or_is_refused(pipeline_dir):
-    kwargs = dict(
-        max_memory={"cpu": 20_000},
+    options = dict(
         storage="safetensors",
         policy="prefetch",
         no_split_module_classes=["UNet2DConditionModel", "CLIPTextModel", "AutoencoderKL"],
         headroom=0,
     )
     with assume_kernels_depend_on_alignment(True), pytest.raises(ConfigError) as refused:
-        offload_core.from_pretrained(pipeline_dir, over_budget="refuse", **kwargs)
+        offload_core.from_pretrained(pipeline_dir, {"cpu": 20_000}, {**options, "over_budget": "refuse"})
     line = str(refused.value)
     assert "\n" not in line and line.startswith("hook=prefetch holds ") and "units in flight" in line
     assert "over max_memory.cpu=19.53 KiB: the run would go over it by" in line
     assert "(over_budget=refuse); raise max_memory.cpu to at least" in line
     with assume_kernels_depend_on_alignment(True), records_of("offload_core.plan.make", logging.WARNING) as said:
-        pipeline = offload_core.from_pretrained(pipeline_dir, **kwargs)
+        pipeline = offload_core.from_pretrained(pipeline_dir, {"cpu": 20_000}, {**options, "over_budget": "warn"})
     pipeline.offload_state.remove()
     assert len(said) == 1 and "\n" not in said[0], said
     assert said[0].startswith("hook=prefetch holds ") and "the run will go over it by" in said[0]

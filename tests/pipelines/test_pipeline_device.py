@@ -17,7 +17,9 @@ def test_fake_gpu_pipeline_matches_in_memory_within_budget(fake_gpu, pipeline_di
     accelerator = fake_gpu(memory="64MiB")
     budget = 600 * 1024
     pipeline = offload_core.from_pretrained(
-        pipeline_dir, max_memory=budget, storage="pinned_cpu", policy=policy, execution_device="fakegpu:0"
+        pipeline_dir,
+        offload={"storage": "pinned_cpu", "policy": policy, "execution_device": "fakegpu:0"},
+        max_memory=budget,
     )
     state = pipeline.offload_state
     try:
@@ -36,7 +38,9 @@ def test_fake_gpu_plan_keeps_the_denoiser_before_what_runs_once_per_image(fake_g
     denoiser the GPU keeps saves a move per step, so none of theirs is kept while some of the denoiser is not."""
     fake_gpu(memory="64MiB")
     pipeline = offload_core.from_pretrained(
-        pipeline_dir, max_memory=600 * 1024, storage="pinned_cpu", policy="chained", execution_device="fakegpu:0"
+        pipeline_dir,
+        offload={"storage": "pinned_cpu", "policy": "chained", "execution_device": "fakegpu:0"},
+        max_memory=600 * 1024,
     )
     state = pipeline.offload_state
     try:
@@ -131,11 +135,13 @@ def test_gpu_pipeline_matches_in_memory_within_budget(gpu_pipeline, policy, tmp_
     torch.cuda.reset_peak_memory_stats(0)
     pipeline = offload_core.from_pretrained(
         folder,
+        offload={
+            "storage": "pinned_cpu",
+            "policy": policy,
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cuda:0",
+        },
         max_memory=budget,
-        storage="pinned_cpu",
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        execution_device="cuda:0",
         plan_call={"height": 64, "width": 64},
     )
     state = pipeline.offload_state

@@ -124,7 +124,7 @@ def test_run_py_holds_the_calls_activations_beside_the_weights(pipeline_dir, tmp
 def test_from_pretrained_holds_the_planned_calls_activations_and_gives_the_in_memory_images(pipeline_dir, reference):
     budget = 1_000_000
     pipeline = offload_core.from_pretrained(
-        pipeline_dir, max_memory={"cpu": budget}, policy="prefetch", plan_call={"height": 16, "width": 16}
+        pipeline_dir, offload={"policy": "prefetch"}, max_memory={"cpu": budget}, plan_call={"height": 16, "width": 16}
     )
     plan = pipeline.offload_modules.offload_plan
     try:
@@ -176,7 +176,9 @@ def test_once_a_pipeline_is_built_a_freed_activation_goes_back_to_the_system(pip
 
 def test_a_budget_too_small_for_its_call_holds_back_half_and_says_so(pipeline_dir):
     with records_of("offload_core.loading.pipeline_memory", logging.WARNING) as said:
-        pipeline = offload_core.from_pretrained(pipeline_dir, max_memory={"cpu": 150_000}, policy="chained")
+        pipeline = offload_core.from_pretrained(
+            pipeline_dir, offload={"policy": "chained"}, max_memory={"cpu": 150_000}
+        )
     plan = pipeline.offload_modules.offload_plan
     pipeline.offload_state.remove()
     assert plan.headroom == 75_000 and {"cpu", "disk"} <= set(pipeline.hf_device_map.values())

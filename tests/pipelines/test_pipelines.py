@@ -27,7 +27,8 @@ def test_every_policy_and_store_gives_the_in_memory_images(
 ):
     # one map for every case, so the memmap store's folder is written once and reused
     pipeline = offload_core.from_pretrained(
-        pipeline_dir, device_map=third_on_cpu, policy=policy, storage=storage, offload_folder=offload_folder
+        pipeline_dir,
+        offload={"device_map": third_on_cpu, "policy": policy, "storage": storage, "offload_folder": offload_folder},
     )
     with pipeline.offload_state as state:
         out = images(pipeline)
@@ -42,7 +43,9 @@ def third_on_cpu(pipeline_dir) -> dict:
     """The sequential placement's map with a cpu budget of about a third of the pipeline, all of it for weights:
     every component is split between the cpu and the disk."""
     pipeline = offload_core.from_pretrained(
-        pipeline_dir, max_memory={"cpu": 150_000}, storage="safetensors", policy="align_per_call", headroom=0
+        pipeline_dir,
+        offload={"storage": "safetensors", "policy": "align_per_call", "headroom": 0},
+        max_memory={"cpu": 150_000},
     )
     return dict(pipeline.hf_device_map)
 
@@ -81,7 +84,7 @@ def _loaded(pipeline) -> dict[str, bool]:
 
 def test_chained_moves_each_component_whole_once_and_keeps_it_until_the_next(pipeline_dir, reference):
     pipeline = offload_core.from_pretrained(
-        pipeline_dir, device_map=ALL_ON_DISK, policy="chained", storage="safetensors"
+        pipeline_dir, offload={"device_map": ALL_ON_DISK, "policy": "chained", "storage": "safetensors"}
     )
     seen: list[tuple[str, dict[str, bool]]] = []
     # inside each component, once its module hooks ran: which components are loaded then
@@ -114,7 +117,7 @@ def _stored_bytes(path) -> int:
 
 
 def test_remove_gives_back_the_in_memory_pipeline(pipeline_dir, reference):
-    pipeline = offload_core.from_pretrained(pipeline_dir, device_map=ALL_ON_DISK, storage="pinned_cpu")
+    pipeline = offload_core.from_pretrained(pipeline_dir, offload={"device_map": ALL_ON_DISK, "storage": "pinned_cpu"})
     decode = type(pipeline.vae).decode
     pipeline.offload_state.remove()
     assert type(pipeline).__name__ == "StableDiffusionPipeline" and "decode" not in vars(pipeline.vae)

@@ -142,12 +142,14 @@ def test_the_experts_policy_plans_it_and_answers_as_in_memory(saved, compose_run
     assert split == {"cpu", "disk"}
     model = from_pretrained(
         moe.path,
+        offload={
+            "storage": "memmap",
+            "policy": "experts",
+            "offload_folder": tmp_path / "off",
+            "execution_device": "cpu",
+            "headroom": 0,
+        },
         max_memory={"cpu": budget},
-        storage="memmap",
-        policy="experts",
-        offload_folder=tmp_path / "off",
-        execution_device="cpu",
-        headroom=0,
     )
     try:
         assert model.hf_device_map == experts.device_map

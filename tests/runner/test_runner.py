@@ -67,6 +67,7 @@ def test_reservation_follows_store_and_policy():
 
     from offload_core.registry.manager import get_registry
     from offload_core.plan.reserve import reservation
+    from offload_core.planning.reservation import InFlight
 
     registry = get_registry()
 
@@ -80,29 +81,35 @@ def test_reservation_follows_store_and_policy():
     )
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
     block, module = 1000, 100
-    assert reservation(make("policy", "prefetch", depth=2), safetensors, cpu, block, module, converts=False) == {
+    assert reservation(
+        make("policy", "prefetch", depth=2), safetensors, InFlight(cpu, block, module), converts=False
+    ) == {"cpu": 0}
+    assert reservation(
+        make("policy", "prefetch", depth=2, pool=True), memmap, InFlight(cpu, block, module), converts=False
+    ) == {"cpu": 3000}
+    # Only a store that converts on read makes copies of a checkpoint stored in another dtype.
+    assert reservation(
+        make("policy", "prefetch", depth=1), safetensors, InFlight(cpu, block, module), converts=True
+    ) == {"cpu": 2000}
+    assert reservation(make("policy", "prefetch", depth=1), memmap, InFlight(cpu, block, module), converts=True) == {
         "cpu": 0
     }
-    assert reservation(make("policy", "prefetch", depth=2, pool=True), memmap, cpu, block, module, converts=False) == {
-        "cpu": 3000
+    assert reservation(make("policy", "align_per_call"), safetensors, InFlight(cpu, block, module), converts=True) == {
+        "cpu": 100
     }
-    # Only a store that converts on read makes copies of a checkpoint stored in another dtype.
-    assert reservation(make("policy", "prefetch", depth=1), safetensors, cpu, block, module, converts=True) == {
-        "cpu": 2000
-    }
-    assert reservation(make("policy", "prefetch", depth=1), memmap, cpu, block, module, converts=True) == {"cpu": 0}
-    assert reservation(make("policy", "align_per_call"), safetensors, cpu, block, module, converts=True) == {"cpu": 100}
     assert reservation(
-        make("policy", "align_per_call", granularity="block"), safetensors, cpu, block, module, converts=True
+        make("policy", "align_per_call", granularity="block"), safetensors, InFlight(cpu, block, module), converts=True
     ) == {"cpu": 1000}
-    assert reservation(make("policy", "chained"), safetensors, gpu, block, module, converts=False) == {1: 1000}
+    assert reservation(make("policy", "chained"), safetensors, InFlight(gpu, block, module), converts=False) == {
+        1: 1000
+    }
     # A GPU run holds the blocks in flight on the device, and the staging ring in host memory
     # unless the store is already pinned.
     staged = reservation(
-        make("policy", "prefetch", depth=2, staging_chunk="1MiB"), memmap, gpu, block, module, converts=False
+        make("policy", "prefetch", depth=2, staging_chunk="1MiB"), memmap, InFlight(gpu, block, module), converts=False
     )
     assert staged == {1: 3000, "cpu": 3 * 2**20}
-    assert reservation(make("policy", "prefetch", depth=2), pinned, gpu, block, module, converts=False) == {
+    assert reservation(make("policy", "prefetch", depth=2), pinned, InFlight(gpu, block, module), converts=False) == {
         1: 3000,
         "cpu": 0,
     }

@@ -84,7 +84,7 @@ def test_from_pretrained_checks_budgets_as_the_command_line_does(tmp_path, caplo
         with pytest.raises(ConfigError) as cli:
             max_memory({str(k): v for k, v in given.items()}, cpu)
         with pytest.raises(ConfigError) as api:
-            offload_core.from_pretrained(path, max_memory=given, execution_device="cpu")
+            offload_core.from_pretrained(path, offload={"execution_device": "cpu"}, max_memory=given)
         assert str(api.value) == str(cli.value)
     assert "not available" not in caplog.text
 
@@ -145,7 +145,7 @@ def test_from_pretrained_checks_the_execution_device_as_the_command_line_does(tm
         with pytest.raises(ConfigError) as cli:
             execution_device(given)
         with pytest.raises(ConfigError) as api:
-            offload_core.from_pretrained(path, max_memory={"cpu": "1MiB"}, execution_device=given)
+            offload_core.from_pretrained(path, offload={"execution_device": given}, max_memory={"cpu": "1MiB"})
         assert str(api.value) == str(cli.value)
 
 

@@ -63,7 +63,9 @@ def test_offloaded_model_gives_the_in_memory_tokens_for_the_same_batch_compositi
     import offload_core
 
     offloaded = offload_core.from_pretrained(
-        folder, max_memory={"cpu": 1024}, storage=storage, policy=policy, headroom=0, offload_folder=tmp_path / "off"
+        folder,
+        offload={"storage": storage, "policy": policy, "headroom": 0, "offload_folder": tmp_path / "off"},
+        max_memory={"cpu": 1024},
     )
     assert offloaded.offload_state.offloaded_bytes() > 0
     joins = {0: [0, 1], 2: [2], 5: [3]}  # requests join mid-flight; the slots (3) make the fourth wait for one

@@ -51,12 +51,14 @@ def _in_memory(path, spec=None, device="cpu", replay=None):
 def _offloaded(path, spec, policy, storage, device_map, tmp_path, device="cpu"):
     model = offload_core.from_pretrained(
         path,
-        device_map=device_map,
-        storage=storage,
-        policy=policy,
-        offload_folder=tmp_path / "off",
-        speculative=spec,
-        execution_device=device,
+        offload={
+            "device_map": device_map,
+            "storage": storage,
+            "policy": policy,
+            "offload_folder": tmp_path / "off",
+            "speculative": spec,
+            "execution_device": device,
+        },
     )
     try:
         with torch.inference_mode():
@@ -164,7 +166,8 @@ def test_sampling_keeps_the_in_memory_draws(checkpoints, tmp_path):
     with torch.inference_mode():
         expected = prepare(spec, model).generate(models.PROMPT, max_new_tokens=NEW, do_sample=True, top_k=0)
     offloaded = offload_core.from_pretrained(
-        checkpoints["target"], device_map=models.SELF_MAP, speculative=spec, offload_folder=tmp_path / "off"
+        checkpoints["target"],
+        offload={"device_map": models.SELF_MAP, "speculative": spec, "offload_folder": tmp_path / "off"},
     )
     torch.manual_seed(5)
     with torch.inference_mode():
@@ -177,9 +180,11 @@ def test_a_self_draft_whose_layers_are_offloaded_is_one_line(checkpoints, tmp_pa
     with pytest.raises(ConfigError) as caught:
         offload_core.from_pretrained(
             checkpoints["target"],
-            device_map=models.STREAM_MAP,
-            offload_folder=tmp_path / "off",
-            speculative={"name": "self", "layers": 1},
+            offload={
+                "device_map": models.STREAM_MAP,
+                "offload_folder": tmp_path / "off",
+                "speculative": {"name": "self", "layers": 1},
+            },
         )
     assert "offloads model.embed_tokens (disk)" in str(caught.value) and "\n" not in str(caught.value)
 
@@ -188,10 +193,12 @@ def test_a_draft_larger_than_the_budget_is_one_line(checkpoints, tmp_path):
     with pytest.raises(ConfigError) as caught:
         offload_core.from_pretrained(
             checkpoints["target"],
+            offload={
+                "offload_folder": tmp_path / "off",
+                "speculative": {"name": "draft", "path": str(checkpoints["draft"])},
+                "headroom": 0,
+            },
             max_memory={"cpu": "20KiB"},
-            offload_folder=tmp_path / "off",
-            speculative={"name": "draft", "path": str(checkpoints["draft"])},
-            headroom=0,
         )
     assert (
         "needs" in str(caught.value) and "raise max_memory.cpu" in str(caught.value) and "\n" not in str(caught.value)

@@ -31,7 +31,9 @@ def _tensor_info(data: bytes, name: str) -> int:
 def _refused(path, *parts):
     for call in (
         lambda: Checkpoint.open(path),
-        lambda: offload_core.from_pretrained(path, max_memory={"cpu": "1MiB"}, storage="gguf", headroom=0),
+        lambda: offload_core.from_pretrained(
+            path, offload={"storage": "gguf", "headroom": 0}, max_memory={"cpu": "1MiB"}
+        ),
     ):
         with pytest.raises(OffloadError) as error:
             call()
@@ -93,4 +95,4 @@ def test_a_checkpoint_that_is_not_gguf_with_storage_gguf(tmp_path):
 
     folder = synthetic_checkpoint(tmp_path / "synthetic", num_hidden_layers=2)
     with pytest.raises(OffloadError, match="storage=gguf reads offloaded tensors in place from a GGUF file"):
-        offload_core.from_pretrained(folder, max_memory={"cpu": "100KiB"}, storage="gguf", headroom=0)
+        offload_core.from_pretrained(folder, offload={"storage": "gguf", "headroom": 0}, max_memory={"cpu": "100KiB"})

@@ -47,7 +47,9 @@ def _logits(model, ids=IDS):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_offloaded_gguf_is_transformers_in_memory_model_bit_for_bit(files, arch, policy):
     path, reference = files[arch]
-    model = offload_core.from_pretrained(path, max_memory={"cpu": "1MiB"}, storage="gguf", policy=policy, headroom=0)
+    model = offload_core.from_pretrained(
+        path, offload={"storage": "gguf", "policy": policy, "headroom": 0}, max_memory={"cpu": "1MiB"}
+    )
     try:
         assert {"cpu", "disk"} <= set(model.hf_device_map.values())  # part resident, part read from the file
         assert torch.equal(_logits(model), _logits(reference))
@@ -67,8 +69,10 @@ def test_a_folder_holding_the_file_and_the_default_store(files, tmp_path, monkey
     folder.mkdir()
     (folder / path.name).symlink_to(path)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
-    in_place = offload_core.from_pretrained(folder, max_memory={"cpu": "1MiB"}, storage="gguf", headroom=0)
-    converted = offload_core.from_pretrained(folder, max_memory={"cpu": "1MiB"}, headroom=0)
+    in_place = offload_core.from_pretrained(
+        folder, offload={"storage": "gguf", "headroom": 0}, max_memory={"cpu": "1MiB"}
+    )
+    converted = offload_core.from_pretrained(folder, offload={"headroom": 0}, max_memory={"cpu": "1MiB"})
     try:
         assert torch.equal(_logits(in_place), _logits(reference))
         assert torch.equal(_logits(converted), _logits(reference))
@@ -80,7 +84,7 @@ def test_a_folder_holding_the_file_and_the_default_store(files, tmp_path, monkey
 
 def test_bytes_moved_are_the_quantized_blocks(files):
     path, _ = files["llama"]
-    model = offload_core.from_pretrained(path, max_memory={"cpu": "1MiB"}, storage="gguf", headroom=0)
+    model = offload_core.from_pretrained(path, offload={"storage": "gguf", "headroom": 0}, max_memory={"cpu": "1MiB"})
     try:
         with Checkpoint.open(path) as checkpoint:
             offloaded = [k for k in checkpoint.keys() if k in model.offload_state.store]

@@ -62,10 +62,12 @@ def test_the_plan_holds_back_what_the_spliced_tensors_copy(tmp_path):
     for store in ("safetensors", "memmap"):
         model = offload_core.from_pretrained(
             path,
-            device_map={"": "disk"},
-            storage=store,
-            policy="align_per_call",
-            offload_folder=tmp_path / "off",
+            offload={
+                "device_map": {"": "disk"},
+                "storage": store,
+                "policy": "align_per_call",
+                "offload_folder": tmp_path / "off",
+            },
             dtype=torch.bfloat16,
         )
         try:
