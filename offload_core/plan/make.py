@@ -12,11 +12,15 @@ import torch
 from torch import nn
 
 from offload_core import defaults
-from offload_core.errors import ConfigError
 from offload_core.loading.gguf_moves import dequant_rows
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
-from offload_core.planning.budgets import check_over_budget
+from offload_core.plan.limits import (
+    check_disk_budget,
+    check_memory_store_budget,
+    check_own_map_budgets,
+    check_reserve_in_budget,
+)
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import budget_key, format_size
 
@@ -181,7 +185,9 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
     summary = summarize_device_map(model, device_map, max_memory, dtype=dtype)
     if own:
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
-    check_disk_budget(summary, max_memory, block, headroom if execution_device.type == "cpu" else 0)
+    cpu_headroom = headroom if execution_device.type == "cpu" else 0
+    check_disk_budget(summary, max_memory, block, cpu_headroom)
+    check_memory_store_budget(summary, storage, max_memory, reserve.get("cpu", 0) + cpu_headroom, inputs.over_budget)
     stored = stored_bytes(checkpoint, storage, dtype)
     predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, stored=stored)
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
@@ -290,95 +296,3 @@ def fit_in_flight(
         f"{changed}: the units in flight as configured take {format_size(reserve[dev])} on {dev}, over the "
         f"{format_size(budgets[dev])} max_memory.{dev} leaves for weights; now {format_size(held[dev])}",
     )
-
-
-def check_disk_budget(summary: dict, max_memory: Mapping[Any, int], largest_block: int, headroom: int) -> None:
-    """A ``disk`` budget is a limit: ``max_memory.disk=0`` means nothing may be offloaded to disk."""
-    if "disk" not in max_memory:
-        return
-    on_disk = summary["devices"].get("disk", {}).get("bytes", 0)
-    allowed = max_memory["disk"]
-    if on_disk <= allowed:
-        return
-    short = on_disk - allowed
-    needed = summary["devices"].get("cpu", {}).get("bytes", 0) + short + headroom
-    memory = (
-        ", ".join(f"max_memory.{k}={format_size(v)}" for k, v in max_memory.items() if k != "disk")
-        or "no memory budget"
-    )
-    if headroom:
-        memory += f" less headroom {format_size(headroom)}"
-    raise ConfigError(
-        f"the model ({format_size(summary['total_bytes'])}; largest unsplittable layer {format_size(largest_block)}) "
-        f"does not fit in {memory} with max_memory.disk={format_size(allowed)}: {short} more bytes are needed; set "
-        f"max_memory.cpu to at least {needed} ({format_size(needed)}) or allow disk (raise or remove max_memory.disk)"
-    )
-
-
-def check_reserve_in_budget(
-    reserve: Mapping[Any, int],
-    budgets: Mapping[Any, int],
-    max_memory: Mapping[Any, int],
-    block: int,
-    policy_name: str,
-    over_budget: str = defaults.OVER_BUDGET,
-) -> None:
-    """A device whose budget cannot hold the units the policy keeps in flight (the placement puts nothing else there
-    and the run still takes them, over the budget by the difference): one warning line per such device saying by how
-    much the run goes over it, or with ``over_budget="refuse"`` a :class:`ConfigError` in one line."""
-    check_over_budget(over_budget)
-    for dev, held in reserve.items():
-        if dev not in budgets or held <= budgets[dev]:
-            continue
-        given = max_memory.get(dev, budgets[dev])
-        needed = given + held - budgets[dev]
-        what = (
-            f"hook={policy_name} holds {format_size(held)} on {dev} for units in flight (the largest unsplittable "
-            f"block is {format_size(block)}), over max_memory.{dev}={format_size(given)}"
-            + (" less headroom" if budgets[dev] != given else "")
-        )
-        remedy = (
-            f"raise max_memory.{dev} to at least {needed} ({format_size(needed)}), or choose a policy that holds fewer "
-            "units (hook.depth, hook=align_per_call)"
-        )
-        over = format_size(held - budgets[dev])
-        if over_budget == "refuse":
-            raise ConfigError(f"{what}: the run would go over it by {over} (over_budget=refuse); {remedy}")
-        log.warning(
-            "%s: the run will go over it by %s; %s (over_budget=refuse refuses such a plan)", what, over, remedy
-        )
-
-
-def check_own_map_budgets(
-    summary: dict,
-    budgets: Mapping[Any, int],
-    max_memory: Mapping[Any, int],
-    reserve: Mapping[Any, int],
-    policy: Policy,
-    policy_name: str,
-    model: nn.Module,
-    execution_device: torch.device,
-) -> None:
-    """A map the policy made itself keeps every budget as the placement's does (with the units in flight and, on
-    a CPU run, the headroom held back), or the run is refused in one line naming the option to change."""
-    for dev, info in summary["devices"].items():
-        if dev not in budgets:
-            continue
-        used = info["bytes"] + reserve.get(dev, 0)
-        if used <= budgets[dev]:
-            continue
-        short = used - budgets[dev]
-        held = budgets[dev] != max_memory[dev]
-        key = f"max_memory.{dev}"
-        room = f"{format_size(budgets[dev])} budget" + (
-            f" ({key}={format_size(max_memory[dev])} less headroom {format_size(max_memory[dev] - budgets[dev])})"
-            if held
-            else ""
-        )
-        in_flight = f" ({format_size(reserve[dev])} of it held back for units in flight)" if reserve.get(dev) else ""
-        remedy = policy.own_map_remedy(model, execution_device, dev, short)
-        raise ConfigError(
-            f"hook={policy_name}'s own device map puts {format_size(used)} on {dev}{in_flight}, over "
-            f"its {room}: {remedy + ', or ' if remedy else ''}raise {key} to at least {max_memory[dev] + short} "
-            f"({format_size(max_memory[dev] + short)})"
-        )

@@ -16,6 +16,7 @@ from offload_core import defaults
 from offload_core.plan.make import Plan, PlanInputs, make_plan
 from offload_core.planning.generation import Generation, hold_generation, read_generation
 from offload_core.planning.headroom import FORWARD_HEADROOM, check_headroom, less_headroom
+from offload_core.registry.manager import get_registry
 from offload_core.speculative import SpeculativeConfig, prepare, read_speculative
 from offload_core.speculative.drafts import check_self_resident, hold_speculation
 from offload_core.storage.checkpoint import Checkpoint
@@ -51,7 +52,7 @@ class PlanRequest:
 
     @property
     def policy_name(self) -> str:
-        return self.policy if isinstance(self.policy, str) else type(self.policy).__name__
+        return self.policy if isinstance(self.policy, str) else get_registry().name_of("policy", self.policy)
 
 
 def read_request_generation(model: nn.Module, value: Any) -> Generation | None:

@@ -109,6 +109,11 @@ class Registry:
     def names(self, kind: str) -> list[str]:
         return sorted(self.strategies[kind])
 
+    def name_of(self, kind: str, built: Any) -> str:
+        """The name the built strategy ``built`` of ``kind`` is registered under (its class's name if none)."""
+        found = (name for name, strategy in self.strategies[kind].items() if type(built) is strategy.factory)
+        return next(found, type(built).__name__)
+
 
 def _version_of(module: Any, dist: importlib.metadata.Distribution | None) -> str:
     if dist is not None:

@@ -90,7 +90,7 @@ def test_a_policy_whose_units_in_flight_do_not_fit_the_budget_says_so_in_one_lin
     assert "\n" not in line and line.startswith("hook=prefetch holds ") and "units in flight" in line
     assert "over max_memory.cpu=19.53 KiB: the run would go over it by" in line
     assert "(over_budget=refuse); raise max_memory.cpu to at least" in line
-    with assume_kernels_depend_on_alignment(True), records_of("offload_core.plan.make", logging.WARNING) as said:
+    with assume_kernels_depend_on_alignment(True), records_of("offload_core.plan.limits", logging.WARNING) as said:
         pipeline = offload_core.from_pretrained(pipeline_dir, {"cpu": 20_000}, {**options, "over_budget": "warn"})
     pipeline.offload_state.remove()
     assert len(said) == 1 and "\n" not in said[0], said
