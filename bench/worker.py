@@ -148,6 +148,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
 
     from offload_core.jobs.context import dispatched
     from offload_core.plan.batches import Batches
+    from offload_core.plan.model import open_model
     from offload_core.plan.predict import calibrate_and_predict
     from offload_core.plan.prepare import prepare
     from offload_core.runner.settings import build_strategies, read_settings
@@ -164,6 +165,7 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
     release = ExitStack()  # the runner's own prepare step (model, checkpoint, memory, plan), in the load time
     job = release.enter_context(prepare(settings, strategies, predict=False, batches_of=batches_of))
     settings, run_model, ckpt, plan = job.settings, job.run_model, job.checkpoint, job.plan
+    reads_gguf = strategies.storage.reads_gguf
     ids, need = job.batches.encoded[0], job.batches.memory
     model = run_model.model
     started = time.perf_counter()
@@ -196,8 +198,16 @@ def load_ours(spec: dict, cfg) -> tuple[torch.nn.Module, dict]:
         "_release": release,
         "_policy": strategies.names["hook"],
         "planned_batch_bytes": need.total,
+        # predicted on an empty copy of the model, as run.py predicts before it dispatches (the dispatched model's
+        # blocks carry their hooks and weights)
         "_predict": lambda: calibrate_and_predict(
-            settings, strategies, run_model, plan, batch, len(ids), cold=spec["cold"]
+            settings,
+            strategies,
+            open_model(settings.model, settings.dtype, reads_gguf),
+            plan,
+            batch,
+            len(ids),
+            cold=spec["cold"],
         ),
     }
     return model, info
