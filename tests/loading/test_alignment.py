@@ -85,20 +85,16 @@ def llama(tmp_path_factory):
     return folder, ids, logits, seen.offsets
 
 
+def _offloaded(folder, store, policy, tmp_path):
+    """The tiny model with every store and policy, part of it on disk."""
+    options = {"storage": store, "policy": policy, "offload_folder": tmp_path / "off", "execution_device": "cpu"}
+    return offload_core.from_pretrained(folder, {"cpu": 60_000}, {**options, "headroom": 0})
+
+
 @pytest.mark.parametrize("store,policy", GRID)
 def test_single_token_logits_equal_from_pretrained(llama, store, policy, tmp_path):
     folder, ids, want, _ = llama
-    model = offload_core.from_pretrained(
-        folder,
-        offload={
-            "storage": store,
-            "policy": policy,
-            "offload_folder": tmp_path / "off",
-            "execution_device": "cpu",
-            "headroom": 0,
-        },
-        max_memory={"cpu": 60_000},
-    )
+    model = _offloaded(folder, store, policy, tmp_path)
     try:
         assert {"cpu", "disk"} <= set(model.hf_device_map.values())
         assert model.generation_config.disable_compile  # generate() never compiles through the hooks
@@ -115,17 +111,7 @@ def test_weights_reach_the_kernels_at_their_reference_offsets(llama, store, poli
     resident weight is handed to ``linear`` at the address offset ``from_pretrained`` gives it."""
     folder, ids, want, reference = llama
     with assume_kernels_depend_on_alignment(True):
-        model = offload_core.from_pretrained(
-            folder,
-            offload={
-                "storage": store,
-                "policy": policy,
-                "offload_folder": tmp_path / "off",
-                "execution_device": "cpu",
-                "headroom": 0,
-            },
-            max_memory={"cpu": 60_000},
-        )
+        model = _offloaded(folder, store, policy, tmp_path)
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
                 got = model(ids).logits
@@ -273,17 +259,7 @@ def test_remove_restores_the_address_offsets_from_pretrained_gives(llama, store,
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
     assert len(set(offsets.values())) > 1, "the checkpoint must put weights at several offsets"
-    model = offload_core.from_pretrained(
-        folder,
-        offload={
-            "storage": store,
-            "policy": policy,
-            "offload_folder": tmp_path / "off",
-            "execution_device": "cpu",
-            "headroom": 0,
-        },
-        max_memory={"cpu": 60_000},
-    )
+    model = _offloaded(folder, store, policy, tmp_path)
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
     assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
