@@ -86,9 +86,10 @@ def llama(tmp_path_factory):
 
 
 def _offloaded(folder, store, policy, tmp_path):
-    """The tiny model with every store and policy, part of it on disk."""
+    """The tiny model with every store and policy, part of it on disk (pinned_cpu holds that in memory: over the
+    budget, warned)."""
     options = {"storage": store, "policy": policy, "offload_folder": tmp_path / "off", "execution_device": "cpu"}
-    return offload_core.from_pretrained(folder, {"cpu": 60_000}, {**options, "headroom": 0})
+    return offload_core.from_pretrained(folder, {"cpu": 60_000}, {**options, "headroom": 0, "over_budget": "warn"})
 
 
 @pytest.mark.parametrize("store,policy", GRID)
