@@ -166,7 +166,7 @@ def from_pretrained(
     given = task is not None
     task = task or infer_task(config)
     dtype = parse_dtype(dtype) or config_dtype(config)
-    model = build_empty(config, task, dtype, what="task")
+    model = build_empty(config, task, dtype, what="task", checkpoint=path)
     if execution_device is not None:  # checked as run.py checks its execution_device and max_memory
         device = check_execution_device(execution_device)
     else:
