@@ -12,6 +12,7 @@ the layer's own ``forward`` with it, and lets go of it: a module-hook policy has
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -77,6 +78,9 @@ class Packing:
     attributes: dict[str, str]  # the layer's attribute -> the suffix of its checkpoint key (after ``<layer>.``)
     make: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]  # suffix -> tensor, to the weight
     release: Callable[[nn.Module], None] = field(default=lambda module: None)
+    #: attribute -> the checkpoint's tensor, for the parts random values cannot stand for (bitsandbytes' quantization
+    #: state, a few bytes of JSON): a copy with random weights, timed to predict a run, takes them
+    example: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _packed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -227,21 +231,52 @@ def pack_quantized(model: nn.Module, config: Any, checkpoint_dir: str | Path, dt
         find = _torchao_packings if method == "torchao" else _bnb_packings
         packings = find(model, checkpoint)
         shapes = {key: (torch.Size(checkpoint.shape(key)), checkpoint.dtype(key)) for key in checkpoint.keys()}
-    if not packings:
-        raise QuantizationError(
-            f"{checkpoint_dir} declares {method!r} quantization but holds no quantized layer: re-save it with "
-            "save_pretrained from the quantized model"
-        )
-    names: list[str] = []
-    renamed: dict[str, str] = {}
-    for layer, packing in packings.items():
-        module = model.get_submodule(layer)
-        for attribute, suffix in packing.attributes.items():
-            if f"{layer}.{suffix}" not in shapes:
-                raise QuantizationError(f"{checkpoint_dir} lacks {layer}.{suffix}: re-save the quantized checkpoint")
-            if attribute != suffix:
-                renamed[f"{layer}.{attribute}"] = f"{layer}.{suffix}"
-        names.extend(_hold(module, layer, packing, shapes))
+        if not packings:
+            raise QuantizationError(
+                f"{checkpoint_dir} declares {method!r} quantization but holds no quantized layer: re-save it with "
+                "save_pretrained from the quantized model"
+            )
+        names: list[str] = []
+        renamed: dict[str, str] = {}
+        for layer, packing in packings.items():
+            module = model.get_submodule(layer)
+            for attribute, suffix in packing.attributes.items():
+                if f"{layer}.{suffix}" not in shapes:
+                    raise QuantizationError(
+                        f"{checkpoint_dir} lacks {layer}.{suffix}: re-save the quantized checkpoint"
+                    )
+                if attribute != suffix:
+                    renamed[f"{layer}.{attribute}"] = f"{layer}.{suffix}"
+                if "quant_state" in suffix:
+                    packing.example[attribute] = checkpoint.get(f"{layer}.{suffix}").clone()
+            names.extend(_hold(module, layer, packing, shapes))
     setattr(model, KEPT_DTYPES, frozenset(names))
     model.offload_packed_renames = renamed
     return names
+
+
+def random_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A copy of a meta ``module`` on ``device`` with small random weights, floating ones in ``dtype``; a quantized
+    layer's packed tensors keep their dtypes (random codes, the checkpoint's quantization state): what the plan times
+    to predict a run."""
+    copy_ = copy.deepcopy(module).to_empty(device=device)
+    packed = {
+        f"{name}.{attribute}".lstrip(".")
+        for name, layer in copy_.named_modules()
+        if isinstance(layer, _Packed)
+        for attribute in layer._offload_packing.attributes
+    }
+    with torch.no_grad():
+        for name, tensor in [*copy_.named_parameters(), *copy_.named_buffers()]:
+            if tensor.is_floating_point() and name not in packed:
+                tensor.data = tensor.data.to(dtype)
+        for tensor in copy_.parameters():
+            if tensor.is_floating_point():
+                tensor.normal_(0, 0.02)
+            else:
+                tensor.random_(0, 16)
+        for layer in copy_.modules():
+            if isinstance(layer, _Packed):
+                for attribute, value in layer._offload_packing.example.items():
+                    getattr(layer, attribute).copy_(value)
+    return copy_

@@ -119,3 +119,23 @@ def test_a_missing_quantization_library_is_named_with_the_install_line(reference
     monkeypatch.setitem(SUPPORTED, "torchao", "offload_core_no_such_package")
     with pytest.raises(QuantizationError, match=r"needs the offload_core_no_such_package package: install it"):
         _offloaded(folder, "safetensors", None)
+
+
+@pytest.mark.parametrize("method", ["torchao-int8", "bnb-nf4"])
+def test_the_prediction_times_a_packed_block_as_it_runs(reference, method):
+    from offload_core.loading.quantized import random_copy
+    from offload_core.plan.calibrate import compute_times
+    from offload_core.plan.model import build_empty_model
+
+    folder = reference(method)[0]
+    model, dtype, _ = build_empty_model(folder, None)
+    block = random_copy(model.model.layers[0], dtype, torch.device("cpu"))
+    with Checkpoint.open(folder) as checkpoint:
+        saved = {key: checkpoint.dtype(key) for key in checkpoint.keys() if key.startswith("model.layers.0.")}
+    renamed = model.offload_packed_renames  # bitsandbytes' ``weight.absmax`` is held as ``weight__absmax``
+    held = {
+        renamed.get(f"model.layers.0.{name}", f"model.layers.0.{name}"): t.dtype
+        for name, t in block.state_dict().items()
+    }
+    assert held == saved  # the packed tensors as saved: codes, scales and quantization state
+    assert compute_times(model, ["LlamaDecoderLayer"], dtype, torch.device("cpu"), 1, 4)["block_s"] > 0
