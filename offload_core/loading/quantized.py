@@ -280,3 +280,25 @@ def random_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
                 for attribute, value in layer._offload_packing.example.items():
                     getattr(layer, attribute).copy_(value)
     return copy_
+
+
+def packed_lines(model: nn.Module, dtype: torch.dtype | None) -> list[str]:
+    """The plan report's line on a quantized checkpoint's layers: how many hold their weights packed, in how many
+    bytes, against the run's ``dtype``; nothing for a float model."""
+    from offload_core.values import format_size
+
+    layers = [module for module in model.modules() if isinstance(module, _Packed)]
+    if not layers:
+        return []
+    packed = sum(
+        getattr(layer, attribute).numel() * getattr(layer, attribute).element_size()
+        for layer in layers
+        for attribute in layer._offload_packing.attributes
+    )
+    width = (dtype or torch.float32).itemsize
+    unpacked = sum(getattr(layer, "in_features", 0) * getattr(layer, "out_features", 0) for layer in layers) * width
+    return [
+        f"quantized ({quant_method(model.config)}): {len(layers)} layers hold their weights packed, "
+        f"{format_size(packed)} where {str(dtype or torch.float32).removeprefix('torch.')} would take "
+        f"{format_size(unpacked)}; offloaded ones move packed and run through the quantized layer"
+    ]

@@ -97,6 +97,10 @@ def test_the_plan_counts_the_packed_bytes_of_an_offloaded_block(reference, root,
     blocks = [sum(n for key, n in saved.items() if key.startswith(f"model.layers.{i}.")) for i in range(3)]
     assert plan.largest_block == max(blocks)  # quantization states of a few bytes more or less
     assert packed < 0.6 * sum(n for key, n in float_saved.items() if key.startswith(block + "."))
+    library = METHODS[method][0]
+    assert any(
+        line.startswith(f"quantized ({library}): 21 layers hold their weights packed") for line in plan.conversion
+    )
     assert plan.predicted_bytes_per_token == sum(
         n for key, n in saved.items() if any(key.startswith(name + ".") for name in offloaded)
     )
