@@ -81,14 +81,26 @@ class Packing:
     #: attribute -> the checkpoint's tensor, for the parts random values cannot stand for (bitsandbytes' quantization
     #: state, a few bytes of JSON): a copy with random weights, timed to predict a run, takes them
     example: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: whether the weight made once may serve every forward of a resident layer (it shares the layer's tensors, as
+    #: the in-memory model's weight does); False where the library converts it at its first forward (bitsandbytes'
+    #: 4-bit layers on a CPU with bfloat16 instructions), which would then hold it twice
+    reusable: Callable[[nn.Module, torch.device], bool] = field(default=lambda module, device: True)
+    #: set at dispatch: none of the layer's tensors is offloaded (:func:`settle_packed`)
+    resident: bool = False
+    #: the weight a resident layer made at its first forward, and keeps (as the in-memory model keeps its own)
+    made: torch.Tensor | None = None
 
 
 def _packed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     packing: Packing = self._offload_packing
-    parts = {suffix: getattr(self, attribute) for attribute, suffix in packing.attributes.items()}
-    weight = packing.make(self, parts)
-    if not isinstance(weight, nn.Parameter):  # as transformers' loader sets it
-        weight = nn.Parameter(weight, requires_grad=False)
+    weight = packing.made
+    if weight is None:
+        parts = {suffix: getattr(self, attribute) for attribute, suffix in packing.attributes.items()}
+        weight = packing.make(self, parts)
+        if not isinstance(weight, nn.Parameter):  # as transformers' loader sets it
+            weight = nn.Parameter(weight, requires_grad=False)
+        if packing.resident and packing.reusable(self, weight.device):
+            packing.made = weight
     params = self._parameters
     held = params.get(packing.weight)
     params[packing.weight] = weight
@@ -99,7 +111,8 @@ def _packed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             del params[packing.weight]
         else:
             params[packing.weight] = held
-        packing.release(self)
+        if packing.made is None:
+            packing.release(self)
 
 
 _CLASSES: dict[type, type] = {}
@@ -192,7 +205,10 @@ def _bnb_packings(model: nn.Module, checkpoint: Any) -> dict[str, Packing]:
             def release(module: nn.Module) -> None:
                 module.quant_state = None  # from_prequantized hangs the state on the layer
 
-            packings[layer] = Packing("weight", attributes, make, release)
+            def reusable(module: nn.Module, device: torch.device) -> bool:
+                return not (device.type == "cpu" and getattr(module, "support_avx512bf16_for_cpu", False))
+
+            packings[layer] = Packing("weight", attributes, make, release, reusable=reusable)
         elif isinstance(module, bnb.nn.Linear8bitLt):
             held = {k: v for k, v in module.weight.__dict__.items() if k not in ("CB", "SCB")}
             suffixes = [s for s in ("weight", "SCB", "weight_format") if f"{layer}.{s}" in keys]
@@ -302,3 +318,13 @@ def packed_lines(model: nn.Module, dtype: torch.dtype | None) -> list[str]:
         f"{format_size(packed)} where {str(dtype or torch.float32).removeprefix('torch.')} would take "
         f"{format_size(unpacked)}; offloaded ones move packed and run through the quantized layer"
     ]
+
+
+def settle_packed(model: nn.Module, offloaded: set[str] | frozenset[str]) -> None:
+    """Mark the quantized layers none of whose tensors is ``offloaded`` (model names) resident: each makes its weight
+    at its first forward and keeps it, as the in-memory model does; the others make it at every forward."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, _Packed):
+            packing = layer._offload_packing
+            packing.made = None
+            packing.resident = not any(f"{name}.{attribute}" in offloaded for attribute in packing.attributes)
