@@ -196,7 +196,14 @@ def _bnb_packings(model: nn.Module, checkpoint: Any) -> dict[str, Packing]:
             attributes = {suffix.replace(".", "__"): suffix for suffix in suffixes}
 
             def make(module: nn.Module, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-                stats = {suffix: t for suffix, t in parts.items() if suffix != "weight"}
+                # the quantization state's JSON as read at load, on the host: parsing a copy on a GPU would wait
+                # for the device at every layer
+                example = module._offload_packing.example
+                stats = {
+                    suffix: example.get(suffix.replace(".", "__"), t)
+                    for suffix, t in parts.items()
+                    if suffix != "weight"
+                }
                 data = parts["weight"]
                 return bnb.nn.Params4bit.from_prequantized(
                     data=data, quantized_stats=stats, requires_grad=False, device=data.device, module=module
