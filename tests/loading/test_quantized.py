@@ -66,16 +66,25 @@ def _check(reference, method, storage, policy):
         assert torch.equal(model.generate(IDS, max_new_tokens=4, do_sample=False), tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", STORES)
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("method", ["torchao-int8", "bnb-nf4"])
+@pytest.mark.parametrize("method", list(METHODS))
 def test_every_store_and_policy_matches_the_in_memory_quantized_model(reference, method, storage, policy):
     _check(reference, method, storage, policy)
 
 
-@pytest.mark.parametrize("method", ["torchao-int4", "bnb-int8", "bnb-nf4-bf16"])
-@pytest.mark.parametrize("storage,policy", [("safetensors", "prefetch"), ("memmap", "align_per_call")])
-def test_other_methods_match_the_in_memory_quantized_model(reference, method, storage, policy):
+@pytest.mark.parametrize(
+    "method,storage,policy",
+    [
+        ("torchao-int8", "pinned_cpu", "functional_call"),
+        ("torchao-int4", "safetensors", "prefetch"),
+        ("bnb-nf4", "memmap", "chained"),
+        ("bnb-int8", "safetensors", "align_per_call"),
+        ("bnb-nf4-bf16", "memmap", "prefetch"),
+    ],
+)
+def test_each_method_matches_the_in_memory_quantized_model(reference, method, storage, policy):
     _check(reference, method, storage, policy)
 
 
