@@ -58,19 +58,23 @@ def float_folder(root: Path, dtype: torch.dtype = torch.float32, config=None) ->
     return folder
 
 
-def quantize(source: Path, method: str, folder: Path) -> Path:
-    """``source`` loaded by transformers with ``method``'s quantization config and saved into ``folder``."""
+def quantize(source: Path, method: str, folder: Path, **save) -> Path:
+    """``source`` loaded by transformers with ``method``'s quantization config and saved into ``folder`` (``save``:
+    save_pretrained's arguments)."""
     library, make, dtype = METHODS[method]
     pytest.importorskip(library)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, quantization_config=make(), dtype=dtype)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **save)
     return folder
 
 
 def quantized_folder(root: Path, method: str) -> Path:
-    """A tiny Llama quantized with ``method`` under ``root`` (made once; skipped without its library)."""
+    """A tiny Llama quantized with ``method`` under ``root`` (made once; skipped without its library); a method
+    name ending in ``-sharded`` saves it in shards of 60 KB."""
     folder = root / method
+    base = method.removesuffix("-sharded")
     if not (folder / "config.json").exists():
-        quantize(float_folder(root, METHODS[method][2]), method, folder)
-    pytest.importorskip(METHODS[method][0])
+        save = {"max_shard_size": "60KB"} if base != method else {}
+        quantize(float_folder(root, METHODS[base][2]), base, folder, **save)
+    pytest.importorskip(METHODS[base][0])
     return folder
