@@ -3,9 +3,12 @@ weight-only) and bitsandbytes (nf4) at a cpu budget of half its packed bytes, ou
 ``device_map`` offloading of the same checkpoint, and both on the bfloat16 model it was quantized from at that budget.
 
 Each system runs in a fresh process (``--child``): decode tokens/s, bytes moved per token, whether the tokens are the
-in-memory quantized model's, or the error it ended in. Writes ``quantized-peers.{json,md}`` under ``--out``::
+in-memory quantized model's, or the error it ended in. Writes ``quantized-peers.{json,md}`` under ``--out``
+(``--device cuda``: the budget is GPU 0's, ours streams from pinned host memory with ``hook=prefetch``, and the
+report is ``quantized-peers-cuda``)::
 
     python bench/quantized_peers.py --out bench/results --scratch /tmp/quantized-bench
+    python bench/quantized_peers.py --device cuda --tokens 32 --out bench/results
 """
 
 from __future__ import annotations
@@ -74,17 +77,19 @@ def packed_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-def _generate(model, tokens: int) -> tuple[list[int], float, float, float]:
+def _generate(model, tokens: int, device: str) -> tuple[list[int], float, float, float]:
     """Greedy tokens, and the seconds of a first call (one token: one-time work included), of a second one and of a
     call of ``tokens`` tokens: the decoding rate is the difference of the last two."""
     import torch
 
-    ids = torch.tensor([PROMPT])
+    ids = torch.tensor([PROMPT], device=device)
     times = []
     with torch.inference_mode():
         for count in (1, 1, tokens):
             started = time.perf_counter()
             out = model.generate(ids, max_new_tokens=count, do_sample=False)
+            if device != "cpu":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
     return out[0, len(PROMPT) :].tolist(), *times
 
@@ -96,21 +101,29 @@ def child(spec: dict) -> dict:
 
     torch.manual_seed(0)
     folder, budget, system, tokens = Path(spec["folder"]), spec["budget"], spec["system"], spec["tokens"]
+    device = spec.get("device", "cpu")
     result: dict = {"system": system, "model": folder.name, "budget": budget}
+    # a CPU run: the budget is the cpu's and the rest goes to disk; a GPU run: the budget is GPU 0's, the rest in RAM
+    max_memory = {"cpu": budget} if device == "cpu" else {0: budget, "cpu": 64 * 2**30}
+    offloaded = ("disk",) if device == "cpu" else ("cpu", "disk")
     try:
         started = time.perf_counter()
         if system == "ours":
             import offload_core
 
-            model = offload_core.from_pretrained(folder, max_memory={"cpu": budget}, progress=False)
-            result["planned_offloaded_bytes"] = model.offload_plan.summary["devices"].get("disk", {}).get("bytes", 0)
+            options = {} if device == "cpu" else {"storage": "pinned_cpu", "policy": "prefetch"}
+            model = offload_core.from_pretrained(folder, max_memory=max_memory, progress=False, **options)
+            places = model.offload_plan.summary["devices"]
+            result["planned_offloaded_bytes"] = sum(places.get(d, {}).get("bytes", 0) for d in offloaded)
         elif system == "in-memory":
-            model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, **({} if device == "cpu" else {"device_map": {"": 0}})
+            )
         else:  # transformers' device_map offloading (accelerate's hooks), an offload folder on disk
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                folder, device_map="auto", max_memory={"cpu": budget}, offload_folder=spec["scratch"] + "/offload"
+                folder, device_map="auto", max_memory=max_memory, offload_folder=spec["scratch"] + "/offload"
             )
-            on_disk = [m for m, d in model.hf_device_map.items() if d == "disk"]
+            on_disk = [m for m, d in model.hf_device_map.items() if d in offloaded]
             result["offloaded_modules"] = len(on_disk)
             result["bytes_moved_per_token"] = sum(
                 p.numel() * p.element_size()
@@ -120,7 +133,7 @@ def child(spec: dict) -> dict:
         result["load_s"] = time.perf_counter() - started
         if system == "ours":
             model.offload_state.stats.reset()
-        ids, cold, first, total = _generate(model, tokens)
+        ids, cold, first, total = _generate(model, tokens, "cpu" if device == "cpu" else "cuda:0")
         result.update(tokens=ids, cold_first_token_s=cold, first_token_s=first)
         result["decode_tok_s"] = (tokens - 1) / max(total - first, 1e-9)
         if system == "ours":  # forwards: one per generated token
@@ -172,7 +185,8 @@ def report(data: dict) -> str:
             "",
             f"Command: `{data['command']}`. Machine: {data['machine']}; load average {data['load_before']} before, "
             f"{data['load_after']} after (2 cores, shared: figures are noisy). Checkpoints (safetensors): {sizes}. "
-            "Each cpu budget is half the packed checkpoint's bytes (the bfloat16 rows use the int8 budget). The "
+            f"Each {'cpu' if data.get('device', 'cpu') == 'cpu' else 'GPU 0'} budget is half the packed "
+            "checkpoint's bytes (the bfloat16 rows use the int8 budget). The "
             "page cache is warm (each system reads files another run just read). Each process generates one token "
             "twice, then the tokens: the first call pays one-time work (bitsandbytes' CPU layout of 4-bit weights, "
             "made at a layer's first forward and kept in memory; ours makes it at every forward of an offloaded "
@@ -192,6 +206,7 @@ def main() -> None:
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/offload-core-quantized-bench"))
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the budget is GPU 0's")
     parser.add_argument("--child")
     parser.add_argument("--report", type=Path, help="write the .md of a .json this script wrote, and stop")
     args = parser.parse_args()
@@ -216,6 +231,7 @@ def main() -> None:
         systems = ["ours", "accelerate"] if method == "bf16" else ["in-memory", "ours", "accelerate"]
         for system in systems:
             spec = dict(folder=str(folders[method]), budget=budget, system=system, tokens=args.tokens)
+            spec["device"] = args.device
             result = run({**spec, "scratch": str(args.scratch)}, args.timeout)
             if system == "in-memory":
                 reference = result.get("tokens")
@@ -226,15 +242,19 @@ def main() -> None:
     data = {
         "command": "python bench/quantized_peers.py " + " ".join(sys.argv[1:]),
         "machine": f"{os.cpu_count()} cpus, torch {__import__('torch').__version__}",
+        "device": args.device,
         "load_before": load_before,
         "load_after": [round(x, 1) for x in os.getloadavg()],
         "packed_bytes": {name: packed_bytes(folder) for name, folder in folders.items()},
         "results": results,
     }
+    if args.device == "cuda":
+        data["machine"] += f", {__import__('torch').cuda.get_device_name(0)}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quantized-peers.json").write_text(json.dumps(data, indent=1))
-    (args.out / "quantized-peers.md").write_text(report(data))
-    print(f"wrote {args.out / 'quantized-peers.md'}")
+    name = "quantized-peers" if args.device == "cpu" else "quantized-peers-cuda"
+    (args.out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (args.out / f"{name}.md").write_text(report(data))
+    print(f"wrote {args.out / name}.md")
 
 
 if __name__ == "__main__":
