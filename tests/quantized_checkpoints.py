@@ -30,6 +30,11 @@ METHODS = {
         lambda: _bnb(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16),
         torch.bfloat16,
     ),
+    "bnb-fp4": (  # fp4 codes, block scales without the second quantization
+        "bitsandbytes",
+        lambda: _bnb(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False),
+        torch.float32,
+    ),
     "bnb-int8": ("bitsandbytes", lambda: _bnb(load_in_8bit=True), torch.float32),
 }
 
@@ -44,7 +49,7 @@ def _torchao(name: str) -> transformers.TorchAoConfig:
 
 def _bnb(**kwargs) -> transformers.BitsAndBytesConfig:
     if kwargs.get("load_in_4bit"):
-        kwargs.update(bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+        kwargs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, **kwargs}
     return transformers.BitsAndBytesConfig(**kwargs)
 
 

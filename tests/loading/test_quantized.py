@@ -81,6 +81,7 @@ def test_every_store_and_policy_matches_the_in_memory_quantized_model(reference,
         ("torchao-int4", "safetensors", "prefetch"),
         ("bnb-nf4", "memmap", "chained"),
         ("bnb-int8", "safetensors", "align_per_call"),
+        ("bnb-fp4", "memmap", "functional_call"),
         ("bnb-nf4-bf16", "memmap", "prefetch"),
         ("torchao-int8-sharded", "safetensors", "align_per_call"),  # its metadata in each shard
         ("bnb-nf4-sharded", "pinned_cpu", "prefetch"),
