@@ -226,6 +226,8 @@ def _key_conversion(model: nn.Module, checkpoint: Checkpoint, key_mapping: dict[
 
     renamings, converters = _transforms(model, key_mapping)
     conversion = KeyConversion()
+    # a quantized layer's packed tensors whose checkpoint names are no attribute names (``weight.absmax``)
+    conversion.renamed.update(getattr(model, "offload_packed_renames", {}))
     if not (renamings or converters or getattr(model, "base_model_prefix", "")):
         return conversion
     meta = model.state_dict()

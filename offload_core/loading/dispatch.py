@@ -23,6 +23,7 @@ from offload_core.storage import Store, StoreContext
 from offload_core.storage.residency import Residency
 from offload_core.loading.model_device import report_execution_device, restore_device_report
 from offload_core.loading.execution_device import default_execution_device, resolve_execution_device  # noqa: F401 (public here too)
+from offload_core.loading.quantized import settle_packed
 from offload_core.loading.load_weights import load_checkpoint_in_model
 from offload_core.loading.routes import (
     TensorRoutes,
@@ -288,6 +289,7 @@ def load_checkpoint_and_dispatch(
     move_leftover_buffers(model, device_map, execution_device)
     blocks = [*no_split, *(preload_module_classes or [])]
     _attach(model, device_map, routes, store, policy, execution_device, blocks, residency)
+    settle_packed(model, set(routes.offloaded))
     return model
 
 
@@ -383,4 +385,5 @@ def dispatch_model(
     move_leftover_buffers(model, device_map, execution_device)
     blocks = [*no_split, *(preload_module_classes or [])]
     _attach(model, device_map, routes, store, policy, execution_device, blocks, residency)
+    settle_packed(model, set(routes.offloaded))
     return model

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from offload_core.alignment import empty_at, maps_checkpoint
 from offload_core.errors import CheckpointError
+from offload_core.planning.sizing import kept_dtypes
 from offload_core.storage import Store
 from offload_core.storage.base import read_tensor
 from offload_core.loading.routes import TensorRoutes, retie, set_tensor
@@ -82,6 +83,7 @@ def load_checkpoint_in_model(
     expected = {name: tuple(t.shape) for name, t in state.items()}
     kinds = {name: _dtype_kind(t.dtype) for name, t in state.items()}
     store_keys = set(routes.offloaded.values())
+    kept = kept_dtypes(model)  # a quantized layer's packed tensors: read as saved
     in_place = maps_checkpoint(model)
     total = sum(len(keys) for _, keys in checkpoint.shards())
     bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
@@ -105,11 +107,12 @@ def load_checkpoint_in_model(
                     f"({str(state[canonical].dtype).removeprefix('torch.')}); the checkpoint does not match the "
                     "model's config"
                 )
+            read_as = None if canonical in kept else dtype
             if canonical in store_keys:
                 if store is not None and not store.reused:
-                    store.add_from_checkpoint(canonical, checkpoint, key, dtype)
+                    store.add_from_checkpoint(canonical, checkpoint, key, read_as)
                 continue
-            held = read_tensor(checkpoint, key, dtype, in_place, _allocator(routes.resident[canonical]))
+            held = read_tensor(checkpoint, key, read_as, in_place, _allocator(routes.resident[canonical]))
             set_tensor(model, canonical, held, routes.is_param[canonical])
     bar.close()
     if store is not None:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core.planning.sizing import kept_dtypes
 from offload_core.registry.contracts import Policy, Storage
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import format_size, parse_dtype
@@ -48,7 +49,8 @@ def predicted_bytes_per_token(
     tensors = route_tensors(model, normalize_device_map(device_map), device)
     units = find_units(model, tensors.offloaded, no_split_classes(model, no_split_module_classes), policy.granularity)
     shares = policy.read_shares(model)
-    return int(policy.predict_moved([unit_reads(unit, dtype, shares, count, stored or {}) for unit in units]))
+    kept = kept_dtypes(model)
+    return int(policy.predict_moved([unit_reads(unit, dtype, shares, count, stored or {}, kept) for unit in units]))
 
 
 def stored_bytes(checkpoint: Checkpoint | None, storage: Storage, dtype: torch.dtype | None = None) -> dict[str, int]:
@@ -109,9 +111,11 @@ def unit_reads(
     shares: Mapping[str, tuple[float, int]],
     count: bool,
     stored: Mapping[str, int],
+    kept: frozenset[str] = frozenset(),
 ) -> float:
     """A unit's offloaded bytes read per forward (``count``: the reads), each store key once (two names tied inside
-    one unit are read once), a tensor the policy reads in part (``shares``: by name) at its share."""
+    one unit are read once), a tensor the policy reads in part (``shares``: by name) at its share; ``kept`` names
+    the tensors read in their own dtype (a quantized layer's packed tensors)."""
     from offload_core.planning.sizing import tensor_bytes
 
     originals: dict[str, Any] = {}
@@ -122,5 +126,6 @@ def unit_reads(
     total = 0.0
     for key, tensor in originals.items():
         share, reads = shares.get(names[key], (1.0, 1))
-        total += reads if count else share * stored.get(key, tensor_bytes(tensor, dtype))
+        width = None if names[key] in kept else dtype
+        total += reads if count else share * stored.get(key, tensor_bytes(tensor, width))
     return total

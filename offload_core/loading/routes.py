@@ -9,6 +9,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from offload_core.planning.sizing import kept_dtypes
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.values import is_offloaded, torch_device
 
@@ -103,12 +104,14 @@ def store_bytes(
             if name in keys:
                 sources.setdefault(canonical, name)
     state = model.state_dict(keep_vars=True)
+    kept = kept_dtypes(model)
     total = 0
     for key in routes.store_keys:
         if key in sources:
             shape, stored = checkpoint.shape(sources[key]), checkpoint.dtype(sources[key])
         else:
             shape, stored = state[key].shape, state[key].dtype
-        itemsize = dtype.itemsize if dtype is not None and stored.is_floating_point else stored.itemsize
+        converts = dtype is not None and stored.is_floating_point and key not in kept
+        itemsize = dtype.itemsize if converts else stored.itemsize
         total += math.prod(shape) * itemsize
     return total

@@ -119,9 +119,14 @@ def config_dtype(config: Any) -> torch.dtype:
     return parse_dtype(str(stored)) if stored is not None else torch.float32
 
 
-def build_empty(config: Any, task: str, dtype: torch.dtype, what: str = "model.task") -> nn.Module:
-    """The ``task`` model of ``config`` with every weight on the meta device, in eval mode."""
+def build_empty(
+    config: Any, task: str, dtype: torch.dtype, what: str = "model.task", checkpoint: str | Path | None = None
+) -> nn.Module:
+    """The ``task`` model of ``config`` with every weight on the meta device, in eval mode; with the ``checkpoint``
+    folder of a quantized model, its quantized layers hold the checkpoint's packed tensors
+    (:func:`~offload_core.loading.quantized.pack_quantized`)."""
     from offload_core.loading.empty import init_empty_weights
+    from offload_core.loading.quantized import pack_quantized
 
     cls = auto_class(check_task(task, what))
     try:
@@ -132,6 +137,9 @@ def build_empty(config: Any, task: str, dtype: torch.dtype, what: str = "model.t
             f"{what}={task!r} does not fit this checkpoint: transformers has no {cls.__name__} for model_type "
             f"{config.model_type!r}; use {what}={infer_task(config)} or leave {what} out"
         ) from None
+    if checkpoint is not None:
+        with init_empty_weights():
+            pack_quantized(model, config, checkpoint, dtype)
     return model.eval()
 
 

@@ -4,7 +4,6 @@ cached in ``calibration.json``."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -225,12 +224,11 @@ ROTATION_COPIES = 8
 
 
 def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A copy of a meta ``module`` on ``device`` in ``dtype`` with small random weights."""
-    copy_ = copy.deepcopy(module).to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        for p in copy_.parameters():
-            p.normal_(0, 0.02)
-    return copy_
+    """A copy of a meta ``module`` on ``device`` in ``dtype`` with small random weights (a quantized checkpoint's
+    layers packed as they are run: :func:`~offload_core.loading.quantized.random_copy`)."""
+    from offload_core.loading.quantized import random_copy
+
+    return random_copy(module, dtype, device)
 
 
 #: rows the output embedding is timed with at most (the time of more rows is scaled), one position each (generation

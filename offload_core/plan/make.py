@@ -14,6 +14,7 @@ from torch import nn
 from offload_core import defaults
 from offload_core.loading.gguf_moves import dequant_rows
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
+from offload_core.loading.quantized import packed_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.plan.limits import (
     check_disk_budget,
@@ -199,6 +200,7 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
             f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
     lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
+    lines += packed_lines(model, dtype)
     dequant = (
         dequant_rows(model, device_map, policy, execution_device, dtype, no_split, checkpoint, stored)
         if storage.reads_gguf

@@ -72,7 +72,7 @@ def build_empty_model(checkpoint: Path, dtype: torch.dtype | None, task: str | N
     config = read_config(checkpoint)
     task = task or infer_task(config)
     dtype = dtype or config_dtype(config)
-    return build_empty(config, task, dtype), dtype, task
+    return build_empty(config, task, dtype, checkpoint=checkpoint), dtype, task
 
 
 def open_model(section: dict, dtype: torch.dtype | None, reads_gguf: bool = False) -> RunModel:

@@ -26,6 +26,16 @@ def named_module_tensors(
         yield from module.named_buffers(recurse=recurse, remove_duplicate=remove_duplicate)
 
 
+#: the model attribute naming the tensors that keep their checkpoint dtype whatever the run's (the packed tensors of a
+#: quantized checkpoint's layers: codes, scales and quantization state, read as they were saved)
+KEPT_DTYPES = "offload_kept_dtypes"
+
+
+def kept_dtypes(model: nn.Module) -> frozenset[str]:
+    """The names of ``model``'s tensors that are never converted to the run's dtype (see :data:`KEPT_DTYPES`)."""
+    return getattr(model, KEPT_DTYPES, frozenset())
+
+
 def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
     """Bytes of ``tensor`` if stored in ``dtype`` (floating tensors only shrink to it; ints and bools keep theirs)."""
     width = dtype_byte_size(tensor.dtype)
@@ -51,11 +61,14 @@ def compute_module_sizes(
     special = {
         name: parse_dtype(value, what=f"special_dtypes[{name!r}]") for name, value in (special_dtypes or {}).items()
     }
+    kept = kept_dtypes(model)
     sizes: defaultdict[str, int] = defaultdict(int)
     tensors = model.named_buffers() if buffers_only else named_module_tensors(model, recurse=True)
     for name, tensor in tensors:
         if name in special:
             size = math.ceil(tensor.numel() * dtype_byte_size(special[name]))
+        elif name in kept:
+            size = tensor_bytes(tensor)
         else:
             size = tensor_bytes(tensor, dtype)
         parts = name.split(".")

@@ -111,7 +111,7 @@ def from_pretrained(
     given = task is not None
     task = task or infer_task(config)
     dtype = parse_dtype(dtype) or config_dtype(config)
-    model = build_empty(config, task, dtype, what="task")
+    model = build_empty(config, task, dtype, what="task", checkpoint=path)
     planned = read_generation(generation) if task in GENERATIVE else None
     policy = model_policy(offload, device)
     if offload.graphs:
