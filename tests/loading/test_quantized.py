@@ -51,12 +51,11 @@ def _itemsize(folder) -> int:
 
 
 def _offloaded(folder, storage, policy):
-    """The checkpoint in ``folder`` with a cpu budget of half its packed bytes beside the run's room."""
+    """The checkpoint in ``folder`` with a cpu budget of half its packed bytes beside the run's room (pinned_cpu holds
+    the disk tier in memory too: over that budget, warned)."""
     with Checkpoint.open(folder) as checkpoint:
         budget = {"cpu": checkpoint.total_bytes() // 2 + RUN_ROOM * _itemsize(folder) // 4}
-    return offload_core.from_pretrained(
-        folder, offload={"storage": storage, "policy": policy, "progress": False}, max_memory=budget
-    )
+    return offload_core.from_pretrained(folder, budget, {"storage": storage, "policy": policy, "over_budget": "warn"})
 
 
 def _check(reference, method, storage, policy):
