@@ -197,6 +197,7 @@ def from_pretrained(
     no_split = no_split_classes(model, no_split_module_classes)
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it
     try:
+        checkpoint = quantized_checkpoint(model, checkpoint, storage, dtype)
         if given:
             check_task_fits(model, checkpoint, task, what="task")
         request = PlanRequest(
@@ -242,6 +243,18 @@ def plan_and_dispatch(model: nn.Module, checkpoint: Checkpoint, request: PlanReq
     except BaseException:
         checkpoint.close()
         raise
+
+
+def quantized_checkpoint(model: nn.Module, checkpoint: Checkpoint, storage: str | Any, dtype: Any) -> Checkpoint:
+    """``checkpoint``, or for a store built with ``compute="quantized"`` (``storage=get_registry().create("storage",
+    "gguf", {"compute": "quantized"})``) the GGUF checkpoint of the packed linear layers it puts in ``model``."""
+    from offload_core.loading.dispatch import resolve_strategy
+
+    if not resolve_strategy("storage", storage).quantized_compute:
+        return checkpoint
+    from offload_core.loading.gguf_qcompute import compute_quantized
+
+    return compute_quantized(model, checkpoint, dtype)
 
 
 def model_path(path: str | Path, storage: str | Any) -> Path:

@@ -229,7 +229,7 @@ def _materialized(module: nn.Module, dtype: torch.dtype, device: torch.device) -
     copy_ = copy.deepcopy(module).to_empty(device=device).to(dtype)
     with torch.no_grad():
         for p in copy_.parameters():
-            p.normal_(0, 0.02)
+            p.normal_(0, 0.02) if p.is_floating_point() else p.random_()  # packed weights: random bytes
     return copy_
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from offload_core.errors import ConfigError
 from offload_core.loading.gguf_moves import dequant_rows
+from offload_core.loading.gguf_qcompute import quantized_lines
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.planning.budgets import check_over_budget
@@ -175,6 +176,7 @@ def make_plan(
             f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
     lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
+    lines += quantized_lines(checkpoint, device_map, model, execution_device)
     dequant = (
         dequant_rows(model, device_map, policy, execution_device, dtype, no_split, checkpoint, stored)
         if storage.reads_gguf
