@@ -22,15 +22,17 @@ __all__ = ["QuantizedGGUFCheckpoint", "compute_quantized", "quantized_lines"]
 class QuantizedGGUFCheckpoint(GGUFCheckpoint):
     """A GGUF checkpoint whose quantized linear weights are read as their packed tensors (``packed``: packed key ->
     (weight key, part, spec)): each built from the file's blocks on read (once for a resident layer, on every read
-    for an offloaded one), with no float pass for the 4-bit types. ``left_exact``: weight key -> why it was not."""
+    for an offloaded one), with no float pass for the 4-bit types. ``left_exact``: weight key -> why it was not;
+    ``replaced``: the weight keys no module computes on any more (a weight tied to an embedding stays, for it)."""
 
     def __init__(
         self,
         base: GGUFCheckpoint,
         packed: dict[str, tuple[str, str, QuantSpec]],
         left_exact: dict[str, str],
+        replaced: set[str],
     ) -> None:
-        sources = {k: v for k, v in base.sources.items() if k not in {w for w, _, _ in packed.values()}}
+        sources = {k: v for k, v in base.sources.items() if k not in replaced}
         shapes = {k: base._shapes[k] for k in sources}
         for key, (weight, part, spec) in packed.items():
             sources[key] = base.sources[weight]
@@ -109,34 +111,38 @@ def compute_quantized(model: nn.Module, checkpoint: Any, dtype: torch.dtype | No
             "a GGUF file; give model.path=<file.gguf> or drop storage.compute"
         )
     dtype = dtype or torch.float32
-    tied: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        tied[id(param)] = tied.get(id(param), 0) + 1
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
     packed: dict[str, tuple[str, str, QuantSpec]] = {}
     left: dict[str, str] = {}
+    replaced: set[str] = set()
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
         key = f"{name}.weight"
-        if key not in checkpoint.sources:
+        tied = names[id(module.weight)]
+        source = next((n for n in [key, *tied] if n in checkpoint.sources), None)
+        if source is None:
             continue
-        entry = checkpoint.file.entries[checkpoint.sources[key]]
+        entry = checkpoint.file.entries[checkpoint.sources[source]]
         reason = leave_exact_reason(entry.kind, tuple(module.weight.shape))
-        if reason is None and tied[id(module.weight)] > 1:
-            reason = "its weight is tied to another module's"
-        order = None if reason else _row_order(checkpoint, key, module.out_features)
+        order = None if reason else _row_order(checkpoint, source, module.out_features)
         if isinstance(order, str):
             reason = order
         if reason:
-            left[key] = reason
+            left[source] = reason
             continue
         spec = QuantSpec(entry.kind, module.out_features, module.in_features, order)
         layer = QuantLinear(spec, module.bias is not None, dtype)
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).add_module(child, layer)
+        replaced.add(key)
+        if set(tied) <= replaced:  # no module computes on the float weight any more
+            replaced.add(source)
         for part in PARTS:
-            packed[f"{name}.{part}"] = (key, part, spec)
-    return QuantizedGGUFCheckpoint(checkpoint, packed, left)
+            packed[f"{name}.{part}"] = (source, part, spec)
+    return QuantizedGGUFCheckpoint(checkpoint, packed, left, replaced)
 
 
 def quantized_lines(
@@ -163,6 +169,10 @@ def quantized_lines(
         for (kind, bits), (n, moved, held, full) in sorted(rows.items())
     ]
     lines = [f"computed quantized (storage.compute=quantized): {', '.join(shown) or 'none'}"]
+    for key, (source, part, _) in sorted(checkpoint.packed.items()):
+        layer = key.rsplit(".", 1)[0]
+        if part == "qweight" and source != f"{layer}.weight":
+            lines.append(f"  {layer} computes on a packed copy of {source} (tied; the exact values stay for it)")
     reasons: dict[str, list[str]] = {}
     for key, reason in checkpoint.left_exact.items():
         reasons.setdefault(f"{checkpoint.tensor_type(key)}: {reason}", []).append(key)

@@ -191,3 +191,24 @@ def test_on_a_gpu_the_packed_layers_compute_there_with_the_same_greedy_tokens(ti
         assert torch.equal(tokens, reference.generate(IDS, max_new_tokens=6, do_sample=False))
     finally:
         model.offload_state.release()
+
+
+def test_a_head_tied_to_the_embedding_computes_on_a_packed_copy(tmp_path, monkeypatch):
+    """A GGUF without ``output.weight`` (transformers ties the head to the embedding, as SmolLM2's): the head computes
+    int8 from the Q8_0 embedding's blocks, the embedding keeps its exact values."""
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    types = {"token_embd": int(T.Q8_0)}
+    path = write_gguf(tmp_path / "tied.gguf", "llama", types, default=int(T.Q4_0), drop=("output.weight",))
+    reference = transformers_model(path)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    model = offload_core.from_pretrained(path, max_memory={"cpu": "1GiB"}, storage=quantized())
+    try:
+        assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
+        assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+        assert "lm_head computes on a packed copy of model.embed_tokens.weight" in "\n".join(
+            model.offload_plan.conversion
+        )
+        got, want = _logits(model), _logits(reference)
+        assert not torch.equal(got, want) and (got - want).abs().max() < 0.05 * want.abs().max()
+    finally:
+        model.offload_state.release()

@@ -116,15 +116,26 @@ def _int4_scales(blocks: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> No
     out[..., 1].copy_(zero.reshape(n, groups).t())
 
 
-def _int8(raw: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 (``d * q`` per block of 32) requantized to one scale per output row: the row's largest magnitude over
-    127 (rounded to bfloat16), each value rounded to the nearest step (at most half a step off)."""
-    values = dequantize_into(raw, spec.kind, torch.empty(spec.out_features * spec.in_features))
-    values = values.view(spec.out_features, spec.in_features)
-    scale = (values.abs().amax(dim=1) / 127).to(torch.bfloat16)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    weight = torch.round(values / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return weight, scale.view(torch.int16)
+#: rows of a Q8_0 weight requantized at once (its float32 values taken a slice at a time: an embedding-sized head
+#: would otherwise take several float32 copies of itself while it loads)
+_INT8_ROWS = 2048
+
+
+def _int8(rows: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> None:
+    """Q8_0 (``d * q`` per block of 32) requantized to one scale per output row into ``out`` (``part``): the row's
+    largest magnitude over 127 (rounded to bfloat16), each value rounded to the nearest step (at most half a step
+    off), :data:`_INT8_ROWS` rows at a time."""
+    k = spec.in_features
+    for start in range(0, spec.out_features, _INT8_ROWS):
+        chunk = rows[start : start + _INT8_ROWS]
+        values = dequantize_into(chunk, spec.kind, torch.empty(chunk.shape[0] * k)).view(-1, k)
+        scale = (values.abs().amax(dim=1) / 127).to(torch.bfloat16)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if part == "qscale":
+            out[start : start + _INT8_ROWS].copy_(scale.view(torch.int16))
+            continue
+        values.div_(scale.float()[:, None]).round_().clamp_(-127, 127)
+        out[start : start + _INT8_ROWS].copy_(values)
 
 
 def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> torch.Tensor:
@@ -133,8 +144,8 @@ def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) 
     with torch.inference_mode(False):
         rows = _rows(raw, spec)
         if spec.bits == 8:
-            weight, scale = _int8(rows, spec)
-            return out.copy_(weight if part == "qweight" else scale)
+            _int8(rows, spec, part, out)
+            return out
         if part == "qweight":
             _int4_weight(_elements(rows, spec), out)
             return out
