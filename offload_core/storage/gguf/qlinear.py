@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from offload_core.storage.gguf.dequant import _halves, _k_factors, _nibbles, block_shape, dequantize_into
+from offload_core.storage.gguf.dequant import GRAIN, _halves, _k_factors, block_shape, dequantize_into
 
 __all__ = ["QUANT_KINDS", "QuantLinear", "QuantSpec", "leave_exact_reason", "pack_into"]
 
@@ -67,91 +68,98 @@ def leave_exact_reason(kind: int, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def _elements(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """The 4-bit values ``(out, in)`` uint8 0..15 of a Q4_0 / Q4_1 / Q4_K tensor, in element order."""
-    per, nbytes = block_shape(spec.kind)
-    blocks = raw.reshape(-1, nbytes)
-    count = blocks.shape[0]
-    if spec.kind == 12:  # four chunks of 32 bytes: low nibbles then high nibbles of 64 elements
-        out = torch.empty((count, 4, 2, 32), dtype=torch.uint8)
-        _nibbles(blocks[:, 16:].reshape(count, 4, 32), out)
-    else:
-        out = torch.empty((count, 2, 16), dtype=torch.uint8)
-        _nibbles(blocks[:, 4 if spec.kind == 3 else 2 :], out)
-    return out.view(spec.out_features, spec.in_features)
+def _slice(rows: torch.Tensor, spec: QuantSpec, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` (in the order the model computes with) of ``rows`` (``(out, bytes per row)``)."""
+    if spec.rows is None:
+        return rows[start:end]
+    return torch.index_select(rows, 0, torch.tensor(spec.rows[start:end]))
 
 
-def _rows(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``raw`` as ``(out, bytes per row)`` in the row order the model computes with."""
-    rows = raw.reshape(spec.out_features, -1)
-    return rows if spec.rows is None else rows[list(spec.rows)]
+#: a block's 4-bit values: (byte offset, runs, bytes a run) -- a run's low nibbles are its elements, then its high
+_NIBBLES = {2: (2, 1, 16), 3: (4, 1, 16), 12: (16, 4, 32)}
 
 
-def _int4_weight(q: torch.Tensor, out: torch.Tensor) -> None:
-    """PyTorch's CPU int4 layout of ``q`` (``(n, k)`` values 0..15) into ``out`` (``(n, k/2)`` uint8): per 64 rows,
-    element k of rows j and j + 32 share a byte (low, high), bytes ordered by k then j (what
-    ``torch._convert_weight_to_int4pack_for_cpu`` writes, here without its int32 copy)."""
-    n, k = q.shape
+def _int4_weight(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None:
+    """PyTorch's CPU int4 layout of the weight into ``out`` (``(n, k/2)`` uint8): per 64 rows, element k of rows j
+    and j + 32 share a byte (low, high), bytes ordered by k then j (what ``torch._convert_weight_to_int4pack_for_cpu``
+    writes, here without its int32 copy). In numpy, whole-tensor passes on one thread (torch would wake its thread
+    pool for each, which a loaded machine makes many times slower; a reader thread packs beside the compute)."""
+    n, k = spec.out_features, spec.in_features
+    at, runs, width = _NIBBLES[spec.kind]
+    blocks = rows.numpy().reshape(n, -1, block_shape(spec.kind)[1])
+    if spec.rows is not None:
+        blocks = blocks[np.asarray(spec.rows)]
+    packed = blocks[:, :, at:].reshape(n, -1, runs, width)
+    values = np.empty((n, packed.shape[1], runs, 2, width), dtype=np.uint8)
+    np.bitwise_and(packed, 15, out=values[:, :, :, 0])
+    np.right_shift(packed, 4, out=values[:, :, :, 1])
+    values = values.reshape(n, k)
     if n % 64:
-        out.copy_(torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        out.copy_(torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(values).to(torch.int32), 1))
         return
-    halves = q.view(n // 64, 2, 32, k)
-    target = out.view(n // 64, k, 32).transpose(1, 2)
-    torch.bitwise_left_shift(halves[:, 1], 4, out=target)
-    target.bitwise_or_(halves[:, 0])
+    pairs = values.reshape(n // 64, 2, 32, k)
+    both = np.left_shift(pairs[:, 1], 4)
+    both |= pairs[:, 0]
+    out.numpy().reshape(n // 64, k, 32)[:] = both.transpose(0, 2, 1)
 
 
-def _int4_scales(blocks: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None:
-    """Scales and zeros ``(in/32, out, 2)`` with which the kernel's ``(q - 8) * scale + zero`` is the GGUF value:
-    Q4_0 ``d * (q - 8)`` exactly; Q4_1 ``d * q + m`` with zero ``m + 8d`` (rounded once more than gguf-py's); Q4_K
-    ``(d * sc) * q - dmin * m`` per sub-block with zero ``8 (d * sc) - dmin * m``."""
-    n, groups = spec.out_features, spec.in_features // GROUP
-    if spec.kind == 12:
+def _int4_scales(blocks: torch.Tensor, kind: int, out: torch.Tensor) -> None:
+    """Scales and zeros (``out``: ``(in/32, rows, 2)`` float32) of the rows whose blocks are ``blocks``, with which
+    the kernel's ``(q - 8) * scale + zero`` is the GGUF value: Q4_0 ``d * (q - 8)`` exactly; Q4_1 ``d * q + m`` with
+    zero ``m + 8d`` (rounded once more than gguf-py's); Q4_K ``(d * sc) * q - dmin * m`` per sub-block with zero
+    ``8 (d * sc) - dmin * m``."""
+    groups, n = out.shape[0], out.shape[1]
+    if kind == 12:
         scale, low = _k_factors(blocks)
         zero = scale * 8 - low
     else:
         scale = _halves(blocks, 0)
-        zero = _halves(blocks, 2) + scale * 8 if spec.kind == 3 else torch.zeros_like(scale)
+        zero = _halves(blocks, 2) + scale * 8 if kind == 3 else torch.zeros_like(scale)
     out[..., 0].copy_(scale.reshape(n, groups).t())
     out[..., 1].copy_(zero.reshape(n, groups).t())
 
 
-#: rows of a Q8_0 weight requantized at once (its float32 values taken a slice at a time: an embedding-sized head
-#: would otherwise take several float32 copies of itself while it loads)
-_INT8_ROWS = 2048
+def _int4_scale_rows(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None:
+    """:func:`_int4_scales` into ``out`` (``(in/32, out, 2)`` int16: bfloat16 bits), a few hundred rows at a time."""
+    groups = spec.in_features // GROUP
+    step = max(GRAIN // (8 * groups), 1)
+    for start in range(0, spec.out_features, step):
+        part = _slice(rows, spec, start, start + step)
+        held = torch.empty((groups, part.shape[0], 2), dtype=torch.float32)
+        _int4_scales(part.reshape(-1, block_shape(spec.kind)[1]), spec.kind, held)
+        out[:, start : start + part.shape[0]].copy_(held.to(torch.bfloat16).view(torch.int16))
 
 
 def _int8(rows: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> None:
     """Q8_0 (``d * q`` per block of 32) requantized to one scale per output row into ``out`` (``part``): the row's
     largest magnitude over 127 (rounded to bfloat16), each value rounded to the nearest step (at most half a step
-    off), :data:`_INT8_ROWS` rows at a time."""
+    off), a slice of rows below :data:`GRAIN` elements at a time."""
     k = spec.in_features
-    for start in range(0, spec.out_features, _INT8_ROWS):
-        chunk = rows[start : start + _INT8_ROWS]
+    step = max((GRAIN - 1) // k, 1)
+    for start in range(0, spec.out_features, step):
+        chunk = _slice(rows, spec, start, start + step)
         values = dequantize_into(chunk, spec.kind, torch.empty(chunk.shape[0] * k)).view(-1, k)
         scale = (values.abs().amax(dim=1) / 127).to(torch.bfloat16)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         if part == "qscale":
-            out[start : start + _INT8_ROWS].copy_(scale.view(torch.int16))
+            out[start : start + step].copy_(scale.view(torch.int16))
             continue
         values.div_(scale.float()[:, None]).round_().clamp_(-127, 127)
-        out[start : start + _INT8_ROWS].copy_(values)
+        out[start : start + step].copy_(values)
 
 
 def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> torch.Tensor:
     """Packed tensor ``part`` (``qweight`` or ``qscale``) of the weight whose GGUF blocks are ``raw`` into ``out``
-    (:meth:`QuantSpec.part_spec`'s shape; scales in any float dtype). Returns ``out``."""
+    (:meth:`QuantSpec.part_spec`'s shape and dtype). Returns ``out``."""
     with torch.inference_mode(False):
-        rows = _rows(raw, spec)
+        rows = raw.reshape(spec.out_features, -1)
         if spec.bits == 8:
             _int8(rows, spec, part, out)
-            return out
-        if part == "qweight":
-            _int4_weight(_elements(rows, spec), out)
-            return out
-        held = torch.empty(out.shape, dtype=torch.float32)
-        _int4_scales(rows.reshape(-1, block_shape(spec.kind)[1]), spec, held)
-        return out.copy_(held.to(torch.bfloat16).view(torch.int16))
+        elif part == "qweight":
+            _int4_weight(rows, spec, out)
+        else:
+            _int4_scale_rows(rows, spec, out)
+        return out
 
 
 class QuantLinear(nn.Module):
