@@ -5,7 +5,9 @@ channel into its int8 one, and :class:`QuantLinear`, which multiplies by them wi
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -130,22 +132,28 @@ def _int4_scale_rows(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> 
         out[:, start : start + part.shape[0]].copy_(held.to(torch.bfloat16).view(torch.int16))
 
 
+#: rows of a Q8_0 weight requantized at once (its float32 values taken a slice at a time: an embedding-sized head
+#: would otherwise take several float32 copies of itself while it loads)
+_INT8_ROWS = 4096
+
+
 def _int8(rows: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> None:
     """Q8_0 (``d * q`` per block of 32) requantized to one scale per output row into ``out`` (``part``): the row's
     largest magnitude over 127 (rounded to bfloat16), each value rounded to the nearest step (at most half a step
-    off), a slice of rows below :data:`GRAIN` elements at a time."""
+    off); :data:`_INT8_ROWS` rows at a time, in numpy passes on one thread (as :func:`_int4_weight`)."""
     k = spec.in_features
-    step = max((GRAIN - 1) // k, 1)
-    for start in range(0, spec.out_features, step):
-        chunk = _slice(rows, spec, start, start + step)
-        values = dequantize_into(chunk, spec.kind, torch.empty(chunk.shape[0] * k)).view(-1, k)
-        scale = (values.abs().amax(dim=1) / 127).to(torch.bfloat16)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    for start in range(0, spec.out_features, _INT8_ROWS):
+        chunk = _slice(rows, spec, start, start + _INT8_ROWS)
+        values = dequantize_into(chunk, spec.kind, torch.empty(chunk.shape[0] * k)).numpy().reshape(-1, k)
+        scale = torch.from_numpy(np.abs(values).max(axis=1) / np.float32(127)).to(torch.bfloat16)
+        scale[scale == 0] = 1
         if part == "qscale":
-            out[start : start + step].copy_(scale.view(torch.int16))
+            out[start : start + _INT8_ROWS].copy_(scale.view(torch.int16))
             continue
-        values.div_(scale.float()[:, None]).round_().clamp_(-127, 127)
-        out[start : start + step].copy_(values)
+        steps = values / scale.float().numpy()[:, None]
+        np.rint(steps, out=steps)
+        np.clip(steps, -127, 127, out=steps)
+        out.numpy()[start : start + _INT8_ROWS] = steps
 
 
 def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> torch.Tensor:
@@ -160,6 +168,26 @@ def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) 
         else:
             _int4_scale_rows(rows, spec, out)
         return out
+
+
+#: multiply-adds up to which a CPU kernel runs on the calling thread (a decoding step's product): the packed kernels
+#: split every call over torch's thread pool, whose wake-ups a loaded machine made a thousand times slower than the
+#: product itself (0.02 ms on one thread, 32 ms at the 90th percentile on two, on a shared 2-core machine)
+INLINE_MACS = 2**24
+
+
+@contextmanager
+def _inline(device: torch.device, macs: int) -> Iterator[None]:
+    """One torch thread inside the block for a small product on the CPU (the count as it was, after)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or macs > INLINE_MACS or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class QuantLinear(nn.Module):
@@ -181,12 +209,13 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         scales = self.qscale.view(torch.bfloat16)
-        if self.bits == 8:
-            y = torch._weight_int8pack_mm(flat, self.qweight, scales)
-        elif flat.device.type == "cpu":
-            y = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, GROUP, scales)
-        else:
-            y = torch._weight_int4pack_mm(flat, self._device_packed(), GROUP, scales)
+        with _inline(flat.device, flat.shape[0] * self.in_features * self.out_features):
+            if self.bits == 8:
+                y = torch._weight_int8pack_mm(flat, self.qweight, scales)
+            elif flat.device.type == "cpu":
+                y = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, GROUP, scales)
+            else:
+                y = torch._weight_int4pack_mm(flat, self._device_packed(), GROUP, scales)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
