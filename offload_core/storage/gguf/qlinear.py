@@ -70,11 +70,13 @@ def leave_exact_reason(kind: int, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def _slice(rows: torch.Tensor, spec: QuantSpec, start: int, end: int) -> torch.Tensor:
-    """Rows ``start:end`` (in the order the model computes with) of ``rows`` (``(out, bytes per row)``)."""
+def _rows(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``raw`` as ``(out, bytes per row)`` in the row order the model computes with (reordered by one numpy take:
+    torch's ``index_select`` wakes its thread pool)."""
+    rows = raw.reshape(spec.out_features, -1)
     if spec.rows is None:
-        return rows[start:end]
-    return torch.index_select(rows, 0, torch.tensor(spec.rows[start:end]))
+        return rows
+    return torch.from_numpy(np.take(rows.numpy(), np.asarray(spec.rows), axis=0))
 
 
 #: a block's 4-bit values: (byte offset, runs, bytes a run) -- a run's low nibbles are its elements, then its high
@@ -89,8 +91,6 @@ def _int4_weight(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None
     n, k = spec.out_features, spec.in_features
     at, runs, width = _NIBBLES[spec.kind]
     blocks = rows.numpy().reshape(n, -1, block_shape(spec.kind)[1])
-    if spec.rows is not None:
-        blocks = blocks[np.asarray(spec.rows)]
     packed = blocks[:, :, at:].reshape(n, -1, runs, width)
     values = np.empty((n, packed.shape[1], runs, 2, width), dtype=np.uint8)
     np.bitwise_and(packed, 15, out=values[:, :, :, 0])
@@ -126,7 +126,7 @@ def _int4_scale_rows(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> 
     groups = spec.in_features // GROUP
     step = max(GRAIN // (8 * groups), 1)
     for start in range(0, spec.out_features, step):
-        part = _slice(rows, spec, start, start + step)
+        part = rows[start : start + step]
         held = torch.empty((groups, part.shape[0], 2), dtype=torch.float32)
         _int4_scales(part.reshape(-1, block_shape(spec.kind)[1]), spec.kind, held)
         out[:, start : start + part.shape[0]].copy_(held.to(torch.bfloat16).view(torch.int16))
@@ -143,7 +143,7 @@ def _int8(rows: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> 
     off); :data:`_INT8_ROWS` rows at a time, in numpy passes on one thread (as :func:`_int4_weight`)."""
     k = spec.in_features
     for start in range(0, spec.out_features, _INT8_ROWS):
-        chunk = _slice(rows, spec, start, start + _INT8_ROWS)
+        chunk = rows[start : start + _INT8_ROWS]
         values = dequantize_into(chunk, spec.kind, torch.empty(chunk.shape[0] * k)).numpy().reshape(-1, k)
         scale = torch.from_numpy(np.abs(values).max(axis=1) / np.float32(127)).to(torch.bfloat16)
         scale[scale == 0] = 1
@@ -160,7 +160,7 @@ def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) 
     """Packed tensor ``part`` (``qweight`` or ``qscale``) of the weight whose GGUF blocks are ``raw`` into ``out``
     (:meth:`QuantSpec.part_spec`'s shape and dtype). Returns ``out``."""
     with torch.inference_mode(False):
-        rows = raw.reshape(spec.out_features, -1)
+        rows = _rows(raw, spec)
         if spec.bits == 8:
             _int8(rows, spec, part, out)
         elif part == "qweight":
