@@ -212,3 +212,16 @@ def test_a_head_tied_to_the_embedding_computes_on_a_packed_copy(tmp_path, monkey
         assert not torch.equal(got, want) and (got - want).abs().max() < 0.05 * want.abs().max()
     finally:
         model.offload_state.release()
+
+
+def test_the_cuda_packing_reads_the_values_back_in_its_order():
+    """What ``torch._convert_weight_to_int4pack`` is given on a GPU (checked here on the CPU): the int4 layout's
+    values, two a byte, the even one high."""
+    from offload_core.storage.gguf.qlinear import device_pairs
+
+    kind = int(T.Q4_1)
+    raw = random_blocks(kind, 128 * 512, seed=1)
+    spec = QuantSpec(kind, 128, 512)
+    qweight = pack_into(raw, spec, "qweight", torch.empty(spec.part_spec("qweight")[0], dtype=torch.uint8))
+    codes = _codes(raw, kind).to(torch.uint8)
+    assert torch.equal(device_pairs(qweight), codes[:, ::2] << 4 | codes[:, 1::2])

@@ -65,8 +65,8 @@ def leave_exact_reason(kind: int, shape: tuple[int, ...]) -> str | None:
         return "no packed kernel takes its type"
     if len(shape) != 2 or shape[1] % GROUP:
         return f"shape {list(shape)} is not whole groups of {GROUP} along its input"
-    if QUANT_KINDS[int(kind)] == 4 and shape[0] % 16:
-        return f"the int4 kernel takes output rows in multiples of 16, not {shape[0]}"
+    if QUANT_KINDS[int(kind)] == 4 and shape[0] % 64:
+        return f"the int4 layout takes output rows in multiples of 64, not {shape[0]}"
     return None
 
 
@@ -95,10 +95,6 @@ def _int4_weight(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None
     values = np.empty((n, packed.shape[1], runs, 2, width), dtype=np.uint8)
     np.bitwise_and(packed, 15, out=values[:, :, :, 0])
     np.right_shift(packed, 4, out=values[:, :, :, 1])
-    values = values.reshape(n, k)
-    if n % 64:
-        out.copy_(torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(values).to(torch.int32), 1))
-        return
     pairs = values.reshape(n // 64, 2, 32, k)
     both = np.left_shift(pairs[:, 1], 4)
     both |= pairs[:, 0]
@@ -170,6 +166,18 @@ def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) 
         return out
 
 
+def device_pairs(qweight: torch.Tensor) -> torch.Tensor:
+    """The CPU int4 layout ``qweight`` (``(n, k/2)`` uint8, :func:`_int4_weight`) as the CUDA packing takes it: byte
+    ``i`` of row ``r`` holds values ``2i`` (high nibble) and ``2i + 1`` (low), on ``qweight``'s device."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    values = torch.empty((n, k), dtype=torch.uint8, device=qweight.device)
+    halves = values.view(n // 64, 2, 32, k)
+    packed = qweight.view(n // 64, k, 32).transpose(1, 2)
+    torch.bitwise_and(packed, 0x0F, out=halves[:, 0])
+    torch.bitwise_right_shift(packed, 4, out=halves[:, 1])
+    return (values[:, ::2] << 4 | values[:, 1::2]).contiguous()
+
+
 #: multiply-adds up to which a CPU kernel runs on the calling thread (a decoding step's product): the packed kernels
 #: split every call over torch's thread pool, whose wake-ups a loaded machine made a thousand times slower than the
 #: product itself (0.02 ms on one thread, 32 ms at the 90th percentile on two, on a shared 2-core machine)
@@ -227,17 +235,8 @@ class QuantLinear(nn.Module):
         weight = self.qweight
         key = (weight.data_ptr(), weight._version, id(weight))
         if self._device_weight is None or self._device_weight[0] != key:
-            n, k = self.out_features, self.in_features
-            q = torch.empty((n, k), dtype=torch.uint8, device=weight.device)
-            if n % 64:
-                raise RuntimeError("the CUDA int4 path takes out_features in multiples of 64")
-            halves = q.view(n // 64, 2, 32, k)
-            packed = weight.view(n // 64, k, 32).transpose(1, 2)
-            torch.bitwise_and(packed, 0x0F, out=halves[:, 0])
-            torch.bitwise_right_shift(packed, 4, out=halves[:, 1])
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
-            tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
-            self._device_weight = (key, torch._convert_weight_to_int4pack(pairs, tiles))
+            tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
+            self._device_weight = (key, torch._convert_weight_to_int4pack(device_pairs(weight), tiles))
         return self._device_weight[1]
 
     def extra_repr(self) -> str:
