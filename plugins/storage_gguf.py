@@ -5,15 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload_core.errors import ConfigError
 from offload_core.hookspecs import hookimpl
 from offload_core.registry.contracts import Storage
 from offload_core.storage import StoreContext
 from offload_core.storage.gguf.store import GGUFStore
 
 
+#: what ``storage.compute`` takes: ``exact`` (the default: every tensor dequantized, bit for bit transformers') or
+#: ``quantized`` (linear layers of a type with a packed kernel compute on their packed blocks)
+COMPUTE_MODES = ("exact", "quantized")
+
+
 @dataclass
 class GGUFConfig:
     name: str = "gguf"
+    #: exact (dequantize before use, bit for bit transformers' model) or quantized (Q4_0, Q4_1, Q4_K and Q8_0 linear
+    #: layers compute on their packed weights with PyTorch's int4 / int8 kernels: close to, not equal to, exact)
+    compute: str = "exact"
 
 
 class GGUFStorage(Storage):
@@ -28,6 +37,18 @@ class GGUFStorage(Storage):
     reads_gguf = True
 
     config: GGUFConfig
+
+    def __init__(self, config: GGUFConfig) -> None:
+        super().__init__(config)
+        if config.compute not in COMPUTE_MODES:
+            raise ConfigError(
+                f"storage.compute={config.compute!r} is not one of {', '.join(COMPUTE_MODES)}; "
+                "storage.compute=quantized computes linear layers on their packed GGUF weights"
+            )
+
+    @property
+    def quantized_compute(self) -> bool:
+        return self.config.compute == "quantized"
 
     def open(self, context: StoreContext) -> GGUFStore:
         return GGUFStore(context)

@@ -165,6 +165,11 @@ class GGUFCheckpoint(Checkpoint):
         """``key``'s GGML type in the file (``Q4_1``)."""
         return self.file.entries[self.sources[key]].type_name
 
+    def computes_quantized(self, key: str) -> bool:
+        """Whether ``key`` is a packed tensor a linear layer computes on (``storage.compute=quantized``: see
+        :mod:`offload_core.loading.gguf_qcompute`); never here."""
+        return False
+
     def byte_range(self, key: str) -> tuple[int, int]:
         """Where ``key``'s blocks lie in the file."""
         entry = self.file.entries[self.sources[key]]

@@ -37,7 +37,7 @@ def dequant_rows(
         return []
     dtype = parse_dtype(dtype)
     tensors = route_tensors(model, normalize_device_map(dict(device_map)), execution_device)
-    offloaded = set(tensors.offloaded.values())
+    offloaded = {key for key in tensors.offloaded.values() if not checkpoint.computes_quantized(key)}
     if not offloaded:
         return []
     units = find_units(model, tensors.offloaded, no_split_classes(model, no_split), policy.granularity)

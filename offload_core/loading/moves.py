@@ -90,6 +90,8 @@ def stored_lines(
         ]
     kinds: dict[tuple[bool, str], list[int]] = {}
     for key in checkpoint.keys():
+        if checkpoint.computes_quantized(key):  # listed apart (gguf_qcompute.quantized_lines)
+            continue
         row = kinds.setdefault((key in offloaded, checkpoint.tensor_type(key)), [0, 0, 0])
         row[0] += 1
         row[1] += stored[key]

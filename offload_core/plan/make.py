@@ -13,6 +13,7 @@ from torch import nn
 
 from offload_core import defaults
 from offload_core.loading.gguf_moves import dequant_rows
+from offload_core.loading.gguf_qcompute import quantized_lines
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.loading.quantized import packed_lines
 from offload_core.registry.contracts import Placement, Policy, Storage
@@ -201,6 +202,7 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
         )
     lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
     lines += packed_lines(model, dtype)
+    lines += quantized_lines(checkpoint, device_map, model, execution_device)
     dequant = (
         dequant_rows(model, device_map, policy, execution_device, dtype, no_split, checkpoint, stored)
         if storage.reads_gguf

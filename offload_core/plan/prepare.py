@@ -67,7 +67,8 @@ def prepare(
     from offload_core.loading.checkpoint import Checkpoint
 
     run_model = open_model(settings.model, settings.dtype, strategies.storage.reads_gguf)
-    with Checkpoint.open(run_model.checkpoint_dir) as checkpoint:
+    with Checkpoint.open(run_model.checkpoint_dir) as opened:
+        checkpoint = quantized_checkpoint(strategies, run_model, opened)
         check_run_task(settings, run_model, checkpoint)
         if batches_of is None:
             settings, batches = read_batches(settings, run_model)
@@ -91,6 +92,16 @@ def prepare(
         if predict:
             predict_plan(job)
         yield job
+
+
+def quantized_checkpoint(strategies: Strategies, run_model: RunModel, checkpoint: Checkpoint) -> Checkpoint:
+    """``checkpoint``, or with ``storage.compute=quantized`` the GGUF checkpoint serving the packed weights of the
+    linear layers it replaces on the empty model (:mod:`offload_core.loading.gguf_qcompute`)."""
+    if not strategies.storage.quantized_compute:
+        return checkpoint
+    from offload_core.loading.gguf_qcompute import compute_quantized
+
+    return compute_quantized(run_model.model, checkpoint, run_model.dtype)
 
 
 def predict_plan(job: Prepared) -> None:

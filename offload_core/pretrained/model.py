@@ -15,6 +15,7 @@ from offload_core.errors import ConfigError, GraphsError
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.dispatch import resolve_strategy
 from offload_core.loading.execution_device import default_execution_device
+from offload_core.loading.gguf_qcompute import compute_quantized
 from offload_core.loading.gguf_sources import resolve_model_path as gguf_model_path
 from offload_core.loading.hub import Hub, read_hub, resolve_model_path
 from offload_core.loading.pipeline import is_pipeline_folder
@@ -121,6 +122,7 @@ def from_pretrained(
     no_split = no_split_classes(model, offload.no_split_module_classes)
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it
     try:
+        checkpoint = quantized_checkpoint(model, checkpoint, offload.storage, dtype)
         if given:
             check_task_fits(model, checkpoint, task, what="task")
         request = PlanRequest(
@@ -194,6 +196,14 @@ def hold_graph_pool(
     if key in budgets:
         budgets[key] -= graph_pool_bytes(config, dtype=dtype)
     return budgets
+
+
+def quantized_checkpoint(model: nn.Module, checkpoint: Checkpoint, storage: str | Any, dtype: Any) -> Checkpoint:
+    """``checkpoint``, or for a store built with ``compute="quantized"`` (``storage=get_registry().create("storage",
+    "gguf", {"compute": "quantized"})``) the GGUF checkpoint of the packed linear layers it puts in ``model``."""
+    if not resolve_strategy("storage", storage).quantized_compute:
+        return checkpoint
+    return compute_quantized(model, checkpoint, dtype)
 
 
 def model_path(path: str | Path, storage: str | Any) -> Path:

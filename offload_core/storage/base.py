@@ -264,6 +264,8 @@ class Storage(StrategyBase):
     #: reads a GGUF model file in place: a GGUF model path is handed to it as the file (the other stores get the file
     #: converted once into a float32 safetensors folder)
     reads_gguf: bool = False
+    #: linear layers compute on their packed GGUF weights (``storage=gguf storage.compute=quantized``)
+    quantized_compute: bool = False
 
     def predicted_stored(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> dict[str, int]:
         """The bytes a read of each checkpoint tensor will move, where the store holds it in fewer bytes than the

@@ -45,8 +45,11 @@ class GGUFStore(Store):
         )
 
     def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
-        """Shape and dtype of ``store[name]`` (from the header: nothing is read)."""
-        return torch.Size(self.checkpoint.shape(self._refs[name])), self.dtype
+        """Shape and dtype of ``store[name]`` (from the header: nothing is read; a packed tensor keeps its integer
+        dtype)."""
+        key = self._refs[name]
+        stored = self.checkpoint.dtype(key)
+        return torch.Size(self.checkpoint.shape(key)), self.dtype if stored.is_floating_point else stored
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape, dtype = self.spec(name)
