@@ -17,7 +17,7 @@ import torch
 from offload_core.jobs.batch import eos_ids, left_padded
 from offload_core.jobs.generate import pad_token_id
 from offload_core.runner.inputs import decode
-from offload_core.serve.cache import BatchCache, check_mergeable
+from offload_core.serve.cache import BatchCache, check_mergeable, with_room
 from offload_core.serve.logprobs import TokenLogprob, token_logprob
 from offload_core.serve.metrics import ServeMetrics
 from offload_core.serve.sampling import Detokenizer, Params, Picker
@@ -116,7 +116,7 @@ class Engine:
         params = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in params else "past_key_values"
         self.keep_logits = "logits_to_keep" in params
-        self.new_cache = lambda: DynamicCache(config=model.config)
+        self.new_cache = lambda: with_room(DynamicCache(config=model.config), context)
         spec = speculating(speculative)
         self.drafter = Drafter(spec, self.eos, context) if spec is not None else None
         if not exact or spec is not None:  # speculation drops rejected columns row by row
