@@ -7,6 +7,10 @@ greedy streaming ``openai`` clients (``bench/serve.py``'s), stops it, and altern
 Writes ``bench/results/serve-peers-<tag>.json`` and ``.md``.
 
     python bench/serve_peers.py --clients 1,4,8 --tokens 32 --rounds 2
+
+``--cold``: both read every offloaded byte from the disk on every pass, ours with ``page_cache=0`` (each block's
+pages dropped after it runs), the peer through ``hf_serve_offloaded.py --cold`` (each disk-offloaded module's weight
+bytes dropped from the page cache after its forward): the comparison where moving bytes, not compute, is the bound.
 """
 
 from __future__ import annotations
@@ -83,10 +87,12 @@ def peak_rss(pid: int) -> int | None:
     return int(found.group(1)) * 1024 if found else None
 
 
-def peer_command(folder: Path, budget: str, offload: Path, port: int, batching: bool, blocks: int | None) -> list[str]:
+def peer_command(
+    folder: Path, budget: str, offload: Path, port: int, batching: bool, blocks: int | None, cold: bool = False
+) -> list[str]:
     cb = ["--continuous-batching"] if batching else []
     cb += ["--cb-num-blocks", str(blocks)] if batching and blocks else []
-    wrapper = ["--max-memory-cpu", budget, "--offload-folder", str(offload)]
+    wrapper = ["--max-memory-cpu", budget, "--offload-folder", str(offload), *(["--cold"] if cold else [])]
     serve_args = [*cb, "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", str(folder)]
     return [sys.executable, str(HERE / "hf_serve_offloaded.py"), *wrapper, "--", "serve", *serve_args]
 
@@ -156,12 +162,14 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
     """Start ``system``, warm it up (first request timed), run every load, stop it."""
     began = time.perf_counter()
     if system == OURS:
-        proc, url = serve.start(args.server_args, scratch / f"run-{time.monotonic_ns()}")
-        detail = {"command": "python run.py mode=serve " + " ".join(args.server_args)}
+        ours = [*args.server_args, *(["page_cache=0"] if args.cold else [])]
+        proc, url = serve.start(ours, scratch / f"run-{time.monotonic_ns()}")
+        detail = {"command": "python run.py mode=serve " + " ".join(ours)}
     else:
         offload = Path(tempfile.mkdtemp(dir=scratch, prefix="offload-"))
         blocks = kv_blocks(args.server_args, max(int(c) for c in args.clients.split(",")))
-        command = peer_command(folder, budget_of(args.server_args), offload, free_port(), args.batching, blocks)
+        budget = budget_of(args.server_args)
+        command = peer_command(folder, budget, offload, free_port(), args.batching, blocks, args.cold)
         log = scratch / f"peer-{time.monotonic_ns()}.log"
         proc, url = start_peer(command, log)
         shown = ["python", "bench/hf_serve_offloaded.py", *command[2:]]
@@ -179,8 +187,10 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
     if system == PEER:
         text = detail.pop("log").read_text()
         detail["continuous_batching_used"] = "CB: True" in text
-        placed = re.search(r"^hf_serve_offloaded: .*$", text, re.M)
+        placed = re.search(r"^hf_serve_offloaded: .*device map.*$", text, re.M)
         detail["placement"] = placed.group(0) if placed else None
+        cold = re.search(r"^hf_serve_offloaded: cold.*$", text, re.M)
+        detail["cold"] = cold.group(0) if cold else None
         detail["offload_folder_files"] = sum(1 for _ in offload.iterdir())
     return {"system": system, "ready_s": ready, "first_request_s": warm, "loads": rows, **detail}
 
@@ -232,6 +242,15 @@ def report(result: dict) -> str:
             else []
         ),
         *([result["note"], ""] if result.get("note") else []),
+        *(
+            [
+                "Cold: every offloaded byte read from the disk on every pass by both: ours with `page_cache=0`, the "
+                f"peer with `--cold` (`{peer.get('cold')}`).",
+                "",
+            ]
+            if result.get("cold")
+            else []
+        ),
         "Command: `" + result["command"] + "`",
         "",
         "| clients | ours tok/s | peer tok/s | ours / peer | ours TTFT p50 s | peer TTFT p50 s | "
@@ -283,6 +302,7 @@ def main() -> None:
     parser.add_argument(
         "--no-batching", dest="batching", action="store_false", help="peer without --continuous-batching"
     )
+    parser.add_argument("--cold", action="store_true", help="both read the offloaded weights from disk every pass")
     parser.add_argument("--tag", default="smollm2")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("server_args", nargs="*", help="run.py keys (default: %(default)s)", default=serve.DEFAULT_ARGS)
@@ -348,6 +368,7 @@ def collect(args, sessions: list[dict], prompts: list[str], loads: list[int], lo
         "tokens": args.tokens,
         "rounds": max(s["round"] for s in sessions),
         "batching": args.batching,
+        "cold": args.cold,
         "batching_error": batching_error,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "loadavg_start": loadavg_start,
