@@ -50,7 +50,8 @@ def module_ranges(module, folder: str) -> list[tuple[Path, int, int]]:
             path = Path(entry["safetensors_file"]).resolve()
             ranges.append((path, *tensor_ranges(path)[entry.get("weight_name", prefix + name)]))
         else:
-            ranges.append((Path(folder) / f"{prefix + name}.dat", 0, 0))  # 0 length: the whole file
+            path = Path(folder) / f"{prefix + name}.dat"
+            ranges.append((path, 0, path.stat().st_size))
     return ranges
 
 
@@ -100,7 +101,14 @@ def offload_every_load(budget: str, folder: str, cold: bool = False) -> None:
         placed = getattr(model, "hf_device_map", None)
         if placed:  # said once, so a report can state where the peer's weights lived
             kinds = sorted(set(map(str, placed.values())))
-            print(f"hf_serve_offloaded: {cls.__name__} device map over {kinds}", file=sys.stderr, flush=True)
+            hooked = [m for m in model.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+            on_disk = sum(end - start for m in hooked for _, start, end in module_ranges(m, folder))
+            print(
+                f"hf_serve_offloaded: {cls.__name__} device map over {kinds}, {on_disk / 2**20:.1f} MiB of weights "
+                "read from disk",
+                file=sys.stderr,
+                flush=True,
+            )
             if cold:
                 keep_cold(model, folder)
         return model

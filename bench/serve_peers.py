@@ -4,13 +4,15 @@ at the same CPU budget, the rest on disk): aggregate generated tokens/s and time
 In one invocation, for each round, starts in turn ``python run.py mode=serve`` as ``bench/serve.py`` starts it and
 ``transformers serve`` through ``bench/hf_serve_offloaded.py`` on the same model folder, drives each with the same
 greedy streaming ``openai`` clients (``bench/serve.py``'s), stops it, and alternates the order from round to round.
-Writes ``bench/results/serve-peers-<tag>.json`` and ``.md``.
+Writes ``bench/results/serve-peers-<tag>.json`` and ``.md``::
 
     python bench/serve_peers.py --clients 1,4,8 --tokens 32 --rounds 2
-
 ``--cold``: both read every offloaded byte from the disk on every pass, ours with ``page_cache=0`` (each block's
 pages dropped after it runs), the peer through ``hf_serve_offloaded.py --cold`` (each disk-offloaded module's weight
 bytes dropped from the page cache after its forward): the comparison where moving bytes, not compute, is the bound.
+``--peer-budget``: the peer's CPU budget, where accelerate's (weights only) should leave on disk the bytes ours does
+(ours holds the KV cache and activations inside its budget: at SmolLM2's 500MiB the peer puts 27 MiB on disk, ours
+283.6 MiB; at 245MiB the peer puts the same 283.6 MiB); the report gives each one's bytes on disk.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
     else:
         offload = Path(tempfile.mkdtemp(dir=scratch, prefix="offload-"))
         blocks = kv_blocks(args.server_args, max(int(c) for c in args.clients.split(",")))
-        budget = budget_of(args.server_args)
+        budget = args.peer_budget or budget_of(args.server_args)
         command = peer_command(folder, budget, offload, free_port(), args.batching, blocks, args.cold)
         log = scratch / f"peer-{time.monotonic_ns()}.log"
         proc, url = start_peer(command, log)
@@ -222,10 +224,13 @@ def report(result: dict) -> str:
     sessions, summary = result["sessions"], result["summary"]
     peer = next(s for s in sessions if s["system"] == PEER)
     ours = next(s for s in sessions if s["system"] == OURS)
+    cold = f"Cold: both read every offloaded byte from disk each pass (ours `page_cache=0`; `{peer.get('cold')}`)."
     lines = [
         f"# Serve against transformers serve: {result['tag']}",
         "",
-        f"Both systems serve `{result['model']}` at `max_memory.cpu={result['budget']}`, {result['tokens']} greedy "
+        f"Both systems serve `{result['model']}` at `max_memory.cpu={result['budget']}`"
+        + (f" (the peer's device map at {result['peer_budget']})" if result.get("peer_budget") else "")
+        + f", {result['tokens']} greedy "
         f"streamed tokens per request, one request per client, {result['rounds']} round(s), the systems started in "
         f"turn and alternated from round to round; machine: {result['machine']}. Load average "
         f"{result['loadavg_start']:.2f} at start, {result['loadavg_end']:.2f} at end: the machine was busy with other "
@@ -242,15 +247,7 @@ def report(result: dict) -> str:
             else []
         ),
         *([result["note"], ""] if result.get("note") else []),
-        *(
-            [
-                "Cold: every offloaded byte read from the disk on every pass by both: ours with `page_cache=0`, the "
-                f"peer with `--cold` (`{peer.get('cold')}`).",
-                "",
-            ]
-            if result.get("cold")
-            else []
-        ),
+        *([cold, ""] if result.get("cold") else []),
         "Command: `" + result["command"] + "`",
         "",
         "| clients | ours tok/s | peer tok/s | ours / peer | ours TTFT p50 s | peer TTFT p50 s | "
@@ -303,6 +300,9 @@ def main() -> None:
         "--no-batching", dest="batching", action="store_false", help="peer without --continuous-batching"
     )
     parser.add_argument("--cold", action="store_true", help="both read the offloaded weights from disk every pass")
+    parser.add_argument(
+        "--peer-budget", help="the peer's max_memory cpu (default: ours; accelerate's holds weights only)"
+    )
     parser.add_argument("--tag", default="smollm2")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("server_args", nargs="*", help="run.py keys (default: %(default)s)", default=serve.DEFAULT_ARGS)
@@ -356,20 +356,20 @@ def agreement(sessions: list[dict], prompts: list[str]) -> dict:
 
 def collect(args, sessions: list[dict], prompts: list[str], loads: list[int], loadavg_start: float, error) -> dict:
     """The result dict of the sessions run so far."""
-    batching_error = error
     summary = summarize(sessions, loads)
     by = {row["clients"]: row["aggregate_tokens_per_s"]["ratio"] for row in summary}
-    result = {
+    return {
         "tag": args.tag,
         "out": args.out,
         "command": "python bench/serve_peers.py " + " ".join(sys.argv[1:]),
         "model": args.model,
         "budget": budget_of(args.server_args),
+        "peer_budget": args.peer_budget,
         "tokens": args.tokens,
         "rounds": max(s["round"] for s in sessions),
         "batching": args.batching,
         "cold": args.cold,
-        "batching_error": batching_error,
+        "batching_error": error,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "loadavg_start": loadavg_start,
         "loadavg_end": os.getloadavg()[0],
@@ -383,7 +383,6 @@ def collect(args, sessions: list[dict], prompts: list[str], loads: list[int], lo
         },
         "agreement": agreement(sessions, prompts),
     }
-    return result
 
 
 def write(result: dict) -> None:
