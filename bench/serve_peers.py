@@ -4,9 +4,15 @@ at the same CPU budget, the rest on disk): aggregate generated tokens/s and time
 In one invocation, for each round, starts in turn ``python run.py mode=serve`` as ``bench/serve.py`` starts it and
 ``transformers serve`` through ``bench/hf_serve_offloaded.py`` on the same model folder, drives each with the same
 greedy streaming ``openai`` clients (``bench/serve.py``'s), stops it, and alternates the order from round to round.
-Writes ``bench/results/serve-peers-<tag>.json`` and ``.md``.
+Writes ``bench/results/serve-peers-<tag>.json`` and ``.md``::
 
     python bench/serve_peers.py --clients 1,4,8 --tokens 32 --rounds 2
+``--cold``: both read every offloaded byte from the disk on every pass, ours with ``page_cache=0`` (each block's
+pages dropped after it runs), the peer through ``hf_serve_offloaded.py --cold`` (each disk-offloaded module's weight
+bytes dropped from the page cache after its forward): the comparison where moving bytes, not compute, is the bound.
+``--peer-budget``: the peer's CPU budget, where accelerate's (weights only) should leave on disk the bytes ours does
+(ours holds the KV cache and activations inside its budget: at SmolLM2's 500MiB the peer puts 27 MiB on disk, ours
+283.6 MiB; at 245MiB the peer puts the same 283.6 MiB); the report gives each one's bytes on disk.
 """
 
 from __future__ import annotations
@@ -83,10 +89,12 @@ def peak_rss(pid: int) -> int | None:
     return int(found.group(1)) * 1024 if found else None
 
 
-def peer_command(folder: Path, budget: str, offload: Path, port: int, batching: bool, blocks: int | None) -> list[str]:
+def peer_command(
+    folder: Path, budget: str, offload: Path, port: int, batching: bool, blocks: int | None, cold: bool = False
+) -> list[str]:
     cb = ["--continuous-batching"] if batching else []
     cb += ["--cb-num-blocks", str(blocks)] if batching and blocks else []
-    wrapper = ["--max-memory-cpu", budget, "--offload-folder", str(offload)]
+    wrapper = ["--max-memory-cpu", budget, "--offload-folder", str(offload), *(["--cold"] if cold else [])]
     serve_args = [*cb, "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", str(folder)]
     return [sys.executable, str(HERE / "hf_serve_offloaded.py"), *wrapper, "--", "serve", *serve_args]
 
@@ -156,12 +164,14 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
     """Start ``system``, warm it up (first request timed), run every load, stop it."""
     began = time.perf_counter()
     if system == OURS:
-        proc, url = serve.start(args.server_args, scratch / f"run-{time.monotonic_ns()}")
-        detail = {"command": "python run.py mode=serve " + " ".join(args.server_args)}
+        ours = [*args.server_args, *(["page_cache=0"] if args.cold else [])]
+        proc, url = serve.start(ours, scratch / f"run-{time.monotonic_ns()}")
+        detail = {"command": "python run.py mode=serve " + " ".join(ours)}
     else:
         offload = Path(tempfile.mkdtemp(dir=scratch, prefix="offload-"))
         blocks = kv_blocks(args.server_args, max(int(c) for c in args.clients.split(",")))
-        command = peer_command(folder, budget_of(args.server_args), offload, free_port(), args.batching, blocks)
+        budget = args.peer_budget or budget_of(args.server_args)
+        command = peer_command(folder, budget, offload, free_port(), args.batching, blocks, args.cold)
         log = scratch / f"peer-{time.monotonic_ns()}.log"
         proc, url = start_peer(command, log)
         shown = ["python", "bench/hf_serve_offloaded.py", *command[2:]]
@@ -179,8 +189,10 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
     if system == PEER:
         text = detail.pop("log").read_text()
         detail["continuous_batching_used"] = "CB: True" in text
-        placed = re.search(r"^hf_serve_offloaded: .*$", text, re.M)
+        placed = re.search(r"^hf_serve_offloaded: .*device map.*$", text, re.M)
         detail["placement"] = placed.group(0) if placed else None
+        cold = re.search(r"^hf_serve_offloaded: cold.*$", text, re.M)
+        detail["cold"] = cold.group(0) if cold else None
         detail["offload_folder_files"] = sum(1 for _ in offload.iterdir())
     return {"system": system, "ready_s": ready, "first_request_s": warm, "loads": rows, **detail}
 
@@ -212,10 +224,13 @@ def report(result: dict) -> str:
     sessions, summary = result["sessions"], result["summary"]
     peer = next(s for s in sessions if s["system"] == PEER)
     ours = next(s for s in sessions if s["system"] == OURS)
+    cold = f"Cold: both read every offloaded byte from disk each pass (ours `page_cache=0`; `{peer.get('cold')}`)."
     lines = [
         f"# Serve against transformers serve: {result['tag']}",
         "",
-        f"Both systems serve `{result['model']}` at `max_memory.cpu={result['budget']}`, {result['tokens']} greedy "
+        f"Both systems serve `{result['model']}` at `max_memory.cpu={result['budget']}`"
+        + (f" (the peer's device map at {result['peer_budget']})" if result.get("peer_budget") else "")
+        + f", {result['tokens']} greedy "
         f"streamed tokens per request, one request per client, {result['rounds']} round(s), the systems started in "
         f"turn and alternated from round to round; machine: {result['machine']}. Load average "
         f"{result['loadavg_start']:.2f} at start, {result['loadavg_end']:.2f} at end: the machine was busy with other "
@@ -232,6 +247,7 @@ def report(result: dict) -> str:
             else []
         ),
         *([result["note"], ""] if result.get("note") else []),
+        *([cold, ""] if result.get("cold") else []),
         "Command: `" + result["command"] + "`",
         "",
         "| clients | ours tok/s | peer tok/s | ours / peer | ours TTFT p50 s | peer TTFT p50 s | "
@@ -282,6 +298,10 @@ def main() -> None:
     parser.add_argument("--model", help="model folder both serve (default: the converted SmolLM2 checkpoint)")
     parser.add_argument(
         "--no-batching", dest="batching", action="store_false", help="peer without --continuous-batching"
+    )
+    parser.add_argument("--cold", action="store_true", help="both read the offloaded weights from disk every pass")
+    parser.add_argument(
+        "--peer-budget", help="the peer's max_memory cpu (default: ours; accelerate's holds weights only)"
     )
     parser.add_argument("--tag", default="smollm2")
     parser.add_argument("--out", default=str(HERE / "results"))
@@ -336,19 +356,20 @@ def agreement(sessions: list[dict], prompts: list[str]) -> dict:
 
 def collect(args, sessions: list[dict], prompts: list[str], loads: list[int], loadavg_start: float, error) -> dict:
     """The result dict of the sessions run so far."""
-    batching_error = error
     summary = summarize(sessions, loads)
     by = {row["clients"]: row["aggregate_tokens_per_s"]["ratio"] for row in summary}
-    result = {
+    return {
         "tag": args.tag,
         "out": args.out,
         "command": "python bench/serve_peers.py " + " ".join(sys.argv[1:]),
         "model": args.model,
         "budget": budget_of(args.server_args),
+        "peer_budget": args.peer_budget,
         "tokens": args.tokens,
         "rounds": max(s["round"] for s in sessions),
         "batching": args.batching,
-        "batching_error": batching_error,
+        "cold": args.cold,
+        "batching_error": error,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "loadavg_start": loadavg_start,
         "loadavg_end": os.getloadavg()[0],
@@ -362,7 +383,6 @@ def collect(args, sessions: list[dict], prompts: list[str], loads: list[int], lo
         },
         "agreement": agreement(sessions, prompts),
     }
-    return result
 
 
 def write(result: dict) -> None:

@@ -1,8 +1,11 @@
 """The KV cache of the requests generating together, left-padded to one width: rows that join are padded to it (or it
-to them), rows that leave are dropped, and columns no row needs any more are cut, all between forwards."""
+to them), rows that leave are dropped, and columns no row needs any more are cut, all between forwards. Each layer
+keeps its keys and values in buffers with room for the columns to come, so a decoding step writes its one column
+instead of copying the whole cache (transformers' dynamic layer concatenates every step)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -12,11 +15,78 @@ def _layers(cache: Any) -> list[Any]:
     return list(cache.layers)
 
 
+@functools.cache
+def _room_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomLayer(DynamicLayer):
+        """A dynamic layer whose ``keys`` and ``values`` are views of buffers with room for more columns (up to
+        ``limit`` in all): a step writes its columns into the room; a buffer is made anew (the room doubling, as a
+        list grows) only when full or when ``keys`` was replaced (rows joined, left or were cut)."""
+
+        limit = 0
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not self.is_initialized or self.keys.numel() == 0:
+                self.lazy_initialization(key_states, value_states)
+                self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+            width, new = self.keys.shape[-2], key_states.shape[-2]
+            if not self._fits(width + new):
+                room = max(width + new, min(2 * (width + new), self.limit))
+                self.buffers = tuple(_roomy(t, room) for t in (self.keys, self.values))
+            keys, values = self.buffers
+            keys[:, :, width : width + new] = key_states
+            values[:, :, width : width + new] = value_states
+            self.keys, self.values = keys[:, :, : width + new], values[:, :, : width + new]
+            return self.keys, self.values
+
+        def _fits(self, width: int) -> bool:
+            """``keys`` and ``values`` are still the leading columns of the buffers, which hold ``width`` columns."""
+            if self.buffers is None:
+                return False
+            return all(
+                t.data_ptr() == b.data_ptr()
+                and t.shape[:2] == b.shape[:2]
+                and t.stride() == b.stride()
+                and b.shape[-2] >= width
+                for t, b in zip((self.keys, self.values), self.buffers)
+            )
+
+    return RoomLayer
+
+
+def _roomy(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """An empty buffer of ``columns`` columns, ``tensor`` in its leading ones."""
+    shape = list(tensor.shape)
+    shape[-2] = columns
+    buffer = tensor.new_empty(shape)
+    buffer[:, :, : tensor.shape[-2]] = tensor
+    return buffer
+
+
+def with_room(cache: Any, limit: int) -> Any:
+    """``cache`` (a fresh transformers dynamic cache) with each full-sequence layer replaced by one that writes new
+    columns into room kept for them, at most ``limit`` columns in all (the context a request holds)."""
+    from transformers.cache_utils import DynamicLayer
+
+    kind = _room_layer_class()
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = kind()
+            cache.layers[i].limit = limit
+    return cache
+
+
 def check_mergeable(cache: Any) -> None:
     """Rows of ``cache`` can be padded, joined and dropped: every layer holds the whole sequence (no sliding window)."""
     from transformers.cache_utils import DynamicLayer
 
-    kinds = {type(layer).__name__ for layer in _layers(cache) if type(layer) is not DynamicLayer}
+    kinds = {
+        type(layer).__name__
+        for layer in _layers(cache)
+        if type(layer) is not DynamicLayer and type(layer) is not _room_layer_class()
+    }
     if kinds:
         raise TypeError(f"layers of kind {', '.join(sorted(kinds))} cannot be batched across requests")
 

@@ -17,7 +17,7 @@ import torch
 from offload_core.jobs.batch import eos_ids, left_padded
 from offload_core.jobs.generate import pad_token_id
 from offload_core.runner.inputs import decode
-from offload_core.serve.cache import BatchCache, check_mergeable
+from offload_core.serve.cache import BatchCache, check_mergeable, with_room
 from offload_core.serve.logprobs import TokenLogprob, token_logprob
 from offload_core.serve.metrics import ServeMetrics
 from offload_core.serve.sampling import Detokenizer, Params, Picker
@@ -113,10 +113,11 @@ class Engine:
         self.prefilled_last = False
         self.thread: threading.Thread | None = None
         self.finished: list[tuple[Request, Event]] = []  # a pass's last events, sent once its counters are in
+        self.gather_quiet_s, self.gather_s = 0.005, 0.03  # see :meth:`gather`
         params = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in params else "past_key_values"
         self.keep_logits = "logits_to_keep" in params
-        self.new_cache = lambda: DynamicCache(config=model.config)
+        self.new_cache = lambda: with_room(DynamicCache(config=model.config), context)
         spec = speculating(speculative)
         self.drafter = Drafter(spec, self.eos, context) if spec is not None else None
         if not exact or spec is not None:  # speculation drops rejected columns row by row
@@ -182,6 +183,8 @@ class Engine:
                 with self.lock:
                     if self.stopping:
                         return
+                if not self.groups:
+                    self.gather()
                 try:
                     worked = self.step()
                 except Exception as error:  # a fault outside a forward: those generating fail, the server goes on
@@ -193,6 +196,22 @@ class Engine:
                     with self.lock:
                         if not self.stopping and not self.waiting:
                             self.lock.wait(timeout=0.5)
+
+    def gather(self) -> None:
+        """Requests sent together arrive over a few milliseconds: when the engine is idle and one has come, wait until
+        none more comes for ``gather_quiet_s`` (at most ``gather_s`` in all; not once they fill the free slots), so
+        that they are prefilled in one forward, not the first alone and the others a pass later."""
+        deadline = time.perf_counter() + self.gather_s
+        with self.lock:
+            seen = len(self.waiting)
+            while seen and not self.stopping and seen < self.slots - self.active:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return
+                self.lock.wait(timeout=min(self.gather_quiet_s, left))
+                if len(self.waiting) == seen:
+                    return
+                seen = len(self.waiting)
 
     def step(self) -> bool:
         """One forward: the prefill of the requests admitted now, or the next token of every request generating

@@ -15,6 +15,7 @@ from tests.serve.tiny import save_tiny_chat_model
 
 sys.path.insert(0, str(ROOT / "bench"))
 
+from hf_serve_offloaded import keep_cold, module_ranges  # noqa: E402
 from serve_peers import budget_of, kv_blocks, peer_folder  # noqa: E402
 
 
@@ -41,8 +42,31 @@ def test_the_peers_kv_cache_holds_the_tokens_our_server_plans():
     assert kv_blocks([], clients=2) == 8  # serve.context's default of 1024, one request per client
 
 
+def test_cold_drops_exactly_the_bytes_accelerate_reads_each_offloaded_weight_from(tmp_path):
+    pytest.importorskip("accelerate", reason="the peer's device map needs accelerate (the bench extra)")
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    tiny = save_tiny_chat_model(tmp_path / "tiny")
+    kwargs = {"device_map": "auto", "max_memory": {"cpu": 20_000}, "offload_folder": str(tmp_path / "off")}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, **kwargs)
+    weights = load_file(tiny / "model.safetensors")
+    offloaded = [m for m in model.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    ranges = [r for m in offloaded for r in module_ranges(m, str(tmp_path / "off"))]
+    assert ranges and all(path == (tiny / "model.safetensors").resolve() for path, _, _ in ranges)
+    raw = (tiny / "model.safetensors").read_bytes()
+    as_bytes = {t.contiguous().view(torch.uint8).numpy().tobytes() for t in weights.values()}
+    assert all(raw[start:end] in as_bytes for _, start, end in ranges)
+    assert keep_cold(model, str(tmp_path / "off")) == len({id(m) for m in offloaded if module_ranges(m, "")})
+    ids = torch.tensor([[5, 6, 7]])
+    in_memory = transformers.AutoModelForCausalLM.from_pretrained(tiny)
+    assert torch.equal(model(ids).logits, in_memory(ids).logits)
+
+
 @pytest.mark.slow
-def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path):
+@pytest.mark.parametrize("cold", [False, True])
+def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path, cold):
     pytest.importorskip("accelerate", reason="the peer's device map needs accelerate (the bench extra)")
     tiny = save_tiny_chat_model(tmp_path / "tiny")
     done = subprocess.run(
@@ -57,6 +81,7 @@ def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path):
             "1",
             "--tag",
             "tiny",
+            *(["--cold"] if cold else []),
             "--out",
             str(tmp_path),
             "--model",
@@ -85,3 +110,5 @@ def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path):
     assert set(result["agreement"]["texts"]) == {"offload_core serve", "transformers serve"}
     assert [row["clients"] for row in result["summary"]] == [1, 2]
     assert "| 2 |" in (tmp_path / "serve-peers-tiny.md").read_text()
+    assert ("page_cache=0" in ours["command"]) == cold == ("--cold" in peer["command"])
+    assert (peer["cold"] is not None) == cold == ("Cold:" in (tmp_path / "serve-peers-tiny.md").read_text())

@@ -224,3 +224,28 @@ def test_logprobs_are_the_models_own_for_each_token_with_the_likeliest_alternati
         while engine.step():
             pass
     assert silent and not any(event.logprobs for event in silent)
+
+
+def test_requests_sent_together_are_prefilled_in_one_forward(model):
+    import threading
+    import time
+
+    engine = Engine(model, None, torch.device("cpu"), slots=3, context=64)
+    engine.gather_quiet_s, engine.gather_s = 2.0, 10.0  # the machine may be slow: a quiet period far above it
+    requests = [Request(p, greedy(2)) for p in PROMPTS[:3]]
+    engine.submit(requests[0])
+    late = threading.Thread(target=lambda: [time.sleep(0.05) or engine.submit(r) for r in requests[1:]])
+    began = time.perf_counter()
+    late.start()
+    engine.gather()  # returns once the three fill the slots, not after a quiet period
+    late.join()
+    assert time.perf_counter() - began < 2.0 and len(engine.waiting) == 3
+    with torch.inference_mode():
+        engine.step()
+    assert engine.active == 3 and engine.metrics.passes_count == 1
+    lone = Engine(model, None, torch.device("cpu"), slots=3, context=64)
+    lone.gather_quiet_s, lone.gather_s = 0.2, 10.0
+    lone.submit(Request(PROMPTS[0], greedy(2)))
+    began = time.perf_counter()
+    lone.gather()  # nothing more comes: it waits one quiet period
+    assert 0.2 <= time.perf_counter() - began < 5.0
