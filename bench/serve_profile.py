@@ -78,7 +78,9 @@ def main() -> None:
         for p in lines
     ]
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-profile-{os.getpid()}"
-    model = offload_core.from_pretrained(folder, max_memory={"cpu": args.budget}, headroom=0, offload_folder=scratch)
+    model = offload_core.from_pretrained(
+        folder, offload={"headroom": 0, "offload_folder": scratch}, max_memory={"cpu": args.budget}
+    )
     load = [os.getloadavg()[0]]
     runs = []
     for r in range(args.rounds):
