@@ -4,6 +4,8 @@ streaming offloaded weights around each module's forward.
 Importing this package loads no plugin; the registry is built on first use.
 """
 
+# first: drops optional libraries' import-time noise before anything imports transformers (see its IMPORT_NOISE)
+import offload_core.loading.quiet  # noqa: F401, I001
 from offload_core.loading.cpu_offload import cpu_offload_with_hook
 from offload_core.loading.dispatch import dispatch_model, load_checkpoint_and_dispatch
 from offload_core.loading.empty import init_empty_weights, init_on_device

@@ -1,6 +1,6 @@
 """Loading that says nothing the user did not ask for: transformers' and diffusers' own progress bars hidden while a
-block runs (a run's ``progress=false``), the arguments each library reads without a deprecation warning, and no notice
-about an image processor the run never uses."""
+block runs (a run's ``progress=false``), the arguments each library reads without a deprecation warning, no notice
+about an image processor the run never uses, and no import-time noise from optional libraries."""
 
 from __future__ import annotations
 
@@ -10,6 +10,32 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 import torch
+
+
+#: (logger, start of the message) of warnings optional libraries log on import that say nothing about a run: torchao
+#: (the quant extra, which transformers imports whenever it is installed) not loading its CUDA kernels under a CPU
+#: torch, and the enums it registers with torch's pytree, a registration torch now deprecates
+IMPORT_NOISE = (("torchao", "Failed to load "), ("torch.utils._pytree", "<enum "))
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.start)
+
+
+def quiet_import_noise() -> None:
+    """Drop :data:`IMPORT_NOISE`'s warnings (only those: every other record of those loggers is kept)."""
+    for name, start in IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropNoise(start))
+
+
+quiet_import_noise()  # on import: offload_core imports this module first
 
 
 @contextmanager

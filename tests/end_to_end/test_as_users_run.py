@@ -111,6 +111,7 @@ def test_smollm2_run_exits_with_the_answer(model, hook, store, tmp_path):
         "max_new_tokens=8",
         "max_memory.cpu=150MiB",
         f"hydra.run.dir={tmp_path}",
+        *(["over_budget=warn"] if store == "pinned_cpu" else []),  # it holds the disk tier in memory too
     ]
     code, out, err = run_as_user(args, tmp_path, tmp_path / "metrics.json")
     assert code == 0, err[-2000:]
@@ -132,6 +133,7 @@ def test_moe_run_exits_with_the_in_memory_tokens(store, mixtral, tmp_path):
         f"storage={store}",
         "max_new_tokens=4",
         "max_memory.cpu=500KiB",
+        "over_budget=warn",  # the tiny model's units in flight are larger than 500 KiB
         "compare_in_memory=true",
         f"hydra.sweep.dir={tmp_path}",
     ]

@@ -16,7 +16,16 @@ from tests.end_to_end.helpers import assert_one_line, cli
 
 pytestmark = pytest.mark.slow
 
-RUN = ["model=synthetic", "storage=pinned_cpu", "hook=prefetch", "dtype=bfloat16", "max_memory.cpu=1KiB", "headroom=0"]
+#: everything on disk, held packed in memory by the store (over the 1 KiB budget, warned)
+RUN = [
+    "model=synthetic",
+    "storage=pinned_cpu",
+    "hook=prefetch",
+    "dtype=bfloat16",
+    "max_memory.cpu=1KiB",
+    "headroom=0",
+    "over_budget=warn",
+]
 
 
 def _run(tmp_path, *args: str) -> str:

@@ -200,7 +200,8 @@ def test_the_experts_policy_is_predicted_for_its_routed_experts_and_left_out_for
     ]
     moved = {}
     for hook in ("prefetch", "experts"):
-        settings = read_settings(compose_run([*common, "max_memory.cpu=1KiB", f"hook={hook}"]), tmp_path / hook)
+        overrides = [*common, "max_memory.cpu=1KiB", "over_budget=warn", f"hook={hook}"]  # 1 KiB: all on disk
+        settings = read_settings(compose_run(overrides), tmp_path / hook)
         run_model = open_model(settings.model, settings.dtype)
         from offload_core.loading.checkpoint import Checkpoint
 
