@@ -1,19 +1,27 @@
-"""Built-in storage ``gguf``: offloaded tensors' quantized blocks read in place from the GGUF file and dequantized just
-before use (bit for bit transformers' own GGUF load)."""
+"""Built-in storage ``gguf``: offloaded tensors' quantized blocks read in place from the GGUF file, or held quantized in
+memory (``storage.resident=quantized``), and dequantized just before use (bit for bit transformers' own GGUF load)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload_core.errors import ConfigError
 from offload_core.hookspecs import hookimpl
 from offload_core.registry.contracts import Storage
 from offload_core.storage import StoreContext
 from offload_core.storage.gguf.store import GGUFStore
 
+#: what ``storage.resident`` takes
+RESIDENT = ("dequantized", "quantized")
+
 
 @dataclass
 class GGUFConfig:
     name: str = "gguf"
+    #: what the cpu budget holds: ``dequantized`` (the tensors it fits, dequantized once at load; the others read from
+    #: the file on every use) or ``quantized`` (every offloaded tensor's quantized blocks held in memory, and the
+    #: dequantized tensors that fit beside them: no reads from the disk, more of the model within the same budget)
+    resident: str = "dequantized"
 
 
 class GGUFStorage(Storage):
@@ -22,15 +30,36 @@ class GGUFStorage(Storage):
     auto = True
     #: every read dequantizes into new memory (the planner holds room for the copies in flight)
     converts_on_read = True
-    #: offloaded tensors are read in place from the checkpoint's file
-    reads_from = "checkpoint"
     #: a GGUF model path reaches this store as the file itself (not converted)
     reads_gguf = True
 
     config: GGUFConfig
 
+    @classmethod
+    def auto_variants(cls) -> list[dict]:
+        """auto=true weighs both: the quantized blocks read from the file, or held in memory."""
+        return [{"resident": resident} for resident in RESIDENT]
+
+    def __init__(self, config: GGUFConfig) -> None:
+        super().__init__(config)
+        if config.resident not in RESIDENT:
+            raise ConfigError(
+                f"storage.resident={config.resident!r} is not one of {', '.join(RESIDENT)}: give dequantized (read "
+                "offloaded tensors from the file) or quantized (hold them quantized in memory)"
+            )
+
+    @property
+    def holds_stored(self) -> bool:  # type: ignore[override]
+        """Whether the store holds the offloaded tensors' quantized blocks in memory (out of the cpu budget)."""
+        return self.config.resident == "quantized"
+
+    @property
+    def reads_from(self) -> str:  # type: ignore[override]
+        """Offloaded tensors are read from the checkpoint's file in place, or from memory where held."""
+        return "memory" if self.holds_stored else "checkpoint"
+
     def open(self, context: StoreContext) -> GGUFStore:
-        return GGUFStore(context)
+        return GGUFStore(context, hold=self.holds_stored)
 
 
 @hookimpl

@@ -151,7 +151,8 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
             on_disk = devices.get("disk", {}).get("bytes", 0)
             in_memory = devices.get("cpu", {}).get("bytes", 0) + plan.reserve.get("cpu", 0) + plan.headroom
             candidate.offloaded_bytes = offloaded_in_plan(plan.summary, chosen.execution_device)
-            candidate.anon_bytes = in_memory + (on_disk if storage.reads_from == "memory" else 0)
+            held = plan.store_memory if plan.store_memory is not None else on_disk  # the bytes the store holds
+            candidate.anon_bytes = in_memory + (held if storage.reads_from == "memory" else 0)
             candidate.predicted = dict(plan.predicted_time)
             rows = prediction_shape(job)[0]
             prompts = len(job.batches.prompts) if job.batches is not None and job.settings.prompts_file else 1
@@ -161,7 +162,7 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
     budget = settings.max_memory.get("cpu")
     if budget is not None and on_disk and storage.reads_from == "memory" and candidate.anon_bytes > budget:
         candidate.problem = (
-            f"keeps the {format_size(on_disk)} offloaded in memory: "
+            f"keeps the {format_size(held)} offloaded in memory: "
             f"{format_size(candidate.anon_bytes)}, over max_memory.cpu={format_size(budget)}"
         )
     elif not candidate.predicted.get("predicted_step_s"):

@@ -264,6 +264,9 @@ class Storage(StrategyBase):
     #: reads a GGUF model file in place: a GGUF model path is handed to it as the file (the other stores get the file
     #: converted once into a float32 safetensors folder)
     reads_gguf: bool = False
+    #: holds the offloaded tensors in memory in the bytes a read moves (``predicted_stored``, or a GGUF file's quantized
+    #: blocks), out of the cpu budget: the plan fits the resident tensors beside them
+    holds_stored: bool = False
 
     def predicted_stored(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> dict[str, int]:
         """The bytes a read of each checkpoint tensor will move, where the store holds it in fewer bytes than the
