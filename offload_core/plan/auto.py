@@ -58,7 +58,9 @@ class Candidate:
     @property
     def label(self) -> str:
         """The configuration as command-line options (a policy's non-default variant options included)."""
-        parts = [f"storage={self.storage['name']}", f"hook={self.hook['name']}"]
+        parts = [f"storage={self.storage['name']}"]
+        parts += [f"storage.{k}={v}" for k, v in self.storage.items() if k in self.storage.get("_varied", ())]
+        parts += [f"hook={self.hook['name']}"]
         parts += [f"hook.{k}={v}" for k, v in self.hook.items() if k in self.hook.get("_varied", ())]
         return " ".join(parts + [f"page_cache={self.page_cache}", f"batch_size={self.batch_size}"])
 
@@ -259,9 +261,11 @@ def gguf_why(ranked: list[Candidate]) -> list[str]:
 
     first, second = (gguf, other) if gguf.total_s <= other.total_s else (other, gguf)
     ratio = second.total_s / first.total_s if first.total_s else math.inf
+    held = gguf.storage.get("resident") == "quantized"
+    reading = "holding the GGUF file's quantized blocks in memory" if held else "reading the GGUF file in place"
     return [
-        f"auto: {'reading the GGUF file in place' if first is gguf else 'the converted float32 files'} "
-        f"predicted {ratio:.2f}x faster than {'the GGUF file in place' if first is other else 'the converted files'} "
+        f"auto: {reading if first is gguf else 'the converted float32 files'} "
+        f"predicted {ratio:.2f}x faster than {'the GGUF file' if first is other else 'the converted files'} "
         "over the whole run (load, first token and the decoding steps):",
         f"  storage=gguf ({gguf.label.split(' ', 1)[1]}): {said(gguf)}",
         f"  storage={other.storage['name']} ({other.label.split(' ', 1)[1]}): {said(other)}",

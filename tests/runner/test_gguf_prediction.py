@@ -211,6 +211,8 @@ def test_auto_reads_a_gguf_in_place_cold_and_the_converted_floats_warm(compose_r
     given_rates["disk"] = {**given_rates["disk"], "cold_read_bps": 2e6}  # a slow disk, nothing kept in the cache
     cold = _auto(compose_run, tmp_path / "cold", path, ["page_cache=0"])
     assert cold[0]["configuration"].startswith("storage=gguf ")  # an eighth of the bytes from the disk
+    variants = {row["configuration"].split()[1] for row in cold if row["configuration"].startswith("storage=gguf ")}
+    assert variants == {"storage.resident=dequantized", "storage.resident=quantized"}  # each choice in the table
     assert "auto: reading the GGUF file in place predicted" in capsys.readouterr().out
 
 

@@ -60,15 +60,16 @@ def _halves(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].view(torch.float16).float()
 
 
-_held = threading.local()
+#: each thread's scratch buffers (a reader thread dequantizes beside the compute thread)
+_THREAD = threading.local()
 
 
 def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A view of ``shape`` into this thread's buffer ``slot`` on ``device``, grown as needed and kept: the passes of
     every call reuse it (no allocation per pass, nor per call once the largest pass has run)."""
-    buffers = getattr(_held, "buffers", None)
+    buffers = getattr(_THREAD, "buffers", None)
     if buffers is None:
-        buffers = _held.buffers = {}
+        buffers = _THREAD.buffers = {}
     count = 1
     for size in shape:
         count *= size
@@ -175,7 +176,7 @@ def _spread(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``table[byte]`` for every byte of ``packed``: ``packed``'s shape with the table's row appended (held)."""
     if table.device != packed.device:
         table = table.to(packed.device)
-    index = _held("index", packed.long() if packed.device.type != "cpu" else packed).long()
+    index = _scratch("index", tuple(packed.shape), torch.int64, packed.device).copy_(packed)
     spread = _scratch("spread", (index.numel(), table.shape[1]), table.dtype, packed.device)
     return torch.index_select(table, 0, index.view(-1), out=spread).view(*packed.shape, table.shape[1])
 
