@@ -183,12 +183,25 @@ def _spread(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def _k_factors(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``d * scale`` and ``dmin * min`` of each 32-element sub-block of Q4_K / Q5_K blocks (``(n, 8, 1)`` float32,
-    each product rounded once, as gguf-py computes them)."""
+    each product rounded once, as gguf-py computes them). The 6-bit scales and mins are unpacked four bytes at a time
+    where the block's 12 bytes of them lie at 4-byte boundaries (one pass per word of every block)."""
     n = blocks.shape[0]
-    packed = blocks[:, 4:16].reshape(n, 3, 4)
-    d, m, md = packed[:, 0], packed[:, 1], packed[:, 2]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    if blocks.data_ptr() % 4 or blocks.stride(0) % 4:
+        packed = blocks[:, 4:16].reshape(n, 3, 4)
+        d, m, md = packed[:, 0], packed[:, 1], packed[:, 2]
+        sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+        mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    else:  # the same byte-wise operations on each word's four bytes (a shift's bits from the next byte masked off)
+        words = blocks.view(torch.int32)[:, 1:4]
+        d, m, md = words[:, 0], words[:, 1], words[:, 2]
+        both = _scratch("factors", (2, n, 2), torch.int32, blocks.device)
+        torch.bitwise_and(d, 0x3F3F3F3F, out=both[0, :, 0])
+        torch.bitwise_and(m, 0x3F3F3F3F, out=both[1, :, 0])
+        high = (d >> 2).bitwise_and_(0x30303030)
+        torch.bitwise_or(high, md & 0x0F0F0F0F, out=both[0, :, 1])
+        high = (m >> 2).bitwise_and_(0x30303030)
+        torch.bitwise_or(high, (md >> 4).bitwise_and_(0x0F0F0F0F), out=both[1, :, 1])
+        sc, mins = both.view(torch.uint8).view(2, n, 8)
     return sc.float().mul_(_halves(blocks, 0)).unsqueeze(-1), mins.float().mul_(_halves(blocks, 2)).unsqueeze(-1)
 
 
