@@ -1,6 +1,6 @@
 """storage=gguf storage.resident=quantized: the offloaded tensors' quantized blocks held in memory, the resident tensors
 planned within what they leave of the cpu budget; the budget search, the plan's lines, auto=true's two variants and a
-bad value in one line."""
+bad value in one line; the store's pool of buffers."""
 
 from __future__ import annotations
 
@@ -82,3 +82,20 @@ def test_auto_tries_both_and_a_bad_value_is_one_line():
     with pytest.raises(ConfigError, match="storage.resident='packed' is not one of dequantized, quantized") as error:
         _gguf("packed")
     assert "\n" not in str(error.value)
+
+
+def test_the_store_pool_hands_a_buffer_out_again_only_once_nothing_holds_it():
+    from torch import nn
+
+    from offload_core.storage.gguf.buffers import BufferPool
+
+    pool = BufferPool()
+    first = pool.take(64, torch.float32)
+    param = nn.Parameter(first.view(8, 8), requires_grad=False)  # what a module hook makes of it
+    del first
+    second = pool.take(64, torch.float32)
+    assert second.data_ptr() != param.data_ptr()  # in use: a new one
+    del param, second
+    again = pool.take(64, torch.float32)
+    assert pool.nbytes() == 2 * 64 * 4  # both reused from now on: no third
+    assert pool.take(64, torch.float32).data_ptr() != again.data_ptr() and pool.nbytes() == 2 * 64 * 4

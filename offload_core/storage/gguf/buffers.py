@@ -27,12 +27,11 @@ class BufferPool:
         """A flat buffer of ``elements`` of ``dtype`` that is not in use."""
         with self._lock:
             held = self._held.setdefault((elements, dtype), [])
-            for buffer in held:
-                if _users(buffer) == self._alone:
-                    return buffer
-            buffer = torch.empty(elements, dtype=dtype)
-            held.append(buffer)
-            return buffer
+            free = next((buffer for buffer in held if _users(buffer) == self._alone), None)
+            if free is None:
+                free = torch.empty(elements, dtype=dtype)
+                held.append(free)
+            return free.view(-1)  # a tensor of its own over the buffer: while it lives, the buffer counts as in use
 
     def nbytes(self) -> int:
         """Bytes the pool holds."""
