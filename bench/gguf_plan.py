@@ -21,6 +21,11 @@ CONFIGS = {
     "storage=gguf": ["storage=gguf"],
     "storage=gguf hook=prefetch": ["storage=gguf", "hook=prefetch"],
     "storage=gguf storage.resident=quantized": ["storage=gguf", "storage.resident=quantized"],
+    "storage=gguf storage.resident=quantized hook=prefetch": [
+        "storage=gguf",
+        "storage.resident=quantized",
+        "hook=prefetch",
+    ],
     "auto=true": ["auto=true"],
 }
 BASE, AUTO, COLD = "converted float32 (default)", "auto=true", "cold (page_cache=0, half offloaded)"
