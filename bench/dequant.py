@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -79,23 +80,35 @@ def measure(kind: T, elements: int, repeats: int, rng: np.random.Generator) -> d
     return row
 
 
-def report(rows: list[dict], args: argparse.Namespace) -> str:
+def copy_gbps(elements: int, repeats: int) -> float:
+    """Float32 GB/s of a plain copy of ``elements`` (what one core's memory traffic allows a pass that reads and
+    writes them): the yardstick of the kernels' output rate."""
+    source, out = torch.randn(elements), torch.empty(elements)
+    out.copy_(source)
+    return elements * 4 / 1e9 / best_of(repeats, lambda: out.copy_(source))
+
+
+def report(rows: list[dict], args: argparse.Namespace, machine: dict) -> str:
     lines = [
         f"# GGUF dequantization, output GB/s ({args.elements:,} elements per type, best of {args.repeats})",
         "",
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}, one torch thread "
         f"({'with ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}); "
-        "gguf-py's numpy dequantize on the same blocks. `python bench/dequant.py` reproduces it.",
+        "gguf-py's numpy dequantize on the same blocks. `python bench/dequant.py` reproduces it. "
+        f"Load average over 1/5/15 min {'/'.join(f'{v:.1f}' for v in machine['load_average'])} (a shared "
+        f"2-core machine: absolute rates fall with the load; the ratios are of one run). A float32 copy of as many "
+        f"elements ran at {machine['copy_gbps']:.2f} GB/s (the share of it in the last column).",
         "",
-        "| type | torch CPU, 1 thread | gguf-py numpy | speed-up | bit-identical |"
+        "| type | torch CPU, 1 thread | gguf-py numpy | speed-up | bit-identical | share of a float32 copy |"
         + (" GPU |" if torch.cuda.is_available() else ""),
-        "|---|---|---|---|---|" + ("---|" if torch.cuda.is_available() else ""),
+        "|---|---|---|---|---|---|" + ("---|" if torch.cuda.is_available() else ""),
     ]
     for row in rows:
         gpu = f" {row['torch_gpu_gbps']:.1f} |" if "torch_gpu_gbps" in row else ""
         lines.append(
             f"| {row['type']} | {row['torch_cpu_1thread_gbps']:.2f} | {row['gguf_py_numpy_gbps']:.2f} | "
-            f"{row['speedup_vs_gguf_py']:.2f}x | {row['bit_identical']} |{gpu}"
+            f"{row['speedup_vs_gguf_py']:.2f}x | {row['bit_identical']} | "
+            f"{row['torch_cpu_1thread_gbps'] / machine['copy_gbps']:.2f} |{gpu}"
         )
     return "\n".join(lines) + "\n"
 
@@ -111,11 +124,13 @@ def main() -> None:
     torch.set_num_threads(1)  # per core
     rng = np.random.default_rng(0)
     rows = [measure(T[name], args.elements, args.repeats, rng) for name in args.types]
+    machine = {"copy_gbps": copy_gbps(args.elements, args.repeats), "load_average": list(os.getloadavg())}
     name = "dequant" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps({"elements": args.elements, "rows": rows}, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(report(rows, args))
-    print(report(rows, args))
+    payload = {"elements": args.elements, "rows": rows, **machine}
+    (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(report(rows, args, machine))
+    print(report(rows, args, machine))
 
 
 if __name__ == "__main__":

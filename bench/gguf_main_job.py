@@ -49,12 +49,15 @@ def main() -> None:
     parser.add_argument("--warm-runs", type=int, default=2)
     parser.add_argument("--plan", action="store_true", help="compare what the plan chooses, warm and cold")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", help="with --plan: the configurations to run (the default always)")
+    parser.add_argument("--cold-only", action="store_true", help="with --plan: the cold page cache alone")
+    parser.add_argument("--tag", default="", help="with --plan: written to gguf-plan-<tag>.{json,md}")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     if args.plan:
         from gguf_plan import compare
 
-        return compare(args.rounds, args.out)
+        return compare(args.rounds, args.out, args.configs, args.cold_only, args.tag)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in CONFIGS.items():

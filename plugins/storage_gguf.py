@@ -1,5 +1,5 @@
-"""Built-in storage ``gguf``: offloaded tensors' quantized blocks read in place from the GGUF file and dequantized just
-before use (bit for bit transformers' own GGUF load)."""
+"""Built-in storage ``gguf``: offloaded tensors' quantized blocks read in place from the GGUF file, or held quantized in
+memory (``storage.resident=quantized``), and dequantized just before use (bit for bit transformers' own GGUF load)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from offload_core.hookspecs import hookimpl
 from offload_core.registry.contracts import Storage
 from offload_core.storage import StoreContext
 from offload_core.storage.gguf.store import GGUFStore
+
+#: what ``storage.resident`` takes
+RESIDENT = ("dequantized", "quantized")
 
 
 #: what ``storage.compute`` takes: ``exact`` (the default: every tensor dequantized, bit for bit transformers') or
@@ -23,6 +26,10 @@ class GGUFConfig:
     #: exact (dequantize before use, bit for bit transformers' model) or quantized (Q4_0, Q4_1, Q4_K and Q8_0 linear
     #: layers compute on their packed weights with PyTorch's int4 / int8 kernels: close to, not equal to, exact)
     compute: str = "exact"
+    #: what the cpu budget holds: ``dequantized`` (the tensors it fits, dequantized once at load; the others read from
+    #: the file on every use) or ``quantized`` (every offloaded tensor's quantized blocks held in memory, and the
+    #: dequantized tensors that fit beside them: no reads from the disk, more of the model within the same budget)
+    resident: str = "dequantized"
 
 
 class GGUFStorage(Storage):
@@ -31,8 +38,6 @@ class GGUFStorage(Storage):
     auto = True
     #: every read dequantizes into new memory (the planner holds room for the copies in flight)
     converts_on_read = True
-    #: offloaded tensors are read in place from the checkpoint's file
-    reads_from = "checkpoint"
     #: a GGUF model path reaches this store as the file itself (not converted)
     reads_gguf = True
 
@@ -45,13 +50,33 @@ class GGUFStorage(Storage):
                 f"storage.compute={config.compute!r} is not one of {', '.join(COMPUTE_MODES)}; "
                 "storage.compute=quantized computes linear layers on their packed GGUF weights"
             )
+        if config.resident not in RESIDENT:
+            raise ConfigError(
+                f"storage.resident={config.resident!r} is not one of {', '.join(RESIDENT)}: give dequantized (read "
+                "offloaded tensors from the file) or quantized (hold them quantized in memory)"
+            )
 
     @property
     def quantized_compute(self) -> bool:
         return self.config.compute == "quantized"
 
+    @classmethod
+    def auto_variants(cls) -> list[dict]:
+        """auto=true weighs both: the quantized blocks read from the file, or held in memory."""
+        return [{"resident": resident} for resident in RESIDENT]
+
+    @property
+    def holds_stored(self) -> bool:  # type: ignore[override]
+        """Whether the store holds the offloaded tensors' quantized blocks in memory (out of the cpu budget)."""
+        return self.config.resident == "quantized"
+
+    @property
+    def reads_from(self) -> str:  # type: ignore[override]
+        """Offloaded tensors are read from the checkpoint's file in place, or from memory where held."""
+        return "memory" if self.holds_stored else "checkpoint"
+
     def open(self, context: StoreContext) -> GGUFStore:
-        return GGUFStore(context)
+        return GGUFStore(context, hold=self.holds_stored)
 
 
 @hookimpl

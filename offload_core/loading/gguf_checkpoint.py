@@ -13,7 +13,7 @@ import torch
 
 from offload_core.errors import CheckpointError, ConfigError
 from offload_core.loading.checkpoint import Checkpoint
-from offload_core.storage.gguf.dequant import copy_inline, dequantize_into
+from offload_core.storage.gguf.dequant import copy_inline, dequantize_into, held_buffer, unpermute_into
 from offload_core.storage.gguf.file import GGUFFile
 
 __all__ = ["GGUFCheckpoint", "find_gguf", "gguf_config", "gguf_tokenizer"]
@@ -189,21 +189,40 @@ class GGUFCheckpoint(Checkpoint):
         name = self.sources[key]
         return kind == "LlamaTensorProcessor" and ".attn_q." not in name and ".attn_k." not in name
 
-    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
-        """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it."""
+    def read_into(self, key: str, out: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it (``raw``:
+        its quantized blocks where held elsewhere than the mapped file)."""
         entry = self.file.entries[self.sources[key]]
-        if out.dtype == torch.float32 and out.is_contiguous() and self.converted_in_place(key):
-            return dequantize_into(self.file.raw(entry.name), entry.kind, out)
-        return copy_inline(out, self._converted(key, entry))
+        raw = self.file.raw(entry.name) if raw is None else raw
+        if out.dtype == torch.float32 and out.is_contiguous():
+            if self.converted_in_place(key):
+                return dequantize_into(raw, entry.kind, out)
+            heads = self.permuted_heads(key)
+            if heads is not None:  # llama's q and k: dequantized into a held buffer, then un-permuted into ``out``
+                values = dequantize_into(raw, entry.kind, held_buffer(out.numel(), out.device))
+                return unpermute_into(values, heads, out)
+        return copy_inline(out, self._converted(key, entry, raw))
+
+    def permuted_heads(self, key: str) -> int | None:
+        """The head count llama's processor un-permutes ``key`` by (its q or k), as
+        ``LlamaTensorProcessor.process`` takes it from the config; None where the processor leaves it as it is or
+        is another one."""
+        if type(self.processor).__name__ != "LlamaTensorProcessor":
+            return None
+        name, config = self.sources[key], self.processor.config
+        heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+        if heads is None or kv_heads is None or (".attn_q." not in name and ".attn_k." not in name):
+            return None
+        return heads if ".attn_q." in name else kv_heads
 
     def get(self, key: str) -> torch.Tensor:
         """``key`` dequantized and converted (a new float32 tensor)."""
         entry = self.file.entries[self.sources[key]]
-        return self._converted(key, entry)
+        return self._converted(key, entry, self.file.raw(entry.name))
 
-    def _converted(self, key: str, entry: Any) -> torch.Tensor:
+    def _converted(self, key: str, entry: Any, raw: torch.Tensor) -> torch.Tensor:
         """``key`` dequantized and passed through transformers' tensor processor (its numpy code, as loading does)."""
-        values = dequantize_into(self.file.raw(entry.name), entry.kind, torch.empty(entry.shape, dtype=torch.float32))
+        values = dequantize_into(raw, entry.kind, torch.empty(entry.shape, dtype=torch.float32))
         if self.converted_in_place(key):
             return values.view(self._shapes[key])
         result = self.processor.process(weights=values.numpy(), name=entry.name)

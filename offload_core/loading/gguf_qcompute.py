@@ -69,11 +69,11 @@ class QuantizedGGUFCheckpoint(GGUFCheckpoint):
     def converted_in_place(self, key: str) -> bool:
         return key not in self.packed and super().converted_in_place(key)
 
-    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+    def read_into(self, key: str, out: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
         if key in self.packed:
             _, part, spec = self.packed[key]
-            return pack_into(self.raw(key), spec, part, out)
-        return super().read_into(key, out)
+            return pack_into(self.raw(key) if raw is None else raw, spec, part, out)
+        return super().read_into(key, out, raw)
 
     def get(self, key: str) -> torch.Tensor:
         if key in self.packed:

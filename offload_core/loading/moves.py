@@ -71,9 +71,11 @@ def stored_lines(
     device_map: Mapping[str, int | str],
     model: nn.Module,
     execution_device: torch.device,
+    held: bool = False,
 ) -> list[str]:
     """What the store does with each tensor of a GGUF file it reads in place, by GGML type: offloaded ones stay
-    quantized in the file and are dequantized on every read; resident ones are dequantized once, at load."""
+    quantized in the file (``held``: are held quantized in memory) and are dequantized on every read; resident ones
+    are dequantized once, at load."""
     if not stored:
         return []
     from offload_core.loading.routes import route_tensors
@@ -101,8 +103,9 @@ def stored_lines(
         rows = sorted((kind, row) for (place, kind), row in kinds.items() if place == read_in_place)
         return ", ".join(f"{kind} x{n} ({format_size(q)} -> {format_size(f)})" for kind, (n, q, f) in rows) or "none"
 
+    offloaded_how = "held quantized in memory" if held else "read quantized in place"
     return [
-        f"gguf, offloaded: read quantized in place, dequantized before each use: {listed(True)}",
+        f"gguf, offloaded: {offloaded_how}, dequantized before each use: {listed(True)}",
         f"gguf, resident: dequantized once at load: {listed(False)}",
     ]
 

@@ -58,7 +58,9 @@ class Candidate:
     @property
     def label(self) -> str:
         """The configuration as command-line options (a policy's non-default variant options included)."""
-        parts = [f"storage={self.storage['name']}", f"hook={self.hook['name']}"]
+        parts = [f"storage={self.storage['name']}"]
+        parts += [f"storage.{k}={v}" for k, v in self.storage.items() if k in self.storage.get("_varied", ())]
+        parts += [f"hook={self.hook['name']}"]
         parts += [f"hook.{k}={v}" for k, v in self.hook.items() if k in self.hook.get("_varied", ())]
         return " ".join(parts + [f"page_cache={self.page_cache}", f"batch_size={self.batch_size}"])
 
@@ -151,7 +153,8 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
             on_disk = devices.get("disk", {}).get("bytes", 0)
             in_memory = devices.get("cpu", {}).get("bytes", 0) + plan.reserve.get("cpu", 0) + plan.headroom
             candidate.offloaded_bytes = offloaded_in_plan(plan.summary, chosen.execution_device)
-            candidate.anon_bytes = in_memory + (on_disk if storage.reads_from == "memory" else 0)
+            held = plan.store_memory if plan.store_memory is not None else on_disk  # the bytes the store holds
+            candidate.anon_bytes = in_memory + (held if storage.reads_from == "memory" else 0)
             candidate.predicted = dict(plan.predicted_time)
             rows = prediction_shape(job)[0]
             prompts = len(job.batches.prompts) if job.batches is not None and job.settings.prompts_file else 1
@@ -161,7 +164,7 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
     budget = settings.max_memory.get("cpu")
     if budget is not None and on_disk and storage.reads_from == "memory" and candidate.anon_bytes > budget:
         candidate.problem = (
-            f"keeps the {format_size(on_disk)} offloaded in memory: "
+            f"keeps the {format_size(held)} offloaded in memory: "
             f"{format_size(candidate.anon_bytes)}, over max_memory.cpu={format_size(budget)}"
         )
     elif not candidate.predicted.get("predicted_step_s"):
@@ -264,9 +267,11 @@ def gguf_why(ranked: list[Candidate]) -> list[str]:
 
     first, second = (gguf, other) if gguf.total_s <= other.total_s else (other, gguf)
     ratio = second.total_s / first.total_s if first.total_s else math.inf
+    held = gguf.storage.get("resident") == "quantized"
+    reading = "holding the GGUF file's quantized blocks in memory" if held else "reading the GGUF file in place"
     return [
-        f"auto: {'reading the GGUF file in place' if first is gguf else 'the converted float32 files'} "
-        f"predicted {ratio:.2f}x faster than {'the GGUF file in place' if first is other else 'the converted files'} "
+        f"auto: {reading if first is gguf else 'the converted float32 files'} "
+        f"predicted {ratio:.2f}x faster than {'the GGUF file' if first is other else 'the converted files'} "
         "over the whole run (load, first token and the decoding steps):",
         f"  storage=gguf ({gguf.label.split(' ', 1)[1]}): {said(gguf)}",
         f"  storage={other.storage['name']} ({other.label.split(' ', 1)[1]}): {said(other)}",

@@ -13,11 +13,13 @@ from offload_core.storage.gguf.rates import CONVERT, RATE_KEYS
 
 #: the calibration file's section holding the rates
 SECTION = "dequant"
+#: the kernels' version in the rates' key: rates measured with earlier kernels are measured again
+KERNELS = "k2"
 
 
 def rates_key() -> str:
     """The rates' key: the host dequantizes (on a GPU run too, before the copy), with the run's thread count."""
-    return f"cpu|{torch.get_num_threads()}"
+    return f"cpu|{torch.get_num_threads()}|{KERNELS}"
 
 
 def valid_rate(value: Any) -> bool:
@@ -77,7 +79,7 @@ def dequant_seconds(rows: list[dict[str, Any]], rates: dict[str, Any], held_buff
     """Seconds per generated token dequantizing the plan's offloaded tensors (``rows``: :attr:`Plan.dequant`), each
     row's ``predicted_s`` set: its float32 bytes at its type's rate into the buffers a policy holds
     (``held_buffers``) or else into new tensors, and a converted tensor's processor pass on top (it is dequantized
-    into a new tensor first). A row whose rate could not be measured is left out."""
+    into a buffer held for it first). A row whose rate could not be measured is left out."""
     total = 0.0
     for row in rows:
         rate = rates.get(row["type"])
@@ -86,7 +88,7 @@ def dequant_seconds(rows: list[dict[str, Any]], rates: dict[str, Any], held_buff
             row.pop("predicted_s", None)  # a rate that could not be measured: said in the plan's lines
             continue
         if row["converted"]:
-            seconds = nbytes / rate["fresh_bps"] + nbytes / rates[CONVERT]
+            seconds = nbytes / rate["into_bps"] + nbytes / rates[CONVERT]  # into a held buffer, then un-permuted
         else:
             seconds = nbytes / rate["into_bps" if held_buffers else "fresh_bps"]
         row["predicted_s"] = seconds

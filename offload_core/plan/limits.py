@@ -114,20 +114,27 @@ def check_own_map_budgets(
 
 
 def check_memory_store_budget(
-    summary: dict, storage: Storage, max_memory: Mapping[Any, int], held: int, over_budget: str = defaults.OVER_BUDGET
+    summary: dict,
+    storage: Storage,
+    max_memory: Mapping[Any, int],
+    held: int,
+    store_memory: int | None = None,
+    over_budget: str = defaults.OVER_BUDGET,
 ) -> None:
     """A store that holds offloaded weights in this process's memory (``reads_from == "memory"``: ``pinned_cpu``)
-    keeps the disk tier there too, beside the cpu tier and ``held`` (the cpu's units in flight and headroom): over
-    ``max_memory.cpu``, refused in one line (``over_budget="warn"``: a warning line saying by how much)."""
+    keeps the disk tier there too (``store_memory`` bytes where it holds them in fewer than they compute in, else the
+    tier's own), beside the cpu tier and ``held`` (the cpu's units in flight and headroom): over ``max_memory.cpu``,
+    refused in one line (``over_budget="warn"``: a warning line saying by how much)."""
     on_disk = summary["devices"].get("disk", {}).get("bytes", 0)
     budget = max_memory.get("cpu")
     if storage.reads_from != "memory" or not on_disk or budget is None:
         return
-    in_memory = summary["devices"].get("cpu", {}).get("bytes", 0) + on_disk + held
+    kept = on_disk if store_memory is None else store_memory
+    in_memory = summary["devices"].get("cpu", {}).get("bytes", 0) + kept + held
     if in_memory <= budget:
         return
     what = (
-        f"storage={get_registry().name_of('storage', storage)} holds the {format_size(on_disk)} offloaded to "
+        f"storage={get_registry().name_of('storage', storage)} holds the {format_size(kept)} offloaded to "
         f"disk in memory too: {format_size(in_memory)} of anonymous memory over max_memory.cpu={format_size(budget)}"
     )
     remedy = (

@@ -16,6 +16,7 @@ from offload_core.loading.gguf_moves import dequant_rows
 from offload_core.loading.gguf_qcompute import quantized_lines
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.loading.quantized import packed_lines
+from offload_core.plan.held import budget_beside_held, held_bytes
 from offload_core.registry.contracts import Placement, Policy, Storage
 from offload_core.plan.limits import (
     check_disk_budget,
@@ -69,6 +70,9 @@ class Plan:
     dequant: list[dict[str, Any]] = field(default_factory=list)
     #: ``auto``'s ranked configurations (``auto.json``'s rows), where it chose the store and policy; empty otherwise
     auto: list[dict[str, Any]] = field(default_factory=list)
+    #: bytes the store holds in memory for the offloaded tensors where it holds them in fewer bytes than they compute
+    #: in (:attr:`Storage.holds_stored`: out of the cpu budget, beside the resident tensors); None otherwise
+    store_memory: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's figures as ``RunResult.plan`` and ``plan_text`` take them."""
@@ -82,6 +86,7 @@ class Plan:
             "redealt": self.redealt,
             "lightened": self.lightened,
             "page_cache": self.page_cache,
+            "store_memory": self.store_memory,
             **self.predicted_time,
         }
 
@@ -158,22 +163,28 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
     def offloaded(device_map: Mapping[str, int | str]) -> dict[str, str]:
         return route_tensors(model, device_map, execution_device, policy.offload_buffers).offloaded
 
-    def place(held: dict[Any, int]) -> tuple[dict[str, int | str], Any]:
+    def place(held: dict[Any, int], within: Mapping[Any, int] | None = None) -> tuple[dict[str, int | str], Any]:
+        within = budgets if within is None else within
         request = PlacementRequest(
             model=model,
-            max_memory=budgets,
+            max_memory=within,
             no_split_module_classes=no_split,
             dtype=dtype,
             special_dtypes=None,
             reserve=held,
         )
         made = normalize_device_map(placement.make_device_map(request))
-        redeal = redeal_by_reads(model, made, policy.read_shares(model), execution_device, budgets, held, dtype)
+        redeal = redeal_by_reads(model, made, policy.read_shares(model), execution_device, within, held, dtype)
         return (made if redeal is None else normalize_device_map(redeal.device_map)), redeal
 
     redeal = None
     own = device_map is None and (device_map := policy.own_device_map(model, execution_device)) is not None
     placed = device_map is None
+    stored = stored_bytes(checkpoint, storage, dtype)
+    if placed and storage.holds_stored and execution_device.type == "cpu" and "cpu" in budgets:
+        budgets["cpu"] = budget_beside_held(
+            budgets["cpu"], lambda cpu: held_bytes(offloaded(place({}, {**budgets, "cpu": cpu})[0]).values(), stored)
+        )
     if placed:  # what is in flight depends on what the map offloads, and the map on what is held back
         policy, reserve, lightened, (device_map, redeal) = settle_in_flight(
             policy, budgets, place, lambda p, made: reserve_of(p, offloaded(made)), reserve_of
@@ -189,8 +200,9 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
         check_own_map_budgets(summary, budgets, max_memory, reserve, policy, policy_name, model, execution_device)
     cpu_headroom = headroom if execution_device.type == "cpu" else 0
     check_disk_budget(summary, max_memory, block, cpu_headroom)
-    check_memory_store_budget(summary, storage, max_memory, reserve.get("cpu", 0) + cpu_headroom, inputs.over_budget)
-    stored = stored_bytes(checkpoint, storage, dtype)
+    store_memory = held_bytes(moved.values(), stored) if storage.holds_stored else None
+    held_cpu = reserve.get("cpu", 0) + cpu_headroom
+    check_memory_store_budget(summary, storage, max_memory, held_cpu, store_memory, inputs.over_budget)
     predicted = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, stored=stored)
     loads = predicted_bytes_per_token(model, device_map, policy, execution_device, dtype, no_split, count=True)
     conversion = key_conversion(model, checkpoint)
@@ -200,9 +212,14 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
             f"{format_size(copies)} of the parts lie at other page offsets than the rest of their tensor "
             f"(edges, a shard boundary): copied once, held back from the cpu budget"
         )
-    lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device)
+    lines += stored_lines(checkpoint, stored, summary, device_map, model, execution_device, storage.holds_stored)
     lines += packed_lines(model, dtype)
     lines += quantized_lines(checkpoint, device_map, model, execution_device)
+    if store_memory is not None:
+        lines.append(
+            f"held in memory in stored bytes: {format_size(store_memory)} for the offloaded tensors, out of the cpu "
+            f"budget (the resident tensors planned within the {format_size(budgets.get('cpu', 0))} left of it)"
+        )
     dequant = (
         dequant_rows(model, device_map, policy, execution_device, dtype, no_split, checkpoint, stored)
         if storage.reads_gguf
@@ -213,7 +230,7 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
         lines.append("converted: " + ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
     kept = (
         {}
-        if page_cache is None
+        if page_cache is None or storage.holds_stored  # nothing of the files read as it runs: no kept set to plan
         else page_cache_plan(
             page_cache, summary, execution_device, policy.keeps_page_cache, max_memory.get("cpu", 0), block
         )
@@ -237,6 +254,7 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
         no_split=list(no_split),
         dtype=dtype,
         dequant=dequant,
+        store_memory=store_memory,
     )
 
 

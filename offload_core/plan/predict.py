@@ -217,15 +217,15 @@ def calibrate_and_predict(
 def plan_dequant_s(plan: Any, policy: Any, execution_device: torch.device, refresh: bool = False) -> float:
     """Seconds per forward dequantizing what the plan reads from a GGUF file in place (0 for other stores), at this
     machine's rates (:mod:`.dequant`); each of ``plan.dequant``'s rows gets its ``predicted_s``. A policy that
-    overlaps its reads fills the buffers it holds on a CPU run (``hook=prefetch``); the others dequantize into new
-    tensors."""
+    overlaps its reads fills the buffers it holds on a CPU run (``hook=prefetch``); the others read through the
+    store's own pool of buffers (:mod:`offload_core.storage.gguf.buffers`): no allocation per read either."""
     from offload_core.plan.dequant import dequant_rates, dequant_seconds
 
     rows = plan.dequant
     if not rows:
         return 0.0
     rates = dequant_rates({row["type"] for row in rows}, refresh)
-    return dequant_seconds(rows, rates, policy.overlaps_io and not devices.is_accelerator(execution_device))
+    return dequant_seconds(rows, rates, True)
 
 
 def with_checkpoint_pages(calibration: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:

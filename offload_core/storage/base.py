@@ -266,6 +266,9 @@ class Storage(StrategyBase):
     reads_gguf: bool = False
     #: linear layers compute on their packed GGUF weights (``storage=gguf storage.compute=quantized``)
     quantized_compute: bool = False
+    #: holds the offloaded tensors in memory in the bytes a read moves (``predicted_stored``, or a GGUF file's quantized
+    #: blocks), out of the cpu budget: the plan fits the resident tensors beside them
+    holds_stored: bool = False
 
     def predicted_stored(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> dict[str, int]:
         """The bytes a read of each checkpoint tensor will move, where the store holds it in fewer bytes than the

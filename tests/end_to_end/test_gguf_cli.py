@@ -43,6 +43,25 @@ def test_a_gguf_file_runs_in_place_with_the_in_memory_tokens(gguf_file, tmp_path
     assert not list(tmp_path.glob("gguf-f32-*"))  # read in place: no float32 copy written
 
 
+def test_quantized_residency_runs_with_the_in_memory_tokens_and_a_bad_value_is_one_line(gguf_file, tmp_path):
+    args = ["model=local", f"model.path={gguf_file}", "storage=gguf", "storage.resident=quantized", "page_cache=0"]
+    done = _run(
+        [*args, "max_memory.cpu=3MiB", "headroom=0", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"],
+        tmp_path,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same tokens as in memory: True" in done.stdout
+    assert (
+        "gguf, offloaded: held quantized in memory" in done.stdout and "held in memory in stored bytes" in done.stdout
+    )
+    metrics = json.loads((tmp_path / "hydra" / "metrics.json").read_text())
+    assert 0 < metrics["bytes_moved_per_token"] < metrics["offloaded_bytes"] / 3  # quantized, from memory
+    bad = _run([*args, "storage.resident=packed"], tmp_path / "bad", tmp_path / "bad-cache")
+    assert bad.returncode != 0
+    assert_one_line(bad.stderr, "storage.resident='packed' is not one of dequantized, quantized")
+
+
 def test_a_damaged_gguf_is_one_line_and_writes_nothing(gguf_file, tmp_path):
     gguf_file.write_bytes(gguf_file.read_bytes()[:-4096])
     before = snapshot(gguf_file.parent)

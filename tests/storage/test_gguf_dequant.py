@@ -77,3 +77,29 @@ def test_unknown_and_unreadable_types_are_one_line_naming_the_type():
     with pytest.raises(UnsupportedTensorType, match="'blk.0.x' has type I32") as error:
         check_supported(int(T.I32), "blk.0.x")
     assert "\n" not in str(error.value)
+
+
+def test_threads_dequantizing_at_once_keep_their_own_scratch():
+    """A reader thread dequantizes beside the compute thread: each thread's held buffers are its own, so both give
+    gguf-py's bits."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    raws = {kind: quantize(rng.standard_normal((64, 1024)).astype(np.float32), kind) for kind in (T.Q4_0, T.Q4_1)}
+    raws[T.Q6_K] = _random_blocks(int(T.Q6_K), (64, 1024), rng)
+    wrong = []
+
+    def work():
+        for _ in range(10):
+            for kind, raw in raws.items():
+                out = dequantize_into(torch.from_numpy(raw), int(kind), torch.empty(raw.shape[0] * 1024))
+                if not np.array_equal(_bits(out.numpy()), _bits(dequantize(raw, kind))):
+                    wrong.append(kind.name)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    work()
+    for thread in threads:
+        thread.join()
+    assert not wrong

@@ -43,15 +43,16 @@ def _logits(model, ids=IDS):
         return model(ids).logits
 
 
+@pytest.mark.parametrize("resident", ["dequantized", "quantized"])
 @pytest.mark.parametrize("policy", ["align_per_call", "prefetch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_offloaded_gguf_is_transformers_in_memory_model_bit_for_bit(files, arch, policy):
+def test_offloaded_gguf_is_transformers_in_memory_model_bit_for_bit(files, arch, policy, resident):
     path, reference = files[arch]
-    model = offload_core.from_pretrained(
-        path, offload={"storage": "gguf", "policy": policy, "headroom": 0}, max_memory={"cpu": "1MiB"}
-    )
+    storage = offload_core.registry.manager.get_registry().create("storage", "gguf", {"resident": resident})
+    model = offload_core.from_pretrained(path, {"cpu": "3MiB"}, {"storage": storage, "policy": policy, "headroom": 0})
     try:
-        assert {"cpu", "disk"} <= set(model.hf_device_map.values())  # part resident, part read from the file
+        assert {"cpu", "disk"} <= set(model.hf_device_map.values())  # part resident, part read from the file or held
+        assert (model.offload_state.store.held_nbytes() > 0) == (resident == "quantized")
         assert torch.equal(_logits(model), _logits(reference))
         with torch.no_grad():
             want = reference.generate(IDS, max_new_tokens=4, do_sample=False)

@@ -4,7 +4,9 @@ dequantizer, and a type gguf-py cannot dequantize is refused in one line."""
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -58,64 +60,110 @@ def _halves(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].view(torch.float16).float()
 
 
-def _nibbles(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Low then high nibbles of ``packed`` (``(..., k)`` bytes) into ``out`` (``(..., 2, k)`` uint8)."""
-    torch.bitwise_and(packed, 0x0F, out=out[..., 0, :])
-    torch.bitwise_right_shift(packed, 4, out=out[..., 1, :])
+#: each thread's scratch buffers (a reader thread dequantizes beside the compute thread)
+_THREAD = threading.local()
+
+
+def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A view of ``shape`` into this thread's buffer ``slot`` on ``device``, grown as needed and kept: the passes of
+    every call reuse it (no allocation per pass, nor per call once the largest pass has run)."""
+    buffers = getattr(_THREAD, "buffers", None)
+    if buffers is None:
+        buffers = _THREAD.buffers = {}
+    count = 1
+    for size in shape:
+        count *= size
+    key = (slot, dtype, device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < count:
+        buffer = buffers[key] = torch.empty(count, dtype=dtype, device=device)
+    return buffer[:count].view(shape)
+
+
+def _planes(blocks: torch.Tensor) -> torch.Tensor:
+    """The low and the high nibble of every byte of ``blocks`` (``(n, block bytes)``), as ``(2, n, block bytes)``
+    uint8 (a held buffer): two passes over contiguous bytes (the scale bytes' nibbles are computed and left unused;
+    a pass over each block's packed bytes alone runs one short row at a time, several times slower)."""
+    out = _scratch("planes", (2, *blocks.shape), torch.uint8, blocks.device)
+    flat = (
+        blocks.reshape(-1)
+        if blocks.is_contiguous()
+        else _scratch("blocks", tuple(blocks.shape), torch.uint8, blocks.device).copy_(blocks).view(-1)
+    )
+    torch.bitwise_and(flat, 0x0F, out=out[0].view(-1))
+    torch.bitwise_right_shift(flat, 4, out=out[1].view(-1))
     return out
 
 
+def _nibbles(planes: torch.Tensor, start: int, rows: int, end: int | None = None) -> torch.Tensor:
+    """Bytes ``start:end`` of each block as ``rows`` rows, ``(n, rows, 2, k)`` (the low nibbles of a row, then its
+    high ones): a view of :func:`_planes`'s buffer."""
+    part = planes[:, :, start:end]
+    return part.reshape(2, part.shape[1], rows, -1).permute(1, 2, 0, 3)
+
+
+def _split(blocks: torch.Tensor, start: int, rows: int, end: int | None = None) -> torch.Tensor:
+    """Bytes ``start:end`` of each block as ``rows`` rows, ``(n, rows, 2, k)`` uint8: the low nibbles of a row, then
+    its high ones (the order of the values in GGML's 4-bit types). Four bytes at a time where the rows lie at 4-byte
+    boundaries (a held buffer, its bytes in that order, so that converting it is one contiguous pass); else a view of
+    :func:`_planes`'s buffer."""
+    n, nbytes = blocks.shape
+    stop = nbytes if end is None else end
+    if nbytes % 4 or start % 4 or stop % 4 or blocks.data_ptr() % 4 or blocks.stride(0) != nbytes:
+        return _nibbles(_planes(blocks), start, rows, end)
+    words = blocks.view(torch.int32)[:, start // 4 : stop // 4].reshape(n, rows, -1)
+    out = _scratch("words", (n, rows, 2, words.shape[-1]), torch.int32, blocks.device)
+    torch.bitwise_and(words, 0x0F0F0F0F, out=out[:, :, 0])
+    torch.bitwise_right_shift(words, 4, out=out[:, :, 1])
+    out[:, :, 1].bitwise_and_(0x0F0F0F0F)  # each byte's high nibble, the next byte's low bits shifted in cleared
+    return out.view(torch.uint8).view(n, rows, 2, -1)
+
+
+def _held(slot: str, values: torch.Tensor) -> torch.Tensor:
+    """``values`` copied into a contiguous held buffer (to be changed in place)."""
+    return _scratch(slot, tuple(values.shape), values.dtype, values.device).copy_(values)
+
+
+def _scaled(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, shift: torch.Tensor | None = None) -> None:
+    """``out = float(q) * scale`` (then ``+ shift``, a second rounding as gguf-py's): ``q`` (``out``'s elements, in
+    any shape) converted into ``out`` first, so that the product runs on float32 alone (a product of an integer and a
+    float tensor converts each element inside the multiplication, several times slower)."""
+    out.view(q.shape).copy_(q)
+    out.mul_(scale)
+    if shift is not None:
+        out.add_(shift)
+
+
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    torch.mul(blocks[:, 2:].view(torch.int8), _halves(blocks, 0), out=out)
+    _scaled(blocks[:, 2:].view(torch.int8), _halves(blocks, 0), out)
 
 
-#: 32-element blocks one inner pass of the 4-bit kernels writes (below :data:`GRAIN` elements)
-_SUB32 = 1023
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d * (q - 8), q - 8 in int8 as gguf-py's
+    planes = _planes(blocks)
+    planes.view(torch.int8).sub_(8)
+    _scaled(_nibbles(planes, 2, 1).view(torch.int8), _halves(blocks, 0), out)
 
 
-def _four_bit(blocks: torch.Tensor, out: torch.Tensor, offset: bool) -> None:
-    """Q4_0 (``offset`` False: ``d * (q - 8)``) and Q4_1 (``d * q + m``, two roundings as gguf-py's): the scales of
-    the outer pass converted once, the nibbles and products written :data:`_SUB32` blocks at a time."""
-    d = _halves(blocks, 0)
-    m = _halves(blocks, 2) if offset else None
-    at = 4 if offset else 2
-    scratch = torch.empty((min(_SUB32, blocks.shape[0]), 2, 16), dtype=torch.uint8)
-    for start in range(0, blocks.shape[0], _SUB32):
-        part = blocks[start : start + _SUB32]
-        n = part.shape[0]
-        q = _nibbles(part[:, at:], scratch[:n]).view(n, 32)
-        target = out[start : start + n]
-        if m is None:
-            q = q.view(torch.int8)
-            q.sub_(8)
-            torch.mul(q, d[start : start + n], out=target)
-        else:
-            torch.mul(q, d[start : start + n], out=target)
-            target.add_(m[start : start + n])
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d * q + m, two roundings as gguf-py's
+    _scaled(_split(blocks, 4, 1), _halves(blocks, 0), out, _halves(blocks, 2))
 
 
-def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    _four_bit(blocks, out, offset=False)
-
-
-def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    _four_bit(blocks, out, offset=True)
+def _five_bit(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1's 5-bit values, ``(n, 32)`` uint8: the nibbles from byte ``at``, the fifth bits from the four
+    bytes before."""
+    n = blocks.shape[0]
+    q = _held("q", _split(blocks, at, 1)).view(n, 32)
+    return q.bitwise_or_(_spread(_BIT_TABLE, blocks[:, at - 4 : at]).view(n, 32))
 
 
 def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    q = _nibbles(blocks[:, 6:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32)
-    q = q.bitwise_or_(_spread(_BIT_TABLE, blocks[:, 2:6]).view(n, 32)).view(torch.int8)
+    q = _five_bit(blocks, 6).view(torch.int8)
     q.sub_(16)
-    torch.mul(q, _halves(blocks, 0), out=out)
+    _scaled(q, _halves(blocks, 0), out)
 
 
 def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    q = _nibbles(blocks[:, 8:], torch.empty((n, 2, 16), dtype=torch.uint8)).view(n, 32)
-    q.bitwise_or_(_spread(_BIT_TABLE, blocks[:, 4:8]).view(n, 32))
-    torch.mul(q, _halves(blocks, 0), out=out)
-    out.add_(_halves(blocks, 2))
+    _scaled(_five_bit(blocks, 8), _halves(blocks, 0), out, _halves(blocks, 2))
 
 
 #: byte -> its 8 bits, lowest first, each as 0 or 16 (a 5-bit value's high bit); byte -> its four 2-bit fields,
@@ -125,40 +173,50 @@ _PAIR_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.tensor([0, 2, 4, 6])) & 
 
 
 def _spread(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``table[byte]`` for every byte of ``packed``: ``packed``'s shape with the table's row appended."""
-    return torch.index_select(table, 0, packed.reshape(-1).long()).view(*packed.shape, table.shape[1])
-
-
-#: blocks of 256 elements one inner pass of a K-quant kernel writes (below :data:`GRAIN` elements)
-_SUB = 127
+    """``table[byte]`` for every byte of ``packed``: ``packed``'s shape with the table's row appended (held)."""
+    if table.device != packed.device:
+        table = table.to(packed.device)
+    index = _scratch("index", tuple(packed.shape), torch.int64, packed.device).copy_(packed)
+    spread = _scratch("spread", (index.numel(), table.shape[1]), table.dtype, packed.device)
+    return torch.index_select(table, 0, index.view(-1), out=spread).view(*packed.shape, table.shape[1])
 
 
 def _k_factors(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``d * scale`` and ``dmin * min`` of each 32-element sub-block of Q4_K / Q5_K blocks (``(n, 8)`` float32,
-    each product rounded once, as gguf-py computes them)."""
+    """``d * scale`` and ``dmin * min`` of each 32-element sub-block of Q4_K / Q5_K blocks (``(n, 8, 1)`` float32,
+    each product rounded once, as gguf-py computes them). The 6-bit scales and mins are unpacked four bytes at a time
+    where the block's 12 bytes of them lie at 4-byte boundaries (one pass per word of every block)."""
     n = blocks.shape[0]
-    packed = blocks[:, 4:16].reshape(n, 3, 4)
-    d, m, md = packed[:, 0], packed[:, 1], packed[:, 2]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float().mul_(_halves(blocks, 0)), mins.float().mul_(_halves(blocks, 2))
+    if blocks.data_ptr() % 4 or blocks.stride(0) % 4:
+        packed = blocks[:, 4:16].reshape(n, 3, 4)
+        d, m, md = packed[:, 0], packed[:, 1], packed[:, 2]
+        sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+        mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    else:  # the same byte-wise operations on each word's four bytes (a shift's bits from the next byte masked off)
+        words = blocks.view(torch.int32)[:, 1:4]
+        d, m, md = words[:, 0], words[:, 1], words[:, 2]
+        both = _scratch("factors", (2, n, 2), torch.int32, blocks.device)
+        torch.bitwise_and(d, 0x3F3F3F3F, out=both[0, :, 0])
+        torch.bitwise_and(m, 0x3F3F3F3F, out=both[1, :, 0])
+        high = (d >> 2).bitwise_and_(0x30303030)
+        torch.bitwise_or(high, md & 0x0F0F0F0F, out=both[0, :, 1])
+        high = (m >> 2).bitwise_and_(0x30303030)
+        torch.bitwise_or(high, (md >> 4).bitwise_and_(0x0F0F0F0F), out=both[1, :, 1])
+        sc, mins = both.view(torch.uint8).view(2, n, 8)
+    return sc.float().mul_(_halves(blocks, 0)).unsqueeze(-1), mins.float().mul_(_halves(blocks, 2)).unsqueeze(-1)
 
 
 def _k_quant(blocks: torch.Tensor, out: torch.Tensor, high: bool) -> None:
     """Q4_K (``high`` False) and Q5_K: ``out = (d * scale) * q - dmin * min`` per sub-block, in two passes (no fused
     multiply-add: gguf-py rounds the product, then the difference)."""
+    n = blocks.shape[0]
     d, dm = _k_factors(blocks)
-    scratch = torch.empty((min(_SUB, blocks.shape[0]), 4, 2, 32), dtype=torch.uint8)
-    low_at = 48 if high else 16
-    for start in range(0, blocks.shape[0], _SUB):
-        part = blocks[start : start + _SUB]
-        n = part.shape[0]
-        q = _nibbles(part[:, low_at:].reshape(n, 4, 32), scratch[:n]).view(n, 8, 32)
-        if high:  # bit i of byte p of qh is element p of sub-block i's fifth bit
-            q.bitwise_or_(_spread(_BIT_TABLE, part[:, 16:48]).transpose(1, 2))
-        view = out[start : start + n].view(n, 8, 32)
-        torch.mul(q, d[start : start + n].unsqueeze(-1), out=view)
-        view.sub_(dm[start : start + n].unsqueeze(-1))
+    q = _split(blocks, 48 if high else 16, 4)  # (n, 4, 2, 32): sub-blocks 2i and 2i + 1
+    if high:  # bit i of byte p of qh is element p of sub-block i's fifth bit
+        q = _held("q", q).view(n, 8, 32)
+        q.bitwise_or_(_spread(_BIT_TABLE, blocks[:, 16:48]).transpose(1, 2))
+    view = out.view(n, 8, 32)
+    _scaled(q, d, view)
+    view.sub_(dm)
 
 
 def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -170,16 +228,13 @@ def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
     scale = blocks[:, 192:208].view(torch.int8).float().mul_(_halves(blocks, 208))  # d * scales, as gguf-py
-    scratch = torch.empty((min(_SUB, blocks.shape[0]), 2, 2, 64), dtype=torch.uint8)
-    for start in range(0, blocks.shape[0], _SUB):
-        part = blocks[start : start + _SUB]
-        n = part.shape[0]
-        q = _nibbles(part[:, :128].reshape(n, 2, 64), scratch[:n]).view(n, 2, 4, 32)
-        q.bitwise_or_(_spread(_PAIR_TABLE, part[:, 128:192].reshape(n, 2, 32)).transpose(2, 3))
-        q = q.view(torch.int8)
-        q.sub_(32)
-        torch.mul(q.view(n, 16, 16), scale[start : start + n].unsqueeze(-1), out=out[start : start + n].view(n, 16, 16))
+    q = _held("q", _nibbles(_planes(blocks), 0, 2, 128)).view(n, 2, 4, 32)
+    q.bitwise_or_(_spread(_PAIR_TABLE, blocks[:, 128:192].reshape(n, 2, 32)).transpose(2, 3))
+    q = q.view(torch.int8)
+    q.sub_(32)
+    _scaled(q.view(n, 16, 16), scale.unsqueeze(-1), out.view(n, 16, 16))
 
 
 def _f32(blocks: torch.Tensor, out: torch.Tensor) -> None:  # the plain types: one chunk of elements at a time
@@ -209,15 +264,27 @@ _KERNELS: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {
     30: _bf16,
 }
 
-#: torch's grain size: a CPU op over fewer elements runs inline on the calling thread. One pass of a kernel writes
-#: the most whole blocks below it (a reader thread dequantizes beside the compute thread; torch's thread pool, woken
-#: for every op of a pass, made a loaded 2-core machine 30-50x slower), and its scratch stays in the caches
+#: torch's grain size: a CPU op over fewer elements runs inline on the calling thread
 GRAIN = 32768
+#: elements one pass of a kernel writes on the CPU: fewer passes, fewer op dispatches (an op over 32,768 elements
+#: cost as much again as its work), and a pass's scratch (a few bytes an element) still within a core's cache
+CPU_PASS = 2**18
 
 
-#: blocks one outer pass of the 4-bit and K-quant kernels takes: their scales (1, 8 or 16 a block) stay below
-#: :data:`GRAIN`; the elements are then written :data:`_SUB32` or :data:`_SUB` blocks at a time
-_OUTER = {2: GRAIN - 1, 3: GRAIN - 1, 12: (GRAIN - 1) // 8, 13: (GRAIN - 1) // 8, 14: (GRAIN - 1) // 16}
+@contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Torch on one thread on the calling thread while a kernel runs on the CPU (torch's thread count is per thread:
+    the others keep theirs), so that every op runs inline: a reader thread dequantizes beside the compute thread, and
+    torch's thread pool, woken for every op of a pass, made a loaded 2-core machine 30-100x slower."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def fast_types() -> list[str]:
@@ -258,10 +325,27 @@ def dequantize_into(raw: torch.Tensor, kind: int, out: torch.Tensor) -> torch.Te
         _numpy_into(flat, kind, target)
         return out
     blocks = flat.view(count, nbytes)
-    step = _OUTER.get(int(kind), max((GRAIN - 1) // elements, 1))
-    with torch.inference_mode(False):
+    step = max(CPU_PASS // elements, 1) if out.device.type == "cpu" else count
+    with torch.inference_mode(False), one_thread(out.device):
         for start in range(0, count, step):
             kernel(blocks[start : start + step], target[start : start + step])
+    return out
+
+
+def held_buffer(elements: int, device: torch.device) -> torch.Tensor:
+    """A float32 buffer of ``elements`` held by this thread for the next call's intermediate values (reused: no
+    allocation per call)."""
+    return _scratch("values", (elements,), torch.float32, torch.device(device))
+
+
+def unpermute_into(values: torch.Tensor, heads: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = ``values`` (a tensor's rows, flat) un-permuted as transformers' ``LlamaTensorProcessor`` does llama's
+    q and k (``reshape(heads, rows // heads // 2, 2, ...).swapaxes(2, 1)``): the same values moved, in one copy."""
+    rows = out.shape[0]
+    dim = rows // heads // 2
+    source = values.view(heads, dim, 2, -1).transpose(1, 2)
+    with one_thread(out.device):
+        out.view(heads, 2, dim, -1).copy_(source)
     return out
 
 

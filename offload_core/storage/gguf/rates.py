@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from offload_core.storage.gguf.dequant import block_shape, copy_inline, dequantize_into
+from offload_core.storage.gguf.dequant import block_shape, dequantize_into, unpermute_into
 
 #: elements of the tensor each rate is timed on (4 MiB of float32: a typical decoder matrix of a small model, past
 #: the allocator's threshold, so a new tensor pays its page faults as a run's does)
@@ -74,13 +74,9 @@ def type_rates(kind: int, elements: int = ELEMENTS) -> dict[str, float]:
 
 def convert_rate(elements: int = ELEMENTS) -> float:
     """Float32 bytes per second of the pass a processor-converted tensor takes after its dequantization: llama's q/k
-    un-permutation (numpy) copied into the tensor the module computes on."""
+    un-permutation (:func:`~offload_core.storage.gguf.dequant.unpermute_into`) into the tensor the module computes
+    on."""
     rows = 64
-    values = np.random.default_rng(0).standard_normal((rows, elements // rows)).astype(np.float32)
-    out = torch.empty(values.shape, dtype=torch.float32)
-
-    def convert() -> None:
-        moved = values.reshape(8, 2, rows // 16, -1).swapaxes(1, 2).reshape(values.shape)
-        copy_inline(out, torch.from_numpy(np.ascontiguousarray(moved)))
-
-    return 4 * values.size / _median_seconds(convert)
+    values = torch.randn(elements)
+    out = torch.empty((rows, elements // rows), dtype=torch.float32)
+    return 4 * values.numel() / _median_seconds(lambda: unpermute_into(values, 8, out))

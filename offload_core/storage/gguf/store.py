@@ -11,19 +11,21 @@ import torch
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.storage.gguf.buffers import BufferPool
 from offload_core.storage.pagecache import drop, will_need
 
 
 class GGUFStore(Store):
-    """``store[name]`` is ``name`` dequantized (and converted as transformers' GGUF load converts it) into a new
-    tensor; :meth:`read_into` writes it into a buffer the caller holds (``hook=prefetch``'s block buffers), with
-    no allocation for a tensor whose elements lie in the file's order. The checkpoint must be a GGUF one
+    """``store[name]`` is ``name`` dequantized (and converted as transformers' GGUF load converts it) into a buffer
+    of the store's pool that nothing uses any more; :meth:`read_into` writes it into a buffer the caller holds
+    (``hook=prefetch``'s block buffers). With ``hold`` the quantized blocks are copied into memory at load and read
+    from there. The checkpoint must be a GGUF one
     (:class:`offload_core.loading.gguf_checkpoint.GGUFCheckpoint`, read through its methods ``read_into``,
     ``raw``, ``stored_nbytes``, ``byte_range``, ``shape``)."""
 
     reads_into = True  # dequantizes into the caller's buffer
 
-    def __init__(self, context: StoreContext) -> None:
+    def __init__(self, context: StoreContext, hold: bool = False) -> None:
         checkpoint = context.checkpoint
         if checkpoint is None or not checkpoint.is_gguf:
             raise StorageError(
@@ -34,9 +36,17 @@ class GGUFStore(Store):
         self.dtype = context.dtype or torch.float32
         self._refs: dict[str, str] = {}
         self.bytes_written = 0
+        #: what ``store[name]`` dequantizes into: a buffer handed out before and dropped since by everything it was
+        #: handed to (no allocation, nor the page faults of new memory, per read)
+        self.buffers = BufferPool()
+        #: with ``hold``: each tensor's quantized blocks copied into memory at load, read from there (no disk reads)
+        self.hold = hold
+        self._held: dict[str, torch.Tensor] = {}
 
     def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         self._refs[name] = key  # only the header is consulted: the blocks are read as the model runs
+        if self.hold:  # the quantized bytes copied into memory: read from there from now on
+            self._held[name] = self.checkpoint.raw(key).clone()
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         raise StorageError(
@@ -53,23 +63,29 @@ class GGUFStore(Store):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape, dtype = self.spec(name)
-        out = torch.empty(shape, dtype=dtype)
+        out = self.buffers.take(shape.numel(), dtype).view(shape)
         self.read_into(name, out)
         return out
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Dequantize ``name`` into ``out`` (the caller's buffer, its shape and the run's dtype)."""
         with torch.inference_mode(False):
-            self.checkpoint.read_into(self._refs[name], out)
+            self.checkpoint.read_into(self._refs[name], out, self._held.get(name))
+
+    def held_nbytes(self) -> int:
+        """Bytes of quantized blocks held in memory (0 unless ``hold``)."""
+        return sum(raw.numel() for raw in self._held.values())
 
     def moved_nbytes(self, name: str) -> int:
         """A read of ``name`` moves its quantized blocks (what lies in the file), not the dequantized tensor."""
         return int(self.checkpoint.stored_nbytes(self._refs[name]))
 
     def offset(self, name: str) -> int:
-        return 0  # every read is a new tensor (aligned), as transformers' load dequantizes into new memory
+        return 0  # every read is a buffer of its own (aligned), as transformers' load dequantizes into new memory
 
     def warm(self, name: str) -> bool:
+        if name in self._held:
+            return False
         will_need(self.checkpoint.raw(self._refs[name]))  # start reading the blocks; the caller dequantizes ahead
         return False
 
@@ -77,9 +93,12 @@ class GGUFStore(Store):
         out.copy_(self[name][expert])
 
     def advise_expert(self, name: str, expert: int) -> None:
-        will_need(self.checkpoint.raw(self._refs[name]))
+        if name not in self._held:
+            will_need(self.checkpoint.raw(self._refs[name]))
 
     def drop(self, name: str) -> bool:
+        if name in self._held:
+            return False  # held in memory: nothing of the file to drop
         key = self._refs[name]
         return drop(self.checkpoint.raw(key), self.checkpoint.path, self.checkpoint.byte_range(key)[0])
 
