@@ -159,6 +159,8 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
             rows = prediction_shape(job)[0]
             prompts = len(job.batches.prompts) if job.batches is not None and job.settings.prompts_file else 1
     except OffloadError as error:
+        if not takes_part(chosen):  # left out for this model, whatever its plan says
+            return None
         candidate.problem = str(error).splitlines()[0]
         return candidate
     budget = settings.max_memory.get("cpu")
@@ -178,6 +180,15 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
         once = p.get("predicted_first_call_s", 0.0) + (batches - 1) * p.get("predicted_first_touch_s", 0.0)
         candidate.total_s = p["predicted_load_s"] + batches * per_batch - once
     return candidate
+
+
+def takes_part(settings: Settings) -> bool:
+    """Whether the settings' policy takes part for their model (:meth:`Policy.takes_part_in`, on the empty model)."""
+    from offload_core.plan.model import open_model
+
+    strategies = build_strategies(settings)
+    run_model = open_model(settings.model, settings.dtype, strategies.storage.reads_gguf)
+    return strategies.policy.takes_part_in(run_model.model)
 
 
 def rank(settings: Settings, given: set[str]) -> list[Candidate]:

@@ -32,8 +32,8 @@ GENERATION = {"max_new_tokens": 64, "batch_size": 2, "prompt_tokens": 256}
 _MEASURE = textwrap.dedent("""
     import json, sys, threading, time
     import torch
-    import transformers.models.llama.modeling_llama  # imported before the baseline, as run.py's monitor starts after
     import offload_core
+    import transformers.models.llama.modeling_llama  # imported before the baseline, as run.py's monitor starts after
 
     def anon():
         for line in open("/proc/self/status"):
@@ -53,9 +53,8 @@ _MEASURE = textwrap.dedent("""
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    model = offload_core.from_pretrained(
-        path, max_memory={"cpu": budget}, execution_device="cpu", generation=generation, headroom=headroom
-    )
+    options = {"execution_device": "cpu", "headroom": headroom}
+    model = offload_core.from_pretrained(path, {"cpu": budget}, options, generation=generation)
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=generation["max_new_tokens"],

@@ -75,7 +75,7 @@ def test_diffusers_is_imported_only_for_a_pipeline_folder(tmp_path):
         "from offload_core.testing import tiny_tied_llama\n"
         "from offload_core.runner import job\n"
         f"tiny_tied_llama({str(tmp_path)!r})\n"
-        f"offload_core.from_pretrained({str(tmp_path)!r}, max_memory={{'cpu': 100000}}, headroom=0)\n"
+        f"offload_core.from_pretrained({str(tmp_path)!r}, {{'cpu': 100000}}, {{'headroom': 0}})\n"
         "print('diffusers' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
