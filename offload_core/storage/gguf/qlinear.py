@@ -5,15 +5,14 @@ channel into its int8 one, and :class:`QuantLinear`, which multiplies by them wi
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-from offload_core.storage.gguf.dequant import GRAIN, _halves, _k_factors, block_shape, dequantize_into
+from offload_core.storage.gguf.dequant import GRAIN, _halves, _k_factors, block_shape, dequantize_into, one_thread
 
 __all__ = ["QUANT_KINDS", "QuantLinear", "QuantSpec", "leave_exact_reason", "pack_into"]
 
@@ -184,18 +183,9 @@ def device_pairs(qweight: torch.Tensor) -> torch.Tensor:
 INLINE_MACS = 2**24
 
 
-@contextmanager
-def _inline(device: torch.device, macs: int) -> Iterator[None]:
-    """One torch thread inside the block for a small product on the CPU (the count as it was, after)."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or macs > INLINE_MACS or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def _inline(device: torch.device, macs: int) -> AbstractContextManager[None]:
+    """One torch thread inside the block for a small product on the CPU (:func:`one_thread`); a large one as it was."""
+    return one_thread(device) if macs <= INLINE_MACS else nullcontext()
 
 
 class QuantLinear(nn.Module):
