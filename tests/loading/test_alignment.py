@@ -127,17 +127,7 @@ def test_where_the_kernels_do_not_care_a_memmap_folder_still_lies_at_the_referen
     tensor at its reference offset, so the kernels see what ``from_pretrained`` gives them on any machine."""
     folder, ids, want, reference = llama
     with assume_kernels_depend_on_alignment(False):
-        model = offload_core.from_pretrained(
-            folder,
-            offload={
-                "storage": "memmap",
-                "policy": "align_per_call",
-                "offload_folder": tmp_path / "off",
-                "execution_device": "cpu",
-                "headroom": 0,
-            },
-            max_memory={"cpu": 60_000},
-        )
+        model = _offloaded(folder, "memmap", "align_per_call", tmp_path)
         try:
             with torch.no_grad(), LinearWeightOffsets() as seen:
                 got = model(ids).logits
@@ -279,17 +269,7 @@ def test_remove_restores_a_bert_encoder_as_from_pretrained_loads_it(tmp_path):
     AutoModel.from_config(config).save_pretrained(tmp_path / "bert", max_shard_size="40KB")
     reference = AutoModel.from_pretrained(tmp_path / "bert").eval()
     offsets = {name: address_offset(p) for name, p in reference.named_parameters()}
-    model = offload_core.from_pretrained(
-        tmp_path / "bert",
-        offload={
-            "storage": "memmap",
-            "policy": "align_per_call",
-            "offload_folder": tmp_path / "off",
-            "execution_device": "cpu",
-            "headroom": 0,
-        },
-        max_memory={"cpu": 60_000},
-    )
+    model = _offloaded(tmp_path / "bert", "memmap", "align_per_call", tmp_path)
     assert "disk" in model.hf_device_map.values()
     model.offload_state.remove()
     assert {name: address_offset(p) for name, p in model.named_parameters()} == offsets
