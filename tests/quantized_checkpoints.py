@@ -67,7 +67,7 @@ def quantize(source: Path, method: str, folder: Path, **save) -> Path:
     """``source`` loaded by transformers with ``method``'s quantization config and saved into ``folder`` (``save``:
     save_pretrained's arguments)."""
     library, make, dtype = METHODS[method]
-    pytest.importorskip(library)
+    needs(library)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, quantization_config=make(), dtype=dtype)
     model.save_pretrained(folder, **save)
     return folder
@@ -81,5 +81,13 @@ def quantized_folder(root: Path, method: str) -> Path:
     if not (folder / "config.json").exists():
         save = {"max_shard_size": "60KB"} if base != method else {}
         quantize(float_folder(root, METHODS[base][2]), base, folder, **save)
-    pytest.importorskip(METHODS[base][0])
+    needs(METHODS[base][0])
     return folder
+
+
+def needs(library: str) -> None:
+    """Skip the test unless ``library`` and what transformers builds its layers with are installed."""
+    from offload_core.loading.quantized import NEEDS
+
+    for name in NEEDS.get(library, (library,)):
+        pytest.importorskip(name)

@@ -62,12 +62,18 @@ def check_quantization(config: Any, where: str | Path) -> str | None:
             "torchao or bitsandbytes"
         )
     library = SUPPORTED[method]
-    if importlib.util.find_spec(library) is None:
+    missing = [name for name in NEEDS.get(library, (library,)) if importlib.util.find_spec(name) is None]
+    if missing:
         raise QuantizationError(
-            f"{where} is quantized with {method!r}, which needs the {library} package: install it "
-            f"(pip install 'offload_core[quant]' or pip install {library})"
+            f"{where} is quantized with {method!r}, which needs the {' and '.join(missing)} package"
+            f"{'s' if len(missing) > 1 else ''}: install {'them' if len(missing) > 1 else 'it'} "
+            f"(pip install 'offload_core[quant]' or pip install {' '.join(missing)})"
         )
     return method
+
+
+#: the packages transformers builds each library's layers with (its bitsandbytes quantizer also requires accelerate)
+NEEDS = {"bitsandbytes": ("bitsandbytes", "accelerate"), "torchao": ("torchao",)}
 
 
 @dataclass

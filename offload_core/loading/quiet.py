@@ -12,10 +12,16 @@ from typing import Any, Iterator
 import torch
 
 
-#: (logger, start of the message) of warnings optional libraries log on import that say nothing about a run: torchao
-#: (the quant extra, which transformers imports whenever it is installed) not loading its CUDA kernels under a CPU
-#: torch, and the enums it registers with torch's pytree, a registration torch now deprecates
-IMPORT_NOISE = (("torchao", "Failed to load "), ("torch.utils._pytree", "<enum "))
+#: (logger, start of the message) of warnings optional libraries log when transformers imports them (it imports each one
+#: installed) that say nothing about a run: torchao (the quant extra) not loading its CUDA kernels under a CPU torch,
+#: nor finding triton, and the enums it registers with torch's pytree, which torch now deprecates; bitsandbytes not
+#: finding the optional package of its CPU kernels
+IMPORT_NOISE = (
+    ("torchao", "Failed to load "),
+    ("torchao.kernel.intmm", "Warning: Detected no triton"),
+    ("torch.utils._pytree", "<enum "),
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+)
 
 
 class _DropNoise(logging.Filter):

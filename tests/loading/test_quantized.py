@@ -144,6 +144,15 @@ def test_a_missing_quantization_library_is_named_with_the_install_line(reference
         _offloaded(folder, "safetensors", None)
 
 
+def test_a_library_transformers_needs_beside_bitsandbytes_is_named_too(reference, monkeypatch):
+    from offload_core.loading.quantized import NEEDS
+
+    folder = reference("bnb-nf4")[0]
+    monkeypatch.setitem(NEEDS, "bitsandbytes", ("bitsandbytes", "offload_core_no_such_package"))
+    with pytest.raises(QuantizationError, match=r"needs the offload_core_no_such_package package: install it"):
+        _offloaded(folder, "safetensors", None)
+
+
 @pytest.mark.parametrize("method", ["torchao-int8", "bnb-nf4"])
 def test_the_prediction_times_a_packed_block_as_it_runs(reference, method):
     from offload_core.loading.quantized import random_copy
