@@ -179,3 +179,10 @@ def quantized_lines(
     for reason, keys in sorted(reasons.items()):
         lines.append(f"  left exact, {reason}: {len(keys)} linear weight(s), such as {keys[0]}")
     return lines
+
+
+def quantized_checkpoint(model: nn.Module, checkpoint: Any, storage: Any, dtype: torch.dtype | None) -> Any:
+    """``checkpoint``, or for a store built with ``compute="quantized"`` (``storage.compute=quantized``) the GGUF
+    checkpoint serving the packed weights of the linear layers it replaces on the empty ``model``
+    (:func:`compute_quantized`): the one rule ``run.py`` and ``from_pretrained`` follow."""
+    return compute_quantized(model, checkpoint, dtype) if storage.quantized_compute else checkpoint

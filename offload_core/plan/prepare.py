@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 import torch
 
 from offload_core.errors import ConfigError
+from offload_core.loading.gguf_qcompute import quantized_checkpoint
 from offload_core.plan.make import Plan
 from offload_core.plan.request import held_beside_weights
 from offload_core.loading.tasks import GENERATIVE, check_task_fits
@@ -68,7 +69,7 @@ def prepare(
 
     run_model = open_model(settings.model, settings.dtype, strategies.storage.reads_gguf)
     with Checkpoint.open(run_model.checkpoint_dir) as opened:
-        checkpoint = quantized_checkpoint(strategies, run_model, opened)
+        checkpoint = quantized_checkpoint(run_model.model, opened, strategies.storage, run_model.dtype)
         check_run_task(settings, run_model, checkpoint)
         if batches_of is None:
             settings, batches = read_batches(settings, run_model)
@@ -92,16 +93,6 @@ def prepare(
         if predict:
             predict_plan(job)
         yield job
-
-
-def quantized_checkpoint(strategies: Strategies, run_model: RunModel, checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint``, or with ``storage.compute=quantized`` the GGUF checkpoint serving the packed weights of the
-    linear layers it replaces on the empty model (:mod:`offload_core.loading.gguf_qcompute`)."""
-    if not strategies.storage.quantized_compute:
-        return checkpoint
-    from offload_core.loading.gguf_qcompute import compute_quantized
-
-    return compute_quantized(run_model.model, checkpoint, run_model.dtype)
 
 
 def predict_plan(job: Prepared) -> None:

@@ -15,10 +15,11 @@ from offload_core.errors import ConfigError, GraphsError
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.dispatch import resolve_strategy
 from offload_core.loading.execution_device import default_execution_device
-from offload_core.loading.gguf_qcompute import compute_quantized
+from offload_core.loading.gguf_qcompute import quantized_checkpoint
 from offload_core.loading.gguf_sources import resolve_model_path as gguf_model_path
 from offload_core.loading.hub import Hub, read_hub, resolve_model_path
 from offload_core.loading.pipeline import is_pipeline_folder
+from offload_core.registry.contracts import Storage
 from offload_core.loading.tasks import GENERATIVE, build_empty, check_task_fits, config_dtype, infer_task, read_config
 from offload_core.module_hooks.graphs import apply_graphs, graph_pool_bytes, graphs_refusal
 from offload_core.module_hooks.prefetch.hybrid import hybrid_policy
@@ -107,7 +108,8 @@ def from_pretrained(
         offload, table = choose_offload(
             path, max_memory, offload, (parse_dtype(dtype), task), read_generation(generation)
         )
-    path = model_path(path, offload.storage)
+    storage = resolve_strategy("storage", offload.storage)  # built once: every step below reads the same store
+    path = model_path(path, storage)
     config = read_config(path, what="path")
     given = task is not None
     task = task or infer_task(config)
@@ -116,13 +118,13 @@ def from_pretrained(
     planned = read_generation(generation) if task in GENERATIVE else None
     policy = model_policy(offload, device)
     if offload.graphs:
-        max_memory = hold_graph_pool(max_memory, device, policy, offload.storage, config, dtype)
+        max_memory = hold_graph_pool(max_memory, device, policy, storage, config, dtype)
     if max_memory is not None:
         check_budgets(get_max_memory(max_memory, check_devices=False), device)
     no_split = no_split_classes(model, offload.no_split_module_classes)
     checkpoint = Checkpoint.open(path)  # stays open while the model's store reads it
     try:
-        checkpoint = quantized_checkpoint(model, checkpoint, offload.storage, dtype)
+        checkpoint = quantized_checkpoint(model, checkpoint, storage, dtype)
         if given:
             check_task_fits(model, checkpoint, task, what="task")
         request = PlanRequest(
@@ -131,7 +133,7 @@ def from_pretrained(
             dtype=dtype,
             max_memory=max_memory,
             placement=offload.placement,
-            storage=offload.storage,
+            storage=storage,
             policy=policy,
             page_cache=offload.page_cache,
             headroom=read_headroom(offload.headroom),
@@ -181,12 +183,17 @@ def model_policy(offload: Offload, device: torch.device) -> str | Any:
 
 
 def hold_graph_pool(
-    max_memory: Mapping[Any, int | str] | None, device: torch.device, policy: Any, storage: Any, config: Any, dtype: Any
+    max_memory: Mapping[Any, int | str] | None,
+    device: torch.device,
+    policy: Any,
+    storage: Storage,
+    config: Any,
+    dtype: Any,
 ) -> Mapping[Any, int | str] | None:
     """``max_memory`` less a CUDA graph's memory pool on the execution device (:func:`graph_pool_bytes`), after
     refusing in one line a run that cannot capture graphs."""
     policy_name = policy if isinstance(policy, str) else "prefetch"
-    refusal = graphs_refusal(device, policy_name, resolve_strategy("storage", storage).pinned, False)
+    refusal = graphs_refusal(device, policy_name, storage.pinned, False)
     if refusal is not None:
         raise GraphsError(refusal)
     if max_memory is None:
@@ -198,15 +205,8 @@ def hold_graph_pool(
     return budgets
 
 
-def quantized_checkpoint(model: nn.Module, checkpoint: Checkpoint, storage: str | Any, dtype: Any) -> Checkpoint:
-    """``checkpoint``, or for a store built with ``compute="quantized"`` (``storage=get_registry().create("storage",
-    "gguf", {"compute": "quantized"})``) the GGUF checkpoint of the packed linear layers it puts in ``model``."""
-    if not resolve_strategy("storage", storage).quantized_compute:
-        return checkpoint
-    return compute_quantized(model, checkpoint, dtype)
-
-
-def model_path(path: str | Path, storage: str | Any) -> Path:
-    """``path`` as the loaders take it: a GGUF file (or a folder holding one) stays the file for a store that reads
-    it in place (``storage="gguf"``) and is converted once into a float32 safetensors folder for the others."""
-    return gguf_model_path(path, resolve_strategy("storage", storage).reads_gguf)
+def model_path(path: str | Path, storage: Storage) -> Path:
+    """``path`` as the loaders take it: a GGUF file (or a folder holding one) stays the file for the built ``storage``
+    where it reads it in place (``storage="gguf"``) and is converted once into a float32 safetensors folder for the
+    others."""
+    return gguf_model_path(path, storage.reads_gguf)
