@@ -72,6 +72,8 @@ class PolicyHandle:
         for handle in reversed(self.handles):
             handle.remove()
         self.offload_all()
+        if self.context.residency is not None:
+            self.context.residency.settle()  # no drop runs after the hooks are gone
         store = self.context.store
         device = torch.device(restore_device)
         restored: dict[str, torch.Tensor] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -171,6 +171,11 @@ class Store(Mapping):
         """Drop ``name``'s bytes from memory after use (the page cache included), so that streaming it
         never evicts what is kept. Returns False where the store cannot (the default: nothing is done)."""
         return False
+
+    def drop_all(self, names: Sequence[str]) -> list[str]:
+        """:meth:`drop` for the tensors of a unit that has run: those dropped. The default drops each in turn; a
+        store over mapped files gives the kernel one call per run of neighbouring pages instead."""
+        return [name for name in names if self.drop(name)]
 
     def finalize(self) -> None:
         """Called once all tensors are in: make the store complete (and durable, for folders)."""

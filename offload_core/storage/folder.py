@@ -26,7 +26,7 @@ import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ from offload_core.storage.folder_record import (
     write_tag,
 )
 from offload_core.storage.checkpoint import Checkpoint
-from offload_core.storage.pagecache import drop, populate
+from offload_core.storage.pagecache import drop_named, populate, span_of
 from offload_core.storage.splice import checkpoint_parts, in_order
 
 log = logging.getLogger(__name__)
@@ -260,8 +260,7 @@ class FolderStore(FileMaps, Store):
         )
 
     def _abort(self) -> None:
-        """Best effort, never raising: our data files, index, marker and tag go; the folder too if we made it and it
-        is empty."""
+        """Best effort, never raising: our data files, index, marker and tag go (the folder too if we made it)."""
         remove_record(self.folder)
         self._written.clear()
         self._tagged.clear()
@@ -273,10 +272,8 @@ class FolderStore(FileMaps, Store):
     def finalize(self) -> None:
         """Write the index; then, on a thread, flush every file to the disk and only then the completion marker.
 
-        The data is readable at once (it is in the page cache); a later run trusts the folder only once
-        the marker is there, which needs every byte on the disk first. A temporary folder is removed at
-        exit and never reused, so it is not flushed at all.
-        """
+        The data is readable at once (it is in the page cache); a later run trusts the folder only once the marker is
+        there, which needs every byte on the disk first. A temporary folder is removed at exit and never flushed."""
         if self.reused:
             return
         try:
@@ -365,7 +362,10 @@ class FolderStore(FileMaps, Store):
         return populate(mapped, self.file_of(name), self.offset(name)) and not misplaced(mapped, self.offset(name))
 
     def drop(self, name: str) -> bool:
-        return drop(self._mapped(name), self.file_of(name), self.offset(name))
+        return bool(self.drop_all([name]))
+
+    def drop_all(self, names: Sequence[str]) -> list[str]:
+        return drop_named({n: [span_of(self._mapped(n), self.file_of(n), self.offset(n))] for n in names})
 
     def close(self) -> None:
         self.wait_until_sealed()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -15,7 +15,15 @@ from offload_core.alignment import misplaced, placed, reference_offset
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext, convert_dtype, converts
 from offload_core.storage.checkpoint import Checkpoint
-from offload_core.storage.pagecache import advise_ranges, drop, drop_spans, populate, read_in, resident, will_need
+from offload_core.storage.pagecache import (
+    advise_ranges,
+    drop_named,
+    populate,
+    read_in,
+    resident,
+    span_of,
+    will_need,
+)
 from offload_core.storage.splice import Spliced, checkpoint_parts
 
 log = logging.getLogger(__name__)
@@ -224,12 +232,19 @@ class InPlaceStore(Store):
         return populate(self._view(name), *self._where(name))
 
     def drop(self, name: str) -> bool:
+        return bool(self.drop_all([name]))
+
+    def drop_all(self, names: Sequence[str]) -> list[str]:
+        return drop_named({name: self._spans(name) for name in names})
+
+    def _spans(self, name: str) -> list:
+        """The file pages ``name``'s mapped bytes lie in; [] where it is a copy."""
         spliced = self.spliced(name)
         if spliced is not None:  # the mapped pages only: the copied edges are the tensor's own memory
-            return drop_spans(spliced.mapped_spans())
+            return list(spliced.mapped_spans())
         if name in self.assembled:
-            return False
-        return drop(self._view(name), *self._where(name))
+            return []
+        return [span_of(self._view(name), *self._where(name))]
 
     def _where(self, name: str) -> tuple[Path, int]:
         """The shard holding ``name``'s bytes and their offset in it."""

@@ -9,6 +9,8 @@ import mmap
 import os
 import sys
 from functools import lru_cache
+from typing import NamedTuple
+from pathlib import Path
 
 import torch
 
@@ -18,13 +20,17 @@ __all__ = [
     "advise_ranges",
     "coalesce",
     "drop",
+    "drop_named",
     "drop_spans",
+    "droppable",
     "libc",
     "map_in",
     "page_spans",
     "populate",
     "read_in",
     "resident",
+    "span_of",
+    "Span",
     "spans_resident",
     "will_need",
 ]
@@ -162,9 +168,29 @@ def will_need(tensor: torch.Tensor) -> None:
         lib.madvise(start + offset, min(_HINT_CHUNK, length - offset), _MADV_WILLNEED)
 
 
+class Span(NamedTuple):
+    """Mapped file pages to let go of: ``[address, address + length)`` of a mapping of this process (page aligned),
+    and the bytes ``[start, end)`` of ``path`` they hold (a tensor's own: a page it shares with a neighbour stays in
+    the page cache)."""
+
+    address: int
+    length: int
+    path: Path
+    start: int
+    end: int
+
+
+def span_of(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> Span | None:
+    """The :class:`Span` of a mapped CPU tensor whose bytes start at ``offset`` in ``path``; None for an empty or
+    non-CPU tensor."""
+    if tensor.numel() == 0 or tensor.device.type != "cpu":
+        return None
+    return Span(*_page_span(tensor), Path(path), offset, offset + tensor.numel() * tensor.element_size())
+
+
 def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> bool:
     """Let go of a mapped tensor's pages: unmap them from this process (``MADV_DONTNEED``), then drop
-    the file's bytes ``[offset, offset + nbytes)`` from the page cache (``POSIX_FADV_DONTNEED``).
+    the file's bytes from the page cache (``POSIX_FADV_DONTNEED``): :func:`drop_spans` of its :func:`span_of`.
 
     Only for tensors that are read-only views of a file mapping of ``path`` whose bytes start at
     ``offset`` in the file: the next read faults the pages in from disk again (time, never data).
@@ -172,14 +198,8 @@ def drop(tensor: torch.Tensor, path: str | os.PathLike[str], offset: int) -> boo
     where the tensor's pages are not the file pages of a live mapping of
     :mod:`~offload_core.storage.mapping` (memory of the heap or anonymous memory would read as zeros).
     """
-    lib = libc()
-    if lib is None or tensor.numel() == 0 or tensor.device.type != "cpu" or not hasattr(os, "posix_fadvise"):
-        return False
-    start, length = _page_span(tensor)
-    if not file_pages(start, length):
-        return False
-    lib.madvise(start, length, _MADV_DONTNEED)
-    return _advise(path, offset, tensor.numel() * tensor.element_size(), "POSIX_FADV_DONTNEED")
+    span = span_of(tensor, path, offset)
+    return span is not None and drop_spans([span])
 
 
 def coalesce(ranges: list[tuple[os.PathLike[str], int, int]], gap: int = 0) -> list[tuple[os.PathLike[str], int, int]]:
@@ -216,16 +236,37 @@ def advise_ranges(ranges: list[tuple[os.PathLike[str], int, int]], advice: str) 
             os.close(fd)
 
 
-def drop_spans(spans: list[tuple[int, int, os.PathLike[str], int]]) -> bool:
-    """:func:`drop` for page-aligned file mappings given as (address, length, file, file offset): unmapped from
-    this process, then dropped from the page cache. False where this cannot be done (a span that is not the file
-    pages of a live mapping of :mod:`~offload_core.storage.mapping` included: nothing is dropped)."""
-    lib = libc()
-    if lib is None or not hasattr(os, "posix_fadvise") or not all(file_pages(a, n) for a, n, _, _ in spans):
+def droppable(spans: list[Span]) -> bool:
+    """Whether :func:`drop_spans` may drop these spans: madvise and fadvise exist here, and every span is the file
+    pages of a live mapping of :mod:`~offload_core.storage.mapping` (memory of the heap or anonymous memory would
+    read as zeros)."""
+    return libc() is not None and hasattr(os, "posix_fadvise") and all(file_pages(s.address, s.length) for s in spans)
+
+
+def drop_named(spans: dict[str, list[Span | None]]) -> list[str]:
+    """:func:`drop_spans` of several tensors' spans (by name) in one go, those not :func:`droppable` left out: the
+    names dropped."""
+    kept = {name: found for name, found in spans.items() if found and None not in found and droppable(found)}
+    return list(kept) if kept and drop_spans([s for found in kept.values() for s in found]) else []
+
+
+def drop_spans(spans: list[Span]) -> bool:
+    """:func:`drop` for mapped file pages: unmapped from this process, then their bytes dropped from the page cache;
+    spans that touch are merged first, so a layer whose tensors lie side by side costs one ``madvise`` and one
+    ``posix_fadvise`` (each ``POSIX_FADV_DONTNEED`` drains every CPU's page lists: many small calls cost more than
+    the pages they drop). False where :func:`droppable` is not (nothing is dropped)."""
+    if not droppable(spans):
         return False
-    for address, length, _, _ in spans:
-        lib.madvise(address, length, _MADV_DONTNEED)
-    advise_ranges([(path, offset, offset + length) for _, length, path, offset in spans], "POSIX_FADV_DONTNEED")
+    merged: list[list[int]] = []
+    for span in sorted(spans):
+        if merged and span.address <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], span.address + span.length)
+        else:
+            merged.append([span.address, span.address + span.length])
+    lib = libc()
+    for start, end in merged:
+        lib.madvise(start, end - start, _MADV_DONTNEED)
+    advise_ranges([(s.path, s.start, s.end) for s in spans], "POSIX_FADV_DONTNEED")
     return True
 
 

@@ -56,6 +56,8 @@ class Residency:
     #: bytes of kept blocks handed to a forward (served from the page cache) and streamed blocks dropped
     kept_served: int = 0
     dropped: int = 0
+    #: waits until the drops still under way are done (their bytes counted): set by whoever drops in the background
+    settle: Callable[[], None] = field(default=lambda: None, repr=False)
     #: blocks that left the kept set under memory pressure, in the order they left
     _left: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -147,6 +149,7 @@ class Residency:
     def counters(self) -> dict[str, int]:
         """The kept and streamed sets' sizes now, what was served from the kept set, dropped after use,
         given up under memory pressure and taken back once memory was available again."""
+        self.settle()
         return {
             "kept_blocks": len(self.kept),
             "kept_bytes": self.kept_bytes,

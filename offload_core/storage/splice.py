@@ -20,7 +20,7 @@ import torch
 
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.mapping import address, map_anonymous, register_file_pages, view
-from offload_core.storage.pagecache import libc
+from offload_core.storage.pagecache import Span, libc
 
 PAGE = mmap.PAGESIZE
 _PROT_READ, _PROT_WRITE = 1, 2
@@ -203,10 +203,10 @@ class Spliced:
                 found.append((piece.part.path, piece.part.start + lo - piece.at, piece.part.start + hi - piece.at))
         return found
 
-    def mapped_spans(self) -> list[tuple[int, int, Path, int]]:
-        """The file-backed page ranges: (address, length, file, file offset) per mapped part."""
+    def mapped_spans(self) -> list[Span]:
+        """The file-backed page ranges, one per mapped part."""
         return [
-            (self.address + lo, hi - lo, p.part.path, p.part.start + lo - p.at)
+            Span(self.address + lo, hi - lo, p.part.path, p.part.start + lo - p.at, p.part.start + hi - p.at)
             for p in self.pieces
             if (p.mapped is not None)
             for lo, hi in [p.mapped]

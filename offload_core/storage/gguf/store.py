@@ -4,7 +4,7 @@ read, into the buffer the module hook holds where it hands one (nothing is writt
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -12,7 +12,7 @@ from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.gguf.buffers import BufferPool
-from offload_core.storage.pagecache import drop, will_need
+from offload_core.storage.pagecache import drop_named, span_of, will_need
 
 
 class GGUFStore(Store):
@@ -97,10 +97,13 @@ class GGUFStore(Store):
             will_need(self.checkpoint.raw(self._refs[name]))
 
     def drop(self, name: str) -> bool:
-        if name in self._held:
-            return False  # held in memory: nothing of the file to drop
-        key = self._refs[name]
-        return drop(self.checkpoint.raw(key), self.checkpoint.path, self.checkpoint.byte_range(key)[0])
+        return bool(self.drop_all([name]))
+
+    def drop_all(self, names: Sequence[str]) -> list[str]:
+        def spans(key: str) -> list:  # held in memory: nothing of the file to drop
+            return [span_of(self.checkpoint.raw(key), self.checkpoint.path, self.checkpoint.byte_range(key)[0])]
+
+        return drop_named({name: spans(self._refs[name]) for name in names if name not in self._held})
 
     def file_ranges(self, name: str, start: int, end: int) -> list[tuple[Path, int, int]]:
         return []  # handed out as a copy: nothing of it is computed on where it lies
