@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402  (bench/serve.py: how our server is started, asked and measured)
+from serve_peers_report import OURS, PEER, report  # noqa: E402
 
 HERE, ROOT = serve.HERE, serve.ROOT
-OURS, PEER = "offload_core serve", "transformers serve"
 
 
 def budget_of(server_args: list[str]) -> str:
@@ -122,10 +122,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def drive(url: str, prompts: list[str], clients: int, tokens: int, ours: bool) -> dict:
-    """``clients`` threads, one greedy streamed request each; tokens counted from the responses' usage."""
+def used(pid: int) -> tuple[int, float]:
+    """What the process and its children used so far: bytes read from the block device (page-cache hits not
+    counted) and CPU seconds (user + system)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    read, cpu = 0, 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            read, cpu = read + proc.io_counters().read_bytes, cpu + times.user + times.system
+        except psutil.Error:  # a child that ended between the listing and the reading
+            pass
+    return read, cpu
+
+
+def drive(url: str, prompts: list[str], clients: int, tokens: int, ours: bool, pid: int) -> dict:
+    """``clients`` threads, one greedy streamed request each; tokens counted from the responses' usage, the disk
+    read by the server's processes while they answered."""
     client = serve.connect(url)
     before = serve.metrics(url) if ours else {}
+    used_before = used(pid)
     results: dict[int, dict] = {}
     failed: list[str] = []
 
@@ -142,6 +160,7 @@ def drive(url: str, prompts: list[str], clients: int, tokens: int, ours: bool) -
     for t in threads:
         t.join()
     wall = time.perf_counter() - began
+    (read, cpu), (read_before, cpu_before) = used(pid), used_before
     generated = sum(r["tokens"] for r in results.values())
     ttft = [r["ttft_s"] for r in results.values() if r["ttft_s"] is not None]
     row = {
@@ -153,6 +172,8 @@ def drive(url: str, prompts: list[str], clients: int, tokens: int, ours: bool) -
         "failed": failed,
         "texts": {c: r["text"] for c, r in sorted(results.items())},
         "loadavg": os.getloadavg()[0],
+        "disk_read_per_token": (read - read_before) / generated if generated else None,
+        "cpu_s_per_token": (cpu - cpu_before) / generated if generated else None,
     }
     if ours:
         moved = serve.metrics(url)["offload_core_serve_bytes_moved"] - before["offload_core_serve_bytes_moved"]
@@ -180,7 +201,7 @@ def session(system: str, args, folder: Path, scratch: Path, prompts: list[str], 
         ready = time.perf_counter() - began
         first = time.perf_counter()
         serve.ask(serve.connect(url), prompts[0], 4)
-        rows = [drive(url, prompts, clients, args.tokens, system == OURS) for clients in loads]
+        rows = [drive(url, prompts, clients, args.tokens, system == OURS, proc.pid) for clients in loads]
         warm = time.perf_counter() - first - sum(r["seconds"] for r in rows)
         detail["peak_rss_bytes"] = peak_rss(proc.pid)
     finally:
@@ -211,83 +232,12 @@ def summarize(sessions: list[dict], loads: list[int]) -> list[dict]:
             ours, peer = med(OURS, key), med(PEER, key)
             row[key] = {"ours": ours, "peer": peer, "ratio": ours / peer if ours and peer else None}
         row["bytes_moved_per_token"] = med(OURS, "bytes_moved_per_token")
+        row["disk_read_per_token"] = {
+            "ours": med(OURS, "disk_read_per_token"),
+            "peer": med(PEER, "disk_read_per_token"),
+        }
         out.append(row)
     return out
-
-
-def report(result: dict) -> str:
-    """The markdown report of a result dict."""
-
-    def f(value, digits=2):
-        return "–" if value is None else f"{value:.{digits}f}"
-
-    sessions, summary = result["sessions"], result["summary"]
-    peer = next(s for s in sessions if s["system"] == PEER)
-    ours = next(s for s in sessions if s["system"] == OURS)
-    cold = f"Cold: both read every offloaded byte from disk each pass (ours `page_cache=0`; `{peer.get('cold')}`)."
-    lines = [
-        f"# Serve against transformers serve: {result['tag']}",
-        "",
-        f"Both systems serve `{result['model']}` at `max_memory.cpu={result['budget']}`"
-        + (f" (the peer's device map at {result['peer_budget']})" if result.get("peer_budget") else "")
-        + f", {result['tokens']} greedy "
-        f"streamed tokens per request, one request per client, {result['rounds']} round(s), the systems started in "
-        f"turn and alternated from round to round; machine: {result['machine']}. Load average "
-        f"{result['loadavg_start']:.2f} at start, {result['loadavg_end']:.2f} at end: the machine was busy with other "
-        "work, so read the ratios, not the absolute figures.",
-        "",
-        f"- ours: `{ours['command']}`",
-        f"- peer: `{peer['command']}` (continuous batching asked: {result['batching']}, used: "
-        f"{peer['continuous_batching_used']}; {peer['placement']}; files written to the offload folder: "
-        f"{peer['offload_folder_files']})",
-        "",
-        *(
-            [f"The peer's continuous batching failed, so it ran without: `{result['batching_error'][-300:]}`", ""]
-            if result["batching_error"]
-            else []
-        ),
-        *([result["note"], ""] if result.get("note") else []),
-        *([cold, ""] if result.get("cold") else []),
-        "Command: `" + result["command"] + "`",
-        "",
-        "| clients | ours tok/s | peer tok/s | ours / peer | ours TTFT p50 s | peer TTFT p50 s | "
-        "ours bytes moved/token |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in summary:
-        tps, ttft = row["aggregate_tokens_per_s"], row["ttft_p50_s"]
-        moved = row["bytes_moved_per_token"]
-        lines.append(
-            f"| {row['clients']} | {f(tps['ours'])} | {f(tps['peer'])} | {f(tps['ratio'])}x | {f(ttft['ours'])} | "
-            f"{f(ttft['peer'])} | {'–' if moved is None else f'{moved / 2**20:.1f} MiB'} |"
-        )
-    target = result["target"]
-    lines += [
-        "",
-        f"Target (>= 3x at 8 clients, ahead at 1 client): 8 clients {f(target['ratio_8'])}x "
-        f"({'met' if target['met_8'] else 'not met'}), 1 client {f(target['ratio_1'])}x "
-        f"({'met' if target['met_1'] else 'not met'}).",
-        "",
-        f"Same greedy text for `{result['agreement']['prompt']}` alone: {result['agreement']['same']}. Requests with "
-        "the same text from both, of those answered (first round, client i sends prompt i): "
-        + ", ".join(f"{n}/{of} at {c} clients" for c, (n, of) in result["agreement"]["by_clients"].items())
-        + ".",
-        "",
-        "Every session (medians above are over these):",
-        "",
-        "| round | system | ready s | first request s | peak RSS MiB | clients | tok/s | TTFT p50 s | load avg | "
-        "failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in sessions:
-        for row in s["loads"]:
-            lines.append(
-                f"| {s['round']} | {s['system']} | {f(s['ready_s'], 1)} | {f(s['first_request_s'], 1)} | "
-                f"{f((s.get('peak_rss_bytes') or 0) / 2**20 or None, 0)} | "
-                f"{row['clients']} | {f(row['aggregate_tokens_per_s'])} | {f(row['ttft_p50_s'])} | "
-                f"{f(row['loadavg'])} | {len(row['failed'])} |"
-            )
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
