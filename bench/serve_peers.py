@@ -232,10 +232,8 @@ def summarize(sessions: list[dict], loads: list[int]) -> list[dict]:
             ours, peer = med(OURS, key), med(PEER, key)
             row[key] = {"ours": ours, "peer": peer, "ratio": ours / peer if ours and peer else None}
         row["bytes_moved_per_token"] = med(OURS, "bytes_moved_per_token")
-        row["disk_read_per_token"] = {
-            "ours": med(OURS, "disk_read_per_token"),
-            "peer": med(PEER, "disk_read_per_token"),
-        }
+        for key in ("disk_read_per_token", "cpu_s_per_token"):
+            row[key] = {"ours": med(OURS, key), "peer": med(PEER, key)}
         out.append(row)
     return out
 
