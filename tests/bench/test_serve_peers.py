@@ -104,6 +104,10 @@ def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path, cold):
     ours, peer = result["sessions"]
     assert all(row["generated_tokens"] > 0 and not row["failed"] for s in result["sessions"] for row in s["loads"])
     assert all(row["bytes_moved_per_token"] > 0 for row in ours["loads"])
+    # what each server's processes used while answering: some CPU, never a negative disk read
+    assert all(
+        row["cpu_s_per_token"] > 0 and row["disk_read_per_token"] >= 0 for s in (ours, peer) for row in s["loads"]
+    )
     assert peer["continuous_batching_used"] and "disk" in peer["placement"]
     assert "--max-memory-cpu 100KiB" in peer["command"] and "--continuous-batching --cb-num-blocks 8" in peer["command"]
     assert peer["peak_rss_bytes"] < 4 * 2**30  # its KV cache not sized from the host's free memory
