@@ -9,6 +9,7 @@ first waits for its own drop (its fresh pages are never dropped under it)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
@@ -44,7 +45,7 @@ class PageCacheKeeper:
         self.warm = warm and isinstance(store, Store)
         self._bytes = {unit.name: unit_bytes(unit) for unit in units}
         self._warmed: set[str] = set()  # kept units whose pages were read in and have not been dropped since
-        self._dropping: dict[str, Future] = {}  # streamed units whose pages are being dropped, by name
+        self._dropping: dict[str, tuple[int, Future]] = {}  # streamed units whose pages are being dropped: (pid, drop)
         residency.settle = self.settle
         residency.assign([(unit.name, self._bytes[unit.name]) for unit in units])
         for unit in units:
@@ -63,9 +64,7 @@ class PageCacheKeeper:
         """``unit`` is about to be used: count a kept unit as served from the page cache, and read its pages in;
         a kept unit's once, until they are dropped (asking again walks every page of it each token: SmolLM2's
         decoding step took 0.054 s with it against 0.044 s without)."""
-        dropping = self._dropping.pop(unit.name, None)
-        if dropping is not None:
-            dropping.result()
+        _wait(self._dropping.pop(unit.name, None))
         kept = self.residency.is_kept(unit.name)
         if kept:
             self.residency.kept_served += self._bytes.get(unit.name, 0)
@@ -79,7 +78,7 @@ class PageCacheKeeper:
         """``unit`` has run: a streamed unit's pages leave the page cache."""
         if not self.residency.is_kept(unit.name) and isinstance(self.store, Store):
             self._warmed.discard(unit.name)
-            self._dropping[unit.name] = dropper().submit(self._drop_keys, unit.keys)
+            self._dropping[unit.name] = (os.getpid(), dropper().submit(self._drop_keys, unit.keys))
 
     def drop(self, unit: Unit) -> None:
         """Drop ``unit``'s pages now."""
@@ -89,27 +88,35 @@ class PageCacheKeeper:
 
     def _drop_keys(self, keys: list[str]) -> None:
         dropped = self.store.drop_all(keys)
-        with _COUNTING:
+        with _COUNTING[0]:
             self.residency.dropped += sum(tensor_nbytes(self.store, key) for key in dropped)
 
     def settle(self) -> None:
         """Wait for the drops under way (a drop that failed raises here)."""
         for name in list(self._dropping):
-            dropping = self._dropping.pop(name, None)  # the reader thread may have taken it
-            if dropping is not None:
-                dropping.result()
+            _wait(self._dropping.pop(name, None))  # the reader thread may have taken it
 
 
-_COUNTING = threading.Lock()
-_DROPPER: list[ThreadPoolExecutor] = []
+#: the lock of the dropped-bytes counts; the thread that drops streamed units' pages, by process (a forked child has
+#: none of its parent's threads: its drops get a thread of their own, and its parent's drops are not waited for)
+_COUNTING = [threading.Lock()]
+_DROPPERS: dict[int, ThreadPoolExecutor] = {}
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _COUNTING.__setitem__(0, threading.Lock()))
 
 
 def dropper() -> ThreadPoolExecutor:
-    """The one thread that drops streamed units' pages, started at first use."""
-    with _COUNTING:
-        if not _DROPPER:
-            _DROPPER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload_core-drop"))
-        return _DROPPER[0]
+    """This process's one thread that drops streamed units' pages, started at first use."""
+    found = _DROPPERS.get(os.getpid())
+    if found is None:  # two threads asking at once make two executors: the one kept is the only one ever started
+        found = _DROPPERS.setdefault(os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="offload_core-drop"))
+    return found
+
+
+def _wait(dropping: tuple[int, Future] | None) -> None:
+    """Wait for a drop this process started (one inherited through a fork never ends here)."""
+    if dropping is not None and dropping[0] == os.getpid():
+        dropping[1].result()
 
 
 def keep_page_cache(
