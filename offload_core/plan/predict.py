@@ -252,7 +252,7 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
     from offload_core.plan.calibrate import existing_folder
     from offload_core.plan.probe import PROBE_VERSION, probe_times
 
-    storage, hook = settings.sections["storage"], settings.sections["hook"]
+    storage, hook = probed_storage(settings.sections["storage"]), settings.sections["hook"]
     key = json.dumps(
         {"v": PROBE_VERSION, "storage": storage, "hook": hook, "shape": [rows, tokens]}, sort_keys=True, default=str
     )
@@ -262,12 +262,9 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
 
     def measure() -> dict[str, float]:
         registry = get_registry()
-        store = registry.create("storage", storage["name"], storage)
-        if store.reads_gguf:  # the probe's model is no GGUF file: its tensors read in place as the file's would be,
-            store = registry.create("storage", "safetensors", {"name": "safetensors"})  # dequantizing priced apart
         return probe_times(
             run_model,
-            store,
+            registry.create("storage", storage["name"], storage),
             registry.create("policy", hook["name"], hook),
             settings.execution_device,
             rows,
@@ -276,6 +273,23 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
         )
 
     return key, measure
+
+
+#: the store a dispatched probe of a store reading GGUF files in place runs through
+GGUF_PROBED = {"name": "safetensors"}
+
+
+def probed_storage(section: dict[str, Any]) -> dict[str, Any]:
+    """The storage section the dispatched probe runs (and is cached under): the run's own, but a store reading GGUF
+    files in place is probed as ``storage=safetensors`` (the probe's model is no GGUF file: its tensors are read in
+    place as the file's would be, the dequantization priced apart, :mod:`.dequant`). Cached under the store probed,
+    the GGUF configurations share the converted files' probe of the same policy: one measurement, not two whose
+    noise would rank one store against the other."""
+    from offload_core.registry.manager import get_registry
+
+    if get_registry().get("storage", section["name"]).factory.reads_gguf:
+        return dict(GGUF_PROBED)
+    return section
 
 
 def print_prediction(predicted: dict[str, float], rows: int) -> None:
