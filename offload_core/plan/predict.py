@@ -131,8 +131,6 @@ def predict_time(
     offloaded = sum(info["bytes"] for dev, info in placed.items() if is_offloaded(dev, execution_device))
     moved = plan.predicted_bytes_per_token
     disk = disk_bytes_per_forward(plan.page_cache, offloaded, moved, storage.reads_from, cold)
-    if dequant_s and offloaded and not cold and "predicted_disk_bytes_per_token" in plan.page_cache:
-        disk = int(disk * moved / offloaded)  # the page-cache plan streams the file's quantized bytes
     # the probe's tensors came through the real path (a GPU's copy included): only the cold disk reads are left
     io = io_s(
         calibration, moved, disk, storage.reads_from, storage.pinned, torch.device("cpu") if probe else execution_device

@@ -133,3 +133,26 @@ def test_a_gguf_file_and_the_floats_converted_from_it_share_one_compute_timing(t
         found = calibrate(run_model.model, run_model.no_split, run_model.dtype, torch.device("cpu"), folders, shapes)
         assert found["compute"]["decode"]["block_s"] > 0
     assert len(json.loads(calibration.read_text())["compute"]) == 1
+
+
+@pytest.mark.slow
+def test_a_gguf_plan_reads_the_files_quantized_blocks_from_the_disk(compose_run, tmp_path, gguf_model, capsys):
+    from offload_core.runner.job import run
+
+    overrides = [
+        "model=local",
+        f"model.path={gguf_model}",
+        "progress=false",
+        "max_memory.cpu=2MiB",
+        "headroom=0",
+        "storage=gguf",
+        "page_cache=0",
+        "plan_only=true",
+    ]
+    run(compose_run(overrides), output_dir=tmp_path / "out", labels={"overrides": overrides}, plot=False)
+    lines = capsys.readouterr().out.splitlines()
+    (moved,) = [line.split(": ")[1] for line in lines if line.startswith("predicted bytes moved per generated token")]
+    (cache,) = [line for line in lines if line.startswith("page cache:")]
+    # every offloaded tensor streamed from the disk each token: the file's quantized blocks, not the float32 tensors
+    assert cache.endswith(f"predicted disk reads per generated token: {moved}")
+    assert f"streamed {moved}" not in cache
