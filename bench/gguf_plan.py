@@ -1,7 +1,8 @@
 """What the plan chooses for the main job's GGUF (``python bench/gguf_main_job.py --plan``): the converted float32
 default, ``storage=gguf`` and ``auto=true``, run in turn on a warm page cache and on a cold one (``page_cache=0``,
 half the model offloaded); decode speeds, their ratios in each round, what ``auto=true`` picked, and the cost model's
-predicted step beside the measured one. Written to bench/results/gguf-plan.{json,md}."""
+the cost model's predicted step and first token beside the measured ones (medians of the rounds), and each GGUF choice
+``auto=true`` weighed. Written to bench/results/gguf-plan.{json,md}."""
 
 from __future__ import annotations
 
@@ -44,12 +45,12 @@ def run(args: list[str], out: Path, env: dict[str, str]) -> dict:
     metrics = json.loads((out / "metrics.json").read_text())
     metrics["process_s"] = time.perf_counter() - start
     metrics["load_average"] = os.getloadavg()[0]
-    why = [
-        line
-        for line in done.stdout.splitlines()
-        if line.startswith(("auto: the", "auto: reading", "auto: holding", "  storage="))
-    ]
-    metrics["auto_why"] = why[:3]
+    lines = done.stdout.splitlines()
+    why = [line for line in lines if line.startswith(("auto: the", "auto: reading", "auto: holding", "  storage="))]
+    # each GGUF choice auto weighed: its rank, predicted step, and what its plan keeps quantized and dequantizes
+    choices = [i for i, line in enumerate(lines) if line.startswith("auto: #")]
+    shown = [line for i in choices for line in lines[i : i + 4] if line.startswith(("auto: #", "    "))]
+    metrics["auto_why"] = why[:3] + shown
     return metrics
 
 
@@ -61,6 +62,8 @@ def kept(metrics: dict) -> dict:
         "predicted_step_s",
         "model_predicted_step_s",
         "predicted_dequant_s",
+        "model_predicted_ttft_s",
+        "time_to_first_token_s",
         "predicted_io_s",
         "bytes_moved_per_token",
         "offloaded_bytes",
@@ -165,6 +168,12 @@ def targets(summary: dict) -> list[str]:
     return lines
 
 
+def _median(rows: list[dict], name: str) -> float | None:
+    """The median of a figure over the rounds (None where no run has it)."""
+    values = [r[name] for r in rows if r.get(name)]
+    return statistics.median(values) if values else None
+
+
 def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -188,17 +197,21 @@ def report(results: dict, summary: dict) -> str:
             f"## {condition}",
             "",
             "| configuration | median decode | ratio to converted (median of rounds) | rounds | predicted step "
-            "(cost model) | measured step | dequantizing (predicted) | moved / token |",
-            "|---|---|---|---|---|---|---|---|",
+            "(cost model, median) | measured step (median) | step error | predicted first token | measured first "
+            "token | dequantizing (predicted) | moved / token |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, rows in runs.items():
             last = rows[-1]
-            predicted = last["model_predicted_step_s"] or last["predicted_step_s"]
+            step, measured = _median(rows, "model_predicted_step_s"), _median(rows, "time_per_decode_step_s")
+            error = f"{step / measured - 1:+.0%}" if step and measured else "-"
             lines.append(
                 f"| {name} | {entry['median_tokens_per_s'][name]:.2f} tok/s | "
                 f"{entry['ratio_to_converted'][name]:.2f}x | "
                 f"{', '.join(f'{r:.2f}' for r in entry['round_ratios'][name])} | "
-                f"{_cell(predicted, '.3f')} s | {_cell(last['time_per_decode_step_s'], '.3f')} s | "
+                f"{_cell(step, '.3f')} s | {_cell(measured, '.3f')} s | {error} | "
+                f"{_cell(_median(rows, 'model_predicted_ttft_s'), '.2f')} s | "
+                f"{_cell(_median(rows, 'time_to_first_token_s'), '.2f')} s | "
                 f"{_cell(last['predicted_dequant_s'], '.3f')} s | "
                 f"{_cell(last['bytes_moved_per_token'] and last['bytes_moved_per_token'] / 2**20, '.1f')} MiB |"
             )

@@ -52,6 +52,8 @@ class Candidate:
     offloaded_bytes: int = 0
     #: bytes the plan moves per generated token (a GGUF file's quantized ones where read in place)
     moved_bytes: int = 0
+    #: for a store reading a GGUF file: what its plan keeps quantized and dequantizes, per GGML type (the plan's lines)
+    gguf_lines: list[str] = field(default_factory=list)
     total_s: float = math.inf
     problem: str = ""
 
@@ -137,6 +139,7 @@ def settings_of(settings: Settings, candidate: Candidate) -> Settings:
 def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> Candidate | None:
     """Plan and predict ``candidate`` (nothing loaded); a plan that cannot be made, or one over the cpu budget, is its
     ``problem``; None for a policy that does not take part for this model (:meth:`Policy.takes_part_in`)."""
+    from offload_core.plan.dequant import dequant_lines
     from offload_core.plan.prepare import predict_plan, prepare, prediction_shape
 
     chosen = settings_of(settings, candidate)
@@ -149,6 +152,8 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
             predict_plan(job)
             plan, storage = job.plan, job.strategies.storage
             candidate.moved_bytes = plan.predicted_bytes_per_token
+            candidate.gguf_lines = [line for line in plan.conversion if line.startswith("gguf, ")]
+            candidate.gguf_lines += [f"dequantizing: {line.strip()}" for line in dequant_lines(plan.dequant)[-1:]]
             devices = plan.summary["devices"]
             on_disk = devices.get("disk", {}).get("bytes", 0)
             in_memory = devices.get("cpu", {}).get("bytes", 0) + plan.reserve.get("cpu", 0) + plan.headroom
@@ -218,7 +223,7 @@ def choose(settings: Settings, overrides: list[str]) -> tuple[Settings, list[dic
     table = [c.row(place) for place, c in enumerate(ranked, 1)]
     write_table(settings, table)
     print_table(table, given)
-    for line in gguf_why(ranked):
+    for line in gguf_why(ranked) + gguf_choices(ranked):
         print(line)
     best = ranked[0]
     if best.problem:
@@ -287,3 +292,17 @@ def gguf_why(ranked: list[Candidate]) -> list[str]:
         f"  storage=gguf ({gguf.label.split(' ', 1)[1]}): {said(gguf)}",
         f"  storage={other.storage['name']} ({other.label.split(' ', 1)[1]}): {said(other)}",
     ]
+
+
+def gguf_choices(ranked: list[Candidate]) -> list[str]:
+    """Each way of holding a GGUF file auto weighed (``storage.resident``: read from the file or held quantized in
+    memory), its fastest policy: its rank, predicted step, and what its plan keeps quantized and dequantizes."""
+    lines, seen = [], set()
+    for place, c in enumerate(ranked, 1):
+        resident = c.storage.get("resident")
+        if c.storage.get("name") != "gguf" or c.problem or resident in seen:
+            continue
+        seen.add(resident)
+        lines.append(f"auto: #{place} {c.label}: {c.predicted['predicted_step_s']:.3f} s a step predicted")
+        lines += [f"    {line}" for line in c.gguf_lines]
+    return lines

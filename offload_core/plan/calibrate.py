@@ -283,8 +283,19 @@ def compute_times(
     return times
 
 
+#: config entries that name where a model came from, not what it computes: left out of the compute key, so a GGUF
+#: file read in place and the float32 files converted from it (the same blocks, computed in the same dtype) share one
+#: timing (each timed apart, the noise of two measurements ranked one store against the other: SmolLM2's GGUF had its
+#: prompt's blocks timed 2.6x the converted files' on one calibration)
+#: (``architectures`` too: a GGUF file's header names none; the model's own class stands for it in the key)
+PROVENANCE = ("_name_or_path", "_commit_hash", "transformers_version", "architectures")
+
+
 def _model_key(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
-    text = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    """The compute calibration's key: what the model computes (its class, its config less :data:`PROVENANCE`), in
+    which dtype, on which device, with how many threads."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in PROVENANCE}
+    text = json.dumps({"class": type(model).__name__, **config}, sort_keys=True, default=str)
     return hashlib.sha256(f"compute-v5|{text}|{dtype}|{device}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
 
 

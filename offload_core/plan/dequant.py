@@ -13,8 +13,9 @@ from offload_core.storage.gguf.rates import CONVERT, RATE_KEYS
 
 #: the calibration file's section holding the rates
 SECTION = "dequant"
-#: the kernels' version in the rates' key: rates measured with earlier kernels are measured again
-KERNELS = "k2"
+#: the version of the kernels and of the rule timing them (:mod:`offload_core.storage.gguf.rates`) in the rates'
+#: key: rates measured with earlier kernels, or by an earlier rule, are measured again
+KERNELS = "k3"
 
 
 def rates_key() -> str:

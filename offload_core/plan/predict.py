@@ -131,8 +131,6 @@ def predict_time(
     offloaded = sum(info["bytes"] for dev, info in placed.items() if is_offloaded(dev, execution_device))
     moved = plan.predicted_bytes_per_token
     disk = disk_bytes_per_forward(plan.page_cache, offloaded, moved, storage.reads_from, cold)
-    if dequant_s and offloaded and not cold and "predicted_disk_bytes_per_token" in plan.page_cache:
-        disk = int(disk * moved / offloaded)  # the page-cache plan streams the file's quantized bytes
     # the probe's tensors came through the real path (a GPU's copy included): only the cold disk reads are left
     io = io_s(
         calibration, moved, disk, storage.reads_from, storage.pinned, torch.device("cpu") if probe else execution_device
@@ -252,7 +250,7 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
     from offload_core.plan.calibrate import existing_folder
     from offload_core.plan.probe import PROBE_VERSION, probe_times
 
-    storage, hook = settings.sections["storage"], settings.sections["hook"]
+    storage, hook = probed_storage(settings.sections["storage"]), settings.sections["hook"]
     key = json.dumps(
         {"v": PROBE_VERSION, "storage": storage, "hook": hook, "shape": [rows, tokens]}, sort_keys=True, default=str
     )
@@ -262,12 +260,9 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
 
     def measure() -> dict[str, float]:
         registry = get_registry()
-        store = registry.create("storage", storage["name"], storage)
-        if store.reads_gguf:  # the probe's model is no GGUF file: its tensors read in place as the file's would be,
-            store = registry.create("storage", "safetensors", {"name": "safetensors"})  # dequantizing priced apart
         return probe_times(
             run_model,
-            store,
+            registry.create("storage", storage["name"], storage),
             registry.create("policy", hook["name"], hook),
             settings.execution_device,
             rows,
@@ -276,6 +271,23 @@ def dispatched_probe(settings: Any, run_model: Any, rows: int, tokens: int) -> t
         )
 
     return key, measure
+
+
+#: the store a dispatched probe of a store reading GGUF files in place runs through
+GGUF_PROBED = {"name": "safetensors"}
+
+
+def probed_storage(section: dict[str, Any]) -> dict[str, Any]:
+    """The storage section the dispatched probe runs (and is cached under): the run's own, but a store reading GGUF
+    files in place is probed as ``storage=safetensors`` (the probe's model is no GGUF file: its tensors are read in
+    place as the file's would be, the dequantization priced apart, :mod:`.dequant`). Cached under the store probed,
+    the GGUF configurations share the converted files' probe of the same policy: one measurement, not two whose
+    noise would rank one store against the other."""
+    from offload_core.registry.manager import get_registry
+
+    if get_registry().get("storage", section["name"]).factory.reads_gguf:
+        return dict(GGUF_PROBED)
+    return section
 
 
 def print_prediction(predicted: dict[str, float], rows: int) -> None:

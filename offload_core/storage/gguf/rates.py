@@ -17,9 +17,10 @@ from offload_core.storage.gguf.dequant import block_shape, dequantize_into, unpe
 #: elements of the tensor each rate is timed on (4 MiB of float32: a typical decoder matrix of a small model, past
 #: the allocator's threshold, so a new tensor pays its page faults as a run's does)
 ELEMENTS = 2**20
-#: tensors of each type cycled through in turn (32 MiB of float32 in all: a run's tensors come from memory, not from the
-#: CPU's caches a tensor timed alone would stay in)
-COPIES = 8
+#: tensors of each type cycled through in turn (128 MiB of float32 in all: a run's tensors come from memory, not from
+#: the CPU's caches a tensor timed alone would stay in; with 32 MiB, as large as this machine's last-level cache, the
+#: rate came out 1.4-1.5x what the same kernels met on SmolLM2's offloaded tensors in a run)
+COPIES = 32
 #: rounds over them timed per rate (their median counts), after one untimed round
 REPEATS = 5
 #: the rates each GGML type's entry holds (bytes of float32 written per second)
@@ -75,8 +76,7 @@ def type_rates(kind: int, elements: int = ELEMENTS) -> dict[str, float]:
 def convert_rate(elements: int = ELEMENTS) -> float:
     """Float32 bytes per second of the pass a processor-converted tensor takes after its dequantization: llama's q/k
     un-permutation (:func:`~offload_core.storage.gguf.dequant.unpermute_into`) into the tensor the module computes
-    on."""
+    on (:data:`COPIES` tensors in turn, as :func:`type_rates`)."""
     rows = 64
-    values = torch.randn(elements)
-    out = torch.empty((rows, elements // rows), dtype=torch.float32)
-    return 4 * values.numel() / _median_seconds(lambda: unpermute_into(values, 8, out))
+    pairs = [(torch.randn(elements), torch.empty((rows, elements // rows))) for _ in range(COPIES)]  # cycled through
+    return 4 * elements * len(pairs) / _median_seconds(lambda: [unpermute_into(v, 8, out) for v, out in pairs])
