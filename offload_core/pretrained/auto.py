@@ -20,13 +20,13 @@ from offload_core.options import Offload
 from offload_core.plan.auto import rank, settings_of
 from offload_core.planning import get_max_memory
 from offload_core.planning.generation import Generation
-from offload_core.runner.config import CONF_DIR, register_configs
+from offload_core.runner.config import CONF_DIR, GROUPS, register_configs
 from offload_core.runner.settings import build_strategies, read_settings
 
 log = logging.getLogger(__name__)
 
 #: the options of :class:`Offload` ``auto`` chooses, as ``run.py``'s command line names them
-CHOSEN = {"storage": "storage", "policy": "hook", "page_cache": "page_cache"}
+CHOSEN = {**{field: GROUPS[field] for field in ("storage", "policy")}, "page_cache": "page_cache"}
 
 
 def choose_offload(
