@@ -64,13 +64,3 @@ def dequant_rows(
             }
         )
     return rows
-
-
-def file_disk_reads(page_cache: dict[str, Any], offloaded: int, in_files: int) -> dict[str, Any]:
-    """The page-cache plan of a store reading a GGUF file in place, its disk reads per generated token in the file's
-    bytes: the kept set is planned on the tensors' float32 bytes (``offloaded`` of them), what streams is read as the
-    file's quantized blocks (``in_files`` bytes for the same tensors). Unchanged without a prediction of the reads."""
-    if "predicted_disk_bytes_per_token" not in page_cache or not offloaded:
-        return page_cache
-    streamed = page_cache["predicted_disk_bytes_per_token"]
-    return {**page_cache, "predicted_disk_bytes_per_token": int(streamed * in_files / offloaded)}

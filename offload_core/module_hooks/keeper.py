@@ -19,14 +19,15 @@ from torch import nn
 
 from offload_core.module_hooks.base import ForwardStartHook, add_hook_to_module
 from offload_core.module_hooks.units import Unit, tensor_nbytes
-from offload_core.storage.base import Store
+from offload_core.storage.base import Store, moved_bytes
 from offload_core.storage.residency import Residency
 
 
 class PageCacheKeeper:
     """Watches ``units`` (it becomes their :attr:`Unit.observer`) and applies ``residency`` to them.
 
-    ``unit_bytes``: the bytes a unit counts for in the kept set. ``warm``: read a unit's pages in
+    ``unit_bytes``: the bytes a unit counts for in the kept set (:meth:`Unit.stored_nbytes` by default: what its pages
+    take in the page cache). ``warm``: read a unit's pages in
     with one read as it is fetched (:meth:`Store.warm`), rather than by a page fault per page while it
     computes; off where a reader thread has brought them in already.
     """
@@ -36,14 +37,14 @@ class PageCacheKeeper:
         residency: Residency,
         store: Mapping[str, torch.Tensor],
         units: list[Unit],
-        unit_bytes: Callable[[Unit], int],
         warm: bool,
+        unit_bytes: Callable[[Unit], int] | None = None,
     ) -> None:
         self.residency = residency
         self.store = store
         self.units = units
         self.warm = warm and isinstance(store, Store)
-        self._bytes = {unit.name: unit_bytes(unit) for unit in units}
+        self._bytes = {unit.name: (unit_bytes or (lambda u: u.stored_nbytes(store)))(unit) for unit in units}
         self._warmed: set[str] = set()  # kept units whose pages were read in and have not been dropped since
         self._dropping: dict[str, tuple[int, Future]] = {}  # streamed units whose pages are being dropped: (pid, drop)
         residency.settle = self.settle
@@ -89,7 +90,9 @@ class PageCacheKeeper:
     def _drop_keys(self, keys: list[str]) -> None:
         dropped = self.store.drop_all(keys)
         with _COUNTING[0]:
-            self.residency.dropped += sum(tensor_nbytes(self.store, key) for key in dropped)
+            self.residency.dropped += sum(
+                moved_bytes(self.store, key, tensor_nbytes(self.store, key)) for key in dropped
+            )
 
     def settle(self) -> None:
         """Wait for the drops under way (a drop that failed raises here)."""
@@ -126,6 +129,6 @@ def keep_page_cache(
     ``units``, reading each unit's pages in as it is fetched; returns the module-hook handles to remove."""
     if residency is None or store is None or not units:
         return []
-    keeper = PageCacheKeeper(residency, store, units, lambda unit: unit.nbytes(store), warm=True)
+    keeper = PageCacheKeeper(residency, store, units, warm=True)
     # each forward pass starts by fitting the kept set to the memory available
     return [add_hook_to_module(model, ForwardStartHook("page_cache_keeper", keeper.start_pass))]

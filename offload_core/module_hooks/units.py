@@ -101,6 +101,11 @@ class Unit:
     def nbytes(self, store: Mapping[str, torch.Tensor]) -> int:
         return sum(tensor_nbytes(store, key) for key in self.keys)
 
+    def stored_nbytes(self, store: Mapping[str, torch.Tensor]) -> int:
+        """The bytes the store's files hold for the unit (a GGUF file's quantized blocks; else :meth:`nbytes`): what
+        its pages take in the page cache."""
+        return sum(moved_bytes(store, key, tensor_nbytes(store, key)) for key in self.keys)
+
     def fetch(
         self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False
     ) -> dict[str, torch.Tensor]:

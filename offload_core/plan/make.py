@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from offload_core import defaults
-from offload_core.loading.gguf_moves import dequant_rows, file_disk_reads
+from offload_core.loading.gguf_moves import dequant_rows
 from offload_core.loading.gguf_qcompute import quantized_lines
 from offload_core.loading.moves import predicted_bytes_per_token, stored_bytes, stored_lines
 from offload_core.loading.quantized import packed_lines
@@ -142,7 +142,7 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
         summarize_device_map,
     )
     from offload_core.planning.shares import redeal_by_reads
-    from offload_core.storage.residency import offloaded_in_plan, page_cache_plan
+    from offload_core.storage.residency import page_cache_plan
 
     placement, storage, policy, policy_name = inputs.placement, inputs.storage, inputs.policy, inputs.policy_name
     execution_device, no_split, dtype, device_map = (
@@ -232,11 +232,16 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
         {}
         if page_cache is None or storage.holds_stored  # nothing of the files read as it runs: no kept set to plan
         else page_cache_plan(
-            page_cache, summary, execution_device, policy.keeps_page_cache, max_memory.get("cpu", 0), block
+            page_cache,
+            summary,
+            execution_device,
+            policy.keeps_page_cache,
+            max_memory.get("cpu", 0),
+            block,
+            # a GGUF file's pages hold the quantized blocks: kept and read in the file's bytes
+            offloaded=held_bytes(moved.values(), stored) if storage.reads_gguf and stored else None,
         )
     )
-    if storage.reads_gguf and stored:  # the reads are of the file's quantized blocks
-        kept = file_disk_reads(kept, offloaded_in_plan(summary, execution_device), held_bytes(moved.values(), stored))
     redealt = redeal.line() if redeal is not None else ""
     return Plan(
         device_map,

@@ -197,6 +197,7 @@ def page_cache_plan(
     anon_budget: int = 0,
     largest_block: int = 0,
     available=available_memory,
+    offloaded: int | None = None,
 ) -> dict[str, Any]:
     """The plan's kept and streamed bytes and the bytes predicted to be read from disk per token.
 
@@ -204,10 +205,12 @@ def page_cache_plan(
     keep one) nothing is predicted: the kernel's page cache decides what stays. ``anon_budget``: memory
     the run will still take once loaded (its cpu budget), left out of an ``auto`` page cache. The margin
     kept free (at load and as each token starts) is :data:`SAFETY_MARGIN` plus the streamed blocks in
-    memory at once (:data:`STREAMED_AT_ONCE` of ``largest_block``).
+    memory at once (:data:`STREAMED_AT_ONCE` of ``largest_block``). ``offloaded``: the bytes the store's files hold
+    for the offloaded tensors, where they differ from the tensors' (a GGUF file's quantized blocks: what the page cache
+    holds and the disk reads); the summary's by default.
     """
     setting = page_cache_setting(page_cache)
-    offloaded = offloaded_in_plan(summary, execution_device)
+    offloaded = offloaded_in_plan(summary, execution_device) if offloaded is None else offloaded
     if setting == "lru" or not keeps or offloaded == 0:
         return {"page_cache": "lru", "offloaded_bytes": offloaded}
     margin = SAFETY_MARGIN + STREAMED_AT_ONCE * largest_block

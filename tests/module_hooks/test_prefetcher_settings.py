@@ -71,13 +71,14 @@ def test_on_a_gpu_it_copies_and_stages_only_a_store_that_is_not_pinned(fake_gpu)
     assert mapped.copy is False and mapped.staging is None
 
 
-def test_a_kept_set_is_applied_to_the_units_by_their_pool_bytes():
+def test_a_kept_set_is_applied_to_the_units_by_their_stored_bytes():
     units, store = _units_and_store()
     residency = Residency(budget=1 << 30)
     prefetcher = Prefetcher(units, store, CPU, 1, TransferStats(), residency=residency)
     keeper = prefetcher.keeper
     assert prefetcher.residency is residency and keeper.residency is residency
     assert keeper.store is store and keeper.units is units and all(u.observer is keeper for u in units)
-    # unit "0": weight 64 bytes at 0, bias 16 bytes at 256 -> 512; unit "1": weight 128 at 0, bias 32 at 256 -> 512
-    assert residency.kept == {"0": 512, "1": 512}
+    # what their pages take in the page cache (as the plan counts them), not their aligned layout in a pool buffer:
+    # unit "0": weight 64 bytes and bias 16; unit "1": weight 128 and bias 32
+    assert residency.kept == {"0": 80, "1": 160} and prefetcher.unit_bytes(units[0]) == 512
     assert keeper.warm is False  # the reader thread brings pages in: the compute thread does not read them again

@@ -135,11 +135,8 @@ def test_warm_the_float32_pages_are_computed_on_in_place_and_win():
 
 
 def test_cold_the_quantized_bytes_win():
-    from offload_core.loading.gguf_moves import file_disk_reads
-
     streamed = {"predicted_disk_bytes_per_token": FLOAT32}  # page_cache=0: every offloaded byte from the disk
-    in_file = file_disk_reads(streamed, FLOAT32, QUANTIZED)  # the GGUF plan's: the file's quantized blocks read
-    assert in_file == {"predicted_disk_bytes_per_token": QUANTIZED} and file_disk_reads({}, FLOAT32, QUANTIZED) == {}
+    in_file = {"predicted_disk_bytes_per_token": QUANTIZED}  # the GGUF plan's: the file's quantized blocks read
     converted, gguf = _step(False, streamed), _step(True, in_file)
     assert converted["predicted_io_s"] == pytest.approx(0.4)  # 400 MB at 1 GB/s
     assert gguf["predicted_io_s"] == pytest.approx(0.075)  # the file's quantized blocks streamed instead

@@ -87,9 +87,7 @@ class Prefetcher:
         self._reader = Reader("prefetch")
         self.residency = residency
         # The reader brings pages in: the keeper counts, drops and fits the kept set.
-        self.keeper = (
-            PageCacheKeeper(residency, store, units, self.unit_bytes, warm=False) if residency is not None else None
-        )
+        self.keeper = PageCacheKeeper(residency, store, units, warm=False) if residency is not None else None
         # Kept units of a mapped run all in memory when last served: checked where they run, not handed to the reader
         # each token (on a warm 2-core run its wake-ups cost a quarter of decoding: mixtral-2.6g 13.2-14.6 tokens/s
         # against 15.4-19.6 reading nothing ahead); :meth:`revalidate` hands it those whose pages went. Each is
