@@ -75,10 +75,10 @@ def read_tensor(
     return allocate(tuple(value.shape), value.dtype, reference_offset(value, in_place)).copy_(value)
 
 
-#: at most this many bytes of a tensor cast to another dtype exist at once while a store writes it to a file
-#: (:func:`written`): a whole converted copy of a large tensor (an embedding, an LM head) beside the weights already
-#: loaded would take its size over the budget while loading
-CONVERT_SLICE = 8 * 2**20
+#: bytes of a tensor cast to another dtype at a time while a store writes it to a file (:func:`written`; the slice
+#: written and the next: two at once): a whole converted copy of a large tensor (an embedding, an LM head) beside the
+#: weights already loaded would take its size over the budget while loading
+CONVERT_SLICE = 2**20
 
 
 def written(
