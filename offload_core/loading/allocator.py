@@ -20,9 +20,9 @@ def return_freed_memory_to_os() -> bool:
     matmul's packed weights, then counts against the budget for the rest of the run. With the threshold
     fixed, every block over 128 KiB is its own mapping and is returned on free. Set before planning allocates
     (``run.py``, the prepare step, ``from_pretrained``, the dispatch): a block that planning frees into the heap
-    would serve later blocks from it and stay resident, a safetensors float32 run on a bfloat16 checkpoint then
-    keeping its last converted LM head beside the next (0.10-0.21 GB over a 0.60 GB budget). Process-wide; a no-op
-    off glibc. Returns whether the setting was applied.
+    would serve later blocks from it and stay resident (a float32 run of the bfloat16 0.3b preset with
+    ``storage=safetensors`` kept its last converted LM head beside the next: 0.51-0.74 GB from run to run on a
+    0.60 GB budget, 0.51-0.52 GB set first). Process-wide; a no-op off glibc. Returns whether it was applied.
     """
     if not sys.platform.startswith("linux"):
         return False
