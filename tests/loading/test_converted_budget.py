@@ -23,9 +23,9 @@ pytestmark = [
 ]
 
 BUDGET = 64 * 2**20
-#: what a run may take over ``max_memory.cpu``: nothing. docs/concepts.md: "The `cpu` budget bounds this process's
-#: anonymous memory when the store is `memmap` or `safetensors`"; the runtime's own slack is held inside it
-#: (docs/recipes/python.md, `headroom`)
+#: what a run may take over ``max_memory.cpu``: nothing. docs/concepts.md: the cpu budget bounds the peak of this
+#: process's anonymous memory above its baseline with a memmap or safetensors store, "with no allowance on top, since
+#: the runtime's own slack ... is held inside the budget"
 ALLOWANCE = 0
 GENERATION = {"max_new_tokens": 8, "batch_size": 1, "prompt_tokens": 30}
 LM_HEAD = 32000 * 256 * 4  # float32 bytes of the checkpoint's LM head (and of its embedding)
