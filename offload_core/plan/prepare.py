@@ -65,8 +65,10 @@ def prepare(
     """Open the run's model and checkpoint, read its batches, hold back what they and a draft need, make the plan and
     (``predict``) its predicted times; the checkpoint stays open until the block ends. ``batches_of(run_model)``
     gives the batches instead of the settings' prompts (a benchmark's own inputs)."""
+    from offload_core.loading.allocator import return_freed_memory_to_os
     from offload_core.loading.checkpoint import Checkpoint
 
+    return_freed_memory_to_os()  # before planning allocates: a block freed into the heap stays in the process
     run_model = open_model(settings.model, settings.dtype, strategies.storage.reads_gguf)
     with Checkpoint.open(run_model.checkpoint_dir) as opened:
         checkpoint = quantized_checkpoint(run_model.model, opened, strategies.storage, run_model.dtype)

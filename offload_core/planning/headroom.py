@@ -16,7 +16,8 @@ from offload_core.values import device_key, format_size, parse_size
 #: held back from the cpu budget under ``headroom=auto`` by a run that does not generate (one forward over its texts)
 FORWARD_HEADROOM = 48 * 2**20
 #: held back from the cpu budget beside the planned KV cache and activations: what the allocator, torch and the
-#: stores use on their own, and keep after a generation (the small synthetic model's peak anonymous RSS was 5.4 MiB
+#: stores use on their own (an offload folder casts what it writes and hashes its files 1 MiB at a time), and keep
+#: after a generation (the small synthetic model's peak anonymous RSS was 5.4 MiB
 #: over its plan; mixtral-2.6g's grew by 25-35 MiB over its weights in its first generate, kept after it, and so
 #: peaked 0.4 MB over a 0.65 GB budget with 8 MiB held back; in memory its prompt's forward leaves 28 MiB more heap,
 #: and with hook=experts on memmap its prompt peaked 44-51 MB over the weights, 0.66 GB on a 0.65 GB budget with

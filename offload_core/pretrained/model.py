@@ -12,6 +12,7 @@ from torch import nn
 
 from offload_core import defaults
 from offload_core.errors import ConfigError, GraphsError
+from offload_core.loading.allocator import return_freed_memory_to_os
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.dispatch import resolve_strategy
 from offload_core.loading.execution_device import default_execution_device
@@ -99,6 +100,7 @@ def from_pretrained(
         return pipeline_from_pretrained(path, max_memory, offload, dtype, plan_call)
     if plan_call is not None:
         raise ConfigError(f"plan_call plans a diffusers pipeline's call; {path} is a transformers checkpoint: drop it")
+    return_freed_memory_to_os()  # before planning allocates: a block freed into the heap stays in the process
     if offload.graphs and offload.speculative not in (None, "none"):
         raise GraphsError(graphs_refusal(offload.execution_device or "cuda", None, None, True))
     device = model_device(offload)

@@ -13,6 +13,7 @@ import torch
 
 from offload_core.alignment import address_offset, misplaced, reference_offset
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.storage.filecopy import Slices
 from offload_core.storage.pagecache import populate, will_need
 from offload_core.strategy import StrategyBase
 
@@ -68,8 +69,37 @@ def read_tensor(
         for index, source in parts:
             held[index].copy_(source)
         return held
-    value = convert_dtype(checkpoint.get(key), dtype)
+    value = checkpoint.get(key)
+    if converts(value.dtype, dtype):  # cast in the copy (never a converted copy beside it); a new allocation: offset 0
+        return allocate(tuple(value.shape), dtype, 0).copy_(value)
     return allocate(tuple(value.shape), value.dtype, reference_offset(value, in_place)).copy_(value)
+
+
+#: bytes of a tensor cast to another dtype at a time while a store writes it to a file (:func:`written`; the slice
+#: written and the next: two at once): a whole converted copy of a large tensor (an embedding, an LM head) beside the
+#: weights already loaded would take its size over the budget while loading
+CONVERT_SLICE = 2**20
+
+
+def written(
+    tensor: torch.Tensor, dtype: torch.dtype | None, in_place: bool
+) -> tuple[memoryview | Slices, torch.dtype, int]:
+    """A checkpoint tensor as a store writes it to a file for a run in ``dtype``: its bytes (cast to ``dtype`` a slice
+    of :data:`CONVERT_SLICE` bytes at a time where it converts), its dtype there and its reference offset (a
+    converted tensor lies in a new allocation, aligned: 0; ``in_place``: as :func:`reference_offset`)."""
+    if not converts(tensor.dtype, dtype):
+        return (
+            memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()),
+            tensor.dtype,
+            reference_offset(tensor, in_place),
+        )
+    flat, step = tensor.reshape(-1), max(1, CONVERT_SLICE // dtype.itemsize)
+
+    def slices() -> Iterator[memoryview]:
+        for start in range(0, flat.numel(), step):
+            yield memoryview(flat[start : start + step].to(dtype).view(torch.uint8).numpy())
+
+    return Slices(flat.numel() * dtype.itemsize, slices), dtype, 0
 
 
 class Store(Mapping):

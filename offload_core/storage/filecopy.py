@@ -8,10 +8,11 @@ import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 from offload_core.storage.pagecache import libc
 
-__all__ = ["KERNEL_COPY", "FileSpan", "FileSpans", "Padded", "write_file"]
+__all__ = ["KERNEL_COPY", "FileSpan", "FileSpans", "Padded", "Slices", "write_file"]
 
 #: Linux: ``copy_file_range`` and a ``sendfile`` that writes to files copy file to file in the kernel
 KERNEL_COPY = hasattr(os, "copy_file_range")
@@ -95,18 +96,30 @@ def _reserve(fd: int, size: int) -> None:
 
 
 @dataclass(frozen=True)
+class Slices:
+    """``size`` bytes made a slice at a time by ``make()`` (a tensor cast to another dtype piece by piece), each
+    written as it comes: never held whole."""
+
+    size: int
+    make: Callable[[], Iterable[bytes | memoryview]]
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@dataclass(frozen=True)
 class Padded:
     """``data`` written after ``lead`` zero bytes (so that, mapped from the file's start, it lies at ``lead`` modulo
     any alignment up to a page)."""
 
     lead: int
-    data: bytes | memoryview | FileSpan | FileSpans
+    data: bytes | memoryview | FileSpan | FileSpans | Slices
 
     def __len__(self) -> int:
         return self.lead + len(self.data)
 
 
-def write_file(path: Path, data: bytes | memoryview | FileSpan | FileSpans | Padded) -> None:
+def write_file(path: Path, data: bytes | memoryview | FileSpan | FileSpans | Slices | Padded) -> None:
     """Write ``data`` to a new file at ``path``, its blocks reserved first (flushing to the disk is the caller's)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with open(fd, "wb") as f:  # never through a symlink
@@ -117,6 +130,9 @@ def write_file(path: Path, data: bytes | memoryview | FileSpan | FileSpans | Pad
             data = data.data
         if isinstance(data, (FileSpan, FileSpans)):
             data.copy_to(f.fileno())
+        elif isinstance(data, Slices):
+            for piece in data.make():
+                f.write(piece)
         else:
             f.write(data)
         f.flush()

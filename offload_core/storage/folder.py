@@ -31,11 +31,11 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from offload_core.alignment import ALIGNMENT, address_offset, misplaced, placed, reference_offset
+from offload_core.alignment import ALIGNMENT, address_offset, misplaced, placed
 from offload_core.atomic import atomic_write, fsync_path
 from offload_core.errors import StorageError
-from offload_core.storage.base import FileMaps, Store, StoreContext, convert_dtype, converts
-from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, FileSpans, Padded, write_file
+from offload_core.storage.base import FileMaps, Store, StoreContext, converts, written
+from offload_core.storage.filecopy import KERNEL_COPY, FileSpan, FileSpans, Padded, Slices, write_file
 from offload_core.storage.mapping import map_file, view
 from offload_core.storage.leftovers import PREFIX as LEFTOVER_PREFIX, remove_leftovers
 from offload_core.storage.folder_guard import (
@@ -188,8 +188,8 @@ class FolderStore(FileMaps, Store):
 
     def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         """A tensor kept in its stored dtype is copied file to file from its safetensors shard (see :class:`FileSpan`),
-        and so is one whose parts tile it (per-expert tensors fused: never assembled in memory); one that is
-        converted otherwise, or comes from a ``.bin`` file, is written through :meth:`put`."""
+        and so is one whose parts tile it (per-expert tensors fused: never assembled in memory); one converted
+        otherwise, or from a ``.bin`` file, is written from memory, cast slice by slice (:func:`written`)."""
         spans = self._spans_of_parts(checkpoint, key, dtype)
         if spans is not None:  # built by the conversion, it would lie in a new allocation: reference offset 0
             self._write(name, spans, checkpoint.dtype(key), checkpoint.shape(key), 0)
@@ -199,8 +199,8 @@ class FolderStore(FileMaps, Store):
             or converts(checkpoint.dtype(key), dtype)
             or key in checkpoint.conversion_targets
         ):
-            value = convert_dtype(checkpoint.get(key), dtype)
-            self._put(name, value, reference_offset(value, self.maps_checkpoint))
+            data, kind, offset = written(tensor := checkpoint.get(key), dtype, self.maps_checkpoint)  # cast by slices
+            self._write(name, data, kind, tensor.shape, offset)
             return
         shard = checkpoint.file_of(key)
         start, end = checkpoint.safetensors_file(shard).byte_range(key)
@@ -220,7 +220,7 @@ class FolderStore(FileMaps, Store):
     def _write(
         self,
         name: str,
-        data: memoryview | FileSpan | FileSpans,
+        data: memoryview | FileSpan | FileSpans | Slices,
         dtype: torch.dtype,
         shape: tuple[int, ...],
         offset: int,

@@ -19,7 +19,8 @@ from offload_core.errors import StorageError
 LOCK = ".lock"
 #: opening flags that never follow a symlink in the last path component, nor leak into child processes
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_CHUNK = 16 << 20
+#: bytes hashed at a time (:func:`checksum`): a folder's seal hashes on a thread beside the first tokens, in the budget
+_CHUNK = 1 << 20
 
 
 def open_nofollow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:

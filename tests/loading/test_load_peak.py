@@ -16,7 +16,7 @@ import offload_core
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 
-# one layer's gate_up_proj, float32: 64 MiB, so that half of it stands clear of the 16 MiB buffer the folder's seal
+# one layer's gate_up_proj, float32: 64 MiB, so that half of it stands clear of the 1 MiB buffer the folder's seal
 # hashes its files through
 FUSED = 8 * 2 * 2048 * 512 * 4
 
