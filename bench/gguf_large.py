@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -215,7 +216,7 @@ def one_run(name: str, model_args: list[str], args: argparse.Namespace, out: Pat
     m = json.loads((out / "metrics.json").read_text())
     row = {
         "system": name,
-        "command": " ".join(["python", *command[1:-1]]),
+        "command": shlex.join(["python", *command[1:-1]]),
         "wall_s": wall,
         "load_average_start": load_start,
         "load_average_end": load_end,
@@ -259,7 +260,12 @@ def write_report(path: Path, info: dict, rows: list[dict]) -> None:
             f"{(r['peak_anon_rss_bytes'] or 0) / GB:.2f} GB | {(r['peak_file_rss_bytes'] or 0) / GB:.2f} GB | "
             f"{r['load_average_start'][0]:.1f} / {r['load_average_end'][0]:.1f} | {r['token_ids']} | {same} |"
         )
+    from offload_core.values import parse_size
+
+    over = [r["system"] for r in rows if (r["peak_anon_rss_bytes"] or 0) > parse_size(info["budget"])]
     lines += [
+        "",
+        f"Peak anonymous RSS above max_memory.cpu={info['budget']}: {', '.join(over) or 'none'}.",
         "",
         "`same tokens`: whether the run's tokens equal transformers' own in-memory model of the same checkpoint "
         "(`compare_in_memory=true`, bf16 folder or GGUF file; the GGUF files are a different, quantized model from "
