@@ -38,6 +38,8 @@ class GGUFStorage(Storage):
     auto = True
     #: every read dequantizes into new memory (the planner holds room for the copies in flight)
     converts_on_read = True
+    #: ``store[name]`` dequantizes into buffers kept for reuse by size (``offload_core.storage.gguf.buffers``)
+    pools_copies = True
     #: a GGUF model path reaches this store as the file itself (not converted)
     reads_gguf = True
 

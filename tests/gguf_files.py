@@ -77,17 +77,18 @@ def write_gguf(
     metadata: dict[str, int] | None = None,
     drop: tuple[str, ...] = (),
     arch_name: str | None = None,
+    hidden: int = 256,
 ) -> Path:
     """A GGUF file of a seeded tiny ``arch`` model (``llama`` or ``qwen2``): every 2-D weight of GGML type
     ``default`` unless ``types`` maps a part of its GGUF name (``ffn_up``, ``output.weight``) to another (norms and
     biases stay F32); ``metadata`` overrides the header's numbers (``block_count`` ...), ``drop`` leaves GGUF
-    tensors out, ``arch_name`` writes another architecture name in the header."""
+    tensors out, ``arch_name`` writes another architecture name in the header, ``hidden`` sizes the model."""
     import gguf
     import transformers
     from gguf import GGMLQuantizationType as T
 
     torch.manual_seed(seed)
-    config = tiny_config(arch, layers)
+    config = tiny_config(arch, layers, hidden)
     model_cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
     model = model_cls(config).eval()
     rng = np.random.default_rng(seed)
@@ -178,3 +179,15 @@ def transformers_model(path: Path, dtype: torch.dtype | None = None):
     assert not unexpected and all("lm_head" in name for name in missing), (missing, unexpected)
     model.tie_weights()
     return model
+
+
+def half_offloaded_map(layers: int = 3) -> dict[str, str]:
+    """A device map of :func:`write_gguf`'s model with its first layers and the embedding resident, the later layers
+    and the LM head offloaded (read from the file, or held by the store)."""
+    return {
+        "model.embed_tokens": "cpu",
+        **{f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)},
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "disk",
+    }

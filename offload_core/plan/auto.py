@@ -17,6 +17,7 @@ from typing import Any
 from offload_core.errors import OffloadError
 from offload_core.registry.manager import Registry, get_registry
 from offload_core.runner.settings import Settings, build_strategies
+from offload_core.storage.gguf.store import NotGGUFError
 from offload_core.storage.residency import offloaded_in_plan
 from offload_core.values import format_size
 
@@ -147,8 +148,6 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
         with prepare(chosen, build_strategies(chosen), predict=False) as job:
             if not job.strategies.policy.takes_part_in(job.run_model.model):
                 return None  # it would run as another policy: left out of the table
-            if job.strategies.storage.reads_gguf and not job.checkpoint.is_gguf:
-                return None  # a store reading GGUF files in place, for a model that has none
             predict_plan(job)
             plan, storage = job.plan, job.strategies.storage
             candidate.moved_bytes = plan.predicted_bytes_per_token
@@ -163,6 +162,8 @@ def evaluate(settings: Settings, candidate: Candidate, max_new_tokens: int) -> C
             candidate.predicted = dict(plan.predicted_time)
             rows = prediction_shape(job)[0]
             prompts = len(job.batches.prompts) if job.batches is not None and job.settings.prompts_file else 1
+    except NotGGUFError:
+        return None  # a store reading GGUF files in place, for a model that has none
     except OffloadError as error:
         if not takes_part(chosen):  # left out for this model, whatever its plan says
             return None

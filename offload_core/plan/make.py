@@ -25,6 +25,7 @@ from offload_core.plan.limits import (
     check_reserve_in_budget,
 )
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.storage.gguf.store import check_gguf
 from offload_core.values import budget_key, format_size
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,8 @@ def make_plan(model: nn.Module, checkpoint: Checkpoint, inputs: PlanInputs) -> P
     headroom, page_cache = inputs.headroom, inputs.page_cache
     budgets = dict(inputs.budgets)
     max_memory = dict(budgets if inputs.max_memory is None else inputs.max_memory)
+    if storage.reads_gguf:  # before any budget is worked out for a store that cannot read this checkpoint
+        check_gguf(checkpoint)
     block = largest_block_size(model, no_split, dtype=dtype)
     device_budget = budgets.get(budget_key(execution_device)) if execution_device.type != "cpu" else None
     reserve_of = Reserver.of(

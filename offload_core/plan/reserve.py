@@ -76,7 +76,8 @@ class Reserver:
         # parts, which the store maps where they lie (storage.splice), wherever the kernels ignore alignment.
         converted = key_conversion(model, checkpoint).converted
         stored_differs = (
-            any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
+            checkpoint.is_gguf  # a GGUF file's tensors are dequantized into copies as they are read
+            or any(converts(checkpoint.dtype(k), dtype) for k in checkpoint.keys())
             or (bool(converted) and not splices(checkpoint, converted, dtype))
             or (execution_device.type == "cpu" and copies_to_reference_offsets(model, checkpoint, dtype))
         )
@@ -121,6 +122,8 @@ class Reserver:
             device_budget=self.device_budget,
         )
         reserve = reservation(policy, self.storage, need, differs)
+        if self.storage.pools_copies:  # the units in flight are pool buffers, and the pool keeps one of each size
+            reserve["cpu"] = max(reserve.get("cpu", 0), pooled_bytes(self.model, offloaded, self.dtype))
         if copies:
             reserve["cpu"] = reserve.get("cpu", 0) + copies
         if offloaded is not None and not offloaded:  # nothing is in flight where nothing is offloaded
@@ -130,6 +133,18 @@ class Reserver:
     def copies_of(self, offloaded: Mapping[str, str]) -> int:
         """The spliced copies the store holds where ``offloaded`` are the tensors offloaded."""
         return sum(size for name, size in (self.spliced or {}).items() if name in offloaded)
+
+
+def pooled_bytes(model: nn.Module, offloaded: Mapping[str, str] | None, dtype: torch.dtype | None) -> int:
+    """What a store that keeps its copies for reuse by size (:attr:`Storage.pools_copies`) holds when each size was
+    in use once: one tensor of each size (element count and dtype, in the run's ``dtype``) of ``offloaded`` (None:
+    of every tensor)."""
+    sizes: dict[tuple[int, torch.dtype], int] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if offloaded is None or name in offloaded:
+            kind = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            sizes[(tensor.numel(), kind)] = tensor.numel() * kind.itemsize
+    return sum(sizes.values())
 
 
 def largest_unit(
@@ -157,6 +172,8 @@ def copied_names(
     from offload_core.loading.conversion import key_conversion
     from offload_core.storage.base import converts
 
+    if checkpoint.is_gguf:  # every tensor dequantized (or processed) into a copy as it is read
+        return frozenset(model.state_dict(keep_vars=True))
     conversion = key_conversion(model, checkpoint)
     keys = set(checkpoint.keys())
     misplaced = execution_device.type == "cpu" and not maps_checkpoint(model) and checkpoint.is_safetensors

@@ -304,6 +304,9 @@ class Storage(StrategyBase):
     #: holds the offloaded tensors in memory in the bytes a read moves (``predicted_stored``, or a GGUF file's quantized
     #: blocks), out of the cpu budget: the plan fits the resident tensors beside them
     holds_stored: bool = False
+    #: ``store[name]`` hands out copies from a pool kept for reuse by size (no allocation per read): the pool keeps a
+    #: buffer of every size offloaded, which the planner holds back beside the units in flight
+    pools_copies: bool = False
 
     def predicted_stored(self, checkpoint: Checkpoint, dtype: torch.dtype | None) -> dict[str, int]:
         """The bytes a read of each checkpoint tensor will move, where the store holds it in fewer bytes than the

@@ -30,7 +30,14 @@ def gguf_file(tmp_path):
 
 
 def test_a_gguf_file_runs_in_place_with_the_in_memory_tokens(gguf_file, tmp_path):
-    args = ["model=local", f"model.path={gguf_file}", "storage=gguf", "hook=prefetch", "max_memory.cpu=1MiB"]
+    args = [
+        "model=local",
+        f"model.path={gguf_file}",
+        "storage=gguf",
+        "hook=prefetch",
+        "max_memory.cpu=1MiB",
+        "over_budget=warn",
+    ]
     done = _run(
         [*args, "headroom=0", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"], tmp_path, tmp_path
     )
@@ -96,6 +103,7 @@ def test_a_gguf_repo_in_the_hub_cache_runs_by_repo_id_offline(gguf_file, tmp_pat
     as_hub_cache(gguf_file.parent, hub, "acme/tiny-gguf")
     before = snapshot(hub)
     args = ["model=local", "model.path=acme/tiny-gguf", f"storage={storage}", "max_memory.cpu=1MiB", "headroom=0"]
+    args.append("over_budget=warn")  # a tiny budget: most of the model read from the file
     env = {
         **child_env(),
         "OFFLOAD_CORE_CACHE": str(tmp_path / "cache"),

@@ -30,7 +30,14 @@ def test_plan_only_shows_the_dequantization_per_type_from_rates_measured_here(tm
         "OFFLOAD_CORE_CALIBRATION": str(calibration),
         "OFFLOAD_CORE_BUSY_LOAD": "inf",  # a loaded test machine still writes what it measured
     }
-    args = ["model=local", f"model.path={path}", "storage=gguf", "max_memory.cpu=1MiB", "headroom=0"]
+    args = [
+        "model=local",
+        f"model.path={path}",
+        "storage=gguf",
+        "max_memory.cpu=1MiB",
+        "headroom=0",
+        "over_budget=warn",
+    ]
     done = _plan(args, tmp_path / "first", env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout

@@ -16,7 +16,7 @@ from offload_core.registry.manager import get_registry
 from offload_core.storage.gguf.dequant import dequantize_into
 from offload_core.storage.gguf.qlinear import QuantLinear, QuantSpec, pack_into
 from offload_core.storage.gguf.rates import random_blocks
-from tests.gguf_files import transformers_model, write_gguf
+from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
 
 TYPES = {"ffn_down": int(T.Q4_K), "ffn_up": int(T.Q8_0), "attn_k": int(T.Q4_0), "ffn_gate": int(T.Q5_0)}
 IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
@@ -77,9 +77,8 @@ def _logits(model, ids=IDS):
 @pytest.mark.parametrize("policy", ["align_per_call", "prefetch"])
 def test_logits_close_to_the_exact_mode_and_the_same_greedy_tokens(tiny, policy):
     path, reference = tiny
-    model = offload_core.from_pretrained(
-        path, offload={"storage": quantized(), "policy": policy}, max_memory={"cpu": "1MiB"}
-    )
+    offload = {"storage": quantized(), "policy": policy, "device_map": half_offloaded_map(), "over_budget": "warn"}
+    model = offload_core.from_pretrained(path, {"cpu": "1MiB"}, offload)
     try:
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert len(layers) == 3 * 6  # q, o, v (Q4_1), k (Q4_0), down (Q4_K), up (Q8_0): not gate (Q5_0), lm_head
@@ -99,7 +98,7 @@ def test_logits_close_to_the_exact_mode_and_the_same_greedy_tokens(tiny, policy)
 def test_what_moves_is_the_packed_blocks_and_the_budget_counts_them(tiny):
     path, _ = tiny
     model = offload_core.from_pretrained(
-        path, offload={"storage": quantized(), "headroom": 0}, max_memory={"cpu": "1MiB"}
+        path, offload={"storage": quantized(), "headroom": 0, "over_budget": "warn"}, max_memory={"cpu": "1MiB"}
     )
     try:
         store = model.offload_state.store

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 import offload_core
 import offload_core.registry.manager
 from offload_core.loading.checkpoint import Checkpoint
-from tests.gguf_files import transformers_model, write_gguf
+from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
 
 TYPES = {
     "ffn_down": int(T.Q4_K),
@@ -49,7 +49,8 @@ def _logits(model, ids=IDS):
 def test_offloaded_gguf_is_transformers_in_memory_model_bit_for_bit(files, arch, policy, resident):
     path, reference = files[arch]
     storage = offload_core.registry.manager.get_registry().create("storage", "gguf", {"resident": resident})
-    model = offload_core.from_pretrained(path, {"cpu": "3MiB"}, {"storage": storage, "policy": policy, "headroom": 0})
+    offload = {"storage": storage, "policy": policy, "device_map": half_offloaded_map(), "over_budget": "warn"}
+    model = offload_core.from_pretrained(path, {"cpu": "3MiB"}, offload)
     try:
         assert {"cpu", "disk"} <= set(model.hf_device_map.values())  # part resident, part read from the file or held
         assert (model.offload_state.store.held_nbytes() > 0) == (resident == "quantized")
@@ -71,9 +72,11 @@ def test_a_folder_holding_the_file_and_the_default_store(files, tmp_path, monkey
     (folder / path.name).symlink_to(path)
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
     in_place = offload_core.from_pretrained(
-        folder, offload={"storage": "gguf", "headroom": 0}, max_memory={"cpu": "1MiB"}
+        folder, offload={"storage": "gguf", "headroom": 0, "over_budget": "warn"}, max_memory={"cpu": "1MiB"}
     )
-    converted = offload_core.from_pretrained(folder, offload={"headroom": 0}, max_memory={"cpu": "1MiB"})
+    converted = offload_core.from_pretrained(
+        folder, offload={"headroom": 0, "over_budget": "warn"}, max_memory={"cpu": "1MiB"}
+    )
     try:
         assert torch.equal(_logits(in_place), _logits(reference))
         assert torch.equal(_logits(converted), _logits(reference))
@@ -85,7 +88,9 @@ def test_a_folder_holding_the_file_and_the_default_store(files, tmp_path, monkey
 
 def test_bytes_moved_are_the_quantized_blocks(files):
     path, _ = files["llama"]
-    model = offload_core.from_pretrained(path, offload={"storage": "gguf", "headroom": 0}, max_memory={"cpu": "1MiB"})
+    model = offload_core.from_pretrained(
+        path, offload={"storage": "gguf", "headroom": 0, "over_budget": "warn"}, max_memory={"cpu": "1MiB"}
+    )
     try:
         with Checkpoint.open(path) as checkpoint:
             offloaded = [k for k in checkpoint.keys() if k in model.offload_state.store]

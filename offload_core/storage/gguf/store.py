@@ -15,6 +15,19 @@ from offload_core.storage.gguf.buffers import BufferPool
 from offload_core.storage.pagecache import drop_named, span_of, will_need
 
 
+class NotGGUFError(StorageError):
+    """storage=gguf given a checkpoint that is not a GGUF file."""
+
+
+def check_gguf(checkpoint: Checkpoint | None) -> None:
+    """Refuse a checkpoint that is not a GGUF file, in one line (as the plan starts, and as the store opens)."""
+    if checkpoint is None or not checkpoint.is_gguf:
+        raise NotGGUFError(
+            "storage=gguf reads offloaded tensors in place from a GGUF file, and this model's checkpoint is "
+            "not one; give model.path=<file.gguf> (or a folder holding one), or use storage=safetensors"
+        )
+
+
 class GGUFStore(Store):
     """``store[name]`` is ``name`` dequantized (and converted as transformers' GGUF load converts it) into a buffer
     of the store's pool that nothing uses any more; :meth:`read_into` writes it into a buffer the caller holds
@@ -27,11 +40,7 @@ class GGUFStore(Store):
 
     def __init__(self, context: StoreContext, hold: bool = False) -> None:
         checkpoint = context.checkpoint
-        if checkpoint is None or not checkpoint.is_gguf:
-            raise StorageError(
-                "storage=gguf reads offloaded tensors in place from a GGUF file, and this model's checkpoint is "
-                "not one; give model.path=<file.gguf> (or a folder holding one), or use storage=safetensors"
-            )
+        check_gguf(checkpoint)
         self.checkpoint = checkpoint
         self.dtype = context.dtype or torch.float32
         self._refs: dict[str, str] = {}
