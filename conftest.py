@@ -105,6 +105,24 @@ README = Sybil(PARSERS, path=".", patterns=["README.md"], excludes=["*/*"], name
 pytest_collect_file = (DOCS + README).pytest()
 
 
+def session_folder(tmp_path_factory) -> Path:
+    """The temp folder of the whole session: with test workers (-n), the one that holds each worker's."""
+    shared = tmp_path_factory.getbasetemp()
+    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(request, tmp_path_factory):
+    """The model cache is the session's, never the user's: every test and every process a test starts (docs examples
+    too) converts and builds under the session's temp folder, one cache for all the test workers (its folders are
+    built atomically). With slow tests collected, the user's SmolLM2 conversion is copied in, only read
+    (tests/session_cache.py)."""
+    from tests.session_cache import use
+
+    slow = any(item.get_closest_marker("slow") for item in request.session.items)
+    yield use(session_folder(tmp_path_factory) / "offload_core_cache", reuse=slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _learned_files(tmp_path_factory):
     """What runs in the tests measure (the calibration) and learn (prediction corrections) goes to files of the
@@ -114,10 +132,7 @@ def _learned_files(tmp_path_factory):
     os.environ["OFFLOAD_CORE_CORRECTIONS"] = str(folder / "corrections.json")
     # the calibration is one for the session's test workers (-n): each measures what another has not yet (an entry is
     # per model, configuration and prompt length; the file is written atomically)
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the session's folder, which holds each worker's
-    os.environ["OFFLOAD_CORE_CALIBRATION"] = str(shared / "calibration.json")
+    os.environ["OFFLOAD_CORE_CALIBRATION"] = str(session_folder(tmp_path_factory) / "calibration.json")
     yield
 
 

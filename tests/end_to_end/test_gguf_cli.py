@@ -75,9 +75,8 @@ def test_a_damaged_gguf_is_one_line_and_writes_nothing(gguf_file, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_the_main_job_from_the_shipped_gguf(tmp_path):
-    """In the user's cache (its metadata folder is built once per machine, as the float32 conversion is)."""
-    env = {**child_env(), "OFFLOAD_CORE_CACHE": ""}
-    env.pop("OFFLOAD_CORE_CACHE")
+    """In the session's cache (its metadata folder is built once, or copied from the user's: tests/session_cache.py)."""
+    env = child_env()
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path}", "storage=gguf"]
     command += ["compare_in_memory=true", "max_new_tokens=7"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
