@@ -61,6 +61,7 @@ def seed(cache: Path, user_cache: Path) -> None:
 def use(cache: Path, *, reuse: bool) -> Path:
     """Point ``$OFFLOAD_CORE_CACHE`` (inherited by every process a test starts) at ``cache``, seeded from the user's
     cache when ``reuse``; fails if the cache a run resolves is not ``cache``."""
+    cache.mkdir(parents=True, exist_ok=True)  # as a user's is after their first run (docs examples list it)
     if reuse and USER_CACHE.resolve() != cache.resolve():
         seed(cache, USER_CACHE)
     os.environ["OFFLOAD_CORE_CACHE"] = str(cache)
