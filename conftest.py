@@ -99,8 +99,10 @@ def run_python(example) -> None:
 
 PARSERS = [CodeBlockParser("python", run_python), CodeBlockParser("bash", run_bash)]
 #: the pages whose blocks run: the site's and the README (bench/ and examples/ have their own tests)
-DOCS = Sybil(PARSERS, path="docs", patterns=["*.md"], name="docs")
-README = Sybil(PARSERS, path=".", patterns=["README.md"], excludes=["*/*"], name="readme")
+#: the session fixtures every block runs under (Sybil's items get only the fixtures named here, not the autouse ones)
+SESSION = ["_session_cache", "_learned_files"]
+DOCS = Sybil(PARSERS, path="docs", patterns=["*.md"], name="docs", fixtures=SESSION)
+README = Sybil(PARSERS, path=".", patterns=["README.md"], excludes=["*/*"], name="readme", fixtures=SESSION)
 
 pytest_collect_file = (DOCS + README).pytest()
 

@@ -14,7 +14,7 @@ import pytest
 from offload_core.loading import sources
 from offload_core.plan.calibrate import calibration_file
 from offload_core.plan.learn import corrections_file
-from tests import session_cache
+from tests import ROOT, session_cache
 from tests.end_to_end.helpers import snapshot
 
 
@@ -68,3 +68,10 @@ def test_the_users_finished_smollm2_folders_are_copied_and_the_users_cache_left_
     assert sorted(p.name for p in cache.iterdir()) == sorted([sources.SMOLLM2_DIR_NAME, "gguf-meta-SmolLM2-aaa"])
     assert snapshot(cache / sources.SMOLLM2_DIR_NAME) == snapshot(user / sources.SMOLLM2_DIR_NAME)
     assert (snapshot(user), {p: p.stat().st_mtime_ns for p in user.rglob("*")}) == before
+
+
+def test_the_docs_examples_run_under_the_sessions_cache_too(request):
+    """Sybil gives a block only the fixtures it names, not the autouse ones: the root conftest names the session's."""
+    root = request.config.pluginmanager.get_plugin(str(ROOT / "conftest.py"))
+    for sybil in (root.DOCS, root.README):
+        assert {"_session_cache", "_learned_files"} <= set(sybil.fixtures), sybil.name
