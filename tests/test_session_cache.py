@@ -1,6 +1,6 @@
 """The tests never write to the user's model cache: what every test, and every process a test starts, resolves as the
 cache (and the calibration and corrections files beside it) lies under the session's temp folder (conftest.py), and
-the user's SmolLM2 conversion is copied from, never written to (tests/session_cache.py)."""
+the user's SmolLM2 conversion is copied from, never written to (conftest.py at the root)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ import pytest
 from offload_core.loading import sources
 from offload_core.plan.calibrate import calibration_file
 from offload_core.plan.learn import corrections_file
-from tests import ROOT, session_cache
+from tests import ROOT
 from tests.end_to_end.helpers import snapshot
+
+
+@pytest.fixture
+def root(request):
+    """The root conftest.py, which moves the session's cache."""
+    return request.config.pluginmanager.get_plugin(str(ROOT / "conftest.py"))
 
 
 def _session(tmp_path_factory):
@@ -23,8 +29,8 @@ def _session(tmp_path_factory):
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base).resolve()
 
 
-def test_what_a_test_resolves_is_under_the_sessions_temp_folder(tmp_path_factory):
-    user = session_cache.USER_CACHE.resolve()
+def test_what_a_test_resolves_is_under_the_sessions_temp_folder(tmp_path_factory, root):
+    user = root.USER_CACHE.resolve()
     for path in (sources.cache_root(), calibration_file(), corrections_file()):
         assert path.resolve().is_relative_to(_session(tmp_path_factory)), path
         assert not path.resolve().is_relative_to(user), path
@@ -50,7 +56,7 @@ def _folder(path, marker: dict | None, tag: bool = True) -> None:
         (path / sources.COMPLETE_MARKER).write_text(json.dumps(marker))
 
 
-def test_the_users_finished_smollm2_folders_are_copied_and_the_users_cache_left_as_it_was(tmp_path):
+def test_the_users_finished_smollm2_folders_are_copied_and_the_users_cache_left_as_it_was(tmp_path, root):
     try:
         gguf = str(sources.smollm2_gguf_path().resolve())
     except sources.ModelSourceError:
@@ -63,15 +69,14 @@ def test_the_users_finished_smollm2_folders_are_copied_and_the_users_cache_left_
     _folder(user / "gguf-meta-tiny-ddd", {"path": gguf}, tag=False)  # not made by offload_core
     before = snapshot(user), {p: p.stat().st_mtime_ns for p in user.rglob("*")}
     cache = tmp_path / "cache"
-    session_cache.seed(cache, user)
-    session_cache.seed(cache, user)  # a second test worker: nothing more
+    root.seed_cache(cache, user)
+    root.seed_cache(cache, user)  # a second test worker: nothing more
     assert sorted(p.name for p in cache.iterdir()) == sorted([sources.SMOLLM2_DIR_NAME, "gguf-meta-SmolLM2-aaa"])
     assert snapshot(cache / sources.SMOLLM2_DIR_NAME) == snapshot(user / sources.SMOLLM2_DIR_NAME)
     assert (snapshot(user), {p: p.stat().st_mtime_ns for p in user.rglob("*")}) == before
 
 
-def test_the_docs_examples_run_under_the_sessions_cache_too(request):
+def test_the_docs_examples_run_under_the_sessions_cache_too(root):
     """Sybil gives a block only the fixtures it names, not the autouse ones: the root conftest names the session's."""
-    root = request.config.pluginmanager.get_plugin(str(ROOT / "conftest.py"))
     for sybil in (root.DOCS, root.README):
         assert {"_session_cache", "_learned_files"} <= set(sybil.fixtures), sybil.name
