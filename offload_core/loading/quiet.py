@@ -1,6 +1,6 @@
 """Loading that says nothing the user did not ask for: transformers' and diffusers' own progress bars hidden while a
 block runs (a run's ``progress=false``), the arguments each library reads without a deprecation warning, no notice
-about an image processor the run never uses, and no import-time noise from optional libraries."""
+about an image processor the run never uses, and no import-time noise (nor cost: torchao) from optional libraries."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
+from offload_core.loading.torchao_later import import_torchao_later
 
 #: (logger, start of the message) of warnings optional libraries log when transformers imports them (it imports each one
 #: installed) that say nothing about a run: torchao (the quant extra) not loading its CUDA kernels under a CPU torch,
@@ -42,6 +43,7 @@ def quiet_import_noise() -> None:
 
 
 quiet_import_noise()  # on import: offload_core imports this module first
+import_torchao_later()
 
 
 @contextmanager

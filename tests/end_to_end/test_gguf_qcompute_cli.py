@@ -1,6 +1,6 @@
 """``storage.compute=quantized`` as users run it: ``python run.py model=local model.path=<file.gguf> storage=gguf
 storage.compute=quantized`` answers and exits 0, its plan naming what computes quantized; with another store, or a
-mode it does not know, one line."""
+mode it does not know, one line (those command lines run in this process)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests.end_to_end.helpers import assert_one_line
+from tests.end_to_end.helpers import assert_one_line, cli
 from tests.end_to_end.test_gguf_cli import _run
 from tests.gguf_files import write_gguf
 
@@ -41,7 +41,7 @@ def test_quantized_compute_runs_from_the_command_line(gguf_file, tmp_path):
         (["storage=gguf", "storage.compute=fast"], "storage.compute='fast' is not one of exact, quantized"),
     ],
 )
-def test_what_cannot_apply_is_one_line(gguf_file, tmp_path, extra, needle):
-    done = _run(["model=local", f"model.path={gguf_file}", *extra], tmp_path / "run", tmp_path / "cache")
-    assert done.returncode != 0
-    assert_one_line(done.stderr, needle)
+def test_what_cannot_apply_is_one_line(gguf_file, tmp_path, extra, needle, capsys):
+    code, err = cli(["model=local", f"model.path={gguf_file}", *extra], tmp_path / "run", capsys)
+    assert code != 0
+    assert_one_line(err, needle)

@@ -1,6 +1,7 @@
 """``python run.py model=local model.path=<a quantized checkpoint>`` as users run it: a torchao int8 and a
 bitsandbytes nf4 checkpoint offloaded to disk, packed, give the in-memory quantized model's tokens and exit 0; a
-quantization method offload_core does not run ends in one line naming it, with nothing written into the folder."""
+quantization method offload_core does not run ends in one line naming it, with nothing written into the folder (that
+command line runs in this process)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from offload_core.loading.checkpoint import Checkpoint
 from tests import ROOT
-from tests.end_to_end.helpers import assert_one_line, child_env, snapshot
+from tests.end_to_end.helpers import assert_one_line, child_env, cli, snapshot
 from tests.quantized_checkpoints import float_folder, quantized_folder
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def test_a_quantized_checkpoint_runs_offloaded_packed_from_the_command_line(meth
     assert "same tokens as in memory: True" in done.stdout
 
 
-def test_an_unsupported_quantization_method_is_one_line_and_writes_nothing(tmp_path):
+def test_an_unsupported_quantization_method_is_one_line_and_writes_nothing(tmp_path, capsys):
     folder = tmp_path / "awq"
     folder.mkdir()
     for file in float_folder(tmp_path).iterdir():
@@ -56,7 +57,7 @@ def test_an_unsupported_quantization_method_is_one_line_and_writes_nothing(tmp_p
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
     before = snapshot(folder)
-    done = _run(["model=local", f"model.path={folder}", "model.tokenizer=bytes"], tmp_path)
-    assert done.returncode != 0
-    assert_one_line(done.stderr, "quantized with 'awq'", "torchao or bitsandbytes")
+    code, err = cli(["model=local", f"model.path={folder}", "model.tokenizer=bytes"], tmp_path, capsys)
+    assert code != 0
+    assert_one_line(err, "quantized with 'awq'", "torchao or bitsandbytes")
     assert snapshot(folder) == before

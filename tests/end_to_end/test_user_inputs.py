@@ -1,5 +1,6 @@
 """What users bring, run as they run it (``python run.py``, ``python -m offload_core``, ``offload-core``, each a
-process): a folder without its tokenizer stops in one line (and runs with ``model.tokenizer=``), a swept prompt with a
+process): a folder without its tokenizer stops in one line (in this process: tests/end_to_end/test_documented_inputs.py
+runs that line's process; and runs with ``model.tokenizer=``), a swept prompt with a
 comma stops in one line (and its quoted form is one job), a sweep with a failed job exits 1 naming it, a broken
 third-party plugin is named with how to skip it, ``speculative=self`` suggests only what would change, ``--help``."""
 
@@ -18,6 +19,7 @@ from omegaconf import OmegaConf
 
 from offload_core.loading import sources
 from tests import ROOT
+from tests.end_to_end.helpers import cli_said
 from tests.plugins_dist import install_distribution, placement_plugin
 from tests.speculative import models
 
@@ -37,24 +39,27 @@ def run_py(args: list[str], cwd: Path, env: dict[str, str] | None = None, *, mod
     )
 
 
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The one ``offload_core: error:`` line of a process that failed, without a traceback."""
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+def error_line(proc: subprocess.CompletedProcess | str) -> str:
+    """The one ``offload_core: error:`` line of a process that failed (or of what a run in this process wrote to its
+    stderr), without a traceback."""
+    stderr = proc if isinstance(proc, str) else proc.stderr
+    lines = [line for line in stderr.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     return lines[0][len(ERROR) :]
 
 
 # -- a folder without its tokenizer ---------------------------------------------------------------------------------
 
 
-def test_a_tiny_bert_without_a_tokenizer_stops_in_one_line_as_the_tasks_recipe_says(tmp_path):
+def test_a_tiny_bert_without_a_tokenizer_stops_in_one_line_as_the_tasks_recipe_says(tmp_path, capsys):
     config = transformers.BertConfig(
         vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
     )
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "tiny-bert")
-    proc = run_py(["model=local", f"model.path={tmp_path / 'tiny-bert'}", "progress=false"], tmp_path)
-    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
-    line = error_line(proc)
+    capsys.readouterr()
+    code, out, err = cli_said(["model=local", f"model.path={tmp_path / 'tiny-bert'}"], tmp_path, capsys)
+    assert code == 2 and out == "", out
+    line = error_line(err)
     assert line.startswith(f"the checkpoint folder '{tmp_path / 'tiny-bert'}' holds no tokenizer (tokenizer.json")
     assert "model.tokenizer=<a folder or Hub repo id holding them>" in line
     # the docs quote the line as it is
@@ -80,13 +85,13 @@ def _without_tokenizer(folder: Path, into: Path) -> Path:
     return into
 
 
-def test_smollm2_weights_without_the_tokenizer_stop_then_run_with_model_tokenizer(tmp_path):
+def test_smollm2_weights_without_the_tokenizer_stop_then_run_with_model_tokenizer(tmp_path, capsys):
     smollm2 = sources.smollm2_checkpoint()
     bare = _without_tokenizer(smollm2, tmp_path / "smol")
     common = ["model=local", f"model.path={bare}", "max_new_tokens=6", "progress=false"]
-    proc = run_py([*common, f"hydra.run.dir={tmp_path / 'refused'}"], tmp_path)
-    assert proc.returncode == 2 and "holds no tokenizer" in error_line(proc) and str(bare) in error_line(proc)
-    assert not (tmp_path / "refused" / "metrics.json").exists()
+    code, _, err = cli_said(common, tmp_path / "refused", capsys)
+    assert code == 2 and "holds no tokenizer" in error_line(err) and str(bare) in error_line(err)
+    assert not list((tmp_path / "refused").rglob("metrics.json"))
 
     # the same folder with the tokenizer named: the chat template applied, the answer read back as text
     named = run_py([*common, f"model.tokenizer={smollm2}", f"hydra.run.dir={tmp_path / 'named'}"], tmp_path)

