@@ -103,19 +103,21 @@ def tensors() -> dict[str, torch.Tensor]:
 def _no_leftover_log_files():
     """A Hydra run in this process leaves a FileHandler on a logger for a log file under the test's tmp_path; once
     pytest removes that folder, a later test's warning fails reopening it (FileNotFoundError from logging). Each
-    test's new file handlers go, closed, when it ends."""
-    loggers = [
-        logging.getLogger(),
-        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
-    ]
-    before = {id(logger): list(logger.handlers) for logger in loggers}
+    test's new file handlers go, closed, when it ends; and the loggers its logging configuration disabled (Hydra's
+    ``disable_existing_loggers``) or stopped from propagating are as they were, so a later test's ``caplog`` sees
+    them."""
+
+    def loggers() -> list[logging.Logger]:
+        found = logging.Logger.manager.loggerDict.values()
+        return [logging.getLogger(), *(v for v in found if isinstance(v, logging.Logger))]
+
+    before = {id(logger): (list(logger.handlers), logger.disabled, logger.propagate) for logger in loggers()}
     yield
-    for logger in [
-        logging.getLogger(),
-        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
-    ]:
+    for logger in loggers():
+        handlers, disabled, propagate = before.get(id(logger), ([], False, logger.propagate))
+        logger.disabled, logger.propagate = disabled, propagate
         for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
-            if handler not in before.get(id(logger), []):
+            if handler not in handlers:
                 logger.removeHandler(handler)
                 handler.close()
 
