@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from tests import ROOT
+from tests.peak_rss import SAMPLING
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,43 +33,28 @@ LM_HEAD = 32000 * 256 * 4  # float32 bytes of the checkpoint's LM head (and of i
 
 #: load and generate in a fresh process, the peak anonymous RSS sampled every half millisecond from a baseline taken
 #: after the imports (as run.py's and the benchmarks' figures are)
-_MEASURE = textwrap.dedent("""
-    import json, sys, threading, time
+_MEASURE = SAMPLING + textwrap.dedent("""
+    import json, sys
     import torch
     import offload_core
     import transformers.models.llama.modeling_llama
 
-    def anon():
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-
     path, budget, storage, folder, generation = sys.argv[1:4] + [sys.argv[4], json.loads(sys.argv[5])]
     torch.set_num_threads(1)
     ids = torch.randint(3, 32000, (1, generation["prompt_tokens"]), generator=torch.Generator().manual_seed(0))
-    base, peak, stop = anon(), [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon())
-            time.sleep(0.0005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    peak = Peak()
     options = {"storage": storage, "execution_device": "cpu", "offload_folder": folder}
     model = offload_core.from_pretrained(path, {"cpu": int(budget)}, options, dtype="float32", generation=generation)
-    loaded = anon() - base
+    loaded = anon() - peak.base
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=generation["max_new_tokens"],
             min_new_tokens=generation["max_new_tokens"], do_sample=False, pad_token_id=0,
         )
-    stop.set()
-    sampler.join()
+    rise = peak.rise()
     devices = model.offload_plan.summary["devices"]
     print(json.dumps({
-        "rise": max(peak[0], anon()) - base,
+        "rise": rise,
         "loaded": loaded,
         "new_tokens": out.shape[1] - ids.shape[1],
         "cpu_bytes": devices.get("cpu", {}).get("bytes", 0),

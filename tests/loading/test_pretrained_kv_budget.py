@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from tests import ROOT
+from tests.peak_rss import SAMPLING
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,31 +29,18 @@ BUDGET = 64 * 2**20
 ALLOWANCE = 8 * 2**20
 GENERATION = {"max_new_tokens": 64, "batch_size": 2, "prompt_tokens": 256}
 
-#: load and generate in a fresh process, the peak anonymous RSS sampled every millisecond from before the load
-_MEASURE = textwrap.dedent("""
-    import json, sys, threading, time
+#: load and generate in a fresh process, the peak anonymous RSS sampled from before the load
+_MEASURE = SAMPLING + textwrap.dedent("""
+    import json, sys
     import torch
     import offload_core
     import transformers.models.llama.modeling_llama  # imported before the baseline, as run.py's monitor starts after
-
-    def anon():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
 
     path, budget, generation, headroom = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
     shape = (generation["batch_size"], generation["prompt_tokens"])
     ids = torch.randint(0, 1024, shape, generator=torch.Generator().manual_seed(0))
-    base, peak, stop = anon(), [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    peak = Peak()
     options = {"execution_device": "cpu", "headroom": headroom}
     model = offload_core.from_pretrained(path, {"cpu": budget}, options, generation=generation)
     with torch.no_grad():
@@ -60,11 +48,10 @@ _MEASURE = textwrap.dedent("""
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=generation["max_new_tokens"],
             min_new_tokens=generation["max_new_tokens"], do_sample=False, pad_token_id=0,
         )
-    stop.set()
-    sampler.join()
+    rise = peak.rise()
     devices = model.offload_plan.summary["devices"]
     print(json.dumps({
-        "rise": max(peak[0], anon()) - base,
+        "rise": rise,
         "new_tokens": out.shape[1] - ids.shape[1],
         "cpu_bytes": devices.get("cpu", {}).get("bytes", 0),
         "disk_bytes": devices.get("disk", {}).get("bytes", 0),

@@ -16,39 +16,25 @@ from gguf import GGMLQuantizationType as T
 import offload_core
 from tests import ROOT
 from tests.gguf_files import write_gguf
+from tests.peak_rss import SAMPLING
 
 BUDGET = 96 * 2**20
 
 #: load and run a forward in a fresh process, the peak anonymous RSS sampled every half millisecond from a baseline
 #: taken after the imports (as run.py's figures are)
-_MEASURE = textwrap.dedent("""
-    import json, sys, threading, time
+_MEASURE = SAMPLING + textwrap.dedent("""
+    import json, sys
     import torch
     import offload_core
     import transformers.models.llama.modeling_llama
 
-    def anon():
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
-
     path, budget, policy = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
-    base, peak, stop = anon(), [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon())
-            time.sleep(0.0005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    options = {"storage": "gguf", "policy": policy}
-    model = offload_core.from_pretrained(path, {"cpu": budget}, options)
+    peak = Peak()
+    model = offload_core.from_pretrained(path, {"cpu": budget}, {"storage": "gguf", "policy": policy})
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3, 4]]))
-    stop.set()
-    sampler.join()
-    print(json.dumps({"rise": max(peak[0], anon()) - base, "reserved": model.offload_plan.reserve.get("cpu", 0)}))
+    print(json.dumps({"rise": peak.rise(), "reserved": model.offload_plan.reserve.get("cpu", 0)}))
 """)
 
 
