@@ -1,0 +1,32 @@
+"""What a measuring script run in a fresh process starts with: ``anon()`` (its anonymous resident memory, Linux) and
+``Peak`` (sampled on a thread every half millisecond from a baseline taken when it starts; ``rise()`` stops it and
+gives the peak above that baseline, as run.py's and the benchmarks' figures are). Prepended to the script's own code:
+``SAMPLING + textwrap.dedent(...)``."""
+
+from __future__ import annotations
+
+import textwrap
+
+SAMPLING = textwrap.dedent("""
+    import threading as _threading, time as _time
+
+    def anon():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+    class Peak:
+        def __init__(self):
+            self.base, self.peak, self.done = anon(), 0, _threading.Event()
+            self.thread = _threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+
+        def _sample(self):
+            while not self.done.is_set():
+                self.peak = max(self.peak, anon())
+                _time.sleep(0.0005)
+
+        def rise(self):
+            self.done.set()
+            self.thread.join()
+            return max(self.peak, anon()) - self.base
+""")
