@@ -3,8 +3,8 @@ stay in the page cache across tokens, a streamed unit's pages are dropped once i
 the kept set), and the kept set is fitted to the memory available as each forward pass starts.
 
 A streamed unit's pages are dropped on a thread of their own, off the compute thread: ``POSIX_FADV_DONTNEED`` waits for
-every CPU to drain its page lists, several milliseconds a call on a busy machine, which the next layer's compute need
-not wait for. The drop holds the store's views (so their mappings live until it is done), and a unit fetched again
+every CPU to drain its page lists (milliseconds a call on a busy machine), which the next layer's compute need not
+wait for. The drop holds the store's views (so their mappings live until it is done), and a unit fetched again
 first waits for its own drop (its fresh pages are never dropped under it)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -26,10 +26,9 @@ from offload_core.storage.residency import Residency
 class PageCacheKeeper:
     """Watches ``units`` (it becomes their :attr:`Unit.observer`) and applies ``residency`` to them.
 
-    ``unit_bytes``: the bytes a unit counts for in the kept set (:meth:`Unit.stored_nbytes` by default: what its pages
-    take in the page cache). ``warm``: read a unit's pages in
-    with one read as it is fetched (:meth:`Store.warm`), rather than by a page fault per page while it
-    computes; off where a reader thread has brought them in already.
+    A unit counts in the kept set for what its pages take in the page cache (:meth:`Unit.stored_nbytes`). ``warm``: read
+    a unit's pages in with one read as it is fetched (:meth:`Store.warm`), rather than by a page fault per page while
+    it computes; off where a reader thread has brought them in already.
     """
 
     def __init__(
@@ -38,13 +37,12 @@ class PageCacheKeeper:
         store: Mapping[str, torch.Tensor],
         units: list[Unit],
         warm: bool,
-        unit_bytes: Callable[[Unit], int] | None = None,
     ) -> None:
         self.residency = residency
         self.store = store
         self.units = units
         self.warm = warm and isinstance(store, Store)
-        self._bytes = {unit.name: (unit_bytes or (lambda u: u.stored_nbytes(store)))(unit) for unit in units}
+        self._bytes = {unit.name: unit.stored_nbytes(store) for unit in units}
         self._warmed: set[str] = set()  # kept units whose pages were read in and have not been dropped since
         self._dropping: dict[str, tuple[int, Future]] = {}  # streamed units whose pages are being dropped: (pid, drop)
         residency.settle = self.settle
