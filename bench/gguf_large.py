@@ -202,7 +202,7 @@ def one_run(name: str, model_args: list[str], args: argparse.Namespace, out: Pat
     command = [
         sys.executable, "run.py", "model=local", *model_args, f"hook={args.hook}", f"page_cache={args.page_cache}",
         f"max_memory.cpu={args.budget}", f"max_new_tokens={args.tokens}", f"prompt={args.prompt}",
-        "progress=false", f"hydra.run.dir={out}",
+        f"over_budget={args.over_budget}", "progress=false", f"hydra.run.dir={out}",
     ]  # fmt: skip
     if args.compare:
         command.append("compare_in_memory=true")
@@ -293,6 +293,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--prompt", default="Hello there")
     parser.add_argument("--hook", default="prefetch")
+    parser.add_argument(
+        "--over-budget", default="refuse", choices=["refuse", "warn"], help="run.py's over_budget (warn: a tiny budget)"
+    )
     parser.add_argument("--page-cache", default="auto")
     parser.add_argument("--margin-gb", type=float, default=10, help="free disk kept when building a GGUF file")
     parser.add_argument("--warm", action="store_true", help="leave the files in the page cache between runs")

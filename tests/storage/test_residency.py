@@ -91,6 +91,7 @@ def test_dropping_a_mapped_tensor_takes_its_pages_out_of_the_page_cache(tmp_path
     store = FolderStore(StoreContext(names=["w"], offload_folder=tmp_path / "off"))
     store.put("w", tensor)
     store.finalize()
+    store.wait_until_sealed()  # the seal reads the file on its own thread: its reads would bring the pages back
     fsync_path(store.file_of("w"))  # the kernel drops clean pages only: a freshly written file's are dirty
     try:
         assert populate(store["w"]) and resident(store["w"])
