@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from offload_core.module_hooks.base import ForwardStartHook, add_hook_to_module
-from offload_core.module_hooks.units import Unit, tensor_nbytes
-from offload_core.storage.base import Store, moved_bytes
+from offload_core.module_hooks.units import Unit, stored_nbytes
+from offload_core.storage.base import Store
 from offload_core.storage.residency import Residency
 
 
@@ -88,9 +88,7 @@ class PageCacheKeeper:
     def _drop_keys(self, keys: list[str]) -> None:
         dropped = self.store.drop_all(keys)
         with _COUNTING[0]:
-            self.residency.dropped += sum(
-                moved_bytes(self.store, key, tensor_nbytes(self.store, key)) for key in dropped
-            )
+            self.residency.dropped += sum(stored_nbytes(self.store, key) for key in dropped)
 
     def settle(self) -> None:
         """Wait for the drops under way (a drop that failed raises here)."""

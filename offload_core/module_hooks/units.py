@@ -76,6 +76,12 @@ def tensor_nbytes(store: Mapping[str, torch.Tensor], key: str) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def stored_nbytes(store: Mapping[str, torch.Tensor], key: str) -> int:
+    """The bytes the store holds ``store[key]`` in (a GGUF file's quantized blocks; else :func:`tensor_nbytes`): what a
+    read of it moves, and what its pages take in the page cache."""
+    return moved_bytes(store, key, tensor_nbytes(store, key))
+
+
 class UnitObserver(Protocol):
     """Told when a unit's tensors are about to be used and when it is done with them (the page-cache keeper)."""
 
@@ -102,9 +108,9 @@ class Unit:
         return sum(tensor_nbytes(store, key) for key in self.keys)
 
     def stored_nbytes(self, store: Mapping[str, torch.Tensor]) -> int:
-        """The bytes the store's files hold for the unit (a GGUF file's quantized blocks; else :meth:`nbytes`): what
-        its pages take in the page cache."""
-        return sum(moved_bytes(store, key, tensor_nbytes(store, key)) for key in self.keys)
+        """The bytes the store holds the unit in (:func:`stored_nbytes` of each key): what its pages take in the page
+        cache."""
+        return sum(stored_nbytes(store, key) for key in self.keys)
 
     def fetch(
         self, store: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False
