@@ -41,10 +41,9 @@ _MEASURE = SAMPLING + textwrap.dedent("""
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     """A Llama whose float32 blocks (38 MiB each) are large beside the process's own noise, stored as Q4_0."""
-    folder = tmp_path_factory.mktemp("gguf-budget")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OFFLOAD_CORE_CACHE", str(folder / "cache"))
-        yield write_gguf(folder / "llama.gguf", "llama", default=int(T.Q4_0), layers=4, hidden=1024)
+    return write_gguf(
+        tmp_path_factory.mktemp("gguf-budget") / "llama.gguf", "llama", default=int(T.Q4_0), layers=4, hidden=1024
+    )
 
 
 def test_the_blocks_in_flight_are_reserved_as_the_copies_they_are(path):

@@ -15,10 +15,7 @@ BUDGET = 3 * 2**20
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gguf-page-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OFFLOAD_CORE_CACHE", str(folder / "cache"))
-        yield write_gguf(folder / "llama.gguf", "llama", default=int(T.Q4_0))
+    return write_gguf(tmp_path_factory.mktemp("gguf-page-cache") / "llama.gguf", "llama", default=int(T.Q4_0))
 
 
 def _loaded(path, page_cache):

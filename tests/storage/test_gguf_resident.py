@@ -20,10 +20,12 @@ BUDGET = 3 * 2**20
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gguf-resident")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OFFLOAD_CORE_CACHE", str(folder / "cache"))
-        yield write_gguf(folder / "llama.gguf", "llama", {"token_embd": int(T.Q8_0)}, default=int(T.Q4_1))
+    return write_gguf(
+        tmp_path_factory.mktemp("gguf-resident") / "llama.gguf",
+        "llama",
+        {"token_embd": int(T.Q8_0)},
+        default=int(T.Q4_1),
+    )
 
 
 def _gguf(resident: str):
