@@ -104,10 +104,11 @@ def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path, cold):
     ours, peer = result["sessions"]
     assert all(row["generated_tokens"] > 0 and not row["failed"] for s in result["sessions"] for row in s["loads"])
     assert all(row["bytes_moved_per_token"] > 0 for row in ours["loads"])
-    # what each server's processes used while answering: some CPU, never a negative disk read
-    assert all(
-        row["cpu_s_per_token"] > 0 and row["disk_read_per_token"] >= 0 for s in (ours, peer) for row in s["loads"]
-    )
+    # what each server's processes used while answering, never negative; some CPU over the run (the kernel counts it
+    # in 10 ms ticks: a load of a few tiny tokens can use less than one)
+    rows = [row for s in (ours, peer) for row in s["loads"]]
+    assert all(row["cpu_s_per_token"] >= 0 and row["disk_read_per_token"] >= 0 for row in rows)
+    assert sum(row["cpu_s_per_token"] for row in rows) > 0
     assert peer["continuous_batching_used"] and "disk" in peer["placement"]
     assert "--max-memory-cpu 100KiB" in peer["command"] and "--continuous-batching --cb-num-blocks 8" in peer["command"]
     assert peer["peak_rss_bytes"] < 4 * 2**30  # its KV cache not sized from the host's free memory
