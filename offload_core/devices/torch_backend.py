@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import re
 import threading
@@ -28,6 +29,14 @@ def cublas_workspace_bytes(capability: tuple[int, int], config: str | None) -> i
     if pairs:
         return sum(int(size) * int(count) * 1024 for size, count in pairs)
     return 4096 * 8 * 1024 if capability[0] >= 9 else 4096 * 2 * 1024 + 16 * 8 * 1024
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of anonymous memory on pages of their own, as a uint8 tensor whose storage starts at its first page:
+    torch asks whether a tensor is pinned at its storage's start (its copies during a graph capture refuse one that
+    is not), so a range registered with the driver must begin there."""
+    pages = -(-nbytes // PAGE) * PAGE
+    return torch.frombuffer(mmap.mmap(-1, pages), dtype=torch.uint8)[:nbytes]
 
 
 def _pow2(n: int) -> int:
@@ -97,14 +106,12 @@ class TorchAccelerator(Accelerator):
             self._pinned -= nbytes
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
-        """Pageable memory registered with the driver as it is (cudaHostRegister of whole pages inside one
-        allocation): PyTorch's pinned allocator would round ``nbytes`` up to a power of two (up to twice the
-        memory). Elsewhere, or if registering fails, torch's pinned allocator."""
+        """Anonymous pages of its own registered with the driver as they are (cudaHostRegister,
+        :func:`page_aligned`): PyTorch's pinned allocator would round ``nbytes`` up to a power of two (up to twice
+        the memory). Elsewhere, or if registering fails, torch's pinned allocator."""
         if self.type == "cuda" and nbytes:
             pages = -(-nbytes // PAGE) * PAGE
-            raw = torch.empty(pages + PAGE, dtype=torch.uint8)
-            start = -raw.data_ptr() % PAGE
-            arena = raw[start : start + nbytes]  # its pages lie inside this allocation: no page is shared
+            arena = page_aligned(nbytes)
             try:
                 error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), pages, 0)
                 if int(error) == 0:

@@ -137,6 +137,8 @@ def in_memory_tokens(
     model = reference_model(run_model.checkpoint_dir, run_model.task, dtype, settings.execution_device)
     if settings.graphs:
         model.generation_config.cache_implementation = "static"
+        model.generation_config.disable_compile = True  # eager, as a graphs run's steps are captured (transformers
+        # compiles a static cache's forward on a GPU, whose kernels round otherwise)
     device = next(model.parameters()).device  # the cpu where the model does not fit on the GPU
     speculation = prepare(speculative, model, dtype, device, replay) if speculative is not None else None
     tokens, _ = generate(model, input_ids, sampling, device, speculation)

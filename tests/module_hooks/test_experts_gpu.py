@@ -15,6 +15,7 @@ from offload_core.module_hooks.experts.device import DeviceLayer
 from offload_core.planning import compute_module_sizes
 from offload_core.planning.reservation import InFlight
 from tests.checkpoints import Saved
+from tests.gpu_budgets import on_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -36,7 +37,8 @@ def test_experts_policy_on_gpu_bit_identical(store, guess, dtype, tmp_path):
         model,
         moe.path,
         device_map="sequential",
-        max_memory={0: total // 2, "cpu": total // 4},  # the GPU holds one block beside the generation
+        max_memory={0: on_gpu(total // 2), "cpu": total // 4},  # the GPU holds one block beside the generation
+        over_budget="warn",
         storage=store,
         policy=Experts(ExpertsConfig(cache_slots=2, guess=guess)),
         offload_folder=tmp_path / "off",

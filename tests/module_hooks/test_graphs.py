@@ -226,4 +226,5 @@ def test_a_step_that_cannot_be_captured_decodes_eagerly_and_says_so(llama_run):
     fake.timeline.hazards.clear()
     assert torch.equal(got_ids, want_ids) and all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
     assert hook.failed and "host" in hook.failed and hook.replays == 0
+    assert "test_graphs.py" in hook.failed and "in syncing" in hook.failed  # the line that asked for it
     assert any("decoding goes on without graphs" in line for line in said)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import offload_core
 from offload_core.loading.writer import write_sharded_safetensors
 from offload_core.module_hooks.graphs import DecodeGraphs, StaticRing, apply_graphs, graph_pool_bytes
+from tests.gpu_budgets import on_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -63,7 +64,7 @@ def test_gpu_graphs_generate_what_the_in_memory_model_does(tmp_path):
     offloaded = offload_core.from_pretrained(
         tmp_path,
         offload={"storage": "pinned_cpu", "graphs": True, "execution_device": "cuda:0"},
-        max_memory={0: budget},
+        max_memory={0: on_gpu(budget)},
     )
     try:
         assert isinstance(offloaded.offload_state.handle.prefetcher, StaticRing)

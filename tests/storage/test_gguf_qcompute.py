@@ -17,6 +17,7 @@ from offload_core.storage.gguf.dequant import dequantize_into
 from offload_core.storage.gguf.qlinear import QuantLinear, QuantSpec, pack_into
 from offload_core.storage.gguf.rates import random_blocks
 from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
+from tests.gpu_budgets import on_gpu
 
 TYPES = {"ffn_down": int(T.Q4_K), "ffn_up": int(T.Q8_0), "attn_k": int(T.Q4_0), "ffn_gate": int(T.Q5_0)}
 IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
@@ -182,10 +183,11 @@ def test_on_a_gpu_the_packed_layers_compute_there_with_the_same_greedy_tokens(ti
     """The CUDA path (the weight repacked for ``torch._weight_int4pack_mm`` on the device, once per tensor it is
     made from): logits close to the exact mode's, the same greedy tokens, half the model streamed packed."""
     path, reference = tiny
+    on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map().items()}
     model = offload_core.from_pretrained(
         path,
-        offload={"storage": quantized(), "execution_device": "cuda", "headroom": 0},
-        max_memory={0: "1MiB", "cpu": "1GiB"},
+        offload={"storage": quantized(), "execution_device": "cuda", "device_map": on_device, "over_budget": "warn"},
+        max_memory={0: on_gpu(64 * 2**20), "cpu": "1GiB"},
     )
     try:
         assert any(isinstance(m, QuantLinear) for m in model.modules())

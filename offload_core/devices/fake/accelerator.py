@@ -185,12 +185,9 @@ class FakeAccelerator(Accelerator):
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu" or not tensor.numel():
             return False
-        start = tensor.untyped_storage().data_ptr()
+        start = tensor.untyped_storage().data_ptr()  # as torch asks: where the tensor's storage starts
         with self._lock:
-            if start in self._pinned:
-                return True
-            ptr = tensor.data_ptr()
-            return any(base <= ptr < base + n for base, (n, _) in self._pinned.items())
+            return start in self._pinned or any(base <= start < base + n for base, (n, _) in self._pinned.items())
 
     @property
     def pinned_bytes(self) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -27,6 +29,17 @@ def _cache_of(args: tuple, kwargs: dict) -> Any:
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     return [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+
+
+def _where(error: BaseException) -> str:
+    """Where ``error`` was raised, as ``file:line in function``: its innermost frame outside torch and the device
+    layer (the model's or a hook's line that asked for what a capture cannot hold)."""
+    inside = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2] / "devices"))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(inside)]
+    if not frames:
+        return "inside torch"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
 def _tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -89,7 +102,7 @@ class DecodeGraphs(ModuleHook):
             try:
                 self._capture(forward, args, kwargs, cache)
             except Exception as error:  # a capture runs nothing: this step, and the ones after, run eagerly
-                self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
+                self.failed = f"{type(error).__name__}: {error}".splitlines()[0] + f" at {_where(error)}"
                 self._drop()
                 log.warning(
                     "graphs: capturing a decoding step failed (%s); decoding goes on without graphs", self.failed
