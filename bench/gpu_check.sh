@@ -7,7 +7,9 @@
 #   moe     the mixtral-2.6g checkpoint of bench/moe.py, a quarter of it on GPU 0;
 #   codec   the lossless codec's ratio and decoding rate on the GPU;
 #   diffusion  a diffusers pipeline against diffusers' own offload modes at the same GPU memory;
-#   dense11 the dense 1.1b preset with max_memory.0=1GB (the earlier reports' model).
+#   dense11 the dense 1.1b preset with max_memory.0=1GB (the earlier reports' model);
+#   dequant the GGUF dequantization kernels as device ops (GB/s of float32 written);
+#   quantized  bitsandbytes/torchao checkpoints over a GPU budget, ours against transformers' device_map offloading.
 # Usage: bash bench/gpu_check.sh [stages...]  (default: tests main dense trace moe codec diffusion); QUICK=1 runs
 # fewer tokens and one repetition (a first look). Figures go to $OUT (default bench/results), the log to
 # $OUT/gpu_check.log. Wheels in .whl/ (hydra-core, omegaconf, antlr4, sybil, diffusers, gguf) are installed first.
@@ -76,6 +78,13 @@ for stage in $stages; do
         ;;
     diffusion)
         timeout 240 $PY bench/diffusion.py --device cuda --out "$OUT" --timeout 120 --reps "$REPS"
+        ;;
+    dequant)
+        timeout 60 $PY bench/dequant.py --elements 4000000 --repeats 3 --tag "cuda-$SLUG" --out "$OUT"
+        ;;
+    quantized)
+        timeout 240 $PY bench/quantized_peers.py --device cuda --tokens "$TOKENS" --timeout 60 --out "$OUT" \
+            --scratch /tmp/offload-quantized-bench
         ;;
     dense11)
         timeout 300 $PY bench/compare.py --preset 1.1b --device cuda --budget 1GB --tokens "$TOKENS" --reps "$REPS" \
