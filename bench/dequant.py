@@ -92,19 +92,21 @@ def report(rows: list[dict], args: argparse.Namespace, machine: dict) -> str:
     lines = [
         f"# GGUF dequantization, output GB/s ({args.elements:,} elements per type, best of {args.repeats})",
         "",
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, one torch thread "
-        f"({'with ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}); "
+        f"{platform.processor() or platform.machine()}, torch {machine.get('torch', torch.__version__)}, "
+        "one torch thread "
+        f"({'with ' + machine['gpu'] if machine.get('gpu') else 'no GPU'}); "
         "gguf-py's numpy dequantize on the same blocks. `python bench/dequant.py` reproduces it. "
-        f"Load average over 1/5/15 min {'/'.join(f'{v:.1f}' for v in machine['load_average'])} (a shared "
-        f"2-core machine: absolute rates fall with the load; the ratios are of one run). A float32 copy of as many "
-        f"elements ran at {machine['copy_gbps']:.2f} GB/s (the share of it in the last column).",
+        f"Load average over 1/5/15 min {'/'.join(f'{v:.1f}' for v in machine['load_average'])} on "
+        f"{machine.get('cpus', 2)} CPUs (absolute rates fall with the load; the ratios are of one run). "
+        f"A float32 copy of as many elements ran at {machine['copy_gbps']:.2f} GB/s "
+        "(the share of a float32 copy column).",
         "",
         "| type | torch CPU, 1 thread | gguf-py numpy | speed-up | bit-identical | share of a float32 copy |"
-        + (" GPU |" if torch.cuda.is_available() else ""),
-        "|---|---|---|---|---|---|" + ("---|" if torch.cuda.is_available() else ""),
+        + (" GPU | GPU bit-identical |" if machine.get("gpu") else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if machine.get("gpu") else ""),
     ]
     for row in rows:
-        gpu = f" {row['torch_gpu_gbps']:.1f} |" if "torch_gpu_gbps" in row else ""
+        gpu = f" {row['torch_gpu_gbps']:.1f} | {row['gpu_bit_identical']} |" if "torch_gpu_gbps" in row else ""
         lines.append(
             f"| {row['type']} | {row['torch_cpu_1thread_gbps']:.2f} | {row['gguf_py_numpy_gbps']:.2f} | "
             f"{row['speedup_vs_gguf_py']:.2f}x | {row['bit_identical']} | "
@@ -125,6 +127,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [measure(T[name], args.elements, args.repeats, rng) for name in args.types]
     machine = {"copy_gbps": copy_gbps(args.elements, args.repeats), "load_average": list(os.getloadavg())}
+    machine["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    machine.update(torch=torch.__version__, cpus=os.cpu_count())
     name = "dequant" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"elements": args.elements, "rows": rows, **machine}

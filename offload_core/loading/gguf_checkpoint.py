@@ -165,6 +165,10 @@ class GGUFCheckpoint(Checkpoint):
         """``key``'s GGML type in the file (``Q4_1``)."""
         return self.file.entries[self.sources[key]].type_name
 
+    def ggml_type(self, key: str) -> int:
+        """``key``'s GGML type number in the file."""
+        return int(self.file.entries[self.sources[key]].kind)
+
     def computes_quantized(self, key: str) -> bool:
         """Whether ``key`` is a packed tensor a linear layer computes on (``storage.compute=quantized``: see
         :mod:`offload_core.loading.gguf_qcompute`); never here."""

@@ -109,6 +109,9 @@ class Policy(StrategyBase):
     keeps_page_cache: bool = False
     #: reads of offloaded units overlap compute (a reader ahead of the forward); the time prediction reads it
     overlaps_io: bool = False
+    #: on a GPU, a store's packed tensors (``Store.packed``) are copied as held and decoded on the device, not on the
+    #: host; the time prediction reads it
+    decodes_on_device: bool = False
 
     @abstractmethod
     def attach(self, model: nn.Module, context: PolicyContext) -> PolicyHandle:

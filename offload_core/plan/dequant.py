@@ -108,6 +108,8 @@ def dequant_lines(rows: list[dict[str, Any]], per: str = "generated token") -> l
     for row in rows:
         seconds = row.get("predicted_s")
         time_ = f"{seconds * 1e3:.1f} ms" if seconds is not None else "not predicted"
+        if row.get("on_device"):
+            time_ = "on the device"
         extra = ", with transformers' processor pass" if row["converted"] else ""
         lines.append(
             f"  {row['type']} x{row['tensors']}{extra}: {format_size(row['read_bytes'])} -> "

@@ -216,10 +216,17 @@ def plan_dequant_s(plan: Any, policy: Any, execution_device: torch.device, refre
     """Seconds per forward dequantizing what the plan reads from a GGUF file in place (0 for other stores), at this
     machine's rates (:mod:`.dequant`); each of ``plan.dequant``'s rows gets its ``predicted_s``. A policy that
     overlaps its reads fills the buffers it holds on a CPU run (``hook=prefetch``); the others read through the
-    store's own pool of buffers (:mod:`offload_core.storage.gguf.buffers`): no allocation per read either."""
+    store's own pool of buffers (:mod:`offload_core.storage.gguf.buffers`): no allocation per read either. On a GPU a
+    policy that ``decodes_on_device`` dequantizes a float32 run's blocks there (rows marked ``on_device``: no host
+    time)."""
     from offload_core.plan.dequant import dequant_rates, dequant_seconds
+    from offload_core.storage.gguf.dequant import fast_types
 
-    rows = plan.dequant
+    float32 = plan.dtype in (None, torch.float32)
+    device = devices.is_accelerator(execution_device) and policy.decodes_on_device and float32
+    for row in plan.dequant:  # on a GPU the blocks of a type with a kernel cross as they are, dequantized there
+        row["on_device"] = device and row["type"] in fast_types()
+    rows = [row for row in plan.dequant if not row["on_device"]]
     if not rows:
         return 0.0
     rates = dequant_rates({row["type"] for row in rows}, refresh)

@@ -7,7 +7,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 import torch
 
@@ -102,6 +102,21 @@ def written(
     return Slices(flat.numel() * dtype.itemsize, slices), dtype, 0
 
 
+class DevicePacked(Protocol):
+    """A tensor a store holds in a form a module hook copies as it is and decodes on its execution device, into the
+    tensor's own bytes (bit for bit what ``store[name]`` returns)."""
+
+    #: tensors of one kind decode in one scratch on the device, made by the first of them
+    kind: ClassVar[str]
+
+    def new_scratch(self, device: torch.device) -> Any:
+        """Fixed buffers on ``device`` that every tensor of this kind decodes in (its ``nbytes``: their bytes)."""
+
+    def decode_on_device(self, out: torch.Tensor, scratch: Any, name: str) -> None:
+        """Queue on the current stream the copies of the held bytes into ``scratch`` and their decoding into ``out``
+        (a contiguous tensor of the tensor's bytes on the scratch's device)."""
+
+
 class Store(Mapping):
     """Offloaded tensors by name.
 
@@ -191,10 +206,10 @@ class Store(Mapping):
         hands out (a quantized file's blocks); None (the default): the tensor's own bytes."""
         return None
 
-    def packed(self, name: str) -> Any:
-        """``name`` held in a lossless code (:class:`offload_core.storage.codec.Packed`) that a module hook copies as
-        is and decodes on its execution device (:func:`offload_core.storage.codec.decode_into`); None (the default)
-        where ``store[name]`` is what a read moves."""
+    def packed(self, name: str) -> DevicePacked | None:
+        """``name`` as the store holds it, for a module hook to copy as it is and decode on its execution device (a
+        lossless code, :class:`offload_core.storage.codec.Packed`; a GGUF tensor's quantized blocks); None (the
+        default) where ``store[name]`` is what a read moves."""
         return None
 
     def drop(self, name: str) -> bool:

@@ -8,7 +8,7 @@ import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
@@ -59,6 +59,14 @@ class Packed:
     dtype: torch.dtype
     chunk: int  # the most elements of a chunk, here or in the other tensors decoded with the same scratch
     _host: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: the tensors of one kind decode in one scratch on the device (:class:`offload_core.storage.base.DevicePacked`)
+    kind: ClassVar[str] = "exponent"
+
+    def new_scratch(self, device: torch.device) -> Scratch:
+        return Scratch(device, self.chunk)
+
+    def decode_on_device(self, out: torch.Tensor, scratch: Scratch, name: str) -> None:
+        decode_into(self, out, scratch, name)
 
     @property
     def host(self) -> np.ndarray:

@@ -10,22 +10,22 @@ import torch
 
 from offload_core.module_hooks.prefetch.prefetcher import Prefetcher
 from offload_core.module_hooks.prefetch.transfer import Streams
-from offload_core.storage import codec
 from offload_core.storage.base import Store
 
 
 class Decoder:
-    """The prefetcher's device decoding: one :class:`codec.Scratch` on the execution device, made at the first packed
-    tensor (sized by its chunks) and used by the reader and, on a miss, the compute thread in turn."""
+    """The prefetcher's device decoding: one scratch on the execution device per kind of packed tensor
+    (:class:`offload_core.storage.base.DevicePacked`), made at the first tensor of that kind and used by the reader
+    and, on a miss, the compute thread in turn."""
 
     def __init__(self, accel: Streams) -> None:
         self.accel = accel
-        self.scratch: codec.Scratch | None = None
+        self.scratches: dict[str, Any] = {}
         self.decoded = 0  # tensors decoded on the device
         self._lock = threading.Lock()
 
     def decode(self, store: Mapping[str, torch.Tensor], key: str, dst_bytes: torch.Tensor) -> bool:
-        """Queue ``key``'s packed chunks' copies and decoding into ``dst_bytes`` on the side stream (whose event,
+        """Queue ``key``'s packed bytes' copies and decoding into ``dst_bytes`` on the side stream (whose event,
         recorded after the unit's tensors, covers them); False where there is nothing to decode (a CPU run, a store
         or tensor held raw): the caller copies as usual."""
         if not self.accel.cuda or not isinstance(store, Store):
@@ -34,22 +34,23 @@ class Decoder:
         if packed is None:
             return False
         with self._lock:
-            if self.scratch is None:
-                self.scratch = codec.Scratch(self.accel.device, packed.chunk)
+            scratch = self.scratches.get(packed.kind)
+            if scratch is None:
+                scratch = self.scratches[packed.kind] = packed.new_scratch(self.accel.device)
             with self.accel.on_side():
-                codec.decode_into(packed, dst_bytes, self.scratch, key)
+                packed.decode_on_device(dst_bytes, scratch, key)
             self.decoded += 1
         return True
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the scratch (0 before the first packed tensor)."""
-        return self.scratch.nbytes if self.scratch is not None else 0
+        """Device bytes of the scratches (0 before the first packed tensor)."""
+        return sum(scratch.nbytes for scratch in self.scratches.values())
 
     def clear(self) -> None:
-        """Let the scratch go (the side stream was synchronized: nothing queued reads it)."""
+        """Let the scratches go (the side stream was synchronized: nothing queued reads them)."""
         with self._lock:
-            self.scratch = None
+            self.scratches.clear()
 
 
 class DecodingPrefetcher(Prefetcher):

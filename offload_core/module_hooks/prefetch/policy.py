@@ -83,6 +83,7 @@ class Prefetch(Policy):
     granularity = "block"
     keeps_page_cache = True
     overlaps_io = True
+    decodes_on_device = True  # DecodingPrefetcher
 
     def __init__(self, config: PrefetchConfig) -> None:
         from offload_core.errors import ConfigError

@@ -16,9 +16,11 @@ from offload_core.errors import CheckpointError
 __all__ = [
     "UnsupportedTensorType",
     "block_shape",
+    "buffers_in",
     "copy_inline",
     "dequantize_into",
     "fast_types",
+    "has_kernel",
     "supported",
     "type_name",
 ]
@@ -78,6 +80,18 @@ def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     if buffer is None or buffer.numel() < count:
         buffer = buffers[key] = torch.empty(count, dtype=dtype, device=device)
     return buffer[:count].view(shape)
+
+
+@contextmanager
+def buffers_in(held: dict) -> Iterator[None]:
+    """The kernels' scratch buffers taken from ``held`` on the calling thread while the block runs (a device
+    decoder's own, used by the threads that decode in turn: the device keeps one set, not one a thread)."""
+    before = getattr(_THREAD, "buffers", None)
+    _THREAD.buffers = held
+    try:
+        yield
+    finally:
+        _THREAD.buffers = before
 
 
 def _planes(blocks: torch.Tensor) -> torch.Tensor:
@@ -290,6 +304,11 @@ def one_thread(device: torch.device) -> Iterator[None]:
 def fast_types() -> list[str]:
     """The names of the types these torch kernels dequantize (the others go through gguf-py's numpy code)."""
     return [type_name(kind) for kind in _KERNELS]
+
+
+def has_kernel(kind: int) -> bool:
+    """Whether tensor type ``kind`` has a torch kernel here (one that runs on any device)."""
+    return int(kind) in _KERNELS
 
 
 def supported(kind: int) -> bool:

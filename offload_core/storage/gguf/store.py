@@ -12,6 +12,7 @@ from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.gguf.buffers import BufferPool
+from offload_core.storage.gguf.device import DeviceBlocks, decodes_on_device
 from offload_core.storage.pagecache import drop_named, span_of, will_need
 
 
@@ -37,6 +38,7 @@ class GGUFStore(Store):
     ``raw``, ``stored_nbytes``, ``byte_range``, ``shape``)."""
 
     reads_into = True  # dequantizes into the caller's buffer
+    packs = True  # a GPU run may copy a tensor's quantized blocks and dequantize them there (:meth:`packed`)
 
     def __init__(self, context: StoreContext, hold: bool = False) -> None:
         checkpoint = context.checkpoint
@@ -80,6 +82,23 @@ class GGUFStore(Store):
         """Dequantize ``name`` into ``out`` (the caller's buffer, its shape and the run's dtype)."""
         with torch.inference_mode(False):
             self.checkpoint.read_into(self._refs[name], out, self._held.get(name))
+
+    def packed(self, name: str) -> DeviceBlocks | None:
+        """``name``'s quantized blocks, for a GPU run to dequantize on the device, where that gives what
+        :meth:`read_into` gives: a float32 run, a type with a torch kernel, a tensor transformers' processor leaves
+        as it is or un-permutes (llama's q and k); None for the others (dequantized on the host)."""
+        key = self._refs[name]
+        checkpoint = self.checkpoint
+        if self.dtype != torch.float32 or checkpoint.computes_quantized(key):  # packed for a quantized kernel
+            return None
+        heads = None if checkpoint.converted_in_place(key) else checkpoint.permuted_heads(key)
+        if heads is None and not checkpoint.converted_in_place(key):
+            return None
+        kind, shape = checkpoint.ggml_type(key), tuple(checkpoint.shape(key))
+        if not decodes_on_device(kind, shape, heads):
+            return None
+        raw = self._held.get(name)
+        return DeviceBlocks(checkpoint.raw(key) if raw is None else raw, kind, shape, heads)
 
     def held_nbytes(self) -> int:
         """Bytes of quantized blocks held in memory (0 unless ``hold``)."""

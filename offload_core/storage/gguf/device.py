@@ -1,0 +1,104 @@
+"""A GGUF tensor decoded on the execution device: a GPU run copies its quantized blocks as the file holds them (an
+eighth to a quarter of float32's bytes for the 4- and 8-bit types) and dequantizes them there with the same kernels,
+bit for bit, a pass of at most :data:`DEVICE_PASS` elements at a time through fixed scratch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from offload_core.storage.gguf.dequant import block_shape, buffers_in, dequantize_into, has_kernel
+
+#: elements one pass dequantizes on the device: bounds the scratch (:func:`scratch_bytes`)
+DEVICE_PASS = 2**20
+#: the kernels' own buffers and temporaries, in bytes per element of a pass, every type's held at once: 7.95 (Q6_K
+#: run after the others) on the fake accelerator, which counts every device allocation, and one more for what a
+#: change of kernel may add (tests/storage/test_gguf_device.py holds the kernels to it)
+KERNEL_BYTES = 9
+
+
+def scratch_bytes() -> int:
+    """Device bytes of a :class:`DeviceScratch` once every type has run: a pass's blocks (float32's 4 bytes an element
+    the widest), its values to un-permute (4), and the kernels' buffers."""
+    return DEVICE_PASS * (4 + 4 + KERNEL_BYTES)
+
+
+class DeviceScratch:
+    """Fixed buffers on one device that every GGUF tensor of a run decodes through."""
+
+    def __init__(self, device: torch.device) -> None:
+        with torch.inference_mode(False):  # written in place by every pass: never inference tensors
+            self.raw = torch.empty(DEVICE_PASS * 4, dtype=torch.uint8, device=device)
+            self.values = torch.empty(DEVICE_PASS, dtype=torch.float32, device=device)
+        self.kernels: dict = {}  # the dequantization kernels' buffers on this device
+
+    @property
+    def nbytes(self) -> int:
+        held = sum(b.numel() * b.element_size() for b in self.kernels.values())
+        return self.raw.numel() + 4 * self.values.numel() + held
+
+    def blocks(self, part: torch.Tensor) -> torch.Tensor:
+        """``part`` (host blocks, ``(n, block bytes)`` uint8) copied into the scratch (queued on the current stream)."""
+        out = self.raw[: part.numel()].view(part.shape)
+        out.copy_(part, non_blocking=True)
+        return out
+
+
+def decodes_on_device(kind: int, shape: tuple[int, ...], heads: int | None) -> bool:
+    """Whether a tensor of GGML type ``kind`` and ``shape`` (un-permuted by ``heads`` where llama's processor does)
+    can be dequantized on a device here: a type with a torch kernel, whole blocks per row where rows move."""
+    if not has_kernel(kind):
+        return False
+    if heads is None:
+        return True
+    elements, _ = block_shape(kind)
+    rows = shape[0] if shape else 0
+    return len(shape) == 2 and rows % (2 * heads) == 0 and shape[1] % elements == 0 and 2 * shape[1] <= DEVICE_PASS
+
+
+@dataclass
+class DeviceBlocks:
+    """A GGUF tensor's quantized blocks in host memory (the mapped file, or held), to decode on a device."""
+
+    raw: torch.Tensor  # uint8, the tensor's blocks
+    ggml: int  # the GGML type
+    shape: tuple[int, ...]  # the tensor's shape, as the model takes it
+    heads: int | None  # llama's q and k: un-permuted by this many heads, as transformers' processor does
+    kind: ClassVar[str] = "gguf"
+
+    def new_scratch(self, device: torch.device) -> DeviceScratch:
+        return DeviceScratch(device)
+
+    def decode_on_device(self, out: torch.Tensor, scratch: DeviceScratch, name: str) -> None:
+        values = out.view(torch.float32).view(-1)
+        elements, nbytes = block_shape(self.ggml)
+        blocks = self.raw.reshape(-1, nbytes)
+        with torch.inference_mode(False), buffers_in(scratch.kernels):
+            if self.heads is None:
+                step = max(DEVICE_PASS // elements, 1)
+                for start in range(0, blocks.shape[0], step):
+                    part = blocks[start : start + step]
+                    target = values[start * elements : (start + part.shape[0]) * elements]
+                    dequantize_into(scratch.blocks(part), self.ggml, target)
+                return
+            self._unpermuted(values, blocks, elements, scratch)
+
+    def _unpermuted(self, values: torch.Tensor, blocks: torch.Tensor, elements: int, scratch: DeviceScratch) -> None:
+        """Llama's q or k: each pass an even run of a head's rows, dequantized into the scratch and moved to where
+        transformers' processor puts them (``out[h, j, i] = source[h, 2 i + j]``)."""
+        rows, cols = self.shape
+        heads = int(self.heads)
+        per_head = rows // heads
+        step = max(DEVICE_PASS // cols // 2 * 2, 2)
+        per_row = cols // elements
+        out = values.view(heads, 2, per_head // 2, cols)
+        for head in range(heads):
+            for first in range(0, per_head, step):
+                last = min(first + step, per_head)
+                row = head * per_head + first
+                part = blocks[row * per_row : (row + last - first) * per_row]
+                chunk = scratch.values[: (last - first) * cols]
+                dequantize_into(scratch.blocks(part), self.ggml, chunk)
+                out[head, :, first // 2 : last // 2].copy_(chunk.view((last - first) // 2, 2, cols).transpose(0, 1))

@@ -1,0 +1,161 @@
+"""A GPU run of a GGUF file read in place (on the fake accelerator): each offloaded tensor's quantized blocks are
+copied to the device as the file holds them and dequantized there, through fixed scratch, bit for bit what the host
+dequantizes and transformers' own model of the file computes; another dtype is dequantized on the host as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import offload_core
+from offload_core.storage.gguf import device
+from offload_core.storage.gguf.dequant import dequantize_into, fast_types, unpermute_into
+from offload_core.storage.gguf.rates import random_blocks
+from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
+from tests.gpu_budgets import on_gpu
+
+TYPES = {
+    "ffn_down": int(T.Q4_K),
+    "ffn_up": int(T.Q8_0),
+    "attn_k": int(T.Q4_0),
+    "ffn_gate": int(T.Q5_0),
+    "attn_q": int(T.Q6_K),
+    "attn_v": int(T.Q5_K),
+    "output.weight": int(T.Q5_1),
+}
+IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_gguf(tmp_path_factory.mktemp("gguf-device") / "llama.gguf", "llama", TYPES, default=int(T.Q4_1))
+    reference = transformers_model(path)
+    with torch.no_grad():
+        logits = reference(IDS).logits
+        tokens = reference.generate(IDS, max_new_tokens=4, do_sample=False)
+    return path, logits, tokens
+
+
+def _on_gpu(fake, path, dtype=None):
+    on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map().items()}
+    offload = {"storage": "gguf", "policy": "prefetch", "device_map": on_device, "execution_device": fake.device(0)}
+    return offload_core.from_pretrained(
+        path, offload={**offload, "over_budget": "warn", "progress": False}, max_memory={0: "64MiB"}, dtype=dtype
+    )
+
+
+def test_a_gpu_run_dequantizes_the_offloaded_blocks_on_the_device_bit_for_bit(tiny, fake_gpu):
+    path, logits, tokens = tiny
+    fake = fake_gpu(count=1, memory="1GiB")
+    model = _on_gpu(fake, path)
+    try:
+        ids = IDS.to(fake.device(0))
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits.cpu(), logits)
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False).cpu(), tokens)
+        prefetcher = model.offload_state.handle.prefetcher
+        offloaded = {key for unit in prefetcher.units for key in unit.keys}
+        assert prefetcher.decoder.decoded >= len(offloaded) > 0  # every offloaded tensor, on the device
+        assert set(prefetcher.decoder.scratches) == {"gguf"}
+        assert not fake.hazards
+    finally:
+        model.offload_state.remove()
+
+
+def test_another_dtype_is_dequantized_on_the_host(tiny, fake_gpu):
+    path, _, _ = tiny
+    fake = fake_gpu(count=1, memory="1GiB")
+    model = _on_gpu(fake, path, dtype=torch.bfloat16)
+    try:
+        with torch.no_grad():
+            model(IDS.to(fake.device(0)))
+        assert model.offload_state.handle.prefetcher.decoder.decoded == 0
+    finally:
+        model.offload_state.remove()
+
+
+@pytest.mark.parametrize("heads", [None, 4])
+@pytest.mark.parametrize("name", fast_types())
+def test_the_passes_give_what_the_host_dequantizes(name, heads, fake_gpu, monkeypatch):
+    """Small passes (many per tensor, several per head of an un-permuted q) write what one host call writes."""
+    monkeypatch.setattr(device, "DEVICE_PASS", 4096)
+    fake = fake_gpu(count=1, memory="64MiB")
+    kind = int(T[name])
+    rows, cols = 64, 1024 if heads else 777
+    if not device.decodes_on_device(kind, (rows, cols), heads) or (rows * cols) % device.block_shape(kind)[0]:
+        pytest.skip(f"{name} rows of {cols} hold no whole blocks")
+    raw = random_blocks(kind, rows * cols, seed=kind)
+    want = dequantize_into(raw, kind, torch.empty(rows * cols))
+    if heads:
+        want = unpermute_into(want, heads, torch.empty(rows, cols))
+    out = torch.empty(rows, cols, device=fake.device(0))
+    device.DeviceBlocks(raw, kind, (rows, cols), heads).decode_on_device(out, device.DeviceScratch(out.device), "w")
+    assert torch.equal(out.cpu().view(torch.int32), want.view(rows, cols).view(torch.int32))
+
+
+def test_the_scratch_holds_every_kernels_buffers_within_what_the_plan_reserves(fake_gpu):
+    """Every type with a kernel through one scratch, a tensor of more than one pass each (and llama's un-permuted
+    q): the device's peak beside the outputs stays within :func:`device.scratch_bytes`."""
+    fake = fake_gpu(count=1, memory="512MiB")
+    scratch, peak = None, 0
+    for index, name in enumerate(fast_types()):
+        kind = int(T[name])
+        elements = device.DEVICE_PASS + 4096 * 64
+        raw = random_blocks(kind, elements, seed=index)
+        out = torch.empty(elements, device=fake.device(0))
+        base = fake.memory_allocated(0)
+        fake.reset_peak_memory_stats(0)
+        scratch = scratch or device.DeviceScratch(out.device)
+        held = scratch.nbytes if index else 0
+        heads = 8 if name == "Q4_0" else None
+        shape = (elements // 4096, 4096) if heads else (elements,)
+        device.DeviceBlocks(raw, kind, shape, heads).decode_on_device(out, scratch, name)
+        fake.synchronize()
+        peak = max(peak, fake.max_memory_allocated(0) - base + held)
+    assert 0 < scratch.nbytes <= peak <= device.scratch_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_blocks_cross_quantized_and_give_the_gpu_models_logits(tiny):
+    """On CUDA: half the model streamed as its quantized blocks and dequantized on the GPU gives the logits and
+    tokens of transformers' own model of the file on that GPU, bit for bit."""
+    path, _, _ = tiny
+    reference = transformers_model(path).to("cuda")
+    ids = IDS.to("cuda")
+    with torch.no_grad():
+        logits = reference(ids).logits
+        tokens = reference.generate(ids, max_new_tokens=4, do_sample=False)
+    del reference
+    on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map().items()}
+    model = offload_core.from_pretrained(
+        path,
+        offload={"storage": "gguf", "policy": "prefetch", "device_map": on_device, "execution_device": "cuda:0"},
+        max_memory={0: on_gpu(64 * 2**20), "cpu": "1GiB"},
+    )
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+        assert model.offload_state.handle.prefetcher.decoder.decoded > 0
+    finally:
+        model.offload_state.remove()
+
+
+def test_the_prediction_prices_no_host_dequantization_for_what_the_device_decodes(tiny, fake_gpu):
+    from offload_core.plan.dequant import dequant_lines
+    from offload_core.plan.predict import plan_dequant_s
+    from offload_core.registry.manager import get_registry
+
+    path, _, _ = tiny
+    fake = fake_gpu(count=1, memory="1GiB")
+    model = _on_gpu(fake, path)
+    try:
+        plan, policy = model.offload_plan, get_registry().create("policy", "prefetch", {})
+        assert plan.dequant and policy.decodes_on_device
+        assert plan_dequant_s(plan, policy, fake.device(0)) == 0.0
+        assert all(row["on_device"] for row in plan.dequant)
+        assert all(line.endswith("on the device") for line in dequant_lines(plan.dequant)[1:-1])
+    finally:
+        model.offload_state.remove()
