@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import offload_core
+from offload_core.registry.manager import get_registry
 from offload_core.storage.gguf import device
 from offload_core.storage.gguf.dequant import dequantize_into, fast_types, unpermute_into
 from offload_core.storage.gguf.rates import random_blocks
@@ -27,9 +28,10 @@ TYPES = {
 IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = write_gguf(tmp_path_factory.mktemp("gguf-device") / "llama.gguf", "llama", TYPES, default=int(T.Q4_1))
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    arch = request.param
+    path = write_gguf(tmp_path_factory.mktemp("gguf-device") / f"{arch}.gguf", arch, TYPES, default=int(T.Q4_1))
     reference = transformers_model(path)
     with torch.no_grad():
         logits = reference(IDS).logits
@@ -37,18 +39,21 @@ def tiny(tmp_path_factory):
     return path, logits, tokens
 
 
-def _on_gpu(fake, path, dtype=None):
+def _on_gpu(fake, path, dtype=None, resident="dequantized"):
     on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map().items()}
-    offload = {"storage": "gguf", "policy": "prefetch", "device_map": on_device, "execution_device": fake.device(0)}
+    storage = get_registry().create("storage", "gguf", {"resident": resident})
+    offload = {"storage": storage, "policy": "prefetch", "device_map": on_device, "execution_device": fake.device(0)}
     return offload_core.from_pretrained(
         path, offload={**offload, "over_budget": "warn", "progress": False}, max_memory={0: "64MiB"}, dtype=dtype
     )
 
 
-def test_a_gpu_run_dequantizes_the_offloaded_blocks_on_the_device_bit_for_bit(tiny, fake_gpu):
+@pytest.mark.parametrize("resident", ["dequantized", "quantized"])
+def test_a_gpu_run_dequantizes_the_offloaded_blocks_on_the_device_bit_for_bit(tiny, resident, fake_gpu):
+    """The blocks read from the file in place, or held quantized in host memory."""
     path, logits, tokens = tiny
     fake = fake_gpu(count=1, memory="1GiB")
-    model = _on_gpu(fake, path)
+    model = _on_gpu(fake, path, resident=resident)
     try:
         ids = IDS.to(fake.device(0))
         with torch.no_grad():
@@ -146,7 +151,6 @@ def test_on_a_gpu_the_blocks_cross_quantized_and_give_the_gpu_models_logits(tiny
 def test_the_prediction_prices_no_host_dequantization_for_what_the_device_decodes(tiny, fake_gpu):
     from offload_core.plan.dequant import dequant_lines
     from offload_core.plan.predict import plan_dequant_s
-    from offload_core.registry.manager import get_registry
 
     path, _, _ = tiny
     fake = fake_gpu(count=1, memory="1GiB")
