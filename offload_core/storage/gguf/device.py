@@ -11,8 +11,9 @@ import torch
 
 from offload_core.storage.gguf.dequant import block_shape, buffers_in, dequantize_into, has_kernel
 
-#: elements one pass dequantizes on the device: bounds the scratch (:func:`scratch_bytes`)
-DEVICE_PASS = 2**20
+#: elements one pass dequantizes on the device: bounds the scratch (:func:`scratch_bytes`: 68 MiB) while keeping the
+#: kernel launches few (each pass launches ten or so: a 4096 x 4096 tensor takes four passes)
+DEVICE_PASS = 2**22
 #: the kernels' own buffers and temporaries, in bytes per element of a pass, every type's held at once: 7.95 (Q6_K
 #: run after the others) on the fake accelerator, which counts every device allocation, and one more for what a
 #: change of kernel may add (tests/storage/test_gguf_device.py holds the kernels to it)
