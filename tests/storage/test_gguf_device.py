@@ -61,6 +61,8 @@ def test_a_gpu_run_dequantizes_the_offloaded_blocks_on_the_device_bit_for_bit(ti
             assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False).cpu(), tokens)
         prefetcher = model.offload_state.handle.prefetcher
         offloaded = {key for unit in prefetcher.units for key in unit.keys}
+        held = [model.offload_state.store.packed(key).raw for key in offloaded]
+        assert all(fake.is_pinned(raw) for raw in held) == (resident == "quantized")  # held: page-locked
         assert prefetcher.decoder.decoded >= len(offloaded) > 0  # every offloaded tensor, on the device
         assert set(prefetcher.decoder.scratches) == {"gguf"}
         assert not fake.hazards

@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from offload_core import devices
 from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
 from offload_core.storage.checkpoint import Checkpoint
@@ -50,14 +51,21 @@ class GGUFStore(Store):
         #: what ``store[name]`` dequantizes into: a buffer handed out before and dropped since by everything it was
         #: handed to (no allocation, nor the page faults of new memory, per read)
         self.buffers = BufferPool()
-        #: with ``hold``: each tensor's quantized blocks copied into memory at load, read from there (no disk reads)
+        #: with ``hold``: each tensor's quantized blocks copied into memory at load, read from there (no disk reads);
+        #: page-locked on a GPU run, whose copies of them to the device (:meth:`packed`) then run asynchronously
         self.hold = hold
         self._held: dict[str, torch.Tensor] = {}
+        accelerator = devices.active()
+        pinned = hold and context.pin_memory and accelerator.available()
+        size = sum(checkpoint.stored_nbytes(key) for key in context.names if key in checkpoint) if pinned else 0
+        self.arena = devices.PinnedArena(accelerator, size) if pinned else None
 
     def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         self._refs[name] = key  # only the header is consulted: the blocks are read as the model runs
         if self.hold:  # the quantized bytes copied into memory: read from there from now on
-            self._held[name] = self.checkpoint.raw(key).clone()
+            raw = self.checkpoint.raw(key)
+            held = raw.clone() if self.arena is None else self.arena.take(tuple(raw.shape), raw.dtype).copy_(raw)
+            self._held[name] = held
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         raise StorageError(
@@ -135,6 +143,11 @@ class GGUFStore(Store):
 
     def file_ranges(self, name: str, start: int, end: int) -> list[tuple[Path, int, int]]:
         return []  # handed out as a copy: nothing of it is computed on where it lies
+
+    def close(self) -> None:
+        self._held.clear()
+        if self.arena is not None:
+            self.arena.close()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._refs)
