@@ -36,7 +36,8 @@ def page_aligned(nbytes: int) -> torch.Tensor:
     torch asks whether a tensor is pinned at its storage's start (its copies during a graph capture refuse one that
     is not), so a range registered with the driver must begin there."""
     pages = -(-nbytes // PAGE) * PAGE
-    return torch.frombuffer(mmap.mmap(-1, pages), dtype=torch.uint8)[:nbytes]
+    private = mmap.mmap(-1, pages, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # anonymous memory, as RSS counts it
+    return torch.frombuffer(private, dtype=torch.uint8)[:nbytes]
 
 
 def _pow2(n: int) -> int:

@@ -5,6 +5,8 @@ and its copies went through the staging buffers)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,6 +24,19 @@ def test_an_arena_starts_its_storage_at_its_first_page(nbytes):
     view = arena[nbytes // 2 :]
     del arena
     assert int(view.sum()) == 7 * view.numel()  # a view keeps the pages alive
+
+
+def _rss_anon() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:"))) * 1024
+
+
+def test_an_arena_is_private_anonymous_memory_as_rss_counts_it():
+    """Not shared memory: the anonymous RSS a budget is held to counts it (a forked process gets its own copy)."""
+    before = _rss_anon()
+    arena = page_aligned(64 * 2**20)
+    arena.fill_(1)
+    assert _rss_anon() - before >= 60 * 2**20
 
 
 def test_the_fake_accelerator_asks_at_the_storage_start_as_torch_does(fake_gpu):
