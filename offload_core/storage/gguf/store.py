@@ -55,6 +55,7 @@ class GGUFStore(Store):
         #: page-locked on a GPU run, whose copies of them to the device (:meth:`packed`) then run asynchronously
         self.hold = hold
         self._held: dict[str, torch.Tensor] = {}
+        self._packed: dict[str, DeviceBlocks | None] = {}
         accelerator = devices.active()
         pinned = hold and context.pin_memory and accelerator.available()
         size = sum(checkpoint.stored_nbytes(key) for key in context.names if key in checkpoint) if pinned else 0
@@ -94,7 +95,13 @@ class GGUFStore(Store):
     def packed(self, name: str) -> DeviceBlocks | None:
         """``name``'s quantized blocks, for a GPU run to dequantize on the device, where that gives what
         :meth:`read_into` gives: a float32 run, a type with a torch kernel, a tensor transformers' processor leaves
-        as it is or un-permutes (llama's q and k); None for the others (dequantized on the host)."""
+        as it is or un-permutes (llama's q and k); None for the others (dequantized on the host). Worked out once a
+        tensor."""
+        if name not in self._packed:
+            self._packed[name] = self._device_blocks(name)
+        return self._packed[name]
+
+    def _device_blocks(self, name: str) -> DeviceBlocks | None:
         key = self._refs[name]
         checkpoint = self.checkpoint
         if self.dtype != torch.float32 or checkpoint.computes_quantized(key):  # packed for a quantized kernel
@@ -146,6 +153,7 @@ class GGUFStore(Store):
 
     def close(self) -> None:
         self._held.clear()
+        self._packed.clear()
         if self.arena is not None:
             self.arena.close()
 
