@@ -87,19 +87,30 @@ class DeviceBlocks:
             self._unpermuted(values, blocks, elements, scratch)
 
     def _unpermuted(self, values: torch.Tensor, blocks: torch.Tensor, elements: int, scratch: DeviceScratch) -> None:
-        """Llama's q or k: each pass an even run of a head's rows, dequantized into the scratch and moved to where
-        transformers' processor puts them (``out[h, j, i] = source[h, 2 i + j]``)."""
+        """Llama's q or k: each pass whole heads' rows (or an even run of one head's), dequantized into the scratch
+        and moved to where transformers' processor puts them (``out[h, j, i] = source[h, 2 i + j]``)."""
         rows, cols = self.shape
         heads = int(self.heads)
-        per_head = rows // heads
-        step = max(DEVICE_PASS // cols // 2 * 2, 2)
-        per_row = cols // elements
+        per_head, per_row = rows // heads, cols // elements
+        step = max(DEVICE_PASS // cols // 2 * 2, 2)  # rows a pass holds
         out = values.view(heads, 2, per_head // 2, cols)
-        for head in range(heads):
+        if step >= per_head:  # whole heads a pass
+            group = step // per_head
+            for head in range(0, heads, group):
+                last = min(head + group, heads)
+                chunk = self._pass(blocks, head * per_head, (last - head) * per_head, per_row, cols, scratch)
+                out[head:last].copy_(chunk.view(last - head, per_head // 2, 2, cols).transpose(1, 2))
+            return
+        for head in range(heads):  # a head's rows in even runs
             for first in range(0, per_head, step):
                 last = min(first + step, per_head)
-                row = head * per_head + first
-                part = blocks[row * per_row : (row + last - first) * per_row]
-                chunk = scratch.values[: (last - first) * cols]
-                dequantize_into(scratch.blocks(part), self.ggml, chunk)
+                chunk = self._pass(blocks, head * per_head + first, last - first, per_row, cols, scratch)
                 out[head, :, first // 2 : last // 2].copy_(chunk.view((last - first) // 2, 2, cols).transpose(0, 1))
+
+    def _pass(
+        self, blocks: torch.Tensor, row: int, count: int, per_row: int, cols: int, scratch: DeviceScratch
+    ) -> torch.Tensor:
+        """Rows ``row`` to ``row + count`` dequantized into the scratch's values."""
+        chunk = scratch.values[: count * cols]
+        dequantize_into(scratch.blocks(blocks[row * per_row : (row + count) * per_row]), self.ggml, chunk)
+        return chunk
