@@ -217,13 +217,12 @@ def plan_dequant_s(plan: Any, policy: Any, execution_device: torch.device, refre
     machine's rates (:mod:`.dequant`); each of ``plan.dequant``'s rows gets its ``predicted_s``. A policy that
     overlaps its reads fills the buffers it holds on a CPU run (``hook=prefetch``); the others read through the
     store's own pool of buffers (:mod:`offload_core.storage.gguf.buffers`): no allocation per read either. On a GPU a
-    policy that ``decodes_on_device`` dequantizes a float32 run's blocks there (rows marked ``on_device``: no host
+    policy that ``decodes_on_device`` dequantizes the blocks there (rows marked ``on_device``: no host
     time)."""
     from offload_core.plan.dequant import dequant_rates, dequant_seconds
     from offload_core.storage.gguf.dequant import fast_types
 
-    float32 = plan.dtype in (None, torch.float32)
-    device = devices.is_accelerator(execution_device) and policy.decodes_on_device and float32
+    device = devices.is_accelerator(execution_device) and policy.decodes_on_device
     for row in plan.dequant:  # on a GPU the blocks of a type with a kernel cross as they are, dequantized there
         row["on_device"] = device and row["type"] in fast_types()
     rows = [row for row in plan.dequant if not row["on_device"]]

@@ -1,6 +1,6 @@
 """A GPU run of a GGUF file read in place (on the fake accelerator): each offloaded tensor's quantized blocks are
 copied to the device as the file holds them and dequantized there, through fixed scratch, bit for bit what the host
-dequantizes and transformers' own model of the file computes; another dtype is dequantized on the host as before."""
+dequantizes and transformers' own model of the file computes (in float32, or rounded to bfloat16 as its load does)."""
 
 from __future__ import annotations
 
@@ -70,14 +70,17 @@ def test_a_gpu_run_dequantizes_the_offloaded_blocks_on_the_device_bit_for_bit(ti
         model.offload_state.remove()
 
 
-def test_another_dtype_is_dequantized_on_the_host(tiny, fake_gpu):
+def test_a_bfloat16_run_rounds_on_the_device_as_transformers_load_does(tiny, fake_gpu):
     path, _, _ = tiny
+    reference = transformers_model(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = reference(IDS).logits
     fake = fake_gpu(count=1, memory="1GiB")
     model = _on_gpu(fake, path, dtype=torch.bfloat16)
     try:
         with torch.no_grad():
-            model(IDS.to(fake.device(0)))
-        assert model.offload_state.handle.prefetcher.decoder.decoded == 0
+            assert torch.equal(model(IDS.to(fake.device(0))).logits.cpu(), logits)
+        assert model.offload_state.handle.prefetcher.decoder.decoded > 0
     finally:
         model.offload_state.remove()
 
@@ -128,11 +131,12 @@ def test_the_scratch_holds_every_kernels_buffers_within_what_the_plan_reserves(f
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_the_blocks_cross_quantized_and_give_the_gpu_models_logits(tiny):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_the_blocks_cross_quantized_and_give_the_gpu_models_logits(tiny, dtype):
     """On CUDA: half the model streamed as its quantized blocks and dequantized on the GPU gives the logits and
     tokens of transformers' own model of the file on that GPU, bit for bit."""
     path, _, _ = tiny
-    reference = transformers_model(path).to("cuda")
+    reference = transformers_model(path, dtype=dtype).to("cuda")
     ids = IDS.to("cuda")
     with torch.no_grad():
         logits = reference(ids).logits
@@ -142,7 +146,8 @@ def test_on_a_gpu_the_blocks_cross_quantized_and_give_the_gpu_models_logits(tiny
     model = offload_core.from_pretrained(
         path,
         offload={"storage": "gguf", "policy": "prefetch", "device_map": on_device, "execution_device": "cuda:0"},
-        max_memory={0: on_gpu(64 * 2**20), "cpu": "1GiB"},
+        max_memory={0: on_gpu(128 * 2**20), "cpu": "1GiB"},
+        dtype=dtype,
     )
     try:
         with torch.no_grad():

@@ -1,6 +1,7 @@
 """A GGUF tensor decoded on the execution device: a GPU run copies its quantized blocks as the file holds them (an
 eighth to a quarter of float32's bytes for the 4- and 8-bit types) and dequantizes them there with the same kernels,
-bit for bit, a pass of at most :data:`DEVICE_PASS` elements at a time through fixed scratch."""
+bit for bit, a pass of at most :data:`DEVICE_PASS` elements at a time through fixed scratch (then rounded to a bf16
+or fp16 run's dtype there, as transformers' load rounds the float32 values)."""
 
 from __future__ import annotations
 
@@ -67,13 +68,14 @@ class DeviceBlocks:
     ggml: int  # the GGML type
     shape: tuple[int, ...]  # the tensor's shape, as the model takes it
     heads: int | None  # llama's q and k: un-permuted by this many heads, as transformers' processor does
+    dtype: torch.dtype = torch.float32  # the run's: another is the float32 values rounded, as transformers' load does
     kind: ClassVar[str] = "gguf"
 
     def new_scratch(self, device: torch.device) -> DeviceScratch:
         return DeviceScratch(device)
 
     def decode_on_device(self, out: torch.Tensor, scratch: DeviceScratch, name: str) -> None:
-        values = out.view(torch.float32).view(-1)
+        values = out.view(self.dtype).view(-1)
         elements, nbytes = block_shape(self.ggml)
         blocks = self.raw.reshape(-1, nbytes)
         with torch.inference_mode(False), buffers_in(scratch.kernels):
@@ -82,9 +84,16 @@ class DeviceBlocks:
                 for start in range(0, blocks.shape[0], step):
                     part = blocks[start : start + step]
                     target = values[start * elements : (start + part.shape[0]) * elements]
-                    dequantize_into(scratch.blocks(part), self.ggml, target)
+                    if self.dtype == torch.float32:
+                        dequantize_into(scratch.blocks(part), self.ggml, target)
+                    else:  # dequantized into the scratch, then rounded into place
+                        target.copy_(self._values(scratch.blocks(part), target.numel(), scratch))
                 return
             self._unpermuted(values, blocks, elements, scratch)
+
+    def _values(self, part: torch.Tensor, count: int, scratch: DeviceScratch) -> torch.Tensor:
+        """``part``'s ``count`` values dequantized into the scratch (float32)."""
+        return dequantize_into(part, self.ggml, scratch.values[:count])
 
     def _unpermuted(self, values: torch.Tensor, blocks: torch.Tensor, elements: int, scratch: DeviceScratch) -> None:
         """Llama's q or k: each pass whole heads' rows (or an even run of one head's), dequantized into the scratch
@@ -111,6 +120,4 @@ class DeviceBlocks:
         self, blocks: torch.Tensor, row: int, count: int, per_row: int, cols: int, scratch: DeviceScratch
     ) -> torch.Tensor:
         """Rows ``row`` to ``row + count`` dequantized into the scratch's values."""
-        chunk = scratch.values[: count * cols]
-        dequantize_into(scratch.blocks(blocks[row * per_row : (row + count) * per_row]), self.ggml, chunk)
-        return chunk
+        return self._values(scratch.blocks(blocks[row * per_row : (row + count) * per_row]), count * cols, scratch)

@@ -94,7 +94,7 @@ class GGUFStore(Store):
 
     def packed(self, name: str) -> DeviceBlocks | None:
         """``name``'s quantized blocks, for a GPU run to dequantize on the device, where that gives what
-        :meth:`read_into` gives: a float32 run, a type with a torch kernel, a tensor transformers' processor leaves
+        :meth:`read_into` gives: a type with a torch kernel, a tensor transformers' processor leaves
         as it is or un-permutes (llama's q and k); None for the others (dequantized on the host). Worked out once a
         tensor."""
         if name not in self._packed:
@@ -104,7 +104,7 @@ class GGUFStore(Store):
     def _device_blocks(self, name: str) -> DeviceBlocks | None:
         key = self._refs[name]
         checkpoint = self.checkpoint
-        if self.dtype != torch.float32 or checkpoint.computes_quantized(key):  # packed for a quantized kernel
+        if not self.dtype.is_floating_point or checkpoint.computes_quantized(key):  # packed for a quantized kernel
             return None
         heads = None if checkpoint.converted_in_place(key) else checkpoint.permuted_heads(key)
         if heads is None and not checkpoint.converted_in_place(key):
@@ -113,7 +113,7 @@ class GGUFStore(Store):
         if not decodes_on_device(kind, shape, heads):
             return None
         raw = self._held.get(name)
-        return DeviceBlocks(checkpoint.raw(key) if raw is None else raw, kind, shape, heads)
+        return DeviceBlocks(checkpoint.raw(key) if raw is None else raw, kind, shape, heads, self.dtype)
 
     def held_nbytes(self) -> int:
         """Bytes of quantized blocks held in memory (0 unless ``hold``)."""
