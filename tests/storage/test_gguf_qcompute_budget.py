@@ -16,6 +16,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from offload_core.loading.checkpoint import Checkpoint
+from offload_core.loading.gguf_checkpoint import gguf_config, naming_model
+from offload_core.loading.gguf_qcompute import compute_quantized
+from offload_core.storage.base import read_tensor
 from offload_core.storage.gguf import qlinear
 from offload_core.storage.gguf.qlinear import PARTS, QuantSpec, pack_into
 from offload_core.storage.gguf.rates import random_blocks
@@ -53,6 +57,25 @@ def test_a_weight_is_packed_a_pass_of_rows_at_a_time_into_the_same_bytes(kind, o
     whole, whole_peak = _pack(raw, spec)
     assert whole_peak > 4 * peak
     assert all(torch.equal(packed[part], whole[part]) for part in PARTS)
+
+
+def test_loading_reads_a_gguf_tensor_into_the_memory_that_holds_it(tmp_path, monkeypatch):
+    """A resident packed tensor, or one dequantized as it lies, is read into its allocation, with ``get``'s bytes
+    (``get`` built it whole beside it: a fully resident 1B-shaped Q4_0 file peaked 0.29 GB over its 0.65 GB budget
+    as its float32 embedding loaded); llama's q of a type left exact still goes through transformers' processor."""
+    path = write_gguf(tmp_path / "llama.gguf", "llama", {"attn_q": int(T.Q5_0)}, default=int(T.Q4_0))
+    with Checkpoint.open(path) as opened:
+        checkpoint = compute_quantized(naming_model(gguf_config(path)), opened, torch.float32)
+        get, built = checkpoint.get, []
+        monkeypatch.setattr(checkpoint, "get", lambda key: built.append(key) or get(key))
+        for key in sorted(checkpoint.sources):
+            held = read_tensor(checkpoint, key, None, False, lambda shape, kind, offset: torch.empty(shape, dtype=kind))
+            assert held.dtype == get(key).dtype and torch.equal(held, get(key)), key
+    assert (
+        any(key.endswith(".qweight") for key in checkpoint.sources)
+        and "model.embed_tokens.weight" in checkpoint.sources
+    )
+    assert built == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)]
 
 
 #: load, run a forward and generate in a fresh process, the peak anonymous RSS sampled every half millisecond from a
