@@ -72,8 +72,8 @@ def leave_exact_reason(kind: int, shape: tuple[int, ...]) -> str | None:
 
 #: elements of a weight packed in one pass: the pass's temporaries (1.5 bytes an element for the int4 layout, 12 for
 #: Q8_0's float32 values, a quarter as many of those) stay a few MiB beside the packed tensor's own buffer, whatever
-#: the weight's size (packed whole, they came on top of what the plan holds: 0.38 GB for a 13B model's Q4_0 LM head;
-#: the 1B preset's Q4_0 run at 800 MB peaked 42 MB over its budget)
+#: the weight's size (packed whole, the whole weight's came on top of what the plan holds: the 1B preset's Q4_0 run
+#: at 800 MB peaked 42 MB over its budget)
 PASS_ELEMENTS = 2**20
 
 
