@@ -193,6 +193,12 @@ class GGUFCheckpoint(Checkpoint):
         name = self.sources[key]
         return kind == "LlamaTensorProcessor" and ".attn_q." not in name and ".attn_k." not in name
 
+    def fills(self, key: str) -> bool:
+        """Whether :meth:`read_into` writes ``key`` into a float32 buffer with nothing of its size beside it: its
+        blocks dequantized as they lie (llama's q and k go through a buffer the thread keeps, another processor's
+        tensors through its numpy code), so that loading reads it into the memory that holds it."""
+        return self.converted_in_place(key)
+
     def read_into(self, key: str, out: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
         """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it (``raw``:
         its quantized blocks where held elsewhere than the mapped file)."""

@@ -69,6 +69,10 @@ class QuantizedGGUFCheckpoint(GGUFCheckpoint):
     def converted_in_place(self, key: str) -> bool:
         return key not in self.packed and super().converted_in_place(key)
 
+    def fills(self, key: str) -> bool:
+        """A packed tensor is packed a pass of rows at a time into the buffer it is read into."""
+        return key in self.packed or super().fills(key)
+
     def read_into(self, key: str, out: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
         if key in self.packed:
             _, part, spec = self.packed[key]

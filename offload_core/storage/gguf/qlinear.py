@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -69,13 +70,29 @@ def leave_exact_reason(kind: int, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def _rows(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``raw`` as ``(out, bytes per row)`` in the row order the model computes with (reordered by one numpy take:
-    torch's ``index_select`` wakes its thread pool)."""
+#: elements of a weight packed in one pass: the pass's temporaries (1.5 bytes an element for the int4 layout, 12 for
+#: Q8_0's float32 values, a quarter as many of those) stay a few MiB beside the packed tensor's own buffer, whatever
+#: the weight's size (packed whole, the whole weight's came on top of what the plan holds: the 1B preset's Q4_0 run
+#: at 800 MB peaked 42 MB over its budget)
+PASS_ELEMENTS = 2**20
+
+
+def _passes(spec: QuantSpec) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` output rows of each pass: whole groups of 64 rows (the int4 layout's unit) of about
+    :data:`PASS_ELEMENTS` elements (a quarter of that for Q8_0's float32 values)."""
+    elements = PASS_ELEMENTS // 4 if spec.bits == 8 else PASS_ELEMENTS
+    step = max(elements // spec.in_features // 64, 1) * 64
+    for start in range(0, spec.out_features, step):
+        yield start, min(start + step, spec.out_features)
+
+
+def _rows(raw: torch.Tensor, spec: QuantSpec, start: int, stop: int) -> torch.Tensor:
+    """Output rows ``start:stop`` of ``raw`` as ``(rows, bytes per row)``, in the row order the model computes with
+    (those rows alone reordered by one numpy take: torch's ``index_select`` wakes its thread pool)."""
     rows = raw.reshape(spec.out_features, -1)
     if spec.rows is None:
-        return rows
-    return torch.from_numpy(np.take(rows.numpy(), np.asarray(spec.rows), axis=0))
+        return rows[start:stop]
+    return torch.from_numpy(np.take(rows.numpy(), np.asarray(spec.rows[start:stop]), axis=0))
 
 
 #: a block's 4-bit values: (byte offset, runs, bytes a run) -- a run's low nibbles are its elements, then its high
@@ -83,11 +100,12 @@ _NIBBLES = {2: (2, 1, 16), 3: (4, 1, 16), 12: (16, 4, 32)}
 
 
 def _int4_weight(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None:
-    """PyTorch's CPU int4 layout of the weight into ``out`` (``(n, k/2)`` uint8): per 64 rows, element k of rows j
-    and j + 32 share a byte (low, high), bytes ordered by k then j (what ``torch._convert_weight_to_int4pack_for_cpu``
-    writes, here without its int32 copy). In numpy, whole-tensor passes on one thread (torch would wake its thread
-    pool for each, which a loaded machine makes many times slower; a reader thread packs beside the compute)."""
-    n, k = spec.out_features, spec.in_features
+    """PyTorch's CPU int4 layout of ``rows`` (whole groups of 64 of the weight's rows) into ``out`` (their ``(n, k/2)``
+    uint8): per 64 rows, element k of rows j and j + 32 share a byte (low, high), bytes ordered by k then j (what
+    ``torch._convert_weight_to_int4pack_for_cpu`` writes, here without its int32 copy). In numpy, on one thread (torch
+    would wake its thread pool for each op, which a loaded machine makes many times slower; a reader thread packs
+    beside the compute)."""
+    n, k = rows.shape[0], spec.in_features
     at, runs, width = _NIBBLES[spec.kind]
     blocks = rows.numpy().reshape(n, -1, block_shape(spec.kind)[1])
     packed = blocks[:, :, at:].reshape(n, -1, runs, width)
@@ -117,51 +135,46 @@ def _int4_scales(blocks: torch.Tensor, kind: int, out: torch.Tensor) -> None:
 
 
 def _int4_scale_rows(rows: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None:
-    """:func:`_int4_scales` into ``out`` (``(in/32, out, 2)`` int16: bfloat16 bits), a few hundred rows at a time."""
+    """:func:`_int4_scales` of ``rows`` into ``out`` (their ``(in/32, rows, 2)`` int16: bfloat16 bits), a few hundred
+    rows at a time."""
     groups = spec.in_features // GROUP
     step = max(GRAIN // (8 * groups), 1)
-    for start in range(0, spec.out_features, step):
+    for start in range(0, rows.shape[0], step):
         part = rows[start : start + step]
         held = torch.empty((groups, part.shape[0], 2), dtype=torch.float32)
         _int4_scales(part.reshape(-1, block_shape(spec.kind)[1]), spec.kind, held)
         out[:, start : start + part.shape[0]].copy_(held.to(torch.bfloat16).view(torch.int16))
 
 
-#: rows of a Q8_0 weight requantized at once (its float32 values taken a slice at a time: an embedding-sized head
-#: would otherwise take several float32 copies of itself while it loads)
-_INT8_ROWS = 4096
-
-
 def _int8(rows: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> None:
-    """Q8_0 (``d * q`` per block of 32) requantized to one scale per output row into ``out`` (``part``): the row's
-    largest magnitude over 127 (rounded to bfloat16), each value rounded to the nearest step (at most half a step
-    off); :data:`_INT8_ROWS` rows at a time, in numpy passes on one thread (as :func:`_int4_weight`)."""
+    """Q8_0 (``d * q`` per block of 32) of ``rows`` requantized to one scale per output row into ``out`` (``part`` of
+    those rows): the row's largest magnitude over 127 (rounded to bfloat16), each value rounded to the nearest step
+    (at most half a step off); in numpy, on one thread (as :func:`_int4_weight`)."""
     k = spec.in_features
-    for start in range(0, spec.out_features, _INT8_ROWS):
-        chunk = rows[start : start + _INT8_ROWS]
-        values = dequantize_into(chunk, spec.kind, torch.empty(chunk.shape[0] * k)).numpy().reshape(-1, k)
-        scale = torch.from_numpy(np.abs(values).max(axis=1) / np.float32(127)).to(torch.bfloat16)
-        scale[scale == 0] = 1
-        if part == "qscale":
-            out[start : start + _INT8_ROWS].copy_(scale.view(torch.int16))
-            continue
-        steps = values / scale.float().numpy()[:, None]
-        np.rint(steps, out=steps)
-        np.clip(steps, -127, 127, out=steps)
-        out.numpy()[start : start + _INT8_ROWS] = steps
+    values = dequantize_into(rows, spec.kind, torch.empty(rows.shape[0] * k)).numpy().reshape(-1, k)
+    scale = torch.from_numpy(np.abs(values).max(axis=1) / np.float32(127)).to(torch.bfloat16)
+    scale[scale == 0] = 1
+    if part == "qscale":
+        out.copy_(scale.view(torch.int16))
+        return
+    steps = values / scale.float().numpy()[:, None]
+    np.rint(steps, out=steps)
+    np.clip(steps, -127, 127, out=steps)
+    out.numpy()[:] = steps
 
 
 def pack_into(raw: torch.Tensor, spec: QuantSpec, part: str, out: torch.Tensor) -> torch.Tensor:
     """Packed tensor ``part`` (``qweight`` or ``qscale``) of the weight whose GGUF blocks are ``raw`` into ``out``
-    (:meth:`QuantSpec.part_spec`'s shape and dtype). Returns ``out``."""
+    (:meth:`QuantSpec.part_spec`'s shape and dtype), a pass of rows at a time (:func:`_passes`). Returns ``out``."""
     with torch.inference_mode(False):
-        rows = _rows(raw, spec)
-        if spec.bits == 8:
-            _int8(rows, spec, part, out)
-        elif part == "qweight":
-            _int4_weight(rows, spec, out)
-        else:
-            _int4_scale_rows(rows, spec, out)
+        for start, stop in _passes(spec):
+            rows = _rows(raw, spec, start, stop)
+            if spec.bits == 8:
+                _int8(rows, spec, part, out[start:stop])
+            elif part == "qweight":
+                _int4_weight(rows, spec, out[start:stop])
+            else:
+                _int4_scale_rows(rows, spec, out[:, start:stop])
         return out
 
 
