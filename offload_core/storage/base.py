@@ -72,7 +72,9 @@ def read_tensor(
     if checkpoint.is_gguf and checkpoint.fills(key):  # dequantized or packed into the memory that holds it, never
         stored = checkpoint.dtype(key)  # whole beside it; a new allocation (as transformers' GGUF load's): offset 0
         held = allocate(tuple(checkpoint.shape(key)), dtype if converts(stored, dtype) else stored, 0)
-        return checkpoint.read_into(key, held)
+        if held.device.type == "cpu":  # the kernels run where the blocks lie
+            return checkpoint.read_into(key, held)
+        return held.copy_(checkpoint.get(key))  # resident on a GPU: built in host memory, then copied there
     value = checkpoint.get(key)
     if converts(value.dtype, dtype):  # cast in the copy (never a converted copy beside it); a new allocation: offset 0
         return allocate(tuple(value.shape), dtype, 0).copy_(value)
