@@ -99,7 +99,7 @@ def report(rows: list[dict], args: argparse.Namespace, machine: dict) -> str:
         f"Load average over 1/5/15 min {'/'.join(f'{v:.1f}' for v in machine['load_average'])} on "
         f"{machine.get('cpus', 2)} CPUs (absolute rates fall with the load; the ratios are of one run). "
         f"A float32 copy of as many elements ran at {machine['copy_gbps']:.2f} GB/s "
-        "(the share of a float32 copy column).",
+        '(the "share of a float32 copy" column is each type\'s rate over it).',
         "",
         "| type | torch CPU, 1 thread | gguf-py numpy | speed-up | bit-identical | share of a float32 copy |"
         + (" GPU | GPU bit-identical |" if machine.get("gpu") else ""),

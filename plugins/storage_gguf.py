@@ -81,8 +81,12 @@ class GGUFStorage(Storage):
     @property
     def decode_scratch(self) -> int:  # type: ignore[override]
         """A GPU run copies the offloaded tensors' quantized blocks and dequantizes them on the device, through
-        fixed scratch there."""
+        fixed scratch there (at most this much)."""
         return device_scratch_bytes()
+
+    def decode_scratch_for(self, largest: int | None) -> int:
+        """The scratch passes as large as the largest offloaded tensor where it is smaller than a pass."""
+        return device_scratch_bytes(largest)
 
     def open(self, context: StoreContext) -> GGUFStore:
         return GGUFStore(context, hold=self.holds_stored)

@@ -322,6 +322,10 @@ class Checkpoint:
         """None: every tensor is read whole (a converted checkpoint builds some from parts)."""
         return None
 
+    def fills(self, key: str) -> bool:
+        """False: a tensor is read whole and copied (a GGUF checkpoint fills the caller's memory itself)."""
+        return False
+
     def part_ranges(self, key: str) -> list[tuple[Any, Path, int, int]] | None:
         """None: no tensor is built from parts."""
         return None

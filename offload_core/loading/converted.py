@@ -140,6 +140,10 @@ class ConvertedCheckpoint:
             "renamed": sorted(self.conversion.renamed.items()),
         }
 
+    def fills(self, key: str) -> bool:
+        """False: its tensors are the wrapped checkpoint's read whole, or built from parts."""
+        return False
+
     def __getattr__(self, attribute: str) -> Any:
         if attribute in ("checkpoint", "conversion", "conversion_targets", "_model", "_source", "_consumed", "_shards"):
             raise AttributeError(attribute)

@@ -4,6 +4,7 @@ this machine's dequantization rates)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from offload_core.registry.contracts import Policy
 from offload_core.storage.checkpoint import Checkpoint
+from offload_core.storage.gguf.device import device_form, pass_elements
 from offload_core.values import parse_dtype
 
 
@@ -43,21 +45,24 @@ def dequant_rows(
     units = find_units(model, tensors.offloaded, no_split_classes(model, no_split), policy.granularity)
     shares = policy.read_shares(model)
     in_float32 = dtype in (None, torch.float32)
-    groups: dict[tuple[str, bool], set[str]] = {}
+    elements = pass_elements(max((math.prod(checkpoint.shape(key)) for key in offloaded), default=0))
+    groups: dict[tuple[str, bool, bool], set[str]] = {}
     for key in offloaded:
         converted = not (in_float32 and checkpoint.converted_in_place(key))
-        groups.setdefault((checkpoint.tensor_type(key), converted), set()).add(key)
+        device = device_form(checkpoint, key, dtype or torch.float32, elements) is not None
+        groups.setdefault((checkpoint.tensor_type(key), converted, device), set()).add(key)
 
     def per_token(sizes: dict[str, int]) -> int:
         return int(policy.predict_moved([unit_reads(unit, dtype, shares, False, sizes) for unit in units]))
 
     rows = []
-    for (kind, converted), keys in sorted(groups.items()):
+    for (kind, converted, device), keys in sorted(groups.items()):
         none = dict.fromkeys(stored, 0)
         rows.append(
             {
                 "type": kind,
                 "converted": converted,
+                "device": device,  # a GPU run with a policy that decodes on the device dequantizes it there
                 "tensors": len(keys),
                 "read_bytes": per_token({**none, **{k: stored[k] for k in keys}}),
                 "dequant_bytes": per_token({**none, **{k: checkpoint.nbytes(k) for k in keys}}),

@@ -220,11 +220,10 @@ def plan_dequant_s(plan: Any, policy: Any, execution_device: torch.device, refre
     policy that ``decodes_on_device`` dequantizes the blocks there (rows marked ``on_device``: no host
     time)."""
     from offload_core.plan.dequant import dequant_rates, dequant_seconds
-    from offload_core.storage.gguf.dequant import fast_types
 
     device = devices.is_accelerator(execution_device) and policy.decodes_on_device
-    for row in plan.dequant:  # on a GPU the blocks of a type with a kernel cross as they are, dequantized there
-        row["on_device"] = device and row["type"] in fast_types()
+    for row in plan.dequant:  # on a GPU the blocks that can cross as they are are dequantized there
+        row["on_device"] = device and row["device"]
     rows = [row for row in plan.dequant if not row["on_device"]]
     if not rows:
         return 0.0

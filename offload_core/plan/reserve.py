@@ -21,11 +21,12 @@ def reservation(policy: Policy, storage: Storage, need: InFlight, converts: bool
     (the units' sizes, the model, the budgets; see :class:`InFlight`) completed with what the storage declares
     (``converts_on_read``: a checkpoint dtype other than the run's (``converts``) makes copies on read; ``pinned``: no
     staging needed for a GPU; ``decode_scratch``; whether it hands out views)."""
+    scratch = storage.decode_scratch_for(largest_tensor(need.model, need.offloaded))
     need = replace(
         need,
-        store_converts=(converts and storage.converts_on_read) or storage.decode_scratch > 0,
+        store_converts=(converts and storage.converts_on_read) or scratch > 0,
         store_pinned=storage.pinned,
-        store_scratch=storage.decode_scratch,
+        store_scratch=scratch,
         store_maps=storage.reads_from in ("offload_folder", "checkpoint", "memory"),
     )
     return dict(policy.reserve(need))
@@ -133,6 +134,14 @@ class Reserver:
     def copies_of(self, offloaded: Mapping[str, str]) -> int:
         """The spliced copies the store holds where ``offloaded`` are the tensors offloaded."""
         return sum(size for name, size in (self.spliced or {}).items() if name in offloaded)
+
+
+def largest_tensor(model: nn.Module | None, offloaded: Mapping[str, str] | None) -> int | None:
+    """Elements of the largest of ``offloaded``'s tensors (None: every tensor of ``model``); None without a model."""
+    if model is None:
+        return None
+    tensors = model.state_dict(keep_vars=True).items()
+    return max((t.numel() for name, t in tensors if offloaded is None or name in offloaded), default=0)
 
 
 def pooled_bytes(model: nn.Module, offloaded: Mapping[str, str] | None, dtype: torch.dtype | None) -> int:

@@ -69,9 +69,9 @@ def read_tensor(
         for index, source in parts:
             held[index].copy_(source)
         return held
-    if checkpoint.is_gguf and checkpoint.fills(key):  # dequantized or packed into the memory that holds it, never
-        stored = checkpoint.dtype(key)  # whole beside it; a new allocation (as transformers' GGUF load's): offset 0
-        held = allocate(tuple(checkpoint.shape(key)), dtype if converts(stored, dtype) else stored, 0)
+    stored = checkpoint.dtype(key)
+    if checkpoint.fills(key) and not converts(stored, dtype):  # dequantized or packed into the memory that holds it,
+        held = allocate(tuple(checkpoint.shape(key)), stored, 0)  # never whole beside it; a new allocation: offset 0
         if held.device.type == "cpu":  # the kernels run where the blocks lie
             return checkpoint.read_into(key, held)
         return held.copy_(checkpoint.get(key))  # resident on a GPU: built in host memory, then copied there
@@ -317,6 +317,12 @@ class Storage(StrategyBase):
     #: bytes of device scratch a GPU run that decodes the store's packed tensors on the device takes
     #: (:meth:`Store.packed`; 0: the store packs nothing)
     decode_scratch: int = 0
+
+    def decode_scratch_for(self, largest: int | None) -> int:
+        """:attr:`decode_scratch` where the largest offloaded tensor has ``largest`` elements (None: not known); the
+        default does not depend on it."""
+        return self.decode_scratch
+
     #: reads a GGUF model file in place: a GGUF model path is handed to it as the file (the other stores get the file
     #: converted once into a float32 safetensors folder)
     reads_gguf: bool = False

@@ -51,6 +51,11 @@ class Checkpoint(Protocol):
         """The parts a converted tensor is built from (index into it, source tensor); None for a tensor read whole."""
         ...
 
+    def fills(self, key: str) -> bool:
+        """Whether ``read_into(key, out)`` builds ``key`` in the caller's memory with nothing of its size beside it
+        (a GGUF tensor dequantized or packed as it lies), so that loading reads it into the memory that holds it."""
+        ...
+
     def part_ranges(self, key: str) -> list[tuple[Any, Path, int, int]] | None:
         """Where :meth:`parts` lie on disk (index, file, start, end); None where unknown or read whole."""
         ...

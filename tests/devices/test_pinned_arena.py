@@ -39,7 +39,7 @@ def test_an_arena_is_private_anonymous_memory_as_rss_counts_it():
     assert _rss_anon() - before >= 60 * 2**20
 
 
-def test_the_fake_accelerator_asks_at_the_storage_start_as_torch_does(fake_gpu):
+def test_the_fake_accelerator_finds_its_arenas_and_their_views_pinned_and_nothing_else(fake_gpu):
     fake = fake_gpu(count=1, memory="16MiB")
     arena = fake.pinned_arena(3 * PAGE)
     assert fake.is_pinned(arena) and fake.is_pinned(arena[PAGE + 5 :])

@@ -43,8 +43,9 @@ def _on_gpu(fake, path, dtype=None, resident="dequantized"):
     on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map().items()}
     storage = get_registry().create("storage", "gguf", {"resident": resident})
     offload = {"storage": storage, "policy": "prefetch", "device_map": on_device, "execution_device": fake.device(0)}
+    # a budget far below a full pass's scratch: the plan sizes it by the largest offloaded tensor
     return offload_core.from_pretrained(
-        path, offload={**offload, "over_budget": "warn", "progress": False}, max_memory={0: "64MiB"}, dtype=dtype
+        path, offload={**offload, "progress": False}, max_memory={0: "8MiB"}, dtype=dtype
     )
 
 
@@ -87,46 +88,46 @@ def test_a_bfloat16_run_rounds_on_the_device_as_transformers_load_does(tiny, fak
 
 @pytest.mark.parametrize("heads,cols", [(None, 777), (4, 1024), (4, 128)])
 @pytest.mark.parametrize("name", fast_types())
-def test_the_passes_give_what_the_host_dequantizes(name, heads, cols, fake_gpu, monkeypatch):
+def test_the_passes_give_what_the_host_dequantizes(name, heads, cols, fake_gpu):
     """Small passes (many per tensor; for an un-permuted q several per head, or two heads each) write what one host
     call writes."""
-    monkeypatch.setattr(device, "DEVICE_PASS", 4096)
     fake = fake_gpu(count=1, memory="64MiB")
     kind = int(T[name])
     rows = 64
-    if not device.decodes_on_device(kind, (rows, cols), heads) or (rows * cols) % device.block_shape(kind)[0]:
+    if not device.decodes_on_device(kind, (rows, cols), heads, 4096) or (rows * cols) % device.block_shape(kind)[0]:
         pytest.skip(f"{name} rows of {cols} hold no whole blocks")
     raw = random_blocks(kind, rows * cols, seed=kind)
     want = dequantize_into(raw, kind, torch.empty(rows * cols))
     if heads:
         want = unpermute_into(want, heads, torch.empty(rows, cols))
     out = torch.empty(rows, cols, device=fake.device(0))
-    device.DeviceBlocks(raw, kind, (rows, cols), heads).decode_on_device(out, device.DeviceScratch(out.device), "w")
+    blocks = device.DeviceBlocks(raw, kind, (rows, cols), heads, elements=4096)
+    blocks.decode_on_device(out, device.DeviceScratch(out.device, 4096), "w")
     assert torch.equal(out.cpu().view(torch.int32), want.view(rows, cols).view(torch.int32))
 
 
-def test_the_scratch_holds_every_kernels_buffers_within_what_the_plan_reserves(fake_gpu, monkeypatch):
+def test_the_scratch_holds_every_kernels_buffers_within_what_the_plan_reserves(fake_gpu):
     """Every type with a kernel through one scratch, a tensor of more than one pass each (and llama's un-permuted
-    q): the device's peak beside the outputs stays within :func:`device.scratch_bytes` (passes of a quarter of the
-    run's size: the kernels' bytes an element do not depend on it)."""
-    monkeypatch.setattr(device, "DEVICE_PASS", device.DEVICE_PASS // 4)
+    q): the device's peak beside the outputs stays within :func:`device.scratch_bytes` (passes of 2^20 elements, as
+    a model whose largest offloaded tensor is that large takes: the kernels' bytes an element do not depend on it)."""
+    passes = 2**20
     fake = fake_gpu(count=1, memory="512MiB")
     scratch, peak = None, 0
     for index, name in enumerate(fast_types()):
         kind = int(T[name])
-        elements = device.DEVICE_PASS + 4096 * 64
+        elements = passes + 4096 * 64
         raw = random_blocks(kind, elements, seed=index)
         out = torch.empty(elements, device=fake.device(0))
         base = fake.memory_allocated(0)
         fake.reset_peak_memory_stats(0)
-        scratch = scratch or device.DeviceScratch(out.device)
+        scratch = scratch or device.DeviceScratch(out.device, passes)
         held = scratch.nbytes if index else 0
         heads = 8 if name == "Q4_0" else None
         shape = (elements // 4096, 4096) if heads else (elements,)
-        device.DeviceBlocks(raw, kind, shape, heads).decode_on_device(out, scratch, name)
+        device.DeviceBlocks(raw, kind, shape, heads, elements=passes).decode_on_device(out, scratch, name)
         fake.synchronize()
         peak = max(peak, fake.max_memory_allocated(0) - base + held)
-    assert 0 < scratch.nbytes <= peak <= device.scratch_bytes()
+    assert 0 < scratch.nbytes <= peak <= device.scratch_bytes(passes)
 
 
 @pytest.mark.gpu
@@ -171,5 +172,27 @@ def test_the_prediction_prices_no_host_dequantization_for_what_the_device_decode
         assert plan_dequant_s(plan, policy, fake.device(0)) == 0.0
         assert all(row["on_device"] for row in plan.dequant)
         assert all(line.endswith("on the device") for line in dequant_lines(plan.dequant)[1:-1])
+    finally:
+        model.offload_state.remove()
+
+
+def test_a_type_without_a_kernel_is_dequantized_on_the_host_and_planned_so(tmp_path, fake_gpu):
+    """Q2_K has no torch kernel here: its tensors cross as floats, the rest as blocks; the plan's rows say which."""
+    path = write_gguf(tmp_path / "llama.gguf", "llama", {**TYPES, "ffn_gate": int(T.Q2_K)}, default=int(T.Q4_1))
+    with torch.no_grad():
+        logits = transformers_model(path)(IDS).logits
+    fake = fake_gpu(count=1, memory="1GiB")
+    model = _on_gpu(fake, path)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(IDS.to(fake.device(0))).logits.cpu(), logits)
+        prefetcher = model.offload_state.handle.prefetcher
+        offloaded = [key for unit in prefetcher.units for key in unit.keys]
+        on_host = [key for key in offloaded if "gate_proj" in key]
+        assert on_host and prefetcher.decoder.decoded == len(offloaded) - len(on_host)
+        assert {(row["type"], row["device"]) for row in model.offload_plan.dequant if row["type"] == "Q2_K"} == {
+            ("Q2_K", False)
+        }
+        assert all(row["device"] for row in model.offload_plan.dequant if row["type"] != "Q2_K")
     finally:
         model.offload_state.remove()

@@ -13,7 +13,7 @@ from offload_core.errors import ConfigError
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.plan.held import budget_beside_held, held_bytes
 from offload_core.registry.manager import get_registry
-from tests.gguf_files import write_gguf
+from tests.gguf_files import half_offloaded_map, write_gguf
 
 BUDGET = 3 * 2**20
 
@@ -101,3 +101,15 @@ def test_the_store_pool_hands_a_buffer_out_again_only_once_nothing_holds_it():
     again = pool.take(64, torch.float32)
     assert pool.nbytes() == 2 * 64 * 4  # both reused from now on: no third
     assert pool.take(64, torch.float32).data_ptr() != again.data_ptr() and pool.nbytes() == 2 * 64 * 4
+
+
+def test_a_packed_weights_blocks_are_held_once_for_its_two_parts(path):
+    """Quantized compute splits a weight into its values and scales, both read from the weight's blocks: held
+    quantized, the blocks are held once, as the plan counts them."""
+    storage = get_registry().create("storage", "gguf", {"resident": "quantized", "compute": "quantized"})
+    offload = {"storage": storage, "device_map": half_offloaded_map(), "over_budget": "warn"}
+    model = offload_core.from_pretrained(path, offload=offload, max_memory={"cpu": "1GiB"})
+    try:
+        assert model.offload_state.store.held_nbytes() == model.offload_plan.store_memory > 0
+    finally:
+        model.offload_state.release()

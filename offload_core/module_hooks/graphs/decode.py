@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +35,7 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
 def _where(error: BaseException) -> str:
     """Where ``error`` was raised, as ``file:line in function``: its innermost frame outside torch and the device
     layer (the model's or a hook's line that asked for what a capture cannot hold)."""
-    inside = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2] / "devices"))
+    inside = (str(Path(torch.__file__).parent) + os.sep, str(Path(__file__).parents[2] / "devices") + os.sep)
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(inside)]
     if not frames:
         return "inside torch"

@@ -166,6 +166,7 @@ class HybridPrefetch(Prefetch):
     ``host_units`` None: measured and solved as it attaches (:meth:`solve`)."""
 
     auto = False
+    decodes_on_device = False  # its reader (HybridPrefetcher) copies what the store hands out
 
     def __init__(
         self,

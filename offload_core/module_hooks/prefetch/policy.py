@@ -112,7 +112,7 @@ class Prefetch(Policy):
             unit_bytes = capacity if need.offloaded is not None else max(unit_bytes, capacity)
         reserve = reserve_units(need, unit_bytes, nesting + self.config.depth, copies_on_cpu=bool(self.config.pool))
         if need.execution_device.type != "cpu":
-            if need.offloaded is None or need.offloaded:  # the scratch decoding the store's packed tensors there
+            if self.decodes_on_device and (need.offloaded is None or need.offloaded):  # the packed tensors' scratch
                 reserve[budget_key(need.execution_device)] += need.store_scratch
             staged = not need.store_pinned and (need.offloaded is None or bool(need.offloaded))
             reserve["cpu"] = STAGING_BUFFERS * self.chunk if staged else 0

@@ -4,6 +4,7 @@ dequantizer, and a type gguf-py cannot dequantize is refused in one line."""
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -66,15 +67,18 @@ def _halves(blocks: torch.Tensor, start: int) -> torch.Tensor:
 _THREAD = threading.local()
 
 
+def _held_buffers() -> dict:
+    """This thread's held buffers (a device decoder's own while it decodes: :func:`buffers_in`)."""
+    if getattr(_THREAD, "buffers", None) is None:
+        _THREAD.buffers = {}
+    return _THREAD.buffers
+
+
 def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A view of ``shape`` into this thread's buffer ``slot`` on ``device``, grown as needed and kept: the passes of
     every call reuse it (no allocation per pass, nor per call once the largest pass has run)."""
-    buffers = getattr(_THREAD, "buffers", None)
-    if buffers is None:
-        buffers = _THREAD.buffers = {}
-    count = 1
-    for size in shape:
-        count *= size
+    buffers = _held_buffers()
+    count = math.prod(shape)
     key = (slot, dtype, device)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < count:
@@ -188,8 +192,11 @@ _PAIR_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.tensor([0, 2, 4, 6])) & 
 
 def _spread(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``table[byte]`` for every byte of ``packed``: ``packed``'s shape with the table's row appended (held)."""
-    if table.device != packed.device:
-        table = table.to(packed.device)
+    if table.device != packed.device:  # copied to the device once, then held with the buffers
+        buffers, key = _held_buffers(), ("table", table.data_ptr(), packed.device)
+        if key not in buffers:
+            buffers[key] = table.to(packed.device)
+        table = buffers[key]
     index = _scratch("index", tuple(packed.shape), torch.int64, packed.device).copy_(packed)
     spread = _scratch("spread", (index.numel(), table.shape[1]), table.dtype, packed.device)
     return torch.index_select(table, 0, index.view(-1), out=spread).view(*packed.shape, table.shape[1])

@@ -6,14 +6,15 @@ or fp16 run's dtype there, as transformers' load rounds the float32 values)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from offload_core.storage.gguf.dequant import block_shape, buffers_in, dequantize_into, has_kernel
 
-#: elements one pass dequantizes on the device: bounds the scratch (:func:`scratch_bytes`: 68 MiB) while keeping the
-#: kernel launches few (each pass launches ten or so: a 4096 x 4096 tensor takes four passes)
+#: the most elements one pass dequantizes on the device (a model whose largest offloaded tensor is smaller passes that
+#: many): bounds the scratch (:func:`scratch_bytes`: 68 MiB at most) while keeping the kernel launches few (each pass
+#: launches ten or so: a 4096 x 4096 tensor takes four passes)
 DEVICE_PASS = 2**22
 #: the kernels' own buffers and temporaries, in bytes per element of a pass, every type's held at once: 7.95 (Q6_K
 #: run after the others) on the fake accelerator, which counts every device allocation, and one more for what a
@@ -21,19 +22,25 @@ DEVICE_PASS = 2**22
 KERNEL_BYTES = 9
 
 
-def scratch_bytes() -> int:
-    """Device bytes of a :class:`DeviceScratch` once every type has run: a pass's blocks (float32's 4 bytes an element
-    the widest), its values to un-permute (4), and the kernels' buffers."""
-    return DEVICE_PASS * (4 + 4 + KERNEL_BYTES)
+def pass_elements(largest: int | None) -> int:
+    """Elements a pass takes where the largest offloaded tensor has ``largest`` (None: not known)."""
+    return DEVICE_PASS if largest is None else max(min(DEVICE_PASS, largest), 1)
+
+
+def scratch_bytes(largest: int | None = None) -> int:
+    """Device bytes of a :class:`DeviceScratch` once every type has run (passes of :func:`pass_elements`): a pass's
+    blocks (float32's 4 bytes an element the widest), its values to un-permute or round (4), the kernels' buffers."""
+    return pass_elements(largest) * (4 + 4 + KERNEL_BYTES)
 
 
 class DeviceScratch:
-    """Fixed buffers on one device that every GGUF tensor of a run decodes through."""
+    """Fixed buffers on one device that every GGUF tensor of a run decodes through, a pass of ``elements`` at most."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, elements: int) -> None:
+        self.elements = elements
         with torch.inference_mode(False):  # written in place by every pass: never inference tensors
-            self.raw = torch.empty(DEVICE_PASS * 4, dtype=torch.uint8, device=device)
-            self.values = torch.empty(DEVICE_PASS, dtype=torch.float32, device=device)
+            self.raw = torch.empty(elements * 4, dtype=torch.uint8, device=device)
+            self.values = torch.empty(elements, dtype=torch.float32, device=device)
         self.kernels: dict = {}  # the dequantization kernels' buffers on this device
 
     @property
@@ -48,16 +55,32 @@ class DeviceScratch:
         return out
 
 
-def decodes_on_device(kind: int, shape: tuple[int, ...], heads: int | None) -> bool:
+def decodes_on_device(kind: int, shape: tuple[int, ...], heads: int | None, elements: int) -> bool:
     """Whether a tensor of GGML type ``kind`` and ``shape`` (un-permuted by ``heads`` where llama's processor does)
-    can be dequantized on a device here: a type with a torch kernel, whole blocks per row where rows move."""
-    if not has_kernel(kind):
+    can be dequantized on a device in passes of ``elements``: a type with a torch kernel, whole blocks per row where
+    rows move (two rows a pass at least)."""
+    if not has_kernel(kind) or block_shape(kind)[0] > elements:
         return False
     if heads is None:
         return True
-    elements, _ = block_shape(kind)
+    per_block, _ = block_shape(kind)
     rows = shape[0] if shape else 0
-    return len(shape) == 2 and rows % (2 * heads) == 0 and shape[1] % elements == 0 and 2 * shape[1] <= DEVICE_PASS
+    return len(shape) == 2 and rows % (2 * heads) == 0 and shape[1] % per_block == 0 and 2 * shape[1] <= elements
+
+
+def device_form(checkpoint: Any, key: str, dtype: torch.dtype, elements: int) -> tuple[int, tuple, int | None] | None:
+    """``(GGML type, shape, heads)`` of GGUF tensor ``key`` where a run in ``dtype`` can dequantize it on a device in
+    passes of ``elements`` and get what the checkpoint's ``read_into`` gives (blocks dequantized as they lie, or
+    llama's q and k un-permuted); None for the others (a tensor packed for a quantized kernel, another processor's,
+    a type without a torch kernel)."""
+    if not dtype.is_floating_point or checkpoint.computes_quantized(key):
+        return None
+    in_place = checkpoint.converted_in_place(key)
+    heads = None if in_place else checkpoint.permuted_heads(key)
+    if heads is None and not in_place:
+        return None
+    kind, shape = checkpoint.ggml_type(key), tuple(checkpoint.shape(key))
+    return (kind, shape, heads) if decodes_on_device(kind, shape, heads, elements) else None
 
 
 @dataclass
@@ -69,10 +92,11 @@ class DeviceBlocks:
     shape: tuple[int, ...]  # the tensor's shape, as the model takes it
     heads: int | None  # llama's q and k: un-permuted by this many heads, as transformers' processor does
     dtype: torch.dtype = torch.float32  # the run's: another is the float32 values rounded, as transformers' load does
+    elements: int = DEVICE_PASS  # a pass's (the store's: the same for all its tensors, which share one scratch)
     kind: ClassVar[str] = "gguf"
 
     def new_scratch(self, device: torch.device) -> DeviceScratch:
-        return DeviceScratch(device)
+        return DeviceScratch(device, self.elements)
 
     def decode_on_device(self, out: torch.Tensor, scratch: DeviceScratch, name: str) -> None:
         values = out.view(self.dtype).view(-1)
@@ -80,7 +104,7 @@ class DeviceBlocks:
         blocks = self.raw.reshape(-1, nbytes)
         with torch.inference_mode(False), buffers_in(scratch.kernels):
             if self.heads is None:
-                step = max(DEVICE_PASS // elements, 1)
+                step = max(self.elements // elements, 1)
                 for start in range(0, blocks.shape[0], step):
                     part = blocks[start : start + step]
                     target = values[start * elements : (start + part.shape[0]) * elements]
@@ -101,7 +125,7 @@ class DeviceBlocks:
         rows, cols = self.shape
         heads = int(self.heads)
         per_head, per_row = rows // heads, cols // elements
-        step = max(DEVICE_PASS // cols // 2 * 2, 2)  # rows a pass holds
+        step = max(self.elements // cols // 2 * 2, 2)  # rows a pass holds
         out = values.view(heads, 2, per_head // 2, cols)
         if step >= per_head:  # whole heads a pass
             group = step // per_head

@@ -3,6 +3,7 @@ read, into the buffer the module hook holds where it hands one (nothing is writt
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -13,7 +14,7 @@ from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.gguf.buffers import BufferPool
-from offload_core.storage.gguf.device import DeviceBlocks, decodes_on_device
+from offload_core.storage.gguf.device import DeviceBlocks, device_form, pass_elements
 from offload_core.storage.pagecache import drop_named, span_of, will_need
 
 
@@ -55,7 +56,11 @@ class GGUFStore(Store):
         #: page-locked on a GPU run, whose copies of them to the device (:meth:`packed`) then run asynchronously
         self.hold = hold
         self._held: dict[str, torch.Tensor] = {}
+        self._sources: dict[tuple[int, int], torch.Tensor] = {}  # the held blocks by where they lie in the file
         self._packed: dict[str, DeviceBlocks | None] = {}
+        #: a device pass's elements: the largest tensor's where smaller than a pass (the plan's scratch is as large)
+        largest = max((math.prod(checkpoint.shape(key)) for key in context.names if key in checkpoint), default=0)
+        self.pass_elements = pass_elements(largest)
         accelerator = devices.active()
         pinned = hold and context.pin_memory and accelerator.available()
         size = sum(checkpoint.stored_nbytes(key) for key in context.names if key in checkpoint) if pinned else 0
@@ -63,9 +68,13 @@ class GGUFStore(Store):
 
     def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         self._refs[name] = key  # only the header is consulted: the blocks are read as the model runs
-        if self.hold:  # the quantized bytes copied into memory: read from there from now on
-            raw = self.checkpoint.raw(key)
-            held = raw.clone() if self.arena is None else self.arena.take(tuple(raw.shape), raw.dtype).copy_(raw)
+        if self.hold:  # the quantized bytes copied into memory once a source (a packed weight's two parts share
+            source = self.checkpoint.byte_range(key)  # its blocks): read from there from now on
+            held = self._sources.get(source)
+            if held is None:
+                raw = self.checkpoint.raw(key)
+                held = raw.clone() if self.arena is None else self.arena.take(tuple(raw.shape), raw.dtype).copy_(raw)
+                self._sources[source] = held
             self._held[name] = held
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
@@ -103,21 +112,16 @@ class GGUFStore(Store):
 
     def _device_blocks(self, name: str) -> DeviceBlocks | None:
         key = self._refs[name]
-        checkpoint = self.checkpoint
-        if not self.dtype.is_floating_point or checkpoint.computes_quantized(key):  # packed for a quantized kernel
-            return None
-        heads = None if checkpoint.converted_in_place(key) else checkpoint.permuted_heads(key)
-        if heads is None and not checkpoint.converted_in_place(key):
-            return None
-        kind, shape = checkpoint.ggml_type(key), tuple(checkpoint.shape(key))
-        if not decodes_on_device(kind, shape, heads):
+        form = device_form(self.checkpoint, key, self.dtype, self.pass_elements)
+        if form is None:
             return None
         raw = self._held.get(name)
-        return DeviceBlocks(checkpoint.raw(key) if raw is None else raw, kind, shape, heads, self.dtype)
+        raw = self.checkpoint.raw(key) if raw is None else raw
+        return DeviceBlocks(raw, *form, dtype=self.dtype, elements=self.pass_elements)
 
     def held_nbytes(self) -> int:
         """Bytes of quantized blocks held in memory (0 unless ``hold``)."""
-        return sum(raw.numel() for raw in self._held.values())
+        return sum(raw.numel() for raw in self._sources.values())
 
     def moved_nbytes(self, name: str) -> int:
         """A read of ``name`` moves its quantized blocks (what lies in the file), not the dequantized tensor."""
@@ -153,6 +157,7 @@ class GGUFStore(Store):
 
     def close(self) -> None:
         self._held.clear()
+        self._sources.clear()
         self._packed.clear()
         if self.arena is not None:
             self.arena.close()
