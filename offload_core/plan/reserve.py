@@ -21,7 +21,7 @@ def reservation(policy: Policy, storage: Storage, need: InFlight, converts: bool
     (the units' sizes, the model, the budgets; see :class:`InFlight`) completed with what the storage declares
     (``converts_on_read``: a checkpoint dtype other than the run's (``converts``) makes copies on read; ``pinned``: no
     staging needed for a GPU; ``decode_scratch``; whether it hands out views)."""
-    scratch = storage.decode_scratch_for(largest_tensor(need.model, need.offloaded))
+    scratch = storage.decode_scratch and storage.decode_scratch_for(largest_tensor(need.model, need.offloaded))
     need = replace(
         need,
         store_converts=(converts and storage.converts_on_read) or scratch > 0,
