@@ -26,6 +26,9 @@ class Tensors:
     def part_ranges(self, key: str) -> None:
         return None
 
+    def fills(self, key: str) -> bool:
+        return False
+
     def get(self, key: str) -> torch.Tensor:
         return self.tensors[key]
 
