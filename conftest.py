@@ -192,7 +192,10 @@ def convert_smollm2_once(cache: Path) -> None:
         return
     with open(cache.parent / f"{cache.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        sources.smollm2_checkpoint(cache / sources.SMOLLM2_DIR_NAME)
+        try:
+            sources.smollm2_checkpoint(cache / sources.SMOLLM2_DIR_NAME)
+        except (OSError, sources.ModelSourceError):  # the tests that need it fail with the reason, not every test
+            pass
 
 
 def session_folder(tmp_path_factory) -> Path:
