@@ -180,6 +180,24 @@ def use_cache(cache: Path, *, reuse: bool) -> Path:
     return cache
 
 
+def convert_smollm2_once(cache: Path) -> None:
+    """The session's one SmolLM2 conversion, made in ``cache`` by the first test worker while the others wait (it
+    returns at once when the folder is there, copied from the user's or made by another worker). Otherwise the tests
+    and processes that run first, side by side, each converted the whole file, one of the copies kept."""
+    from offload_core.loading import sources
+
+    try:
+        sources.smollm2_gguf_path()
+    except sources.ModelSourceError:  # not installed: the tests that need it say so
+        return
+    with open(cache.parent / f"{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            sources.smollm2_checkpoint(cache / sources.SMOLLM2_DIR_NAME)
+        except (OSError, sources.ModelSourceError):  # the tests that need it fail with the reason, not every test
+            pass
+
+
 def session_folder(tmp_path_factory) -> Path:
     """The temp folder of the whole session: with test workers (-n), the one that holds each worker's."""
     shared = tmp_path_factory.getbasetemp()
@@ -190,9 +208,13 @@ def session_folder(tmp_path_factory) -> Path:
 def _session_cache(request, tmp_path_factory):
     """The model cache is the session's, never the user's: every test and every process a test starts (docs examples
     too) converts and builds under the session's temp folder, one cache for all the test workers (its folders are
-    built atomically). With slow tests collected, the user's SmolLM2 conversion is copied in, only read."""
+    built atomically). With slow tests collected, the user's SmolLM2 conversion is copied in, only read, and with
+    test workers SmolLM2 is converted there once before the first test."""
     slow = any(item.get_closest_marker("slow") for item in request.session.items)
-    yield use_cache(session_folder(tmp_path_factory) / "offload_core_cache", reuse=slow)
+    cache = use_cache(session_folder(tmp_path_factory) / "offload_core_cache", reuse=slow)
+    if slow and os.environ.get("PYTEST_XDIST_WORKER"):  # the whole suite's run (a single test converts if it needs to)
+        convert_smollm2_once(cache)
+    yield cache
 
 
 @pytest.fixture(scope="session", autouse=True)

