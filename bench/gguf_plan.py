@@ -36,11 +36,15 @@ CONDITIONS = {"warm page cache": [], "cold (page_cache=0, half offloaded)": ["pa
 
 
 def run(args: list[str], out: Path, env: dict[str, str]) -> dict:
-    """One ``python run.py`` process: its metrics, wall time and the load average as it ended."""
+    """One ``python run.py`` process: its metrics, wall time and the load average as it ended; ``{"refused": line}``
+    where the run refused its configuration in one line (a plan over the budget)."""
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={out}", *args]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if line.startswith("offload_core: error:")]
+        if said and "Traceback" not in done.stderr:
+            return {"refused": said[0].removeprefix("offload_core: error: ")}
         raise SystemExit(f"{' '.join(args) or 'default'} failed:\n{done.stderr[-2000:]}")
     metrics = json.loads((out / "metrics.json").read_text())
     metrics["process_s"] = time.perf_counter() - start
@@ -86,6 +90,7 @@ def compare(
     chosen = [name for name in CONFIGS if configs is None or name in configs or name == BASE]
     conditions = {c: extra for c, extra in CONDITIONS.items() if not cold_only or c == COLD}
     results: dict[str, dict[str, list[dict]]] = {c: {name: [] for name in chosen} for c in conditions}
+    refused: dict[str, dict[str, str]] = {c: {} for c in conditions}  # a configuration its plan refuses, once
     started_load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         env = {
@@ -101,12 +106,20 @@ def compare(
                 names = list(chosen)
                 names = names[number % len(names) :] + names[: number % len(names)]  # each goes first in turn
                 for name in names:
+                    if name in refused[condition]:
+                        continue
                     folder = Path(tmp) / f"r{number}-{len(results[condition][name])}-{abs(hash((condition, name)))}"
                     metrics = run([*CONFIGS[name], *extra], folder, env)
+                    if "refused" in metrics and name != BASE:
+                        refused[condition][name] = metrics["refused"]
+                        del results[condition][name]
+                        print(f"{condition} | {name}: refused: {metrics['refused']}", flush=True)
+                        continue
                     results[condition][name].append(kept(metrics))
                     print(f"{condition} | {name}: {metrics['decode_tokens_per_s']:.2f} tok/s", flush=True)
     summary = summarize(results)
     summary.update({"load_average_start": started_load, "load_average_end": os.getloadavg(), "rounds": rounds})
+    summary["refused"] = refused
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "gguf-plan" + (f"-{tag}" if tag else "")
     (out_dir / f"{name}.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
@@ -163,7 +176,8 @@ def targets(summary: dict) -> list[str]:
         lines.append(
             f"- warm page cache: auto=true at {warm[AUTO]:.2f}x the converted default (target: no more than 5% "
             f"slower: {'met' if warm[AUTO] >= 0.95 else 'not met'}); the default store is still the converted one, "
-            f"so the default itself runs as before; storage=gguf at {warm['storage=gguf']:.2f}x."
+            "so the default itself runs as before"
+            + (f"; storage=gguf at {warm['storage=gguf']:.2f}x." if "storage=gguf" in warm else ".")
         )
     return lines
 
@@ -215,6 +229,8 @@ def report(results: dict, summary: dict) -> str:
                 f"{_cell(last['predicted_dequant_s'], '.3f')} s | "
                 f"{_cell(last['bytes_moved_per_token'] and last['bytes_moved_per_token'] / 2**20, '.1f')} MiB |"
             )
+        refused = summary["refused"][condition].items()
+        lines += [f"| {name} | refused: {why} | | | | | | | | | |" for name, why in refused]
         if "auto_picked" not in entry:
             lines += ["", f"Same tokens in every run: {entry['same_tokens']}.", ""]
             continue
