@@ -1,10 +1,14 @@
 """What a measuring script run in a fresh process starts with: ``anon()`` (its anonymous resident memory, Linux) and
 ``Peak`` (sampled on a thread every half millisecond from a baseline taken when it starts; ``rise()`` stops it and
 gives the peak above that baseline, as run.py's and the benchmarks' figures are). Prepended to the script's own code:
-``SAMPLING + textwrap.dedent(...)``."""
+``SAMPLING + textwrap.dedent(...)``; :func:`measured` runs it."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 
 SAMPLING = textwrap.dedent("""
@@ -30,3 +34,20 @@ SAMPLING = textwrap.dedent("""
             self.thread.join()
             return max(self.peak, anon()) - self.base
 """)
+
+
+def measured(script: str, *args: object) -> dict:
+    """``script`` run in a fresh Python from the repository's root with ``args``: the JSON object its last line
+    prints (the process must exit 0; its stderr's end is the failure's message)."""
+    from tests import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

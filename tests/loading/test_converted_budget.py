@@ -6,8 +6,6 @@ once while loading, beside the weights already loaded)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
@@ -15,8 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tests import ROOT
-from tests.peak_rss import SAMPLING
+from tests.peak_rss import SAMPLING, measured
 
 pytestmark = [
     pytest.mark.slow,
@@ -84,25 +81,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("storage", ["memmap", "safetensors"])
 def test_a_float32_run_of_a_bfloat16_checkpoint_peaks_within_the_cpu_budget(checkpoint, tmp_path, storage):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _MEASURE,
-            str(checkpoint),
-            str(BUDGET),
-            storage,
-            str(tmp_path / "offload"),
-            json.dumps(GENERATION),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "TQDM_DISABLE": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    run = measured(_MEASURE, checkpoint, BUDGET, storage, tmp_path / "offload", json.dumps(GENERATION))
     print(storage, {k: v for k, v in run.items() if k != "offloaded"})
     assert run["new_tokens"] == GENERATION["max_new_tokens"]
     assert "lm_head" in run["offloaded"]

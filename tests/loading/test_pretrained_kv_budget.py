@@ -6,8 +6,6 @@ within the budget plus a stated allowance, measured in a fresh process; holding 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
@@ -15,8 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tests import ROOT
-from tests.peak_rss import SAMPLING
+from tests.peak_rss import SAMPLING, measured
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,16 +76,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _measure(path, headroom) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(path), str(BUDGET), json.dumps(GENERATION), str(headroom)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "TQDM_DISABLE": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return measured(_MEASURE, path, BUDGET, json.dumps(GENERATION), headroom)
 
 
 def test_a_generation_that_fills_the_planned_kv_cache_peaks_within_the_budget(checkpoint):

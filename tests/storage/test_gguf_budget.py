@@ -5,8 +5,6 @@ anonymous memory on an 8 GB budget while the plan reserved nothing for them)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import textwrap
 
@@ -14,9 +12,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import offload_core
-from tests import ROOT
 from tests.gguf_files import write_gguf
-from tests.peak_rss import SAMPLING
+from tests.peak_rss import SAMPLING, measured
 
 BUDGET = 96 * 2**20
 
@@ -63,16 +60,6 @@ def test_the_blocks_in_flight_are_reserved_as_the_copies_they_are(path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("policy", ["prefetch", "align_per_call"])
 def test_a_gguf_run_peaks_within_its_cpu_budget(path, policy):
-    done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(path), str(BUDGET), policy],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    assert measured["reserved"] > 0
-    assert measured["rise"] <= BUDGET, (
-        f"peak {measured['rise'] / 2**20:.1f} MiB over the {BUDGET / 2**20:.0f} MiB budget"
-    )
+    run = measured(_MEASURE, path, BUDGET, policy)
+    assert run["reserved"] > 0
+    assert run["rise"] <= BUDGET, f"peak {run['rise'] / 2**20:.1f} MiB over the {BUDGET / 2**20:.0f} MiB budget"

@@ -5,8 +5,6 @@ budget, the 1B preset at 0.84 GB on 800 MB)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import textwrap
 import tracemalloc
@@ -23,9 +21,8 @@ from offload_core.storage.base import read_tensor
 from offload_core.storage.gguf import qlinear
 from offload_core.storage.gguf.qlinear import PARTS, QuantSpec, pack_into
 from offload_core.storage.gguf.rates import random_blocks
-from tests import ROOT
 from tests.gguf_files import write_gguf
-from tests.peak_rss import SAMPLING
+from tests.peak_rss import SAMPLING, measured
 
 
 def _pack(raw: torch.Tensor, spec: QuantSpec) -> tuple[dict[str, torch.Tensor], int]:
@@ -116,17 +113,7 @@ CASES = {"Q4_0": (3072, 76 * 2**20), "Q8_0": (2048, 64 * 2**20)}
 def test_a_quantized_compute_run_peaks_within_its_cpu_budget(tmp_path, kind):
     hidden, budget = CASES[kind]
     path = write_gguf(tmp_path / "llama.gguf", "llama", default=int(T[kind]), layers=2, hidden=hidden)
-    done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(path), str(budget)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    assert measured["new_tokens"] == 4
-    assert "model.layers" in measured["offloaded"] and measured["reserved"] > 0
-    assert measured["rise"] <= budget, (
-        f"peak {measured['rise'] / 2**20:.1f} MiB over the {budget / 2**20:.0f} MiB budget"
-    )
+    run = measured(_MEASURE, path, budget)
+    assert run["new_tokens"] == 4
+    assert "model.layers" in run["offloaded"] and run["reserved"] > 0
+    assert run["rise"] <= budget, f"peak {run['rise'] / 2**20:.1f} MiB over the {budget / 2**20:.0f} MiB budget"
