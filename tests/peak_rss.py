@@ -33,6 +33,13 @@ SAMPLING = textwrap.dedent("""
             self.done.set()
             self.thread.join()
             return max(self.peak, anon()) - self.base
+
+    def generate_all(model, ids, new):  # greedy, exactly ``new`` tokens a row: the generation the budget planned
+        import torch
+
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0)
 """)
 
 

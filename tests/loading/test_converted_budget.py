@@ -43,11 +43,7 @@ _MEASURE = SAMPLING + textwrap.dedent("""
     options = {"storage": storage, "execution_device": "cpu", "offload_folder": folder}
     model = offload_core.from_pretrained(path, {"cpu": int(budget)}, options, dtype="float32", generation=generation)
     loaded = anon() - peak.base
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=generation["max_new_tokens"],
-            min_new_tokens=generation["max_new_tokens"], do_sample=False, pad_token_id=0,
-        )
+    out = generate_all(model, ids, generation["max_new_tokens"])
     rise = peak.rise()
     devices = model.offload_plan.summary["devices"]
     print(json.dumps({

@@ -40,11 +40,7 @@ _MEASURE = SAMPLING + textwrap.dedent("""
     peak = Peak()
     options = {"execution_device": "cpu", "headroom": headroom}
     model = offload_core.from_pretrained(path, {"cpu": budget}, options, generation=generation)
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=generation["max_new_tokens"],
-            min_new_tokens=generation["max_new_tokens"], do_sample=False, pad_token_id=0,
-        )
+    out = generate_all(model, ids, generation["max_new_tokens"])
     rise = peak.rise()
     devices = model.offload_plan.summary["devices"]
     print(json.dumps({

@@ -90,8 +90,7 @@ _MEASURE = SAMPLING + textwrap.dedent("""
     model = offload_core.from_pretrained(path, {"cpu": budget}, {"storage": storage, "policy": "prefetch"})
     with torch.no_grad():
         model(ids)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
-                             do_sample=False, pad_token_id=0)
+    out = generate_all(model, ids, 4)
     print(json.dumps({
         "rise": peak.rise(),
         "new_tokens": out.shape[1] - ids.shape[1],
