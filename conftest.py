@@ -2,7 +2,8 @@
 
 Each block is a test of its own and stands alone, so the test workers may run them in any order:
 a ``bash`` block runs through ``bash -e -o pipefail`` in a fresh folder holding links to ``run.py``,
-``bench/``, ``examples/`` and ``conf/`` (as in a clone of the repository), with a time limit; a ``python``
+``bench/``, ``examples/`` and ``conf/`` (as in a clone of the repository), with a time limit, where ``python
+run.py …`` starts from the test worker's preloaded interpreter (tests/preloaded.py: imports done once); a ``python``
 block runs in a fresh namespace of this process, with ``tempfile`` pointed into such a folder. A block that
 cannot run here is preceded by a line ``<!-- not-run: the reason -->`` and is reported as skipped with that
 reason; tests/docs/test_examples.py checks that no block escapes (another language tag, a marker without a
@@ -23,9 +24,15 @@ import types
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-from sybil import Sybil
-from sybil.parsers.markdown import CodeBlockParser
+# The test workers share the machine's cores: one compute thread each, and in the processes they start (the docs'
+# blocks included), rather than every worker's torch spreading over all cores and contending (twice as fast).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+from sybil import Sybil  # noqa: E402
+from sybil.parsers.markdown import CodeBlockParser  # noqa: E402
+
+from tests import preloaded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 #: what a block's folder holds, as a clone of the repository does
@@ -63,6 +70,7 @@ def run_bash(example) -> None:
     if reason is not None:
         pytest.skip(f"not run: {reason}")
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.update(preloaded.server().shim_env())  # its `python run.py …` forks from the worker's preloaded interpreter
     with block_folder() as folder:
         try:
             done = subprocess.run(

@@ -13,9 +13,6 @@ import os
 import re
 from pathlib import Path
 
-# The test workers share the machine's cores: one compute thread each, and in the processes they start,
-# rather than every worker's torch spreading over all cores and contending (the suite runs twice as fast).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 # What the tests start runs on the CPU too, GPU or not (a CLI test on a GPU machine would pick cuda:0).
 os.environ["OFFLOAD_CORE_ACCELERATOR"] = "cpu"
 # tests learn and calibrate however busy the machine running them is (tests of the busy rule set it themselves)

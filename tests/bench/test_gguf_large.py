@@ -4,12 +4,11 @@ systems as processes, and writes a report whose every run generated tokens; a da
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -24,7 +23,7 @@ def test_tiny_run_writes_a_report_of_three_runs_with_tokens(tmp_path, capsys):
     command = [sys.executable, str(ROOT / "bench" / "gguf_large.py"), "--scratch", str(scratch), "--preset", "tiny"]
     command += ["--types", "Q4_0", "--budget", "1MB", "--tokens", "2", "--tag", "t", "--results", str(results)]
     command += ["--over-budget", "warn"]  # 1MB: less than the units in flight, so that part of each model is offloaded
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = preloaded.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((results / "gguf-large-t.json").read_text())
     rows = {row["system"]: row for row in report["rows"]}

@@ -4,12 +4,11 @@ chat model, ours and ``transformers serve`` with continuous batching, writing it
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import child_env
 from tests.serve.tiny import save_tiny_chat_model
 
@@ -78,7 +77,7 @@ def test_serve_peers_runs_both_servers_and_writes_its_report(tmp_path):
     cold = True
     pytest.importorskip("accelerate", reason="the peer's device map needs accelerate (the bench extra)")
     tiny = save_tiny_chat_model(tmp_path / "tiny")
-    done = subprocess.run(
+    done = preloaded.run(
         [
             sys.executable,
             "bench/serve_peers.py",

@@ -4,19 +4,18 @@ run with auto=true runs the table's first row and records predicted against meas
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import child_env
 
 TINY = ["model=synthetic", "progress=false", "max_new_tokens=3", "max_memory.cpu=1MiB", "headroom=0"]
 
 
 def test_plan_only_auto_prints_the_ranked_table_and_exits_0(tmp_path):
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             "run.py",
@@ -43,7 +42,7 @@ def test_plan_only_auto_prints_the_ranked_table_and_exits_0(tmp_path):
 
 
 def test_auto_runs_the_first_row_and_records_its_prediction(tmp_path):
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "run.py", *TINY, "auto=true", "hook=chained", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT,
         env=child_env(),

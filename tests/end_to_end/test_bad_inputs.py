@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -25,7 +24,7 @@ from safetensors.torch import save_file
 
 from offload_core.loading import sources
 from offload_core.runner.cli import hydra_main
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import cli, snapshot
 
 
@@ -332,7 +331,7 @@ def test_a_garbage_bin_prints_no_progress_fragment_before_the_error(tmp_path):
         ignore=shutil.ignore_patterns("*.safetensors*"),
     )
     (ckpt / "pytorch_model.bin").write_bytes(bytes(range(1, 128)) * 30)
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             str(ROOT / "run.py"),

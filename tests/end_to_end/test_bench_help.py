@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 SCRIPTS = sorted(p for p in (ROOT / "bench").glob("*.py") if "ArgumentParser(" in p.read_text(encoding="utf-8"))
 
@@ -35,7 +34,7 @@ def test_help_describes_every_script_in_whole_sentences():
     assert {"moe.py", "compare.py", "diffusion.py"} <= {p.name for p in SCRIPTS}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-c", HELP_OF_EACH, *map(str, SCRIPTS)]
-    done = subprocess.run(command, cwd=ROOT / "bench", env=env, capture_output=True, text=True, timeout=240)
+    done = preloaded.run(command, cwd=ROOT / "bench", env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     answers = json.loads(done.stdout.splitlines()[-1])
     for script in SCRIPTS:

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 
 def test_soak_runs_a_few_calls(tmp_path):
     out = tmp_path / "soak.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
+    done = preloaded.run(
         [
             sys.executable,
             str(ROOT / "bench" / "soak.py"),
@@ -40,7 +39,7 @@ def test_soak_runs_a_few_calls(tmp_path):
 
 def test_predict_sweep_writes_its_report(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
+    done = preloaded.run(
         [
             sys.executable,
             str(ROOT / "bench" / "predict_sweep.py"),
@@ -87,7 +86,7 @@ def test_diffusion_device_harness_runs_on_the_cpu(tmp_path):
     command += ["--size", "16", "--images", "1", "--folder", str(tmp_path / "pipe"), "--out", str(out)]
     command += ["--systems", "in-memory", "ours-auto", "diffusers-group-block"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = preloaded.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "diffusion-cpu.json").read_text())
     rows = {row["system"]: row for row in report["rows"]}

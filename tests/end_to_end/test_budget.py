@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 BUDGET_MIB = (
     32  # the "small" synthetic model is 42 MiB in bf16; less the planned KV cache, activations and runtime slack
@@ -52,7 +51,7 @@ LIBRARY_PAGES = 16 * 2**20
 
 @pytest.mark.parametrize("storage", ["memmap", "safetensors"])
 def test_peak_anonymous_rss_stays_within_the_cpu_budget(storage, tmp_path):
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             "-c",

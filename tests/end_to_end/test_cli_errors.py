@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from offload_core.loading import sources
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import assert_one_line, cli, snapshot
 
 
@@ -95,7 +95,7 @@ def test_hydra_full_error_gives_the_traceback(tmp_path, capsys, monkeypatch):
 
 
 def test_real_subprocess_exit_code_and_single_line(tmp_path):
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(ROOT / "run.py"), "model=synthetic", "dtype=float8", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
         text=True,

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from offload_core.runner.cli import hydra_main
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import assert_one_line, cli
 
 pytestmark = pytest.mark.slow
@@ -31,7 +30,7 @@ RUN = [
 
 
 def _run(tmp_path, *args: str) -> str:
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, "run.py", *RUN, "progress=false", f"hydra.run.dir={tmp_path}", *args],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from offload_core.runner.cli import hydra_main
 from tests.end_to_end.helpers import cli
 
@@ -60,7 +60,7 @@ def matches(line: str, message: str) -> bool:
 def run(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **(env or {})}
     command = [sys.executable, str(ROOT / "run.py"), *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return preloaded.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def error_line(done: subprocess.CompletedProcess) -> str:

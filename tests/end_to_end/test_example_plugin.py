@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 EXAMPLE = ROOT / "examples" / "interleaved_placement"
 RUN = [sys.executable, str(ROOT / "run.py"), "model=synthetic", "progress=false", "max_new_tokens=4"]
@@ -26,7 +25,7 @@ def env(tmp_path_factory):
     source = tmp / "source"  # build from a copy: pip leaves build/ and *.egg-info next to the sources
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = tmp / "site"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             "-m",
@@ -51,7 +50,7 @@ def env(tmp_path_factory):
 
 
 def _run(args, env, cwd):
-    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return preloaded.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
 def test_placement_interleaved_runs(env, tmp_path):

@@ -5,13 +5,12 @@ nothing (the one-line errors run in this process); the main job runs from the GG
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import assert_one_line, child_env, cli, snapshot
 from tests.gguf_files import write_gguf
 
@@ -19,7 +18,7 @@ from tests.gguf_files import write_gguf
 def _run(args, tmp_path, cache, timeout=600):
     env = {**child_env(), "OFFLOAD_CORE_CACHE": str(cache)}
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path / 'hydra'}", *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return preloaded.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -87,7 +86,7 @@ def test_the_main_job_from_the_shipped_gguf(tmp_path):
     env = child_env()
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path}", "storage=gguf"]
     command += ["compare_in_memory=true", "max_new_tokens=7"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
+    done = preloaded.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same tokens as in memory: True" in done.stdout and "Paris" in done.stdout
     assert "gguf, offloaded: read quantized in place, dequantized before each use: " in done.stdout
@@ -112,7 +111,7 @@ def test_a_gguf_repo_in_the_hub_cache_runs_by_repo_id_offline(gguf_file, tmp_pat
     }
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path / 'hydra'}", *args]
     command += ["compare_in_memory=true", "max_new_tokens=4", "prompt=the th"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = preloaded.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same tokens as in memory: True" in done.stdout
     assert snapshot(hub) == before  # the cache is read, never written

@@ -5,19 +5,18 @@ measured on this machine and cached with the calibration (``calibrate=true`` mea
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 from gguf import GGMLQuantizationType as T
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import child_env
 from tests.gguf_files import write_gguf
 
 
 def _plan(args, tmp_path, env):
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path}", "plan_only=true", *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return preloaded.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_plan_only_shows_the_dequantization_per_type_from_rates_measured_here(tmp_path):

@@ -7,12 +7,11 @@ import gzip
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 
 def _gpu_trace():
@@ -58,7 +57,7 @@ def test_the_figures_of_a_trace():
 def test_a_cpu_run_writes_its_trace_and_summary(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OFFLOAD_CORE_CACHE": str(tmp_path / "cache")}
     command = [sys.executable, str(ROOT / "bench" / "gpu_trace.py"), "--preset", "tiny", "--device", "cpu"]
-    done = subprocess.run(
+    done = preloaded.run(
         [*command, "--steps", "2", "--warm", "1", "--out", str(tmp_path / "out")],
         cwd=ROOT,
         env=env,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 import transformers
 
 from offload_core.loading import sources
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.checkpoints import TINY
 from tests.end_to_end.helpers import assert_one_line, cli, run_metrics
 from tests.hub_cache import as_hub_cache, save_bin_shards
@@ -79,7 +78,7 @@ def test_smollm2_in_the_hub_cache_runs_offloaded_with_transformers_tokens(by, sm
     path = SMOLLM2 if by == "repo id" else str(folder)
     args = [sys.executable, str(ROOT / "run.py"), "model=local", f"model.path={path}", "storage=safetensors"]
     args += ["max_memory.cpu=150MiB", "max_new_tokens=8", "compare_in_memory=true", f"hydra.run.dir={tmp_path}"]
-    done = subprocess.run(args, cwd=tmp_path, env=hub_env(cache), capture_output=True, text=True, timeout=300)
+    done = preloaded.run(args, cwd=tmp_path, env=hub_env(cache), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Paris" in done.stdout and "same tokens as in memory: True" in done.stdout, done.stdout[-2000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -93,9 +92,7 @@ def test_a_repo_the_cache_lacks_offline_ends_in_one_line(tmp_path):
     (tmp_path / "hub").mkdir()
     args = [sys.executable, str(ROOT / "run.py"), "model=local", "model.path=acme/nope", "model.revision=v1"]
     args += ["plan_only=true", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run(
-        args, cwd=tmp_path, env=hub_env(tmp_path / "hub"), capture_output=True, text=True, timeout=300
-    )
+    done = preloaded.run(args, cwd=tmp_path, env=hub_env(tmp_path / "hub"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert_one_line(
         done.stderr,

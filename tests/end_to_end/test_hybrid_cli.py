@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 
 def test_hybrid_without_a_gpu_is_refused_in_one_line(tmp_path):
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             str(ROOT / "run.py"),

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from offload_core.runner.job import run
 from offload_core.planning.headroom import RUNTIME_SLACK, runtime_slack
-from tests import ROOT
+from tests import ROOT, preloaded
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +66,7 @@ def test_budget_is_used_and_reported(main_job):
 
 def test_run_py_main_job_subprocess(tmp_path):
     """`python run.py` as a user runs it: exit 0, the answer printed, files in Hydra's run folder."""
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path}", "progress=false", "max_new_tokens=10"],
         capture_output=True,
         text=True,
@@ -84,7 +83,7 @@ def test_run_py_main_job_subprocess(tmp_path):
 def test_run_py_with_reader_threads_exits(hook, tmp_path):
     """A run whose module hooks start reader threads exits once it is done (Python joins non-daemon threads at
     exit: a reader left waiting hangs the process, which the timeout turns into a failure)."""
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             str(ROOT / "run.py"),

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 import transformers
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.checkpoints import POLICIES, paged_mixtral
 from tests.end_to_end.helpers import child_env
 
@@ -31,7 +30,7 @@ def test_plan_only_keeps_a_fitting_mixtral_whole_under_every_policy(tmp_path):
     folder = tmp_path / "mixtral"
     transformers.MixtralForCausalLM(paged_mixtral()).save_pretrained(folder)  # per-expert tensors, 1.3 MiB
     _tokenizer(folder)
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             "run.py",

@@ -4,12 +4,11 @@ a warning line saying so, and a value that is neither is one line too (those two
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.checkpoints import Saved
 from tests.end_to_end.helpers import child_env, cli_said
 
@@ -36,7 +35,7 @@ def test_a_budget_smaller_than_the_layers_in_flight_is_refused_or_run_over_warne
     assert code == 0, err[-2000:]
     said = out + err
     assert "hook=prefetch holds " in said and "over max_memory.cpu=200.00 KiB: the run will go over it by" in said
-    refused = subprocess.run(
+    refused = preloaded.run(
         [*command, f"hydra.run.dir={tmp_path / 'refused'}"],
         cwd=ROOT,
         env=child_env(),

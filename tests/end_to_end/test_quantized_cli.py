@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from offload_core.loading.checkpoint import Checkpoint
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import assert_one_line, child_env, cli, snapshot
 from tests.quantized_checkpoints import float_folder, quantized_folder
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     command = [sys.executable, "run.py", "progress=false", f"hydra.run.dir={tmp_path / 'run'}", *args]
-    return subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    return preloaded.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("method", ["torchao-int8", "bnb-nf4"])

@@ -13,7 +13,7 @@ import pytest
 
 from offload_core.runner.sweep import COLUMNS
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def ray_address():
 
 def _sweep(cwd: Path, *hydra_overrides: str) -> tuple[subprocess.CompletedProcess, list[dict[str, str]]]:
     sweep_dir = cwd / "sweep"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(ROOT / "run.py"), "-m", *SWEEP, *hydra_overrides, f"hydra.sweep.dir={sweep_dir}"],
         capture_output=True,
         text=True,

@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import child_env
 
 ARGS = ["model=synthetic", "prompts=prompts.txt", "batch_size=2", "max_new_tokens=2", "progress=false"]
 
 
 def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, str(ROOT / "run.py"), *args],
         capture_output=True,
         text=True,

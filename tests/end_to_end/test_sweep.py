@@ -14,7 +14,7 @@ import pytest
 
 from offload_core.runner.sweep import COLUMNS, summarize
 
-from tests import ROOT
+from tests import ROOT, preloaded
 
 BASE = [
     "model=synthetic",
@@ -44,7 +44,7 @@ def _sweep(tmp_path: Path, *overrides: str, launcher: str | None = None) -> tupl
     args = [sys.executable, str(ROOT / "run.py"), "-m", *BASE, *overrides, f"hydra.sweep.dir={sweep_dir}"]
     if launcher:
         args.append(f"hydra/launcher={launcher}")
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = preloaded.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     return proc, sweep_dir
 
 

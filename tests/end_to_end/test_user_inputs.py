@@ -18,7 +18,7 @@ import transformers
 from omegaconf import OmegaConf
 
 from offload_core.loading import sources
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import cli_said
 from tests.plugins_dist import install_distribution, placement_plugin
 from tests.speculative import models
@@ -29,7 +29,7 @@ ERROR = "offload_core: error: "
 def run_py(args: list[str], cwd: Path, env: dict[str, str] | None = None, *, module: bool = False):
     """``python run.py args`` (``python -m offload_core args`` with ``module``) in a process of its own."""
     command = [sys.executable, "-m", "offload_core"] if module else [sys.executable, str(ROOT / "run.py")]
-    return subprocess.run(
+    return preloaded.run(
         [*command, *args],
         cwd=cwd,
         capture_output=True,
@@ -201,7 +201,7 @@ def test_help_says_each_thing_once_in_plain_text_and_names_the_command_used(tmp_
         "python -m offload_core run": run_py(["run", "--help"], tmp_path, module=True),
     }
     if script.exists():
-        runs["offload-core run"] = subprocess.run(
+        runs["offload-core run"] = preloaded.run(
             [str(script), "run", "--help"], capture_output=True, text=True, timeout=300, cwd=tmp_path
         )
     for command, proc in runs.items():

@@ -17,6 +17,8 @@ from offload_core.errors import GraphsError
 from offload_core.module_hooks.graphs import DecodeGraphs, StaticRing, apply_graphs, graph_pool_bytes
 from tests.logs import records_of
 
+from tests import preloaded
+
 
 def _generate(model, ids, tokens=5):
     with torch.no_grad():
@@ -191,12 +193,11 @@ def test_a_run_refuses_graphs_it_cannot_capture(overrides, says, fake_gpu, compo
 
 @pytest.mark.slow  # run.py as a process
 def test_the_cli_refuses_graphs_on_a_cpu_in_one_line(tmp_path):
-    import subprocess
     import sys
 
     from tests import ROOT
 
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, str(ROOT / "run.py"), "model=synthetic", "graphs=true", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
         text=True,

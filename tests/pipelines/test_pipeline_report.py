@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.pipelines.test_pipeline_run import _cfg
 
 from offload_core.runner.job import run
@@ -37,7 +36,7 @@ def test_a_run_says_whether_it_matched_in_memory_and_moves_what_it_predicted(pip
     command += ["pipeline.num_inference_steps=2", "max_memory.cpu=450KiB", "hook=chained", "compare_in_memory=true"]
     command += ["progress=false", f"hydra.run.dir={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = preloaded.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "same images as in memory (bit for bit): True" in lines

@@ -4,7 +4,6 @@ schema and the registered plugins (offload_core/runner/options.py), and says whe
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from offload_core.registry.manager import get_registry
 from offload_core.runner.options import choices, field_comments, help_text, run_options
 from offload_core.runner.config import GROUPS, RunConfig
-from tests import ROOT
+from tests import ROOT, preloaded
 
 
 def test_field_comments_are_read_from_the_lines_above_each_field():
@@ -41,7 +40,7 @@ def test_every_registered_option_and_key_is_listed_with_a_description():
 
 @pytest.mark.slow
 def test_run_py_help_prints_the_groups_and_where_to_read_more():
-    done = subprocess.run([sys.executable, "run.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = preloaded.run([sys.executable, "run.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for heading in ("placement=", "storage=", "hook=", "model=", "other keys"):
         assert heading in done.stdout

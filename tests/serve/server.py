@@ -6,12 +6,11 @@ import http.client
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import child_env
 
 #: a run of the tiny model with every weight offloaded to disk (memmap)
@@ -62,9 +61,10 @@ OFFLOAD_CORE_SERVE = ["-m", "offload_core", "serve"]
 def start_server(model: Path, run_dir: Path, *overrides: str, door: list[str] = RUN_PY) -> tuple[subprocess.Popen, str]:
     """Start the server on a free loopback port; the process (``proc.printed``: its stdout) and its base URL once it
     says it is serving."""
+    python, env = preloaded.shim({**child_env(), "TQDM_DISABLE": "1"})  # imports done once (tests/preloaded.py)
     proc = subprocess.Popen(
         [
-            sys.executable,
+            python,
             *door,
             "model=local",
             f"model.path={model}",
@@ -78,7 +78,7 @@ def start_server(model: Path, run_dir: Path, *overrides: str, door: list[str] = 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**child_env(), "TQDM_DISABLE": "1"},
+        env=env,
         cwd=ROOT,
     )
     proc.printed = Printed(proc)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import child_env
 from tests.serve.tiny import save_tiny_chat_model
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_serve_writes_its_report(tmp_path):
     tiny = save_tiny_chat_model(tmp_path / "tiny")
-    done = subprocess.run(
+    done = preloaded.run(
         [
             sys.executable,
             "bench/serve.py",

@@ -4,14 +4,13 @@ draft model's speculation, a port already taken, a task that does not generate."
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 
 import pytest
 
 from offload_core.errors import ConfigError
 from offload_core.runner.job import run
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.end_to_end.helpers import child_env
 from tests.serve.tiny import save_tiny_chat_model
 
@@ -69,7 +68,7 @@ def test_a_taken_port_is_one_line(compose_run, tiny, tmp_path):
 
 @pytest.mark.slow
 def test_the_command_line_says_one_line(tiny, tmp_path):
-    done = subprocess.run(
+    done = preloaded.run(
         [
             sys.executable,
             "-m",

@@ -13,6 +13,8 @@ from offload_core.serve.engine import Engine, Request
 from offload_core.serve.sampling import Params
 from offload_core.speculative import read_speculative
 
+from tests import preloaded
+
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41], list(range(30, 45)) * 3]
 NEW = 30
 LOOKUP = read_speculative("prompt_lookup")
@@ -143,14 +145,13 @@ def test_the_server_speculates_per_request_and_says_so_in_its_metrics(folder, mo
 @pytest.mark.slow
 def test_bench_serve_speculation_writes_its_report(folder, tmp_path):
     import json
-    import subprocess
     import sys
 
     from tests import ROOT
     from tests.end_to_end.helpers import child_env
     from tests.serve.server import OFFLOADED
 
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, "bench/serve_speculation.py", "--clients", "1,2", "--tokens", "8", "--tag", "tiny"]
         + ["--out", str(tmp_path), "model=local", f"model.path={folder}", "serve.context=128", *OFFLOADED],
         cwd=ROOT,

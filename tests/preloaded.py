@@ -1,0 +1,275 @@
+"""``run(command, ...)``: ``subprocess.run`` for the end-to-end tests, where a ``python run.py …`` (or ``python -m
+offload_core …``) child starts from an interpreter that has already imported what every job imports.
+
+A job's process spends about 4 of its 5 CPU seconds importing torch, transformers' modelling code, Hydra and
+offload_core; the suite starts some hundred of them. Each test worker keeps one *preloaded* interpreter (started at
+its first use, with the worker's environment) that imports those modules once and then forks a child per command:
+the child takes the command's working folder, environment, ``sys.path`` (the script's folder, then
+``PYTHONPATH``), arguments and standard streams, runs the script or module as ``__main__`` and exits with its
+status, running its ``atexit`` functions and joining its threads as an interpreter does at exit. What differs from a
+fresh interpreter is only when those modules were imported, so a command whose environment differs from the
+preloaded one in a variable read while importing them (``HF_*``, ``TRANSFORMERS_*``, ``OMP_*``, ``PYTHON*``, …), or
+that asks for anything but captured output, runs as a plain subprocess. Tests of what a fresh process alone shows
+(its imports, peak memory, signals, warnings printed while importing) call ``subprocess`` themselves.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import re
+import runpy
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tests import ROOT
+from tests import preloaded_client as client
+
+#: what every job imports before it reads its arguments (run.py's import, transformers' models)
+PRELOAD = ("offload_core.runner.cli", "transformers.modeling_utils")
+#: variables that a preloaded module may read while it is imported: a command that sets another value runs fresh
+IMPORT_TIME = re.compile(
+    r"^(HF_|HUGGINGFACE|TRANSFORMERS|TORCH|PYTORCH|OMP_|MKL_|KMP_|OPENBLAS|CUDA|TOKENIZERS|"
+    r"DIFFUSERS|XDG_|HOME$|PYTHON|LD_|LANG|LC_)"
+)
+#: handled by the child itself, as a fresh interpreter would
+CHILD_HANDLES = {"PYTHONPATH", "PYTHONUNBUFFERED"}
+
+SERVER = r"""
+import importlib, sys
+sys.path.insert(0, sys.argv[1])
+from tests.preloaded import serve
+serve(sys.argv[2], sys.argv[1], sys.argv[3:])
+"""
+
+
+def _key(env: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if IMPORT_TIME.match(k) and k not in CHILD_HANDLES))
+
+
+def serve(path: str, root: str, modules: list[str]) -> None:
+    """The preloaded interpreter: import ``modules``, then fork a child per connection to socket ``path``; send each
+    connection its child's pid, later its exit status. Ends when its standard input closes (its test worker ended)."""
+    before = dict(os.environ)
+    key = _key(before)
+    for name in modules:
+        importlib.import_module(name)
+    base_path = [p for p in sys.path if p not in ("", root)]
+    # what those imports set in the environment (OpenBLAS' settings, …): a fresh interpreter's imports set it too
+    imported_env = {k: v for k, v in os.environ.items() if k not in before}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    waiting: dict[int, socket.socket] = {}
+    while True:
+        conns = {conn: pid for pid, conn in waiting.items()}
+        ready = select.select([listener, wake_r, sys.stdin, *conns], [], [])[0]
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
+            return
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        for conn in set(ready) & set(conns):  # its client is gone (killed, or it gave up waiting): so is the child
+            if not conn.recv(1):
+                os.kill(conns[conn], signal.SIGKILL)
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            with waiting.pop(pid) as conn:
+                try:
+                    conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
+                except OSError:
+                    pass
+        if listener in ready:
+            conn, _ = listener.accept()
+            head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+            size, data = int.from_bytes(head, "little"), b""
+            while len(data) < size:
+                data += conn.recv(size - len(data))
+            request = json.loads(data)
+            if _key(request["env"]) != key:
+                conn.sendall(b"0\n")
+                conn.close()
+            elif (pid := os.fork()) == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (listener.fileno(), conn.fileno(), wake_r, wake_w, *(c.fileno() for c in conns)):
+                    os.close(fd)
+                _child(request, fds, base_path, imported_env)
+            else:
+                conn.sendall(b"%d\n" % pid)
+                waiting[pid] = conn
+            for fd in fds:
+                os.close(fd)
+
+
+class _Preloaded:
+    """One preloaded interpreter of this test worker, listening on a socket in a folder of its own."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in CHILD_HANDLES and k != client.SOCKET_ENV}
+        self.key = _key(env)
+        self.folder = tempfile.mkdtemp(prefix="preloaded-")
+        self.path = os.path.join(self.folder, "socket")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(ROOT), self.path, *PRELOAD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,  # not a terminal: its children's streams are buffered as a fresh one's
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=env,
+        )
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None:
+                raise RuntimeError("the preloaded interpreter did not start")
+            time.sleep(0.05)
+
+    def shim_env(self) -> dict[str, str]:
+        """What a shell block's environment needs for its ``python`` to be the shim in :attr:`folder`."""
+        shim = os.path.join(self.folder, "python")
+        if not os.path.exists(shim):
+            source = (ROOT / "tests" / "preloaded_python.py").read_text()
+            Path(shim).write_text(f"#!{sys.executable} -IS\n{source}")
+            os.chmod(shim, 0o755)
+        return {
+            client.SOCKET_ENV: self.path,
+            "OFFLOAD_CORE_TEST_PRELOADED_DIR": str(ROOT / "tests"),
+            "OFFLOAD_CORE_TEST_PRELOADED_PYTHON": sys.executable,
+            "PATH": self.folder + os.pathsep + os.environ.get("PATH", ""),
+        }
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_server: _Preloaded | None = None
+
+
+def server() -> _Preloaded:
+    """This worker's preloaded interpreter, started at first use."""
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _Preloaded()
+        atexit.register(_server.close)
+    return _server
+
+
+def shim(env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The ``python`` and environment with which a ``Popen`` of ``python <script>.py …`` forks from the preloaded
+    interpreter: the signals it gets go to the child, it ends as the child does, and the child dies with it."""
+    env = {**env, **server().shim_env()}
+    return os.path.join(server().folder, "python"), env
+
+
+def forks(env: dict[str, str]) -> bool:
+    """Whether a command with environment ``env`` runs in a child of the preloaded interpreter (not afresh)."""
+    return server().key == _key(env)
+
+
+def run(command, *, cwd=None, env=None, timeout=None, input=None, capture_output=False, text=False, check=False):
+    """As ``subprocess.run``; a captured ``python <script>.py …`` or ``python -m <module> …`` forks from the preloaded
+    interpreter."""
+    command = [str(part) for part in command]
+    env = dict(os.environ if env is None else env)
+    if not (capture_output and command[0] == sys.executable and client.routable(command[1:])):
+        return subprocess.run(
+            command,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            input=input,
+            capture_output=capture_output,
+            text=text,
+            check=check,
+        )
+    cwd = os.path.abspath(cwd or os.getcwd())
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        stdin.write(input.encode() if isinstance(input, str) else input or b"")
+        stdin.seek(0)
+        conn, pid = client.start(server().path, command[1:], cwd, env, [f.fileno() for f in (stdin, stdout, stderr)])
+        with conn:
+            if not pid:
+                return subprocess.run(
+                    command,
+                    cwd=cwd,
+                    env=env,
+                    timeout=timeout,
+                    input=input,
+                    capture_output=True,
+                    text=text,
+                    check=check,
+                )
+            code = client.wait(conn, timeout)
+            if code is None:
+                os.kill(pid, signal.SIGKILL)
+                client.wait(conn, None)
+                raise subprocess.TimeoutExpired(command, timeout)
+        out, err = (f.seek(0) or f.read() for f in (stdout, stderr))
+    if text:
+        out, err = out.decode(), err.decode()
+    done = subprocess.CompletedProcess(command, code, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def _child(request: dict, fds: list[int], base_path: list[str], imported_env: dict[str, str]) -> None:
+    """In the forked child: take the command's streams, folder, environment and path, run it, exit with its status."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    env = request["env"]
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update({**imported_env, **env})
+    if env.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    tempfile.tempdir = None
+    importlib.invalidate_caches()  # what was installed since the interpreter started is found, as afresh
+    argv = request["argv"]
+    module = argv[1] if argv[0] == "-m" else None
+    first = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
+    extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *extra, *base_path]
+    sys.argv = argv[1:] if module else list(argv)
+    code = 0
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
