@@ -32,8 +32,6 @@ import pytest  # noqa: E402
 from sybil import Sybil  # noqa: E402
 from sybil.parsers.markdown import CodeBlockParser  # noqa: E402
 
-from tests import preloaded  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent
 #: what a block's folder holds, as a clone of the repository does
 LINKED = ("run.py", "bench", "examples", "conf")
@@ -64,13 +62,23 @@ def block_folder():
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def preloaded_python(env: dict[str, str]) -> dict[str, str]:
+    """What makes a block's ``python run.py …`` fork from the test worker's preloaded interpreter (tests/preloaded.py);
+    nothing in a copy of this file without the tests (tests/docs/test_examples.py makes one)."""
+    if not (ROOT / "tests" / "preloaded.py").is_file():
+        return {}
+    from tests import preloaded  # here: that copy has no tests/ to import
+
+    return preloaded.shim(env)[1]
+
+
 def run_bash(example) -> None:
     """Run a bash block in a fresh folder; a failure shows the block's exit status and the end of its output."""
     reason = not_run_reason(example)
     if reason is not None:
         pytest.skip(f"not run: {reason}")
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env.update(preloaded.server().shim_env())  # its `python run.py …` forks from the worker's preloaded interpreter
+    env.update(preloaded_python(env))
     with block_folder() as folder:
         try:
             done = subprocess.run(

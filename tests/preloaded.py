@@ -42,6 +42,8 @@ IMPORT_TIME = re.compile(
     r"^(HF_|HUGGINGFACE|TRANSFORMERS|TORCH|PYTORCH|OMP_|MKL_|KMP_|OPENBLAS|CUDA|TOKENIZERS|"
     r"DIFFUSERS|XDG_|HOME$|PYTHON|LD_|LANG|LC_)"
 )
+#: set by ``run(..., nested=True)``: the ``sys.executable`` its child sees (the shim)
+EXECUTABLE_ENV = "OFFLOAD_CORE_TEST_PRELOADED_EXECUTABLE"
 #: handled by the child itself, as a fresh interpreter would
 CHILD_HANDLES = {"PYTHONPATH", "PYTHONUNBUFFERED"}
 
@@ -59,7 +61,8 @@ def _key(env: dict[str, str]) -> tuple:
 
 def serve(path: str, root: str, modules: list[str]) -> None:
     """The preloaded interpreter: import ``modules``, then fork a child per connection to socket ``path``; send each
-    connection its child's pid, later its exit status. Ends when its standard input closes (its test worker ended)."""
+    connection its child's pid, later its exit status. Once its standard input closes (its test worker ended or
+    closed it), it takes no more and ends when its children have."""
     before = dict(os.environ)
     key = _key(before)
     for name in modules:
@@ -75,11 +78,12 @@ def serve(path: str, root: str, modules: list[str]) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     waiting: dict[int, socket.socket] = {}
-    while True:
+    worker = [sys.stdin]  # open while its test worker is: then it ends once its children have
+    while worker or waiting:
         conns = {conn: pid for pid, conn in waiting.items()}
-        ready = select.select([listener, wake_r, sys.stdin, *conns], [], [])[0]
-        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
-            return
+        ready = select.select([listener, wake_r, *worker, *conns], [], [])[0]
+        if worker and worker[0] in ready and not os.read(sys.stdin.fileno(), 1):
+            worker.clear()
         if wake_r in ready:
             os.read(wake_r, 4096)
         for conn in set(ready) & set(conns):  # its client is gone (killed, or it gave up waiting): so is the child
@@ -94,14 +98,14 @@ def serve(path: str, root: str, modules: list[str]) -> None:
                     conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
                 except OSError:
                     pass
-        if listener in ready:
+        if listener in ready and worker:
             conn, _ = listener.accept()
             head, fds, _, _ = socket.recv_fds(conn, 8, 3)
             size, data = int.from_bytes(head, "little"), b""
             while len(data) < size:
                 data += conn.recv(size - len(data))
             request = json.loads(data)
-            if _key(request["env"]) != key:
+            if _key({k: v for k, v in request["env"].items() if imported_env.get(k) != v}) != key:
                 conn.sendall(b"0\n")
                 conn.close()
             elif (pid := os.fork()) == 0:
@@ -120,8 +124,8 @@ def serve(path: str, root: str, modules: list[str]) -> None:
 class _Preloaded:
     """One preloaded interpreter of this test worker, listening on a socket in a folder of its own."""
 
-    def __init__(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in CHILD_HANDLES and k != client.SOCKET_ENV}
+    def __init__(self, env: dict[str, str]) -> None:
+        env = {k: v for k, v in env.items() if k not in CHILD_HANDLES and not k.startswith(client.SOCKET_ENV)}
         self.key = _key(env)
         self.folder = tempfile.mkdtemp(prefix="preloaded-")
         self.path = os.path.join(self.folder, "socket")
@@ -153,38 +157,54 @@ class _Preloaded:
         }
 
     def close(self) -> None:
+        """It takes no more commands, and ends once those it runs have."""
         self.proc.stdin.close()
-        self.proc.wait(timeout=30)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-_server: _Preloaded | None = None
+#: this worker's preloaded interpreters by the import-time environment they were started with, the latest last
+_servers: dict[tuple, _Preloaded] = {}
+#: how many it keeps (a test that sets such a variable starts one; a worker whose environment changed, another)
+KEPT = 3
 
 
-def server() -> _Preloaded:
-    """This worker's preloaded interpreter, started at first use."""
-    global _server
-    if _server is None or _server.proc.poll() is not None:
-        _server = _Preloaded()
-        atexit.register(_server.close)
-    return _server
+def server(env: dict[str, str] | None = None) -> _Preloaded:
+    """This worker's preloaded interpreter for environment ``env`` (this process's by default), started at first
+    use."""
+    env = dict(os.environ if env is None else env)
+    key = _key(env)
+    found = _servers.pop(key, None)
+    if found is None or found.proc.poll() is not None:
+        found = _Preloaded(env)
+        atexit.register(found.close)
+    _servers[key] = found
+    while len(_servers) > KEPT:
+        _servers.pop(next(iter(_servers))).close()
+    return found
 
 
 def shim(env: dict[str, str]) -> tuple[str, dict[str, str]]:
     """The ``python`` and environment with which a ``Popen`` of ``python <script>.py …`` forks from the preloaded
     interpreter: the signals it gets go to the child, it ends as the child does, and the child dies with it."""
-    env = {**env, **server().shim_env()}
-    return os.path.join(server().folder, "python"), env
+    found = server(env)
+    return os.path.join(found.folder, "python"), {**env, **found.shim_env()}
 
 
-def forks(env: dict[str, str]) -> bool:
-    """Whether a command with environment ``env`` runs in a child of the preloaded interpreter (not afresh)."""
-    return server().key == _key(env)
-
-
-def run(command, *, cwd=None, env=None, timeout=None, input=None, capture_output=False, text=False, check=False):
+def run(
+    command,
+    *,
+    cwd=None,
+    env=None,
+    timeout=None,
+    input=None,
+    capture_output=False,
+    text=False,
+    check=False,
+    nested=False,
+):
     """As ``subprocess.run``; a captured ``python <script>.py …`` or ``python -m <module> …`` forks from the preloaded
-    interpreter."""
+    interpreter. ``nested``: the child's ``sys.executable`` is the shim, so that the ``python`` commands it starts
+    itself (a benchmark's runs) fork too."""
     command = [str(part) for part in command]
     env = dict(os.environ if env is None else env)
     if not (capture_output and command[0] == sys.executable and client.routable(command[1:])):
@@ -198,11 +218,13 @@ def run(command, *, cwd=None, env=None, timeout=None, input=None, capture_output
             text=text,
             check=check,
         )
+    if nested:
+        env = shim(env)[1] | {EXECUTABLE_ENV: shim(env)[0]}
     cwd = os.path.abspath(cwd or os.getcwd())
     with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         stdin.write(input.encode() if isinstance(input, str) else input or b"")
         stdin.seek(0)
-        conn, pid = client.start(server().path, command[1:], cwd, env, [f.fileno() for f in (stdin, stdout, stderr)])
+        conn, pid = client.start(server(env).path, command[1:], cwd, env, [f.fileno() for f in (stdin, stdout, stderr)])
         with conn:
             if not pid:
                 return subprocess.run(
@@ -248,6 +270,7 @@ def _child(request: dict, fds: list[int], base_path: list[str], imported_env: di
     extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *base_path]
     sys.argv = argv[1:] if module else list(argv)
+    sys.executable = env.get(EXECUTABLE_ENV, sys.executable)
     code = 0
     try:
         if module:

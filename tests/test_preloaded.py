@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent("""
     atexit.register(lambda: print("atexit ran"))
     threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined"))).start()
     print("to stderr", file=sys.stderr)
+    print("preloaded", "torch" in sys.modules)
     sys.exit(int(sys.argv[1]))
 """)
 
@@ -42,7 +43,8 @@ def test_a_forked_command_behaves_as_a_fresh_one(script, tmp_path, code):
     kwargs = dict(cwd=tmp_path, env=env, input="in", capture_output=True, text=True, timeout=120)
     fresh = subprocess.run(command, **kwargs)
     forked = preloaded.run(command, **kwargs)
-    assert preloaded.forks(env)
+    assert "preloaded False" in fresh.stdout and "preloaded True" in forked.stdout  # it forked
+    forked.stdout = forked.stdout.replace("preloaded True", "preloaded False")
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert fresh.returncode == code and "thread joined\natexit ran" in fresh.stdout
 
@@ -57,18 +59,21 @@ def test_an_uncaught_error_exits_1_with_its_traceback_and_a_hang_times_out(tmp_p
     assert preloaded.run([sys.executable, "-m", "offload_core", "--help"], capture_output=True).returncode == 0
 
 
-def test_an_environment_read_while_importing_runs_afresh(script, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
-    assert not preloaded.forks(env)
-    done = preloaded.run([sys.executable, str(script), "0"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "atexit ran" in done.stdout
+def test_a_variable_read_while_importing_is_the_commands_own(tmp_path):
+    """huggingface_hub reads HF_HUB_OFFLINE as it is imported: each value gets a preloaded interpreter of its own."""
+    (tmp_path / "offline.py").write_text("from huggingface_hub import constants\nprint(constants.HF_HUB_OFFLINE)\n")
+    for value, expected in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "HF_HUB_OFFLINE": value}
+        command = [sys.executable, str(tmp_path / "offline.py")]
+        done = preloaded.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr
 
 
 def test_a_shell_finds_the_preloaded_python_which_passes_on_streams_signals_and_exit_status(script, tmp_path):
     """What the docs' shell blocks run (conftest.py): ``python`` first on their PATH forwards a signal to its child
     and ends as the child did; ``python -c`` is the real interpreter."""
     (tmp_path / "wait.py").write_text("import time\nprint('waiting', flush=True)\ntime.sleep(60)\n")
-    env = {**os.environ, **preloaded.server().shim_env(), "PRELOADED_TEST": "shell"}
+    python, env = preloaded.shim({**os.environ, "PRELOADED_TEST": "shell"})
     shell = f"""
         python {script} 4 arg <<< 'typed' || echo "exit $?"
         python -c 'import sys; print("real", "tests.preloaded" not in sys.modules)'

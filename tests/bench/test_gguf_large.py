@@ -23,7 +23,7 @@ def test_tiny_run_writes_a_report_of_three_runs_with_tokens(tmp_path, capsys):
     command = [sys.executable, str(ROOT / "bench" / "gguf_large.py"), "--scratch", str(scratch), "--preset", "tiny"]
     command += ["--types", "Q4_0", "--budget", "1MB", "--tokens", "2", "--tag", "t", "--results", str(results)]
     command += ["--over-budget", "warn"]  # 1MB: less than the units in flight, so that part of each model is offloaded
-    done = preloaded.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = preloaded.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, nested=True)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((results / "gguf-large-t.json").read_text())
     rows = {row["system"]: row for row in report["rows"]}

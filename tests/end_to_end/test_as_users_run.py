@@ -35,12 +35,11 @@ def exit_bound() -> float:
     return EXIT_S * max(1.0, per_core)
 
 
-#: SmolLM2's runs: each policy once and each store at least once (memmap, whose folder is sealed on a thread before the
-#: run exits, twice). Every policy x store runs as a process on the tiny Mixtral below, and on SmolLM2 in this process
-#: (tests/end_to_end/test_fidelity_smollm2.py): the real model's runs add its size, its tokenizer and its answer.
+#: SmolLM2's runs: each store once (memmap's folder is sealed on a thread before the run exits), prefetch and experts
+#: (reader threads of their own) among the policies. Every policy x store runs as a process on the tiny Mixtral below,
+#: and on SmolLM2 in this process (tests/end_to_end/test_fidelity_smollm2.py): the real model's runs add its size, its
+#: tokenizer and its answer.
 SMOLLM2_RUNS = [
-    ("align_per_call", "memmap"),
-    ("chained", "safetensors"),
     ("functional_call", "pinned_cpu"),
     ("prefetch", "memmap"),
     ("experts", "safetensors"),

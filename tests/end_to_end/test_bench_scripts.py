@@ -31,6 +31,7 @@ def test_soak_runs_a_few_calls(tmp_path):
         capture_output=True,
         text=True,
         timeout=240,
+        nested=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
@@ -67,6 +68,7 @@ def test_predict_sweep_writes_its_report(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        nested=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = (tmp_path / "predict-sweep-t.csv").read_text().splitlines()
@@ -86,7 +88,7 @@ def test_diffusion_device_harness_runs_on_the_cpu(tmp_path):
     command += ["--size", "16", "--images", "1", "--folder", str(tmp_path / "pipe"), "--out", str(out)]
     command += ["--systems", "in-memory", "ours-auto", "diffusers-group-block"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = preloaded.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = preloaded.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, nested=True)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "diffusion-cpu.json").read_text())
     rows = {row["system"]: row for row in report["rows"]}

@@ -41,6 +41,7 @@ def test_bench_serve_writes_its_report(tmp_path):
         capture_output=True,
         text=True,
         timeout=280,
+        nested=True,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "serve-tiny.json").read_text())

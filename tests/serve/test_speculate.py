@@ -159,6 +159,7 @@ def test_bench_serve_speculation_writes_its_report(folder, tmp_path):
         capture_output=True,
         text=True,
         timeout=280,
+        nested=True,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "serve-speculation-tiny.json").read_text())
