@@ -1,16 +1,18 @@
-"""``run(command, ...)``: ``subprocess.run`` for the end-to-end tests, where a ``python run.py …`` (or ``python -m
-offload_core …``) child starts from an interpreter that has already imported what every job imports.
+"""``run(command, ...)``: ``subprocess.run`` for the tests, where a ``python <script>.py …`` or ``python -m <module> …``
+child starts from an interpreter that has already imported what every job imports; ``shim(env)``: the ``python``
+with which a shell (the docs' blocks, conftest.py) or a ``Popen`` (the serve tests' servers) gets the same.
 
 A job's process spends about 4 of its 5 CPU seconds importing torch, transformers' modelling code, Hydra and
-offload_core; the suite starts some hundred of them. Each test worker keeps one *preloaded* interpreter (started at
-its first use, with the worker's environment) that imports those modules once and then forks a child per command:
-the child takes the command's working folder, environment, ``sys.path`` (the script's folder, then
-``PYTHONPATH``), arguments and standard streams, runs the script or module as ``__main__`` and exits with its
-status, running its ``atexit`` functions and joining its threads as an interpreter does at exit. What differs from a
-fresh interpreter is only when those modules were imported, so a command whose environment differs from the
-preloaded one in a variable read while importing them (``HF_*``, ``TRANSFORMERS_*``, ``OMP_*``, ``PYTHON*``, …), or
-that asks for anything but captured output, runs as a plain subprocess. Tests of what a fresh process alone shows
-(its imports, peak memory, signals, warnings printed while importing) call ``subprocess`` themselves.
+offload_core; the suite starts a few hundred. Each test worker keeps a *preloaded* interpreter per import-time
+environment (started at first use) that imports those modules once, listens on a Unix socket and forks a child per
+command: the child takes the command's standard streams (passed over the socket), working folder, environment,
+``sys.path`` (the script's folder, then ``PYTHONPATH``) and arguments, runs the script or module as ``__main__``
+and exits as an interpreter does (its threads joined, its ``atexit`` functions run); its exit status goes back over
+the socket, and a client that goes away (killed) takes its child with it. What differs from a fresh interpreter is
+only when those modules were imported, so the variables read while importing them (``HF_*``, ``TRANSFORMERS_*``,
+``OMP_*``, ``PYTHON*``, …) pick the interpreter: a command that sets another value gets one of its own. Tests of what
+only a fresh process shows (its imports, peak memory, SIGKILL, warnings printed while importing, running as users do:
+tests/end_to_end/test_as_users_run.py) call ``subprocess`` themselves.
 """
 
 from __future__ import annotations
