@@ -58,6 +58,7 @@ def _in_memory(path):
         return model(IDS).logits, model.generate(IDS, max_new_tokens=4, do_sample=False)
 
 
+@pytest.mark.slow  # whole runs (the quick subset stays under a minute)
 def test_packed_weights_decode_on_the_device_bit_identical(tmp_path, fake_gpu):
     fake = fake_gpu(count=1)
     path = _checkpoint(tmp_path)

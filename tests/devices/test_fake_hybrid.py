@@ -153,6 +153,7 @@ def test_prefill_and_batches_stream_every_unit(tmp_path, fake_gpu):
     model.offload_state.remove()
 
 
+@pytest.mark.slow  # three whole runs on the fake GPU (the quick subset stays under a minute)
 @pytest.mark.parametrize("hybrid", ["given", "measured", "off"])
 def test_a_hybrid_run_on_a_gpu_plans_the_split_and_matches_in_memory(hybrid, tmp_path, fake_gpu, capsys, monkeypatch):
     """The whole run: the plan prints the split, decoding steps compute its host blocks on the host, the tokens are the

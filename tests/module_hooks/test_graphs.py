@@ -150,6 +150,7 @@ def test_graphs_are_refused_where_they_cannot_apply(saved, tmp_path):
         offload_core.from_pretrained(llama.path, offload={"graphs": True})
 
 
+@pytest.mark.slow  # a whole run on the fake GPU (the quick subset stays under a minute)
 def test_a_run_with_graphs_matches_the_in_memory_model_and_stays_in_its_budget(tmp_path, fake_gpu, compose_run):
     from offload_core.runner.job import run
 

@@ -86,6 +86,7 @@ def test_torn_last_line_and_unfinished_batch_are_generated_again(tmp_path):
     assert _lines(folder) == expected and resumed.figures["prompts"] == 4
 
 
+@pytest.mark.slow  # whole runs (the quick subset stays under a minute)
 def test_resume_refuses_other_prompts_settings_and_foreign_lines(tmp_path):
     _run(tmp_path, "whole")
     folder = tmp_path / "whole"

@@ -35,6 +35,7 @@ def test_a_batch_the_budget_cannot_hold_names_what_to_do(compose_run, tiny, tmp_
         serve(compose_run, tiny, tmp_path, "max_memory.cpu=700KiB", "serve.max_batch=16", "serve.context=4096")
 
 
+@pytest.mark.slow  # whole runs (the quick subset stays under a minute)
 def test_auto_admits_what_the_budget_holds(compose_run, tiny, tmp_path):
     from offload_core.serve.options import read_options, serving_settings, slots_of
     from offload_core.plan.model import open_model

@@ -49,6 +49,7 @@ def _on_gpu(fake, path, dtype=None, resident="dequantized"):
     )
 
 
+@pytest.mark.slow  # whole runs on the fake GPU (the quick subset stays under a minute)
 @pytest.mark.parametrize("resident", ["dequantized", "quantized"])
 def test_a_gpu_run_dequantizes_the_offloaded_blocks_on_the_device_bit_for_bit(tiny, resident, fake_gpu):
     """The blocks read from the file in place, or held quantized in host memory."""
