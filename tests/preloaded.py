@@ -209,19 +209,18 @@ def run(
     itself (a benchmark's runs) fork too."""
     command = [str(part) for part in command]
     env = dict(os.environ if env is None else env)
-    if not (capture_output and command[0] == sys.executable and client.routable(command[1:])):
+
+    def fresh() -> subprocess.CompletedProcess:
         return subprocess.run(
-            command,
-            cwd=cwd,
-            env=env,
-            timeout=timeout,
-            input=input,
-            capture_output=capture_output,
-            text=text,
+            command, cwd=cwd, env=env, timeout=timeout, input=input, capture_output=capture_output, text=text,
             check=check,
-        )
+        )  # fmt: skip
+
+    if not (capture_output and command[0] == sys.executable and client.routable(command[1:])):
+        return fresh()
     if nested:
-        env = shim(env)[1] | {EXECUTABLE_ENV: shim(env)[0]}
+        python, env = shim(env)
+        env[EXECUTABLE_ENV] = python
     cwd = os.path.abspath(cwd or os.getcwd())
     with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         stdin.write(input.encode() if isinstance(input, str) else input or b"")
@@ -229,16 +228,7 @@ def run(
         conn, pid = client.start(server(env).path, command[1:], cwd, env, [f.fileno() for f in (stdin, stdout, stderr)])
         with conn:
             if not pid:
-                return subprocess.run(
-                    command,
-                    cwd=cwd,
-                    env=env,
-                    timeout=timeout,
-                    input=input,
-                    capture_output=True,
-                    text=text,
-                    check=check,
-                )
+                return fresh()
             code = client.wait(conn, timeout)
             if code is None:
                 os.kill(pid, signal.SIGKILL)
