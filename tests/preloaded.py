@@ -73,8 +73,9 @@ def serve(path: str, root: str, modules: list[str]) -> None:
     # what those imports set in the environment (OpenBLAS' settings, …): a fresh interpreter's imports set it too
     imported_env = {k: v for k, v in os.environ.items() if k not in before}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".new")
     listener.listen(64)
+    os.rename(path + ".new", path)  # the path appears listening: a client never finds it before it listens
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
