@@ -1,6 +1,7 @@
-"""``run(command, ...)``: ``subprocess.run`` for the tests, where a ``python <script>.py …`` or ``python -m <module> …``
-child starts from an interpreter that has already imported what every job imports; ``shim(env)``: the ``python``
-with which a shell (the docs' blocks, conftest.py) or a ``Popen`` (the serve tests' servers) gets the same.
+"""``run(command, ...)``: ``subprocess.run`` for the tests, where a ``python <script>.py …`` or ``python -m
+offload_core …`` child starts from an interpreter that has already imported what every job imports; ``shim(env)``:
+the ``python`` with which a shell (the docs' blocks, conftest.py) or a ``Popen`` (the serve tests' servers) gets the
+same.
 
 A job's process spends about 4 of its 5 CPU seconds importing torch, transformers' modelling code, Hydra and
 offload_core; the suite starts a few hundred. Each test worker keeps a *preloaded* interpreter per import-time
@@ -205,9 +206,9 @@ def run(
     check=False,
     nested=False,
 ):
-    """As ``subprocess.run``; a captured ``python <script>.py …`` or ``python -m <module> …`` forks from the preloaded
-    interpreter. ``nested``: the child's ``sys.executable`` is the shim, so that the ``python`` commands it starts
-    itself (a benchmark's runs) fork too."""
+    """As ``subprocess.run``; a captured ``python <script>.py …`` or ``python -m offload_core …`` forks from the
+    preloaded interpreter. ``nested``: the child's ``sys.executable`` is the shim, so that the ``python`` commands it
+    starts itself (a benchmark's runs) fork too."""
     command = [str(part) for part in command]
     env = dict(os.environ if env is None else env)
 

@@ -12,9 +12,13 @@ import socket
 SOCKET_ENV = "OFFLOAD_CORE_TEST_PRELOADED"
 
 
+#: the modules ``python -m`` runs from the preloaded interpreter (another, such as pip, runs afresh)
+MODULES = {"offload_core"}
+
+
 def routable(argv: list[str]) -> bool:
-    """``python <script>.py …`` and ``python -m <module> …``: what the preloaded interpreter runs."""
-    return bool(argv) and (argv[0].endswith(".py") or (argv[0] == "-m" and len(argv) > 1))
+    """``python <script>.py …`` and ``python -m offload_core …``: what the preloaded interpreter runs."""
+    return bool(argv) and (argv[0].endswith(".py") or (argv[0] == "-m" and len(argv) > 1 and argv[1] in MODULES))
 
 
 def start(path: str, argv: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> tuple[socket.socket, int]:

@@ -1,5 +1,5 @@
 """``python`` for the docs' shell blocks (copied, behind a ``#!`` line naming the real interpreter, as ``python`` into a
-folder first on their ``PATH``): ``python <script>.py …`` / ``python -m <module> …`` run in a child of the preloaded
+folder first on their ``PATH``): ``python <script>.py …`` / ``python -m offload_core …`` run in a child of the preloaded
 interpreter (tests/preloaded.py) with this process's streams, folder and environment; the signals this process gets
 go to that child, and it exits as the child did. Anything else, or a declined command, is the real interpreter."""
 
