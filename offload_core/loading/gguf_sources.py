@@ -96,9 +96,9 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
 
 @contextmanager
 def _name_maps_once() -> Iterator[None]:
-    """gguf-py's ``get_tensor_name_map`` memoized while transformers names a file's tensors: its
-    ``get_gguf_hf_weights_map`` builds the same read-only map again for every submodule (half a minute for a 30-layer
-    model, a few milliseconds once)."""
+    """gguf-py's ``get_tensor_name_map`` memoized while transformers names a file's tensors (here, converting the file,
+    or loading its own in-memory model): its ``get_gguf_hf_weights_map`` builds the same read-only map again for every
+    submodule (half a minute for a 30-layer model, a few milliseconds once); what it returns is the same."""
     import gguf
 
     original = gguf.get_tensor_name_map
@@ -142,7 +142,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = gguf_tokenizer(gguf)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    with _name_maps_once():
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
     del tensors
     write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
@@ -166,9 +167,12 @@ def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | N
     from offload_core.loading.gguf_checkpoint import gguf_config
 
     if importlib.util.find_spec("accelerate") is not None:
-        return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+        with _name_maps_once():
+            return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
+    with _name_maps_once():
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)
+    tensors = tensors["tensors"]
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     return model
