@@ -53,6 +53,7 @@ def gguf_meta_folder(gguf: Path) -> Path:
 
     GGUFFile(gguf).close()  # a damaged file is one line before anything is written
 
+    @_parsed_once()
     def build(out: Path) -> None:
         from transformers import GenerationConfig
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -84,7 +85,7 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
     try:
         model = naming_model(config)
         try:
-            with _name_maps_once():
+            with _parsed_once():  # as in every transformers read of the file here
                 names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
         except (ValueError, KeyError, NotImplementedError) as error:
             raise _architecture_error(gguf, error) from None
@@ -95,18 +96,24 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
 
 
 @contextmanager
-def _name_maps_once() -> Iterator[None]:
-    """gguf-py's ``get_tensor_name_map`` memoized while transformers names a file's tensors (here, converting the file,
-    or loading its own in-memory model): its ``get_gguf_hf_weights_map`` builds the same read-only map again for every
-    submodule (half a minute for a 30-layer model, a few milliseconds once); what it returns is the same."""
+def _parsed_once() -> Iterator[None]:
+    """gguf-py's ``GGUFReader`` and ``get_tensor_name_map`` memoized while transformers reads a GGUF file (its config,
+    tokenizer, tensor names and tensors: each parses the whole file again, a model's vocabulary element by element,
+    seconds for a 49k-token one) and names its tensors (``get_gguf_hf_weights_map`` builds the same read-only map
+    again for every submodule: half a minute for a 30-layer model, a few milliseconds once). What they return is
+    the same; the readers (read-only mappings of the file) go when the block ends."""
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    if hasattr(gguf.GGUFReader, "cache_info"):  # within such a block already
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def processor_config(meta: Path) -> dict[str, Any]:
@@ -129,6 +136,7 @@ def converted_gguf(gguf: Path, target: Path | None = None) -> Path:
     )
 
 
+@_parsed_once()
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Write ``gguf`` into ``out`` as transformers' in-memory load holds it (float32 safetensors, config,
     tokenizer)."""
@@ -142,8 +150,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = gguf_tokenizer(gguf)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    with _name_maps_once():
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
     del tensors
     write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
@@ -155,6 +162,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
+@_parsed_once()
 def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | None) -> Any:
     """transformers' own in-memory model of ``gguf``: ``model_class.from_pretrained(folder, gguf_file=...)`` where
     accelerate (which transformers asks for there) is installed; else the steps it takes for the architectures read
@@ -167,12 +175,9 @@ def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | N
     from offload_core.loading.gguf_checkpoint import gguf_config
 
     if importlib.util.find_spec("accelerate") is not None:
-        with _name_maps_once():
-            return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+        return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
-    with _name_maps_once():
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)
-    tensors = tensors["tensors"]
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     return model
