@@ -94,7 +94,7 @@ def test_hydra_full_error_gives_the_traceback(tmp_path, capsys, monkeypatch):
         cli(["model=synthetic", "max_memory.cpu=-5"], tmp_path, capsys)
 
 
-def test_real_subprocess_exit_code_and_single_line(tmp_path):
+def test_a_process_of_its_own_exits_2_with_a_single_line(tmp_path):
     proc = preloaded.run(
         [sys.executable, str(ROOT / "run.py"), "model=synthetic", "dtype=float8", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
