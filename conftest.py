@@ -77,7 +77,7 @@ def run_bash(example) -> None:
     reason = not_run_reason(example)
     if reason is not None:
         pytest.skip(f"not run: {reason}")
-    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "TQDM_DISABLE": "1"}  # one compute thread: OMP_NUM_THREADS, set above
     env.update(preloaded_python(env))
     with block_folder() as folder:
         try:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests import ROOT
+
 SAMPLING = textwrap.dedent("""
     import threading as _threading, time as _time
 
@@ -46,8 +48,6 @@ SAMPLING = textwrap.dedent("""
 def measured(script: str, *args: object) -> dict:
     """``script`` run in a fresh Python from the repository's root with ``args``: the JSON object its last line
     prints (the process must exit 0; its stderr's end is the failure's message)."""
-    from tests import ROOT
-
     done = subprocess.run(
         [sys.executable, "-c", script, *map(str, args)],
         capture_output=True,

@@ -4,7 +4,6 @@ that the docs' shell blocks find first on their ``PATH`` (tests/preloaded_python
 from __future__ import annotations
 
 import json
-import os
 import select
 import socket
 
@@ -48,7 +47,3 @@ def _line(conn: socket.socket, timeout: float | None) -> str | None:
             raise ConnectionError("the preloaded interpreter closed the connection")
         data += chunk
     return data.decode().strip()
-
-
-def environ() -> dict[str, str]:
-    return dict(os.environ)

@@ -31,7 +31,7 @@ def main() -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    conn, child[0] = client.start(path, argv, os.getcwd(), client.environ(), [0, 1, 2])
+    conn, child[0] = client.start(path, argv, os.getcwd(), dict(os.environ), [0, 1, 2])
     if not child[0]:
         os.execv(REAL, [REAL, *argv])
     for signum in pending:
