@@ -92,12 +92,12 @@ def report(rows: list[dict], args: argparse.Namespace, machine: dict) -> str:
     lines = [
         f"# GGUF dequantization, output GB/s ({args.elements:,} elements per type, best of {args.repeats})",
         "",
-        f"{platform.processor() or platform.machine()}, torch {machine.get('torch', torch.__version__)}, "
+        f"{platform.processor() or platform.machine()}, torch {machine['torch']}, "
         "one torch thread "
         f"({'with ' + machine['gpu'] if machine.get('gpu') else 'no GPU'}); "
         "gguf-py's numpy dequantize on the same blocks. `python bench/dequant.py` reproduces it. "
         f"Load average over 1/5/15 min {'/'.join(f'{v:.1f}' for v in machine['load_average'])} on "
-        f"{machine.get('cpus', 2)} CPUs (absolute rates fall with the load; the ratios are of one run). "
+        f"{machine['cpus']} CPUs (absolute rates fall with the load; the ratios are of one run). "
         f"A float32 copy of as many elements ran at {machine['copy_gbps']:.2f} GB/s "
         '(the "share of a float32 copy" column is each type\'s rate over it).',
         "",
@@ -126,15 +126,20 @@ def main() -> None:
     torch.set_num_threads(1)  # per core
     rng = np.random.default_rng(0)
     rows = [measure(T[name], args.elements, args.repeats, rng) for name in args.types]
-    machine = {"copy_gbps": copy_gbps(args.elements, args.repeats), "load_average": list(os.getloadavg())}
-    machine["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    machine.update(torch=torch.__version__, cpus=os.cpu_count())
+    machine = {
+        "copy_gbps": copy_gbps(args.elements, args.repeats),
+        "load_average": list(os.getloadavg()),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
     name = "dequant" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"elements": args.elements, "rows": rows, **machine}
     (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(report(rows, args, machine))
-    print(report(rows, args, machine))
+    text = report(rows, args, machine)
+    (args.out / f"{name}.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
