@@ -1,10 +1,14 @@
-"""Tiny GGUF files the tests build themselves: a seeded transformers model (llama or qwen2) written with gguf-py's
-writer, its tensors quantized by gguf-py (K-quants as random valid blocks, which gguf-py cannot quantize), with a small
-byte-level tokenizer; and transformers' own in-memory model of such a file, the reference outputs are compared with."""
+"""Tiny GGUF files the tests build themselves: a seeded transformers model (llama, qwen2, qwen3, two MoE ones) written
+with gguf-py's writer, its tensors quantized by gguf-py (K-quants as random valid blocks, which gguf-py cannot
+quantize), with a small byte-level tokenizer; and transformers' own in-memory model of such a file, the reference
+outputs are compared with."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -36,7 +40,7 @@ def _random_blocks(kind: int, shape: tuple[int, ...], rng: np.random.Generator) 
         raw[:, offset : offset + 2] = (
             (rng.standard_normal(count) * 2e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
         )
-    return raw.reshape(rows, shape[-1] // elements * nbytes)
+    return raw.reshape(*shape[:-1], shape[-1] // elements * nbytes)
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -48,11 +52,50 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+@dataclass(frozen=True)
+class Arch:
+    """A transformers architecture the tests write GGUF files of: its classes, gguf-py's architecture, the name in
+    the header, the config's own numbers beside the common ones."""
+
+    config: str
+    model: str
+    gguf: str
+    header: str
+    numbers: dict = field(default_factory=dict)
+
+
+#: the architectures :func:`write_gguf` writes (the MoE ones with transformers' defaults for the expert sizes it does
+#: not read from a GGUF header)
+ARCHS = {
+    "llama": Arch("LlamaConfig", "LlamaForCausalLM", "LLAMA", "llama"),
+    "qwen2": Arch("Qwen2Config", "Qwen2ForCausalLM", "QWEN2", "qwen2"),
+    "qwen3": Arch("Qwen3Config", "Qwen3ForCausalLM", "QWEN3", "qwen3", {"head_dim": 128}),
+    "qwen3_moe": Arch(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        "QWEN3MOE",
+        "qwen3moe",
+        {"head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 768},
+    ),
+    "qwen2_moe": Arch(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        "QWEN2MOE",
+        "qwen2moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+        },
+    ),
+}
+
+
 def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
     import transformers
 
-    cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
-    return cls(
+    return getattr(transformers, ARCHS[arch].config)(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -64,6 +107,7 @@ def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
         rms_norm_eps=1e-5,
         bos_token_id=256,
         eos_token_id=257,
+        **ARCHS[arch].numbers,
     )
 
 
@@ -79,51 +123,37 @@ def write_gguf(
     arch_name: str | None = None,
     hidden: int = 256,
 ) -> Path:
-    """A GGUF file of a seeded tiny ``arch`` model (``llama`` or ``qwen2``): every 2-D weight of GGML type
-    ``default`` unless ``types`` maps a part of its GGUF name (``ffn_up``, ``output.weight``) to another (norms and
-    biases stay F32); ``metadata`` overrides the header's numbers (``block_count`` ...), ``drop`` leaves GGUF
-    tensors out, ``arch_name`` writes another architecture name in the header, ``hidden`` sizes the model."""
+    """A GGUF file of a seeded tiny ``arch`` model (a key of :data:`ARCHS`): every weight of two or more dimensions
+    of GGML type ``default`` unless ``types`` maps a part of its GGUF name (``ffn_up``, ``output.weight``) to another
+    (norms and biases stay F32); ``metadata`` overrides the header's numbers (``block_count`` ...), ``drop`` leaves
+    GGUF tensors out, ``arch_name`` writes another architecture name in the header, ``hidden`` sizes the model."""
     import gguf
     import transformers
     from gguf import GGMLQuantizationType as T
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+    spec = ARCHS[arch]
     torch.manual_seed(seed)
     config = tiny_config(arch, layers, hidden)
-    model_cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
-    model = model_cls(config).eval()
+    model = getattr(transformers, spec.model)(config).eval()
     rng = np.random.default_rng(seed)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2, layers)
-    arch_name = arch_name or arch
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, spec.gguf), layers)
+    arch_name = arch_name or spec.header
     writer = gguf.GGUFWriter(str(path), arch_name)
-    numbers = {
-        "block_count": layers,
-        "context_length": config.max_position_embeddings,
-        "embedding_length": config.hidden_size,
-        "feed_forward_length": config.intermediate_size,
-        "attention.head_count": config.num_attention_heads,
-        "attention.head_count_kv": config.num_key_value_heads,
-        "vocab_size": config.vocab_size,
-        **(metadata or {}),
-    }
-    for key, value in numbers.items():
-        writer.add_uint32(f"{arch_name}.{key}", value)
-    writer.add_float32(f"{arch_name}.rope.freq_base", 10000.0)
-    writer.add_float32(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)
+    numbers = {key: _config_value(config, attr) for key, attr in GGUF_CONFIG_MAPPING[arch].items() if attr}
+    for key, value in {**numbers, **(metadata or {})}.items():
+        if isinstance(value, float):
+            writer.add_float32(f"{arch_name}.{key}", value)
+        elif isinstance(value, int):
+            writer.add_uint32(f"{arch_name}.{key}", value)
     writer.add_name(f"tiny {arch}")
     _add_tokenizer(writer)
-    for hf_name, tensor in model.state_dict().items():
-        base, suffix = hf_name.rsplit(".", 1)
-        name = names.get_name(base) + "." + suffix
+    for name, data in _gguf_tensors(model.state_dict(), names, config, arch):
         if name in drop:
             continue
-        data = tensor.float().numpy()
-        if arch == "llama" and ".attn_q." in name:
-            data = _permute(data, config.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in name:
-            data = _permute(data, config.num_key_value_heads)
-        kind = default if data.ndim == 2 else int(T.F32)
+        kind = default if data.ndim >= 2 else int(T.F32)
         for part, chosen in (types or {}).items():
-            if "." + part in "." + name and data.ndim == 2:
+            if "." + part in "." + name and data.ndim >= 2:
                 kind = chosen
         _add(writer, name, data, kind, rng)
     writer.write_header_to_file()
@@ -131,6 +161,39 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _config_value(config, attr: str) -> int | float | None:
+    """``config``'s ``attr`` as a GGUF header holds it (the RoPE base from the rope parameters where kept there)."""
+    if attr == "rope_theta" and not hasattr(config, attr):
+        return float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    return getattr(config, attr, None)
+
+
+def _gguf_tensors(state: dict, names, config, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+    """``state``'s tensors under their GGUF names, as llama.cpp's converter writes them: llama's q and k permuted, a
+    fused expert tensor as one tensor per projection, the shared expert's gate as a vector."""
+    for hf_name, tensor in state.items():
+        data = tensor.float().numpy()
+        experts = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", hf_name)
+        if experts is not None:
+            block, kind = experts.groups()
+            if kind == "down":
+                yield f"blk.{block}.ffn_down_exps.weight", data
+            else:
+                gate, up = np.split(data, 2, axis=1)
+                yield f"blk.{block}.ffn_gate_exps.weight", gate
+                yield f"blk.{block}.ffn_up_exps.weight", up
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        name = names.get_name(base) + "." + suffix
+        if arch == "llama" and ".attn_q." in name:
+            data = _permute(data, config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            data = _permute(data, config.num_key_value_heads)
+        elif name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)
+        yield name, data
 
 
 def _add(writer, name: str, data: np.ndarray, kind: int, rng: np.random.Generator) -> None:

@@ -28,6 +28,7 @@ PER_TENSOR_PROCESSORS = (
     "MambaTensorProcessor",
     "NemotronTensorProcessor",
     "Gemma2TensorProcessor",
+    "Qwen2MoeTensorProcessor",  # a fused expert tensor of two (gate and up, concatenated per expert): read by parts
 )
 
 
@@ -115,12 +116,23 @@ class GGUFCheckpoint(Checkpoint):
 
     is_gguf = True
 
-    def __init__(self, path: Path, file: GGUFFile, sources: dict[str, str], shapes: dict[str, tuple], processor: Any):
+    def __init__(
+        self,
+        path: Path,
+        file: GGUFFile,
+        sources: dict[str, str],
+        shapes: dict[str, tuple],
+        processor: Any,
+        merged: dict[str, tuple[str, ...]] | None = None,
+    ):
         super().__init__(path, path.parent, [path], {name: path for name in sources}, None, False)
         self.file = file
-        self.sources = sources  # model name -> GGUF tensor name
+        self.sources = sources  # model name -> GGUF tensor name (the first part of a merged one)
         self._shapes = shapes
         self.processor = processor
+        #: model name -> the GGUF tensors it concatenates along dimension 1, per expert (a fused expert tensor's gate
+        #: and up projections, as transformers' MoE processor merges them)
+        self.merged = merged or {}
 
     @classmethod
     def open_gguf(cls, path: str | os.PathLike[str]) -> GGUFCheckpoint:
@@ -135,11 +147,11 @@ class GGUFCheckpoint(Checkpoint):
             model = naming_model(config)
             mapping = saved_names(meta)
             _check_in_place(path, file.architecture, processor)
-            sources, shapes = match_tensors(path, file, mapping, model)
+            sources, shapes, merged = match_tensors(path, file, mapping, model)
         except BaseException:
             file.close()
             raise
-        return cls(path, file, sources, shapes, processor)
+        return cls(path, file, sources, shapes, processor, merged)
 
     # -- what the loaders read --------------------------------------------------------------------
     def shards(self) -> list[tuple[Path, list[str]]]:
@@ -157,12 +169,16 @@ class GGUFCheckpoint(Checkpoint):
     def nbytes(self, key: str) -> int:
         return 4 * int(np.prod(self.shape(key), dtype=np.int64))
 
+    def gguf_parts(self, key: str) -> tuple[str, ...]:
+        """The GGUF tensors ``key`` is read from: itself, or the parts of a merged one."""
+        return self.merged.get(key) or (self.sources[key],)
+
     def stored_nbytes(self, key: str) -> int:
         """The bytes of ``key``'s quantized blocks in the file (what reading it in place moves)."""
-        return self.file.entries[self.sources[key]].nbytes
+        return sum(self.file.entries[part].nbytes for part in self.gguf_parts(key))
 
     def tensor_type(self, key: str) -> str:
-        """``key``'s GGML type in the file (``Q4_1``)."""
+        """``key``'s GGML type in the file (``Q4_1``; a merged tensor's first part's)."""
         return self.file.entries[self.sources[key]].type_name
 
     def ggml_type(self, key: str) -> int:
@@ -180,16 +196,29 @@ class GGUFCheckpoint(Checkpoint):
         return entry.offset, entry.offset + entry.nbytes
 
     def raw(self, key: str) -> torch.Tensor:
-        """``key``'s quantized blocks: a uint8 view of the mapped file."""
+        """``key``'s quantized blocks: a uint8 view of the mapped file (a merged tensor's first part's: see
+        :meth:`blocks`)."""
         return self.file.raw(self.sources[key])
+
+    def blocks(self, key: str) -> list[torch.Tensor]:
+        """The quantized blocks of each of ``key``'s parts (one for all but a merged tensor): views of the mapped
+        file."""
+        return [self.file.raw(part) for part in self.gguf_parts(key)]
+
+    def byte_ranges(self, key: str) -> tuple[tuple[int, int], ...]:
+        """Where the blocks of each of ``key``'s parts lie in the file."""
+        return tuple(
+            (self.file.entries[p].offset, self.file.entries[p].offset + self.file.entries[p].nbytes)
+            for p in self.gguf_parts(key)
+        )
 
     def converted_in_place(self, key: str) -> bool:
         """Whether ``key`` is its dequantized blocks as they lie: transformers' processor leaves it as it is (every
         tensor of an architecture without a processor; all but q and k for llama's, which permutes those two).
         Other processors' tensors go through the processor's own numpy code."""
         kind = type(self.processor).__name__
-        if kind == "TensorProcessor":
-            return True
+        if kind in ("TensorProcessor", "Qwen2MoeTensorProcessor"):  # the MoE one reshapes a vector, merges experts'
+            return key not in self.merged
         name = self.sources[key]
         return kind == "LlamaTensorProcessor" and ".attn_q." not in name and ".attn_k." not in name
 
@@ -197,11 +226,15 @@ class GGUFCheckpoint(Checkpoint):
         """Whether :meth:`read_into` writes ``key`` into a float32 buffer with nothing of its size beside it: its
         blocks dequantized as they lie (llama's q and k go through a buffer the thread keeps, another processor's
         tensors through its numpy code), so that loading reads it into the memory that holds it."""
-        return self.converted_in_place(key)
+        return self.converted_in_place(key) or key in self.merged
 
     def read_into(self, key: str, out: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
         """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it (``raw``:
-        its quantized blocks where held elsewhere than the mapped file)."""
+        its quantized blocks where held elsewhere than the mapped file; a list of its parts' for a merged one)."""
+        if key in self.merged:
+            for expert in range(out.shape[0]):
+                self.read_expert_into(key, expert, out[expert], raw)
+            return out
         entry = self.file.entries[self.sources[key]]
         raw = self.file.raw(entry.name) if raw is None else raw
         if out.dtype == torch.float32 and out.is_contiguous():
@@ -212,6 +245,31 @@ class GGUFCheckpoint(Checkpoint):
                 values = dequantize_into(raw, entry.kind, held_buffer(out.numel(), out.device))
                 return unpermute_into(values, heads, out)
         return copy_inline(out, self._converted(key, entry, raw))
+
+    def reads_experts(self, key: str) -> bool:
+        """Whether one expert of ``key`` (a fused expert tensor: experts first) is read by itself from its blocks
+        (:meth:`read_expert_into`): a merged tensor, or a 3-D one converted as it lies."""
+        return key in self.merged or (len(self.shape(key)) == 3 and self.converted_in_place(key))
+
+    def expert_blocks(self, key: str, expert: int, raw: Any = None) -> list[torch.Tensor]:
+        """The quantized blocks of expert ``expert`` in each of ``key``'s parts (``raw``: the parts' blocks where held
+        elsewhere than the mapped file)."""
+        experts = self.shape(key)[0]
+        raws = self.blocks(key) if raw is None else [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        return [blocks.reshape(experts, -1)[expert] for blocks in raws]
+
+    def read_expert_into(self, key: str, expert: int, out: torch.Tensor, raw: Any = None) -> torch.Tensor:
+        """Dequantize expert ``expert`` of ``key`` (see :meth:`reads_experts`) into ``out`` (its shape without the
+        experts' dimension, any floating dtype), reading only that expert's blocks; a merged tensor's parts one
+        after another along its first dimension, as transformers' processor concatenates them."""
+        target = out if out.dtype == torch.float32 and out.is_contiguous() else held_buffer(out.numel(), out.device)
+        target = target.view(out.shape)
+        start = 0
+        for part, blocks in zip(self.gguf_parts(key), self.expert_blocks(key, expert, raw), strict=True):
+            rows = self.file.entries[part].shape[1]
+            dequantize_into(blocks, self.file.entries[part].kind, target[start : start + rows])
+            start += rows
+        return out if target is out else copy_inline(out, target)
 
     def permuted_heads(self, key: str) -> int | None:
         """The head count llama's processor un-permutes ``key`` by (its q or k), as
@@ -227,6 +285,8 @@ class GGUFCheckpoint(Checkpoint):
 
     def get(self, key: str) -> torch.Tensor:
         """``key`` dequantized and converted (a new float32 tensor)."""
+        if key in self.merged:
+            return self.read_into(key, torch.empty(self._shapes[key], dtype=torch.float32))
         entry = self.file.entries[self.sources[key]]
         return self._converted(key, entry, self.file.raw(entry.name))
 
@@ -261,7 +321,7 @@ def _check_in_place(path: Path, architecture: str, processor: Any) -> None:
         )
 
 
-def match_tensors(path: Path, file: GGUFFile, mapping: dict[str, str], model: Any) -> tuple[dict, dict]:
+def match_tensors(path: Path, file: GGUFFile, mapping: dict[str, str], model: Any) -> tuple[dict, dict, dict]:
     """:func:`_match` of the file's tensors against ``model`` (built on meta from the file's config)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     groups: dict[int, list[str]] = {}
@@ -272,25 +332,41 @@ def match_tensors(path: Path, file: GGUFFile, mapping: dict[str, str], model: An
 
 def _match(
     path: Path, file: GGUFFile, mapping: dict[str, str], expected: dict[str, tuple], groups: list[list[str]]
-) -> tuple[dict[str, str], dict[str, tuple]]:
-    """``{model name: GGUF name}`` and the model's shapes for the file's tensors transformers would load; a one-line
-    error where a tensor's size disagrees with the config in the file's metadata, or where the file lacks a weight
-    the model has (``groups``: the names of each parameter, tied ones together)."""
+) -> tuple[dict[str, str], dict[str, tuple], dict[str, tuple[str, ...]]]:
+    """``{model name: GGUF name}``, the model's shapes for the file's tensors transformers would load, and the
+    tensors several GGUF ones merge into (:attr:`GGUFCheckpoint.merged`); a one-line error where a tensor's size
+    disagrees with the config in the file's metadata, or where the file lacks a weight the model has (``groups``:
+    the names of each parameter, tied ones together)."""
+    found: dict[str, list[str]] = {}
+    for name in file.entries:  # an expert tensor named without its suffix, as the MoE processor looks it up
+        target = mapping.get(name, mapping.get(name.removesuffix(".weight")))
+        if target is not None and target in expected:
+            found.setdefault(target, []).append(name)
     sources: dict[str, str] = {}
     shapes: dict[str, tuple] = {}
-    for name, entry in file.entries.items():
-        target = mapping.get(name)
-        if target is None or target not in expected:
-            continue
+    merged: dict[str, tuple[str, ...]] = {}
+    for target, names in found.items():
+        names.sort(key=lambda name: "_gate_" not in name)  # a fused expert tensor: gate first, then up
         shape = expected[target]
-        if int(np.prod(shape, dtype=np.int64)) != entry.numel or (
-            len(entry.shape) == len(shape) and entry.shape != shape
+        parts = [file.entries[name].shape for name in names]
+        if len(names) > 1:
+            joined = (parts[0][0], sum(part[1] for part in parts), *parts[0][2:])
+            fits = all(len(part) == 3 and part[0] == shape[0] and part[2:] == shape[2:] for part in parts)
+            if not fits or joined != tuple(shape):
+                raise CheckpointError(
+                    f"{path}: tensors {names} have shapes {[list(p) for p in parts]}, but the file's metadata (its "
+                    f"config) makes {target!r}, which they make together, {list(shape)}; the file is damaged or was "
+                    "written for another configuration"
+                )
+            merged[target] = tuple(names)
+        elif int(np.prod(shape, dtype=np.int64)) != file.entries[names[0]].numel or (
+            len(parts[0]) == len(shape) and parts[0] != shape
         ):
             raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {list(entry.shape)}, but the file's metadata (its config) makes "
+                f"{path}: tensor {names[0]!r} has shape {list(parts[0])}, but the file's metadata (its config) makes "
                 f"{target!r} {list(shape)}; the file is damaged or was written for another configuration"
             )
-        sources[target] = name
+        sources[target] = names[0]
         shapes[target] = shape
     missing = [names[0] for names in groups if not any(name in sources for name in names)]
     if missing:
@@ -298,4 +374,4 @@ def _match(
             f"{path} holds {len(file.entries)} tensors but its metadata (its config) needs {len(missing)} more, such "
             f"as {missing[0]!r}; the file is damaged or incomplete: re-download or re-convert it"
         )
-    return sources, shapes
+    return sources, shapes, merged

@@ -27,9 +27,10 @@ def dequant_rows(
     stored: Mapping[str, int],
 ) -> list[dict[str, Any]]:
     """Per GGML type of the offloaded tensors (and whether they take transformers' processor's extra pass,
-    ``converted``: llama's q and k, or every tensor of a run in another dtype than float32): ``tensors`` offloaded,
-    ``read_bytes`` (quantized) and ``dequant_bytes`` (float32) per generated token. Empty unless ``checkpoint`` is a
-    GGUF file the store reads in place (``stored``: its quantized bytes per key)."""
+    ``converted``: llama's q and k, or every tensor of a run in another dtype than float32; ``device``: dequantized on
+    the device of a GPU run, a tensor read whole whose type has a torch kernel, never a routed expert's rows):
+    ``tensors`` offloaded, ``read_bytes`` (quantized) and ``dequant_bytes`` (float32) per generated token. Empty
+    unless ``checkpoint`` is a GGUF file the store reads in place (``stored``: its quantized bytes per key)."""
     from offload_core.loading.moves import unit_reads
     from offload_core.loading.routes import route_tensors
     from offload_core.module_hooks.units import find_units
@@ -47,9 +48,10 @@ def dequant_rows(
     in_float32 = dtype in (None, torch.float32)
     elements = pass_elements(max((math.prod(checkpoint.shape(key)) for key in offloaded), default=0))
     groups: dict[tuple[str, bool, bool], set[str]] = {}
+    routed = {tensors.offloaded[name] for name in shares if name in tensors.offloaded}  # read by expert, on the host
     for key in offloaded:
-        converted = not (in_float32 and checkpoint.converted_in_place(key))
-        device = device_form(checkpoint, key, dtype or torch.float32, elements) is not None
+        converted = not (in_float32 and checkpoint.fills(key))
+        device = key not in routed and device_form(checkpoint, key, dtype or torch.float32, elements) is not None
         groups.setdefault((checkpoint.tensor_type(key), converted, device), set()).add(key)
 
     def per_token(sizes: dict[str, int]) -> int:

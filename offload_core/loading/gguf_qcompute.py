@@ -37,7 +37,7 @@ class QuantizedGGUFCheckpoint(GGUFCheckpoint):
         for key, (weight, part, spec) in packed.items():
             sources[key] = base.sources[weight]
             shapes[key] = spec.part_spec(part)[0]
-        super().__init__(base.path, base.file, sources, shapes, base.processor)
+        super().__init__(base.path, base.file, sources, shapes, base.processor, base.merged)
         self.packed = packed
         self.left_exact = left_exact
 

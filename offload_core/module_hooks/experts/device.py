@@ -128,6 +128,8 @@ class DeviceLayer(ExpertLayer):
         self.index = index
         self.keys = list(self.specs)
         self.signature = tuple((shape[1:], dtype) for shape, dtype in self.specs.values())
+        #: what a routed expert moves to the device: its rows as the store hands them out (dequantized)
+        self.row_bytes = sum(shape[1:].numel() * dtype.itemsize for shape, dtype in self.specs.values())
         self.guess: dict[int, DeviceRows] = {}
         # a page-locked store: its rows are copied to the device as they lie
         self.direct = self.store.pinned and all(self.accelerator.is_pinned(store[key]) for key in self.keys)

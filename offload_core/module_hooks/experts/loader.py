@@ -24,7 +24,7 @@ from torch import nn
 from offload_core.module_hooks.base import ModuleHook
 from offload_core.module_hooks.experts.cache import ExpertCache
 from offload_core.module_hooks.units import Slot, TransferStats, Unit
-from offload_core.storage.base import as_store
+from offload_core.storage.base import as_store, moved_bytes
 
 
 def routing_argument(module: nn.Module) -> int | None:
@@ -135,7 +135,11 @@ class ExpertLayer:
         self.num_experts = int(unit.module.num_experts)
         self.position = routing_argument(unit.module)
         self.specs = {s.key: (s.original.shape, s.original.dtype) for s in unit.slots}
-        self.row_bytes = sum(shape[1:].numel() * dtype.itemsize for shape, dtype in self.specs.values())
+        #: what reading one expert's rows moves (a quantized store's blocks, not the dequantized rows)
+        self.row_bytes = sum(
+            moved_bytes(self.store, key, shape.numel() * dtype.itemsize) // shape[0]
+            for key, (shape, dtype) in self.specs.items()
+        )
         self.next: ExpertLayer | None = None
         self.guess: dict[int, Future] = {}
         self.shadow: set[int] = set()  # the guess while guessing does not pay: scored, not read

@@ -55,8 +55,8 @@ class GGUFStore(Store):
         #: with ``hold``: each tensor's quantized blocks copied into memory at load, read from there (no disk reads);
         #: page-locked on a GPU run, whose copies of them to the device (:meth:`packed`) then run asynchronously
         self.hold = hold
-        self._held: dict[str, torch.Tensor] = {}
-        self._sources: dict[tuple[int, int], torch.Tensor] = {}  # the held blocks by where they lie in the file
+        self._held: dict[str, list[torch.Tensor]] = {}  # the blocks of each of a tensor's parts (one but a merged one)
+        self._sources: dict[tuple, list[torch.Tensor]] = {}  # the held blocks by where they lie in the file
         self._packed: dict[str, DeviceBlocks | None] = {}
         #: a device pass's elements: the largest tensor's where smaller than a pass (the plan's scratch is as large)
         largest = max((math.prod(checkpoint.shape(key)) for key in context.names if key in checkpoint), default=0)
@@ -69,13 +69,20 @@ class GGUFStore(Store):
     def add_from_checkpoint(self, name: str, checkpoint: Checkpoint, key: str, dtype: torch.dtype | None) -> None:
         self._refs[name] = key  # only the header is consulted: the blocks are read as the model runs
         if self.hold:  # the quantized bytes copied into memory once a source (a packed weight's two parts share
-            source = self.checkpoint.byte_range(key)  # its blocks): read from there from now on
+            source = self.checkpoint.byte_ranges(key)  # its blocks): read from there from now on
             held = self._sources.get(source)
             if held is None:
-                raw = self.checkpoint.raw(key)
-                held = raw.clone() if self.arena is None else self.arena.take(tuple(raw.shape), raw.dtype).copy_(raw)
+                held = [self._keep(raw) for raw in self.checkpoint.blocks(key)]
                 self._sources[source] = held
             self._held[name] = held
+
+    def _keep(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw.clone() if self.arena is None else self.arena.take(tuple(raw.shape), raw.dtype).copy_(raw)
+
+    def _raw(self, name: str) -> torch.Tensor | None:
+        """``name``'s held blocks where it is one GGUF tensor (None where not held)."""
+        held = self._held.get(name)
+        return None if held is None else held[0]
 
     def put(self, name: str, tensor: torch.Tensor, owned: bool = False) -> None:
         raise StorageError(
@@ -98,8 +105,10 @@ class GGUFStore(Store):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Dequantize ``name`` into ``out`` (the caller's buffer, its shape and the run's dtype)."""
+        key = self._refs[name]
+        held = self._held.get(name)
         with torch.inference_mode(False):
-            self.checkpoint.read_into(self._refs[name], out, self._held.get(name))
+            self.checkpoint.read_into(key, out, held if key in self.checkpoint.merged else self._raw(name))
 
     def packed(self, name: str) -> DeviceBlocks | None:
         """``name``'s quantized blocks, for a GPU run to dequantize on the device, where that gives what
@@ -115,13 +124,13 @@ class GGUFStore(Store):
         form = device_form(self.checkpoint, key, self.dtype, self.pass_elements)
         if form is None:
             return None
-        raw = self._held.get(name)
+        raw = self._raw(name)
         raw = self.checkpoint.raw(key) if raw is None else raw
         return DeviceBlocks(raw, *form, dtype=self.dtype, elements=self.pass_elements)
 
     def held_nbytes(self) -> int:
         """Bytes of quantized blocks held in memory (0 unless ``hold``)."""
-        return sum(raw.numel() for raw in self._sources.values())
+        return sum(raw.numel() for held in self._sources.values() for raw in held)
 
     def moved_nbytes(self, name: str) -> int:
         """A read of ``name`` moves its quantized blocks (what lies in the file), not the dequantized tensor."""
@@ -133,22 +142,35 @@ class GGUFStore(Store):
     def warm(self, name: str) -> bool:
         if name in self._held:
             return False
-        will_need(self.checkpoint.raw(self._refs[name]))  # start reading the blocks; the caller dequantizes ahead
+        for raw in self.checkpoint.blocks(self._refs[name]):  # start reading the blocks; the caller dequantizes
+            will_need(raw)  # ahead
         return False
 
     def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
-        out.copy_(self[name][expert])
+        """Dequantize one expert of a fused expert tensor from that expert's blocks alone (where the checkpoint can:
+        a tensor as it lies in the file, or a merged one), else from the whole tensor's."""
+        key = self._refs[name]
+        if not self.checkpoint.reads_experts(key):
+            out.copy_(self[name][expert])
+            return
+        with torch.inference_mode(False):
+            self.checkpoint.read_expert_into(key, expert, out, self._held.get(name))
 
     def advise_expert(self, name: str, expert: int) -> None:
-        if name not in self._held:
-            will_need(self.checkpoint.raw(self._refs[name]))
+        if name in self._held:
+            return
+        key = self._refs[name]
+        blocks = self.checkpoint.expert_blocks(key, expert) if self.checkpoint.reads_experts(key) else None
+        for raw in blocks or self.checkpoint.blocks(key):
+            will_need(raw)
 
     def drop(self, name: str) -> bool:
         return bool(self.drop_all([name]))
 
     def drop_all(self, names: Sequence[str]) -> list[str]:
         def spans(key: str) -> list:  # held in memory: nothing of the file to drop
-            return [span_of(self.checkpoint.raw(key), self.checkpoint.path, self.checkpoint.byte_range(key)[0])]
+            ranges = self.checkpoint.byte_ranges(key)
+            return [span_of(raw, self.checkpoint.path, at) for raw, (at, _) in zip(self.checkpoint.blocks(key), ranges)]
 
         return drop_named({name: spans(self._refs[name]) for name in names if name not in self._held})
 

@@ -1,0 +1,179 @@
+"""storage=gguf on mixture-of-experts GGUF files (qwen3moe, qwen2moe, as llama.cpp writes them: each projection of the
+experts one 3-D tensor; transformers concatenates gate and up into its fused ``gate_up_proj``): read in place, the
+model is transformers' own in-memory GGUF model bit for bit under every policy; ``hook=experts`` reads a routed
+expert's quantized blocks alone and counts them; a dense qwen3 file reads in place too; a file whose experts
+disagree with its metadata is one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import offload_core
+import offload_core.registry.manager
+from offload_core.errors import CheckpointError
+from offload_core.loading.gguf_checkpoint import GGUFCheckpoint
+from offload_core.module_hooks.experts import ExpertsConfig, is_fused_experts
+from offload_core.module_hooks.experts.policy import Experts
+from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
+
+#: the experts' projections of several types (down of another type than gate and up, as llama.cpp's mixes do)
+TYPES = {"ffn_down_exps": int(T.Q6_K), "ffn_gate_exps": int(T.Q4_K), "ffn_up_exps": int(T.Q4_K)}
+IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf_moe")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OFFLOAD_CORE_CACHE", str(folder / "cache"))
+        path = write_gguf(folder / "qwen3moe.gguf", "qwen3_moe", TYPES, default=int(T.Q8_0), layers=LAYERS)
+        yield path, transformers_model(path)
+
+
+def _load(path, policy, resident="dequantized", dtype=None):
+    storage = offload_core.registry.manager.get_registry().create("storage", "gguf", {"resident": resident})
+    offload = {"storage": storage, "policy": policy, "device_map": half_offloaded_map(LAYERS), "over_budget": "warn"}
+    return offload_core.from_pretrained(path, {"cpu": "3MiB"}, offload, dtype=dtype)
+
+
+def _same_as(model, reference, ids=IDS):
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+        want = reference.generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
+@pytest.mark.parametrize("resident", ["dequantized", "quantized"])
+@pytest.mark.parametrize("policy", ["experts", "prefetch", "align_per_call"])
+def test_an_moe_gguf_read_in_place_is_transformers_in_memory_model_bit_for_bit(moe, policy, resident):
+    path, reference = moe
+    model = _load(path, policy, resident)
+    try:
+        assert "disk" in set(model.hf_device_map.values())
+        assert model.offload_state.store.checkpoint.merged  # gate and up read from their own tensors, not converted
+        _same_as(model, reference)
+    finally:
+        model.offload_state.release()
+
+
+def test_a_bfloat16_run_rounds_the_merged_experts_as_transformers_load_does(moe):
+    path, _ = moe
+    reference = transformers_model(path, torch.bfloat16)
+    model = _load(path, "experts", dtype=torch.bfloat16)
+    try:
+        _same_as(model, reference)
+    finally:
+        model.offload_state.release()
+
+
+def test_an_expert_is_dequantized_from_its_own_blocks(moe):
+    path, _ = moe
+    checkpoint = GGUFCheckpoint.open_gguf(path)
+    try:
+        fused = [key for key in checkpoint.keys() if key.endswith("experts.gate_up_proj")]
+        assert len(fused) == LAYERS and all(
+            checkpoint.gguf_parts(key)[0].endswith("ffn_gate_exps.weight") for key in fused
+        )
+        for key in [*fused, fused[0].replace("gate_up_proj", "down_proj")]:
+            whole = checkpoint.get(key)
+            experts = whole.shape[0]
+            ranges = checkpoint.byte_ranges(key)
+            assert checkpoint.stored_nbytes(key) == sum(end - start for start, end in ranges) < whole.numel()
+            for expert in range(experts):
+                out = torch.full(whole.shape[1:], float("nan"))
+                assert torch.equal(checkpoint.read_expert_into(key, expert, out), whole[expert])
+                for blocks, (start, end) in zip(checkpoint.expert_blocks(key, expert), ranges, strict=True):
+                    assert blocks.numel() * experts == end - start  # one expert's share of each part, nothing more
+    finally:
+        checkpoint.close()
+
+
+def test_hook_experts_moves_each_routed_experts_quantized_bytes(moe, tmp_path):
+    """Without a cache or guesses, each expert one token routes to is one read of its blocks: the counters count
+    those bytes, not the dequantized rows'."""
+    path, reference = moe
+    storage = offload_core.registry.manager.get_registry().create("storage", "gguf", {})
+    policy = Experts(ExpertsConfig(cache_slots=0, guess="none", whole_fraction=1.0))
+    offload = {"storage": storage, "policy": policy, "device_map": half_offloaded_map(LAYERS), "over_budget": "warn"}
+    model = offload_core.from_pretrained(path, {"cpu": "3MiB"}, offload)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(IDS[:, :1]).logits, reference(IDS[:, :1]).logits)  # some experts, not all
+        counters = model.offload_state.handle.counters()
+        checkpoint = model.offload_state.store.checkpoint
+        module = next(
+            m for name, m in model.named_modules() if is_fused_experts(m) and name.startswith("model.layers.1")
+        )
+        keys = [f"model.layers.1.mlp.experts.{name}" for name, p in module.named_parameters() if p.dim() == 3]
+        quantized = sum(checkpoint.stored_nbytes(key) for key in keys) // module.num_experts
+        dequantized = sum(p[0].numel() * 4 for p in module.parameters() if p.dim() == 3)
+        assert counters["expert_bytes"] == counters["expert_misses"] * quantized > 0
+        assert quantized * 3 < dequantized
+    finally:
+        model.offload_state.release()
+
+
+@pytest.mark.slow
+def test_qwen2moe_with_its_shared_expert_reads_in_place_and_converts_alike(tmp_path, monkeypatch):
+    """qwen2moe's shared expert and its gate (a vector in the file, a row in the model): in place under
+    ``hook=experts``, and converted once by the default store, both transformers' model bit for bit."""
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    types = {**TYPES, "ffn_down_exps": int(T.Q8_0)}  # down's rows of 1408: no whole K-quant blocks
+    path = write_gguf(tmp_path / "qwen2moe.gguf", "qwen2_moe", types, default=int(T.Q8_0), layers=LAYERS)
+    reference = transformers_model(path)
+    for offload in ({"storage": "gguf", "policy": "experts"}, {"policy": "experts"}):
+        offload = {**offload, "device_map": half_offloaded_map(LAYERS), "over_budget": "warn"}
+        model = offload_core.from_pretrained(path, {"cpu": "3MiB"}, offload)
+        try:
+            _same_as(model, reference)
+        finally:
+            model.offload_state.release()
+
+
+def test_a_dense_qwen3_gguf_reads_in_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "qwen3.gguf", "qwen3", {"attn_q": int(T.Q4_K)}, default=int(T.Q5_0), layers=LAYERS)
+    model = _load(path, "prefetch")
+    try:
+        assert not model.offload_state.store.checkpoint.merged
+        _same_as(model, transformers_model(path))
+    finally:
+        model.offload_state.release()
+
+
+def test_experts_that_disagree_with_the_metadata_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(
+        tmp_path / "bad.gguf", "qwen3_moe", default=int(T.Q8_0), layers=LAYERS, metadata={"expert_count": 8}
+    )
+    with pytest.raises(CheckpointError) as error:
+        offload_core.from_pretrained(path, {"cpu": "3MiB"}, {"storage": "gguf", "over_budget": "warn"})
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message and "written for another configuration" in message
+
+
+@pytest.mark.slow  # whole runs on the fake GPU
+@pytest.mark.parametrize("policy", ["experts", "prefetch"])
+def test_on_a_gpu_the_experts_cross_as_the_host_dequantizes_them(moe, policy, fake_gpu):
+    """A GPU run (the fake accelerator): the merged experts are dequantized on the host (no device kernel gives
+    transformers' concatenation), a tensor as it lies may be decoded on the device; the logits are the same. The
+    plan prices a routed expert's rows on the host."""
+    path, reference = moe
+    fake = fake_gpu(count=1, memory="1GiB")
+    on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map(LAYERS).items()}
+    offload = {"storage": "gguf", "policy": policy, "device_map": on_device, "execution_device": fake.device(0)}
+    model = offload_core.from_pretrained(path, offload={**offload, "progress": False}, max_memory={0: "64MiB"})
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(IDS.to(fake.device(0))).logits.cpu(), reference(IDS).logits)
+        store = model.offload_state.store
+        assert all(store.packed(key) is None for key in store if key in store.checkpoint.merged)
+        on_device = {row["type"]: row["device"] for row in model.offload_plan.dequant}
+        # gate and up (Q4_K) merged: on the host; down (Q6_K) as it lies: on the device when read whole, on the host
+        # when hook=experts reads a routed expert's rows; the attention's (Q8_0) and the norms (F32) on the device
+        assert on_device == {"Q4_K": False, "Q6_K": policy == "prefetch", "Q8_0": True, "F32": True}
+    finally:
+        model.offload_state.release()
