@@ -70,6 +70,14 @@ ARCHS = {
     "llama": Arch("LlamaConfig", "LlamaForCausalLM", "LLAMA", "llama"),
     "qwen2": Arch("Qwen2Config", "Qwen2ForCausalLM", "QWEN2", "qwen2"),
     "qwen3": Arch("Qwen3Config", "Qwen3ForCausalLM", "QWEN3", "qwen3", {"head_dim": 128}),
+    "phi3": Arch("Phi3Config", "Phi3ForCausalLM", "PHI3", "phi3", {"pad_token_id": 257}),
+    "gemma2": Arch(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        "GEMMA2",
+        "gemma2",
+        {"head_dim": 64, "sliding_window": 64, "tie_word_embeddings": True},  # no output tensor in its GGUF files
+    ),
     "qwen3_moe": Arch(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -95,20 +103,20 @@ ARCHS = {
 def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
     import transformers
 
-    return getattr(transformers, ARCHS[arch].config)(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=260,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        bos_token_id=256,
-        eos_token_id=257,
-        **ARCHS[arch].numbers,
-    )
+    numbers = {
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 260,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+    }
+    return getattr(transformers, ARCHS[arch].config)(**{**numbers, **ARCHS[arch].numbers})
 
 
 def write_gguf(
@@ -186,11 +194,15 @@ def _gguf_tensors(state: dict, names, config, arch: str) -> Iterator[tuple[str, 
                 yield f"blk.{block}.ffn_up_exps.weight", up
             continue
         base, suffix = hf_name.rsplit(".", 1)
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # the embedding's
         name = names.get_name(base) + "." + suffix
         if arch == "llama" and ".attn_q." in name:
             data = _permute(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             data = _permute(data, config.num_key_value_heads)
+        elif arch == "gemma2" and name.endswith("norm.weight"):  # transformers subtracts the one llama.cpp adds
+            data = data + 1
         elif name.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)
         yield name, data

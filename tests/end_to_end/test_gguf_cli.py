@@ -49,6 +49,21 @@ def test_a_gguf_file_runs_in_place_with_the_in_memory_tokens(gguf_file, tmp_path
     assert not list(tmp_path.glob("gguf-f32-*"))  # read in place: no float32 copy written
 
 
+def test_an_moe_gguf_runs_in_place_with_hook_experts_and_the_in_memory_tokens(tmp_path):
+    """A qwen3moe file, its experts read one routed expert's quantized blocks at a time."""
+    types = {"ffn_down_exps": int(T.Q6_K), "ffn_gate_exps": int(T.Q4_K), "ffn_up_exps": int(T.Q4_K)}
+    path = write_gguf(tmp_path / "moe.gguf", "qwen3_moe", types, default=int(T.Q8_0), layers=2)
+    args = ["model=local", f"model.path={path}", "storage=gguf", "hook=experts", "max_memory.cpu=20MiB"]
+    done = _run(
+        [*args, "over_budget=warn", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"], tmp_path, tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same tokens as in memory: True" in done.stdout
+    assert "Q4_K x" in done.stdout and "expert_misses" in done.stdout
+    metrics = json.loads((tmp_path / "hydra" / "metrics.json").read_text())
+    assert 0 < metrics["bytes_moved_per_token"] < metrics["offloaded_bytes"] / 6  # routed experts' blocks only
+
+
 def test_quantized_residency_runs_with_the_in_memory_tokens_and_a_bad_value_is_one_line(gguf_file, tmp_path, capsys):
     args = ["model=local", f"model.path={gguf_file}", "storage=gguf", "storage.resident=quantized", "page_cache=0"]
     done = _run(

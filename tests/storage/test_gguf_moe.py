@@ -1,8 +1,7 @@
 """storage=gguf on mixture-of-experts GGUF files (qwen3moe, qwen2moe, as llama.cpp writes them: each projection of the
 experts one 3-D tensor; transformers concatenates gate and up into its fused ``gate_up_proj``): read in place, the
 model is transformers' own in-memory GGUF model bit for bit under every policy; ``hook=experts`` reads a routed
-expert's quantized blocks alone and counts them; a dense qwen3 file reads in place too; a file whose experts
-disagree with its metadata is one line."""
+expert's quantized blocks alone and counts them; a file whose experts disagree with its metadata is one line."""
 
 from __future__ import annotations
 
@@ -131,17 +130,6 @@ def test_qwen2moe_with_its_shared_expert_reads_in_place_and_converts_alike(tmp_p
             _same_as(model, reference)
         finally:
             model.offload_state.release()
-
-
-def test_a_dense_qwen3_gguf_reads_in_place(tmp_path, monkeypatch):
-    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "qwen3.gguf", "qwen3", {"attn_q": int(T.Q4_K)}, default=int(T.Q5_0), layers=LAYERS)
-    model = _load(path, "prefetch")
-    try:
-        assert not model.offload_state.store.checkpoint.merged
-        _same_as(model, transformers_model(path))
-    finally:
-        model.offload_state.release()
 
 
 def test_experts_that_disagree_with_the_metadata_are_one_line(tmp_path, monkeypatch):
