@@ -130,11 +130,14 @@ def write_gguf(
     drop: tuple[str, ...] = (),
     arch_name: str | None = None,
     hidden: int = 256,
+    split_tensors: int = 0,
 ) -> Path:
     """A GGUF file of a seeded tiny ``arch`` model (a key of :data:`ARCHS`): every weight of two or more dimensions
     of GGML type ``default`` unless ``types`` maps a part of its GGUF name (``ffn_up``, ``output.weight``) to another
     (norms and biases stay F32); ``metadata`` overrides the header's numbers (``block_count`` ...), ``drop`` leaves
-    GGUF tensors out, ``arch_name`` writes another architecture name in the header, ``hidden`` sizes the model."""
+    GGUF tensors out, ``arch_name`` writes another architecture name in the header, ``hidden`` sizes the model;
+    ``split_tensors`` splits it across files of that many tensors each as llama.cpp's gguf-split does
+    (``name-00001-of-0000N.gguf``, ...: the first part's path is returned)."""
     import gguf
     import transformers
     from gguf import GGMLQuantizationType as T
@@ -147,7 +150,7 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, spec.gguf), layers)
     arch_name = arch_name or spec.header
-    writer = gguf.GGUFWriter(str(path), arch_name)
+    writer = gguf.GGUFWriter(str(path), arch_name, split_max_tensors=split_tensors)
     numbers = {key: _config_value(config, attr) for key, attr in GGUF_CONFIG_MAPPING[arch].items() if attr}
     for key, value in {**numbers, **(metadata or {})}.items():
         if isinstance(value, float):
@@ -168,7 +171,8 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    parts = sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+    return parts[0] if split_tensors and len(parts) > 1 else path
 
 
 def _config_value(config, attr: str) -> int | float | None:

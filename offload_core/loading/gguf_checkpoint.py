@@ -13,40 +13,35 @@ import torch
 
 from offload_core.errors import CheckpointError, ConfigError
 from offload_core.loading.checkpoint import Checkpoint
+from offload_core.loading.gguf_match import check_in_place, match_tensors
 from offload_core.storage.gguf.dequant import copy_inline, dequantize_into, held_buffer, unpermute_into
 from offload_core.storage.gguf.file import GGUFFile
+from offload_core.storage.gguf.split import GGUFSplit, open_gguf, split_paths
 
 __all__ = ["GGUFCheckpoint", "find_gguf", "gguf_config", "gguf_tokenizer"]
 
-#: transformers' tensor processors that change one tensor at a time, keeping its name (the others merge or split
-#: tensors into other names as they load: those files are converted once instead of read in place)
-PER_TENSOR_PROCESSORS = (
-    "TensorProcessor",
-    "LlamaTensorProcessor",
-    "BloomTensorProcessor",
-    "T5TensorProcessor",
-    "MambaTensorProcessor",
-    "NemotronTensorProcessor",
-    "Gemma2TensorProcessor",
-    "Qwen2MoeTensorProcessor",  # a fused expert tensor of two (gate and up, concatenated per expert): read by parts
-)
-
 
 def find_gguf(path: str | os.PathLike[str]) -> Path | None:
-    """The GGUF file ``path`` names: itself when it is a ``.gguf`` file, the one ``.gguf`` of a folder without
-    Hugging Face weights or config; None otherwise. A folder holding several is a one-line error naming them."""
+    """The GGUF file ``path`` names: itself when it is a ``.gguf`` file (the first part of a split model for any of
+    its parts), the one ``.gguf`` (or split model) of a folder without Hugging Face weights or config; None
+    otherwise. A folder holding several is a one-line error naming them."""
     path = Path(path).expanduser()
     if path.is_file():
-        return path if path.suffix.lower() == ".gguf" else None
+        return _first_part(path) if path.suffix.lower() == ".gguf" else None
     if not path.is_dir() or (path / "config.json").is_file() or (path / "model_index.json").is_file():
         return None
     if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
         return None
-    found = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    found = sorted({_first_part(p) for p in path.glob("*.gguf") if p.is_file()})
     if len(found) > 1:
         names = ", ".join(p.name for p in found[:4])
         raise ConfigError(f"{path} holds {len(found)} GGUF files ({names}); give the path of the one to run")
     return found[0] if found else None
+
+
+def _first_part(path: Path) -> Path:
+    parts = split_paths(path)
+    return path if parts is None else parts[0]
 
 
 def _architecture_error(path: Path, error: Exception) -> CheckpointError:
@@ -64,11 +59,17 @@ def gguf_config(path: Path) -> Any:
     builds it; one line when the file is damaged or its architecture unknown to transformers."""
     from transformers import AutoConfig
 
-    GGUFFile(path).close()  # its header checked first: a damaged file is named as such
+    file = open_gguf(path)  # its header checked first: a damaged file is named as such
     try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (ValueError, KeyError, NotImplementedError, OSError) as error:
         raise _architecture_error(path, error) from None
+    finally:
+        file.close()
+    # a split model: transformers ties the LM head to the embedding when the first part holds no head of its own
+    if isinstance(file, GGUFSplit) and file.architecture not in ("falcon", "bloom"):  # (these two: always)
+        config.tie_word_embeddings = "output.weight" not in file.entries
+    return config
 
 
 def gguf_tokenizer(path: Path) -> Any:
@@ -119,7 +120,7 @@ class GGUFCheckpoint(Checkpoint):
     def __init__(
         self,
         path: Path,
-        file: GGUFFile,
+        file: GGUFFile | GGUFSplit,
         sources: dict[str, str],
         shapes: dict[str, tuple],
         processor: Any,
@@ -139,14 +140,14 @@ class GGUFCheckpoint(Checkpoint):
         from offload_core.loading.gguf_sources import gguf_meta_folder, processor_config, saved_names
 
         path = Path(path).expanduser()
-        file = GGUFFile(path)
+        file = open_gguf(path)
         try:
             meta = gguf_meta_folder(path)
             config = read_meta_config(meta)
             processor = tensor_processor(file.architecture, processor_config(meta))
             model = naming_model(config)
             mapping = saved_names(meta)
-            _check_in_place(path, file.architecture, processor)
+            check_in_place(path, file.architecture, processor, isinstance(file, GGUFSplit))
             sources, shapes, merged = match_tensors(path, file, mapping, model)
         except BaseException:
             file.close()
@@ -205,12 +206,10 @@ class GGUFCheckpoint(Checkpoint):
         file."""
         return [self.file.raw(part) for part in self.gguf_parts(key)]
 
-    def byte_ranges(self, key: str) -> tuple[tuple[int, int], ...]:
-        """Where the blocks of each of ``key``'s parts lie in the file."""
-        return tuple(
-            (self.file.entries[p].offset, self.file.entries[p].offset + self.file.entries[p].nbytes)
-            for p in self.gguf_parts(key)
-        )
+    def byte_ranges(self, key: str) -> tuple[tuple[Path, int, int], ...]:
+        """Where the blocks of each of ``key``'s parts lie: the file (a split model's part) and the bytes in it."""
+        entries = [self.file.entries[part] for part in self.gguf_parts(key)]
+        return tuple((self.file.file_of(e.name), e.offset, e.offset + e.nbytes) for e in entries)
 
     def converted_in_place(self, key: str) -> bool:
         """Whether ``key`` is its dequantized blocks as they lie: transformers' processor leaves it as it is (every
@@ -304,74 +303,3 @@ class GGUFCheckpoint(Checkpoint):
 
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, {self.file.architecture}, {len(self.sources)} tensors)"
-
-
-def _check_in_place(path: Path, architecture: str, processor: Any) -> None:
-    """One line for a file whose tensors transformers merges or splits at load, or loads through its newer GGUF path."""
-    try:
-        from transformers.integrations.gguf.utils import is_gguf_arch_supported
-    except ImportError:  # an older transformers: only the per-tensor loader
-        is_gguf_arch_supported = None
-    newer = is_gguf_arch_supported is not None and is_gguf_arch_supported(architecture)
-    if newer or type(processor).__name__ not in PER_TENSOR_PROCESSORS:
-        raise CheckpointError(
-            f"{path}: storage=gguf cannot read architecture {architecture!r} in place (transformers "
-            f"{'loads it through its own GGUF path' if newer else 'merges or splits its tensors as it loads'}); "
-            "leave storage at its default, which converts the file once"
-        )
-
-
-def match_tensors(path: Path, file: GGUFFile, mapping: dict[str, str], model: Any) -> tuple[dict, dict, dict]:
-    """:func:`_match` of the file's tensors against ``model`` (built on meta from the file's config)."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return _match(path, file, mapping, expected, list(groups.values()))
-
-
-def _match(
-    path: Path, file: GGUFFile, mapping: dict[str, str], expected: dict[str, tuple], groups: list[list[str]]
-) -> tuple[dict[str, str], dict[str, tuple], dict[str, tuple[str, ...]]]:
-    """``{model name: GGUF name}``, the model's shapes for the file's tensors transformers would load, and the
-    tensors several GGUF ones merge into (:attr:`GGUFCheckpoint.merged`); a one-line error where a tensor's size
-    disagrees with the config in the file's metadata, or where the file lacks a weight the model has (``groups``:
-    the names of each parameter, tied ones together)."""
-    found: dict[str, list[str]] = {}
-    for name in file.entries:  # an expert tensor named without its suffix, as the MoE processor looks it up
-        target = mapping.get(name, mapping.get(name.removesuffix(".weight")))
-        if target is not None and target in expected:
-            found.setdefault(target, []).append(name)
-    sources: dict[str, str] = {}
-    shapes: dict[str, tuple] = {}
-    merged: dict[str, tuple[str, ...]] = {}
-    for target, names in found.items():
-        names.sort(key=lambda name: "_gate_" not in name)  # a fused expert tensor: gate first, then up
-        shape = expected[target]
-        parts = [file.entries[name].shape for name in names]
-        if len(names) > 1:
-            joined = (parts[0][0], sum(part[1] for part in parts), *parts[0][2:])
-            fits = all(len(part) == 3 and part[0] == shape[0] and part[2:] == shape[2:] for part in parts)
-            if not fits or joined != tuple(shape):
-                raise CheckpointError(
-                    f"{path}: tensors {names} have shapes {[list(p) for p in parts]}, but the file's metadata (its "
-                    f"config) makes {target!r}, which they make together, {list(shape)}; the file is damaged or was "
-                    "written for another configuration"
-                )
-            merged[target] = tuple(names)
-        elif int(np.prod(shape, dtype=np.int64)) != file.entries[names[0]].numel or (
-            len(parts[0]) == len(shape) and parts[0] != shape
-        ):
-            raise CheckpointError(
-                f"{path}: tensor {names[0]!r} has shape {list(parts[0])}, but the file's metadata (its config) makes "
-                f"{target!r} {list(shape)}; the file is damaged or was written for another configuration"
-            )
-        sources[target] = names[0]
-        shapes[target] = shape
-    missing = [names[0] for names in groups if not any(name in sources for name in names)]
-    if missing:
-        raise CheckpointError(
-            f"{path} holds {len(file.entries)} tensors but its metadata (its config) needs {len(missing)} more, such "
-            f"as {missing[0]!r}; the file is damaged or incomplete: re-download or re-convert it"
-        )
-    return sources, shapes, merged

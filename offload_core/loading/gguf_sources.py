@@ -27,14 +27,17 @@ NAMES_FILE = "gguf_names.json"
 
 
 def _fingerprint(gguf: Path) -> dict[str, Any]:
-    stat = gguf.stat()
-    return {
-        "source": "gguf",
-        "path": str(gguf.resolve()),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "inode": stat.st_ino,
-    }
+    """What a cache folder built from ``gguf`` is valid for: the file (every part of a split model) as it is now."""
+    from offload_core.storage.gguf.split import split_paths
+
+    files = split_paths(gguf) or [gguf]
+    stats = [path.stat() for path in files if path.is_file()]
+    found = {"source": "gguf", "path": str(gguf.resolve())}
+    if len(files) == 1:
+        found.update(size=stats[0].st_size, mtime_ns=stats[0].st_mtime_ns, inode=stats[0].st_ino)
+    else:
+        found["parts"] = [[stat.st_size, stat.st_mtime_ns, stat.st_ino] for stat in stats]
+    return found
 
 
 def _target(gguf: Path, kind: str) -> Path:
@@ -49,9 +52,9 @@ def gguf_meta_folder(gguf: Path) -> Path:
     transformers builds them from the file (``AutoConfig`` / ``AutoTokenizer`` with ``gguf_file``); built once."""
     from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer
     from offload_core.loading.sources import _cached_build
-    from offload_core.storage.gguf.file import GGUFFile
+    from offload_core.storage.gguf.split import open_gguf
 
-    GGUFFile(gguf).close()  # a damaged file is one line before anything is written
+    open_gguf(gguf).close()  # a damaged file is one line before anything is written
 
     @_parsed_once()
     def build(out: Path) -> None:
@@ -78,10 +81,11 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
     ``config``; ``parsed``: the config dict its tensor processor is given)."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    from offload_core.loading.gguf_checkpoint import _architecture_error, match_tensors, naming_model, tensor_processor
-    from offload_core.storage.gguf.file import GGUFFile
+    from offload_core.loading.gguf_checkpoint import _architecture_error, naming_model, tensor_processor
+    from offload_core.loading.gguf_match import match_tensors
+    from offload_core.storage.gguf.split import open_gguf
 
-    file = GGUFFile(gguf)
+    file = open_gguf(gguf)
     try:
         model = naming_model(config)
         try:
@@ -150,9 +154,12 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = gguf_tokenizer(gguf)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
-    del tensors
+    if is_split(gguf):
+        state = split_state(gguf)
+    else:
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
+        del tensors
     write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
     config.dtype = torch.float32
     config.architectures = [type(model).__name__]  # as save_pretrained writes it: other tools read the class from it
@@ -167,13 +174,19 @@ def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | N
     """transformers' own in-memory model of ``gguf``: ``model_class.from_pretrained(folder, gguf_file=...)`` where
     accelerate (which transformers asks for there) is installed; else the steps it takes for the architectures read
     tensor by tensor (config from the file, the model built, every tensor dequantized by gguf-py and converted by
-    ``load_gguf_checkpoint``, then loaded)."""
+    ``load_gguf_checkpoint``, then loaded). A split model (which transformers reads one file of) is the model it
+    builds from the parts merged into one file: its tensors from :func:`split_state`."""
     import importlib.util
 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from offload_core.loading.gguf_checkpoint import gguf_config
 
+    if is_split(gguf):
+        model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
+        model.load_state_dict(split_state(gguf), strict=False)
+        model.tie_weights()
+        return model
     if importlib.util.find_spec("accelerate") is not None:
         return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
@@ -181,6 +194,26 @@ def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | N
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     return model
+
+
+def is_split(gguf: Path) -> bool:
+    """Whether ``gguf`` is a part of a model split across files (:mod:`offload_core.storage.gguf.split`)."""
+    from offload_core.storage.gguf.split import split_paths
+
+    return split_paths(gguf) is not None
+
+
+def split_state(gguf: Path) -> dict[str, torch.Tensor]:
+    """A split GGUF model's tensors as transformers' load holds those of one file (float32, under the model's
+    names): each dequantized and converted as its tensor processor does, by
+    :class:`~offload_core.loading.gguf_checkpoint.GGUFCheckpoint` from the part it lies in."""
+    from offload_core.loading.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint.open_gguf(gguf)
+    try:
+        return {key: checkpoint.get(key) for key in checkpoint.keys()}
+    finally:
+        checkpoint.close()
 
 
 def resolve_model_path(path: str | os.PathLike[str], reads_gguf: bool) -> Path:

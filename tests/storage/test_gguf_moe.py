@@ -80,11 +80,11 @@ def test_an_expert_is_dequantized_from_its_own_blocks(moe):
             whole = checkpoint.get(key)
             experts = whole.shape[0]
             ranges = checkpoint.byte_ranges(key)
-            assert checkpoint.stored_nbytes(key) == sum(end - start for start, end in ranges) < whole.numel()
+            assert checkpoint.stored_nbytes(key) == sum(end - start for _, start, end in ranges) < whole.numel()
             for expert in range(experts):
                 out = torch.full(whole.shape[1:], float("nan"))
                 assert torch.equal(checkpoint.read_expert_into(key, expert, out), whole[expert])
-                for blocks, (start, end) in zip(checkpoint.expert_blocks(key, expert), ranges, strict=True):
+                for blocks, (_, start, end) in zip(checkpoint.expert_blocks(key, expert), ranges, strict=True):
                     assert blocks.numel() * experts == end - start  # one expert's share of each part, nothing more
     finally:
         checkpoint.close()

@@ -180,6 +180,10 @@ class GGUFFile:
         entry = self.entries[name]
         return self._map()[entry.offset : entry.offset + entry.nbytes]
 
+    def file_of(self, name: str) -> Path:
+        """The file tensor ``name`` lies in: this one (a split model's: :mod:`offload_core.storage.gguf.split`)."""
+        return self.path
+
     def stored_bytes(self) -> int:
         return sum(entry.nbytes for entry in self.entries.values())
 

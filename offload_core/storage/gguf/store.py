@@ -170,7 +170,7 @@ class GGUFStore(Store):
     def drop_all(self, names: Sequence[str]) -> list[str]:
         def spans(key: str) -> list:  # held in memory: nothing of the file to drop
             ranges = self.checkpoint.byte_ranges(key)
-            return [span_of(raw, self.checkpoint.path, at) for raw, (at, _) in zip(self.checkpoint.blocks(key), ranges)]
+            return [span_of(raw, path, at) for raw, (path, at, _) in zip(self.checkpoint.blocks(key), ranges)]
 
         return drop_named({name: spans(self._refs[name]) for name in names if name not in self._held})
 
