@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from offload_core.errors import ConfigError
+from offload_core.loading.hub_gguf import pick_gguf, split_tag
 from offload_core.loading.sources import ModelSourceError
 from offload_core.values import read_fields
 
@@ -87,15 +88,17 @@ def resolve_model_path(
     ``HF_HUB_OFFLINE=1`` or ``local_files_only``; otherwise the Hub is asked and what is missing is downloaded
     (configs, tokenizer and the weights in one format: safetensors where the repo has them, else ``.bin``) with
     huggingface_hub's progress bars (``progress``), the token ``token`` or ``HF_TOKEN`` / the saved login. ``what``
-    names the argument in error lines.
+    names the argument in error lines. Of a GGUF repo the answer is the file of the GGUF model the run takes
+    (``org/name:TAG``: :mod:`offload_core.loading.hub_gguf`), and only that model's files are downloaded.
     """
     local = Path(path).expanduser()
     if local.exists():
         return local
-    name = str(path)
+    name, tag = split_tag(str(path))
     if not looks_like_repo_id(name):
         raise ConfigError(
-            f"{what}={name!r} does not exist: give a local Hugging Face checkpoint folder or a Hub repo id (org/name)"
+            f"{what}={str(path)!r} does not exist: give a local Hugging Face checkpoint folder or a Hub repo id "
+            "(org/name)"
         )
     from huggingface_hub import constants
 
@@ -104,7 +107,7 @@ def resolve_model_path(
     if local_files_only or constants.HF_HUB_OFFLINE:
         found = cached_snapshot(name, revision, cache)
         if found is not None:
-            return found
+            return _chosen(found, name, tag, what)
         why, undo = (
             ("local_files_only=True", "pass local_files_only=False")
             if local_files_only
@@ -115,7 +118,14 @@ def resolve_model_path(
             f"{why} forbids downloading it; set {what} to a checkpoint folder, {undo} to download it, or download it "
             f"first: hf download {name}{f' --revision {revision}' if revision else ''}"
         )
-    return _download(name, revision, token, cache if cache_dir is not None else None, progress, what, at)
+    return _download(name, tag, revision, token, cache if cache_dir is not None else None, progress, what, at)
+
+
+def _chosen(folder: Path, repo: str, tag: str | None, what: str) -> Path:
+    """The snapshot ``folder`` of ``repo``, or the GGUF model in it the run takes (:func:`pick_gguf`)."""
+    files = [str(path.relative_to(folder).as_posix()) for path in folder.rglob("*") if not path.is_dir()]
+    picked = pick_gguf(repo, files, tag, what)
+    return folder / picked[0] if picked else folder
 
 
 def cached_snapshot(repo_id: str, revision: str | None, cache: Path) -> Path | None:
@@ -146,6 +156,7 @@ def wanted_files(files: list[str]) -> tuple[list[str], list[str]]:
 
 def _download(
     repo_id: str,
+    tag: str | None,
     revision: str | None,
     token: str | bool | None,
     cache: Path | None,
@@ -154,13 +165,16 @@ def _download(
     at: str,
 ) -> Path:
     """The snapshot folder of ``repo_id`` once what a run reads of it is downloaded (or, where the Hub cannot be
-    reached, the cached one)."""
+    reached, the cached one); of a GGUF repo, the GGUF model the run takes (``tag``: see :func:`pick_gguf`), only its
+    files downloaded."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         info = HfApi(token=token).model_info(repo_id, revision=revision)
-        allow, ignore = wanted_files([sibling.rfilename for sibling in info.siblings or []])
+        files = [sibling.rfilename for sibling in info.siblings or []]
+        picked = pick_gguf(repo_id, files, tag, what)
+        allow, ignore = (READ + picked, []) if picked else wanted_files(files)
         with _progress_bars(progress):
             folder = snapshot_download(
                 repo_id,
@@ -170,7 +184,9 @@ def _download(
                 allow_patterns=allow,
                 ignore_patterns=ignore or None,
             )
-        return Path(folder)
+        return Path(folder) / picked[0] if picked else Path(folder)
+    except ConfigError:
+        raise
     except RevisionNotFoundError:
         raise ModelSourceError(
             f"{what}={repo_id!r}: the Hub repo has no revision {revision!r}; give a branch, tag or commit it has"
@@ -188,7 +204,7 @@ def _download(
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         if found is not None:
             print(f"offload_core: the Hub could not be reached ({reason}); using the cached {repo_id}", file=sys.stderr)
-            return found
+            return _chosen(found, repo_id, tag, what)
         raise ModelSourceError(
             f"{what}={repo_id!r} is no local folder and could not be downloaded{at} ({reason}); check the network "
             f"(or set {what} to a checkpoint folder), then run again or download it first: hf download {repo_id}"

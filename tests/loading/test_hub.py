@@ -239,12 +239,12 @@ def test_the_files_downloaded_are_those_transformers_reads():
 
 
 def test_a_gguf_in_the_cache_resolves_to_its_snapshot_or_stays_the_file_given(offline_cache, tmp_path):
-    """A repo of GGUF files alone (no config.json) is its snapshot folder; a linked ``.gguf`` path is kept as given,
-    for the GGUF reader to open as any local GGUF file."""
+    """A repo of a GGUF file alone (no config.json) is that file in its snapshot folder; a linked ``.gguf`` path is
+    kept as given, for the GGUF reader to open as any local GGUF file."""
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "model.Q4_1.gguf").write_bytes(b"GGUF" + bytes(60))
     folder = as_hub_cache(tmp_path / "gguf", offline_cache, "acme/smol-gguf")
-    assert resolve_model_path("acme/smol-gguf") == folder
+    assert resolve_model_path("acme/smol-gguf") == folder / "model.Q4_1.gguf"
     file = folder / "model.Q4_1.gguf"
     assert file.is_symlink() and resolve_model_path(file) == file
 

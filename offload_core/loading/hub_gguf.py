@@ -1,0 +1,86 @@
+"""Which GGUF model of a Hub repo a run takes. GGUF repos hold one model in many quantizations (``…-Q4_K_M.gguf``,
+``…-Q8_0.gguf``, a large one split into parts, often in a folder per quantization): a repo id names one by a tag
+after a colon, as llama.cpp's ``-hf`` and Ollama's ``hf.co/`` take it (``org/name-GGUF:Q8_0``); without a tag the
+repo's only GGUF model is taken, else its ``Q4_K_M`` (llama.cpp's choice), else the run asks which."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import PurePosixPath
+
+from offload_core.errors import ConfigError
+
+__all__ = ["DEFAULT_TAG", "pick_gguf", "split_tag"]
+
+#: the quantization taken where a repo holds several GGUF models and the repo id names none (as llama.cpp does)
+DEFAULT_TAG = "Q4_K_M"
+#: ``org/name:TAG``
+_TAGGED = re.compile(r"^(?P<repo>[^:]+):(?P<tag>[A-Za-z0-9_.-]+)$")
+#: a part of a split model (gguf-split's names)
+_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+#: a quantization's name in a file name (``Q4_K_M``, ``IQ4_XS``, ``Q8_0``, ``F16``, ``BF16``, ``UD-Q2_K_XL``, ...)
+_QUANT = re.compile(r"(?<![A-Za-z0-9])((?:UD-)?(?:I?Q\d[A-Z0-9_]*|BF16|F16|F32))(?![A-Za-z0-9])", re.IGNORECASE)
+
+
+def split_tag(name: str) -> tuple[str, str | None]:
+    """``(repo id, tag)`` of ``org/name:TAG``; ``(name, None)`` for a name without one."""
+    tagged = _TAGGED.match(name)
+    return (tagged["repo"], tagged["tag"]) if tagged else (name, None)
+
+
+def _models(files: list[str]) -> dict[str, list[str]]:
+    """The GGUF models among a repo's ``files``: each by its file (a split model's first part) with all its files;
+    a vision projector (``mmproj…``) is no model."""
+    models: dict[str, list[str]] = {}
+    for file in sorted(files):
+        path = PurePosixPath(file)
+        if path.suffix.lower() != ".gguf" or path.name.lower().startswith("mmproj"):
+            continue
+        part = _PART.search(path.name)
+        first = str(path.with_name(_PART.sub(f"-00001-of-{part[2]}.gguf", path.name))) if part else file
+        models.setdefault(first, []).append(file)
+    return models
+
+
+def _quant(model: str) -> str:
+    """The quantization ``model``'s file name says (its last), else its name."""
+    name = _PART.sub(".gguf", PurePosixPath(model).name)
+    found = _QUANT.findall(name)
+    return found[-1].upper() if found else name
+
+
+def _tagged(models: dict[str, list[str]], tag: str) -> list[str]:
+    mark = re.compile(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])", re.IGNORECASE)  # Q4_K is not Q4_K_M
+    return [model for model in models if mark.search(model)]
+
+
+def pick_gguf(repo: str, files: list[str], tag: str | None, what: str = "model.path") -> list[str] | None:
+    """The files of the GGUF model of ``repo`` (whose files are ``files``) a run takes: the one ``tag`` names, else
+    its only one, else its :data:`DEFAULT_TAG` one (said on stderr), where it holds no transformers weights; None for
+    a repo without GGUF models (or, untagged, with transformers weights: those are read). A tag that names none or
+    several, or several models and no ``Q4_K_M``, is one line listing what the repo holds."""
+    models = _models(files)
+    held = ", ".join(sorted({_quant(model) for model in models})) or "no GGUF files"
+    if tag is not None:
+        found = _tagged(models, tag)
+        if len(found) != 1:
+            how = "no GGUF model" if not found else f"{len(found)} GGUF models ({', '.join(found[:4])})"
+            raise ConfigError(f"{what}={repo}:{tag}: the repo holds {how} tagged {tag}; it holds: {held}")
+        return models[found[0]]
+    if not models or any(file.endswith((".safetensors", ".bin")) for file in files):
+        return None
+    if len(models) == 1:
+        return next(iter(models.values()))
+    found = _tagged(models, DEFAULT_TAG)
+    if len(found) == 1:
+        print(
+            f"offload_core: {repo} holds {len(models)} GGUF models ({held}); running {DEFAULT_TAG} "
+            f"(name another: {what}={repo}:Q8_0)",
+            file=sys.stderr,
+        )
+        return models[found[0]]
+    raise ConfigError(
+        f"{what}={repo} holds {len(models)} GGUF models ({held}); name one after a colon: {what}={repo}:"
+        f"{_quant(next(iter(models)))}"
+    )
