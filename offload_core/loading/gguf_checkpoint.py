@@ -191,11 +191,6 @@ class GGUFCheckpoint(Checkpoint):
         :mod:`offload_core.loading.gguf_qcompute`); never here."""
         return False
 
-    def byte_range(self, key: str) -> tuple[int, int]:
-        """Where ``key``'s blocks lie in the file."""
-        entry = self.file.entries[self.sources[key]]
-        return entry.offset, entry.offset + entry.nbytes
-
     def raw(self, key: str) -> torch.Tensor:
         """``key``'s quantized blocks: a uint8 view of the mapped file (a merged tensor's first part's: see
         :meth:`blocks`)."""

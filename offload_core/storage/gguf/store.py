@@ -142,8 +142,8 @@ class GGUFStore(Store):
     def warm(self, name: str) -> bool:
         if name in self._held:
             return False
-        for raw in self.checkpoint.blocks(self._refs[name]):  # start reading the blocks; the caller dequantizes
-            will_need(raw)  # ahead
+        for raw in self.checkpoint.blocks(self._refs[name]):  # start reading them; the caller dequantizes ahead
+            will_need(raw)
         return False
 
     def read_expert(self, name: str, expert: int, out: torch.Tensor) -> None:
