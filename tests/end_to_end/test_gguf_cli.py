@@ -21,6 +21,14 @@ def _run(args, tmp_path, cache, timeout=600):
     return preloaded.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _same_tokens(args, tmp_path):
+    """A run of ``args`` that compares its tokens with the in-memory model's: it exits 0 and they are the same."""
+    done = _run([*args, "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"], tmp_path, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same tokens as in memory: True" in done.stdout
+    return done
+
+
 @pytest.fixture
 def gguf_file(tmp_path):
     types = {"ffn_down": int(T.Q4_K), "attn_v": int(T.Q6_K), "token_embd": int(T.Q8_0)}
@@ -36,12 +44,9 @@ def test_a_gguf_file_runs_in_place_with_the_in_memory_tokens(gguf_file, tmp_path
         "hook=prefetch",
         "max_memory.cpu=1MiB",
         "over_budget=warn",
+        "headroom=0",
     ]
-    done = _run(
-        [*args, "headroom=0", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"], tmp_path, tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "same tokens as in memory: True" in done.stdout
+    done = _same_tokens(args, tmp_path)
     assert "gguf, offloaded: read quantized in place" in done.stdout and "Q4_K x" in done.stdout
     metrics = json.loads((tmp_path / "hydra" / "metrics.json").read_text())
     # every offloaded tensor read once per token, as its quantized blocks: a fraction of its float32 bytes
@@ -54,11 +59,7 @@ def test_an_moe_gguf_runs_in_place_with_hook_experts_and_the_in_memory_tokens(tm
     types = {"ffn_down_exps": int(T.Q6_K), "ffn_gate_exps": int(T.Q4_K), "ffn_up_exps": int(T.Q4_K)}
     path = write_gguf(tmp_path / "moe.gguf", "qwen3_moe", types, default=int(T.Q8_0), layers=2)
     args = ["model=local", f"model.path={path}", "storage=gguf", "hook=experts", "max_memory.cpu=20MiB"]
-    done = _run(
-        [*args, "over_budget=warn", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"], tmp_path, tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "same tokens as in memory: True" in done.stdout
+    done = _same_tokens([*args, "over_budget=warn"], tmp_path)
     assert "Q4_K x" in done.stdout and "expert_misses" in done.stdout
     metrics = json.loads((tmp_path / "hydra" / "metrics.json").read_text())
     assert 0 < metrics["bytes_moved_per_token"] < metrics["offloaded_bytes"] / 6  # routed experts' blocks only
@@ -69,22 +70,12 @@ def test_a_split_gguf_runs_from_its_folder_with_the_in_memory_tokens(tmp_path):
     (tmp_path / "parts").mkdir()
     write_gguf(tmp_path / "parts" / "m.gguf", "qwen2", default=int(T.Q8_0), split_tensors=12)
     args = ["model=local", f"model.path={tmp_path / 'parts'}", "storage=gguf", "max_memory.cpu=1MiB"]
-    done = _run(
-        [*args, "over_budget=warn", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"], tmp_path, tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "same tokens as in memory: True" in done.stdout
+    _same_tokens([*args, "over_budget=warn"], tmp_path)
 
 
 def test_quantized_residency_runs_with_the_in_memory_tokens_and_a_bad_value_is_one_line(gguf_file, tmp_path, capsys):
     args = ["model=local", f"model.path={gguf_file}", "storage=gguf", "storage.resident=quantized", "page_cache=0"]
-    done = _run(
-        [*args, "max_memory.cpu=3MiB", "headroom=0", "compare_in_memory=true", "max_new_tokens=4", "prompt=the th"],
-        tmp_path,
-        tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "same tokens as in memory: True" in done.stdout
+    done = _same_tokens([*args, "max_memory.cpu=3MiB", "headroom=0"], tmp_path)
     assert (
         "gguf, offloaded: held quantized in memory" in done.stdout and "held in memory in stored bytes" in done.stdout
     )
