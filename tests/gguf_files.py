@@ -1,4 +1,4 @@
-"""Tiny GGUF files the tests build themselves: a seeded transformers model (llama, qwen2, qwen3, two MoE ones) written
+"""Tiny GGUF files the tests build themselves: a seeded transformers model (of an architecture in :data:`ARCHS`) written
 with gguf-py's writer, its tensors quantized by gguf-py (K-quants as random valid blocks, which gguf-py cannot
 quantize), with a small byte-level tokenizer; and transformers' own in-memory model of such a file, the reference
 outputs are compared with."""
@@ -78,6 +78,15 @@ ARCHS = {
         "gemma2",
         {"head_dim": 64, "sliding_window": 64, "tie_word_embeddings": True},  # no output tensor in its GGUF files
     ),
+    "gemma3": Arch(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        "GEMMA3",
+        "gemma3",
+        {"head_dim": 64, "sliding_window": 64, "tie_word_embeddings": True},
+    ),
+    "starcoder2": Arch("Starcoder2Config", "Starcoder2ForCausalLM", "STARCODER2", "starcoder2"),
+    "stablelm": Arch("StableLmConfig", "StableLmForCausalLM", "STABLELM", "stablelm"),
     "qwen3_moe": Arch(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -205,7 +214,9 @@ def _gguf_tensors(state: dict, names, config, arch: str) -> Iterator[tuple[str, 
             data = _permute(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             data = _permute(data, config.num_key_value_heads)
-        elif arch == "gemma2" and name.endswith("norm.weight"):  # transformers subtracts the one llama.cpp adds
+        elif arch in ("gemma2", "gemma3") and name.endswith(
+            "norm.weight"
+        ):  # transformers subtracts the one llama.cpp adds
             data = data + 1
         elif name.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)

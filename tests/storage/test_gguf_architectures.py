@@ -1,6 +1,7 @@
-"""GGUF files of more architectures than llama's (qwen3, phi3 with its fused projections, gemma2 with its norms shifted
-by one and its embedding tied to the LM head): read in place by storage=gguf and converted once by the default
-store, part of the model offloaded, each gives transformers' own in-memory GGUF model's logits and tokens."""
+"""GGUF files of more architectures than llama's (qwen3, phi3 with its fused projections, gemma2 and gemma3 with their
+norms shifted by one and their embedding tied to the LM head, starcoder2 and stablelm with biased layer norms): read
+in place by storage=gguf and converted once by the default store, part of the model offloaded, each gives
+transformers' own in-memory GGUF model's logits and tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
 LAYERS = 2
 
 
-@pytest.fixture(scope="module", params=["qwen3", "phi3", "gemma2"])
+@pytest.fixture(scope="module", params=["qwen3", "phi3", "gemma2", "gemma3", "starcoder2", "stablelm"])
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"gguf-{request.param}")
     with pytest.MonkeyPatch.context() as patch:
@@ -25,7 +26,7 @@ def tiny(request, tmp_path_factory):
         yield path, transformers_model(path)
 
 
-@pytest.mark.parametrize(("storage", "policy"), [("gguf", "prefetch"), ("gguf", "align_per_call"), (None, "prefetch")])
+@pytest.mark.parametrize(("storage", "policy"), [("gguf", "prefetch"), (None, "align_per_call")])
 def test_the_architecture_offloaded_is_transformers_in_memory_model(tiny, storage, policy):
     path, reference = tiny
     offload = {"policy": policy, "device_map": half_offloaded_map(LAYERS), "over_budget": "warn"}
