@@ -5,13 +5,14 @@ quantized blocks handed to the store that reads them in place (``storage=gguf``)
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError
+from offload_core.errors import CheckpointError, ConfigError, OffloadError
 from offload_core.loading.checkpoint import Checkpoint
 from offload_core.loading.gguf_match import check_in_place, match_tensors
 from offload_core.storage.gguf.dequant import copy_inline, dequantize_into, held_buffer, unpermute_into
@@ -50,8 +51,20 @@ def _architecture_error(path: Path, error: Exception) -> CheckpointError:
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__
     return CheckpointError(
         f"{path}: transformers {transformers.__version__} cannot map this GGUF file ({reason}); use a GGUF of an "
-        "architecture transformers loads (llama, qwen2, mistral, ...) or upgrade transformers"
+        "architecture transformers loads (llama, qwen2, qwen3, ...) or upgrade transformers"
     )
+
+
+@contextmanager
+def transformers_reading(path: Path) -> Iterator[None]:
+    """transformers reading GGUF file ``path``: what it raises for a file it cannot map (an architecture its gguf-py
+    lacks, a tensor it cannot name) becomes one line naming the file."""
+    try:
+        yield
+    except OffloadError:
+        raise
+    except (ValueError, KeyError, NotImplementedError) as error:
+        raise _architecture_error(path, error) from None
 
 
 def gguf_config(path: Path) -> Any:

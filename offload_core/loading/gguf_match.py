@@ -12,7 +12,7 @@ from offload_core.errors import CheckpointError
 from offload_core.storage.gguf.file import GGUFFile
 from offload_core.storage.gguf.split import GGUFSplit
 
-__all__ = ["PER_TENSOR_PROCESSORS", "check_in_place", "match_tensors"]
+__all__ = ["PER_TENSOR_PROCESSORS", "check_in_place", "match_tensors", "reads_in_place"]
 
 #: transformers' tensor processors that change one tensor at a time, keeping its name (the others merge or split
 #: tensors into other names as they load: those files are converted once instead of read in place)
@@ -28,17 +28,31 @@ PER_TENSOR_PROCESSORS = (
 )
 
 
-def check_in_place(path: Path, architecture: str, processor: Any, split: bool = False) -> None:
-    """One line for a file whose tensors transformers merges or splits at load, or loads through its newer GGUF path
-    (``split``: a model split across files, which only this reader reads: merged into one file first)."""
+def _newer_path(architecture: str) -> bool:
+    """Whether transformers loads ``architecture`` through its newer GGUF path (not tensor by tensor)."""
     try:
         from transformers.integrations.gguf.utils import is_gguf_arch_supported
     except ImportError:  # an older transformers: only the per-tensor loader
-        is_gguf_arch_supported = None
-    newer = is_gguf_arch_supported is not None and is_gguf_arch_supported(architecture)
-    if not newer and type(processor).__name__ in PER_TENSOR_PROCESSORS:
+        return False
+    return bool(is_gguf_arch_supported(architecture))
+
+
+def reads_in_place(architecture: str, processor: Any) -> bool:
+    """Whether this reader names and reads a GGUF file of ``architecture`` tensor by tensor (``processor``:
+    transformers' tensor processor for it)."""
+    return not _newer_path(architecture) and type(processor).__name__ in PER_TENSOR_PROCESSORS
+
+
+def check_in_place(path: Path, architecture: str, processor: Any, split: bool = False) -> None:
+    """One line for a file whose tensors transformers merges or splits at load, or loads through its newer GGUF path
+    (``split``: a model split across files, which only this reader reads: merged into one file first)."""
+    if reads_in_place(architecture, processor):
         return
-    how = "loads it through its own GGUF path" if newer else "merges or splits its tensors as it loads"
+    how = (
+        "loads it through its own GGUF path"
+        if _newer_path(architecture)
+        else "merges or splits its tensors as it loads"
+    )
     if split:
         raise CheckpointError(
             f"{path}: a GGUF model of architecture {architecture!r} split across files is not read here (transformers "

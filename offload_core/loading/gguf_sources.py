@@ -50,7 +50,7 @@ def _target(gguf: Path, kind: str) -> Path:
 def gguf_meta_folder(gguf: Path) -> Path:
     """A cache folder holding ``gguf``'s config, tokenizer, generation config and tensor-processor settings as
     transformers builds them from the file (``AutoConfig`` / ``AutoTokenizer`` with ``gguf_file``); built once."""
-    from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer
+    from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer, transformers_reading
     from offload_core.loading.sources import _cached_build
     from offload_core.storage.gguf.split import open_gguf
 
@@ -67,7 +67,8 @@ def gguf_meta_folder(gguf: Path) -> Path:
         tokenizer = gguf_tokenizer(gguf)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+        with transformers_reading(gguf):
+            parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
         parsed = json.loads(json.dumps(parsed, default=str))  # as it is read back
         (out / PROCESSOR_FILE).write_text(json.dumps(parsed, sort_keys=True) + "\n", encoding="utf-8")
         names = gguf_names(gguf, config, parsed)
@@ -81,22 +82,36 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
     ``config``; ``parsed``: the config dict its tensor processor is given)."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    from offload_core.loading.gguf_checkpoint import _architecture_error, naming_model, tensor_processor
+    from offload_core.loading.gguf_checkpoint import naming_model, tensor_processor, transformers_reading
     from offload_core.loading.gguf_match import match_tensors
     from offload_core.storage.gguf.split import open_gguf
 
     file = open_gguf(gguf)
     try:
         model = naming_model(config)
-        try:
-            with _parsed_once():  # as in every transformers read of the file here
-                names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
-        except (ValueError, KeyError, NotImplementedError) as error:
-            raise _architecture_error(gguf, error) from None
+        with transformers_reading(gguf), _parsed_once():  # as in every transformers read of the file here
+            names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
         match_tensors(gguf, file, names, model)  # tensors that disagree with the metadata: refused before it is kept
         return names
     finally:
         file.close()
+
+
+def _check_tensors(gguf: Path, config: Any) -> None:
+    """Refuse, in one line naming them, tensors of ``gguf`` that disagree with its metadata or are missing, before
+    converting it (where this reader names its tensors: the architectures it reads in place)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from offload_core.loading.gguf_checkpoint import tensor_processor, transformers_reading
+    from offload_core.loading.gguf_match import reads_in_place
+    from offload_core.storage.gguf.split import open_gguf
+
+    with transformers_reading(gguf):
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    file = open_gguf(gguf)
+    file.close()  # its header (read as it opens) is all that is needed
+    if reads_in_place(file.architecture, tensor_processor(file.architecture, parsed)):
+        gguf_names(gguf, config, parsed)
 
 
 @contextmanager
@@ -147,7 +162,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer
+    from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer, transformers_reading
     from offload_core.loading.writer import write_sharded_safetensors
 
     config = gguf_config(gguf)
@@ -157,7 +172,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     if is_split(gguf):
         state = split_state(gguf)
     else:
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        _check_tensors(gguf, config)
+        with transformers_reading(gguf):
+            tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
         state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
         del tensors
     write_sharded_safetensors(state, out, max_shard_size=200 * 1000 * 1000)
@@ -180,7 +197,7 @@ def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | N
 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from offload_core.loading.gguf_checkpoint import gguf_config
+    from offload_core.loading.gguf_checkpoint import gguf_config, transformers_reading
 
     if is_split(gguf):
         model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
@@ -188,9 +205,12 @@ def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | N
         model.tie_weights()
         return model
     if importlib.util.find_spec("accelerate") is not None:
-        return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+        with transformers_reading(gguf):
+            return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
+    with transformers_reading(gguf):
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)
+    tensors = tensors["tensors"]
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     return model

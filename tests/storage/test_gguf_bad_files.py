@@ -1,6 +1,6 @@
-"""A GGUF file that cannot be read as it claims is one line naming what is wrong, before anything is written: truncated,
-damaged, a tensor of an unknown type, an architecture transformers cannot map, tensors that disagree with the
-metadata (a shape, a missing tensor, the tensor count)."""
+"""A GGUF file that cannot be read as it claims is one line naming what is wrong, before anything is written, whether
+it is read in place or converted: truncated, damaged, a tensor of an unknown type, an architecture transformers cannot
+map or fails to read, tensors that disagree with the metadata (a shape, a missing tensor, the tensor count)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def _refused(path, *parts):
         lambda: offload_core.from_pretrained(
             path, offload={"storage": "gguf", "headroom": 0}, max_memory={"cpu": "1MiB"}
         ),
+        lambda: offload_core.from_pretrained(path, offload={"headroom": 0}, max_memory={"cpu": "1MiB"}),  # converts
     ):
         with pytest.raises(OffloadError) as error:
             call()
@@ -76,6 +77,19 @@ def test_architecture_transformers_cannot_map(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "odd.gguf", "llama", layers=2, arch_name="notanarch")
     _refused(path, "cannot map this GGUF file", "notanarch")
+
+
+def test_a_file_transformers_fails_to_read_is_one_line_for_the_conversion_too(good, monkeypatch):
+    """What transformers raises reading a file it cannot map (here: its gguf-py lacking the architecture, as it says
+    of a llama file named exactly "mistral") is one line, for the store that reads in place and the one that
+    converts."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    def unknown(*args, **kwargs):
+        raise NotImplementedError("Unknown gguf model_type: mistral in gguf-py")
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", unknown)
+    _refused(good, "cannot map this GGUF file", "Unknown gguf model_type")
 
 
 def test_shape_disagreeing_with_the_metadata(tmp_path, monkeypatch):
