@@ -63,7 +63,7 @@ def transformers_reading(path: Path) -> Iterator[None]:
         yield
     except OffloadError:
         raise
-    except (ValueError, KeyError, NotImplementedError) as error:
+    except (ValueError, KeyError, NotImplementedError, OSError) as error:
         raise _architecture_error(path, error) from None
 
 
@@ -73,12 +73,9 @@ def gguf_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     file = open_gguf(path)  # its header checked first: a damaged file is named as such
-    try:
+    file.close()
+    with transformers_reading(path):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (ValueError, KeyError, NotImplementedError, OSError) as error:
-        raise _architecture_error(path, error) from None
-    finally:
-        file.close()
     # a split model: transformers ties the LM head to the embedding when the first part holds no head of its own
     if isinstance(file, GGUFSplit) and file.architecture not in ("falcon", "bloom"):  # (these two: always)
         config.tie_word_embeddings = "output.weight" not in file.entries
