@@ -23,12 +23,13 @@ __all__ = ["GGUFCheckpoint", "find_gguf", "gguf_config", "gguf_tokenizer"]
 
 
 def find_gguf(path: str | os.PathLike[str]) -> Path | None:
-    """The GGUF file ``path`` names: itself when it is a ``.gguf`` file (the first part of a split model for any of
-    its parts), the one ``.gguf`` (or split model) of a folder without Hugging Face weights or config; None
-    otherwise. A folder holding several is a one-line error naming them."""
+    """The GGUF file ``path`` names: itself when it is a ``.gguf`` file or any file that opens as one (Ollama keeps
+    its models as ``blobs/sha256-…``; the first part of a split model for any of its parts), the one ``.gguf`` (or
+    split model) of a folder without Hugging Face weights or config; None otherwise. A folder holding several is a
+    one-line error naming them."""
     path = Path(path).expanduser()
     if path.is_file():
-        return _first_part(path) if path.suffix.lower() == ".gguf" else None
+        return _first_part(path) if path.suffix.lower() == ".gguf" or _opens_as_gguf(path) else None
     if not path.is_dir() or (path / "config.json").is_file() or (path / "model_index.json").is_file():
         return None
     if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
@@ -38,6 +39,14 @@ def find_gguf(path: str | os.PathLike[str]) -> Path | None:
         names = ", ".join(p.name for p in found[:4])
         raise ConfigError(f"{path} holds {len(found)} GGUF files ({names}); give the path of the one to run")
     return found[0] if found else None
+
+
+def _opens_as_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _first_part(path: Path) -> Path:

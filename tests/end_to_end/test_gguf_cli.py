@@ -65,14 +65,6 @@ def test_an_moe_gguf_runs_in_place_with_hook_experts_and_the_in_memory_tokens(tm
     assert 0 < metrics["bytes_moved_per_token"] < metrics["offloaded_bytes"] / 6  # routed experts' blocks only
 
 
-def test_a_split_gguf_runs_from_its_folder_with_the_in_memory_tokens(tmp_path):
-    """A model in three parts (as gguf-split writes the large ones), named by its folder."""
-    (tmp_path / "parts").mkdir()
-    write_gguf(tmp_path / "parts" / "m.gguf", "qwen2", default=int(T.Q8_0), split_tensors=12)
-    args = ["model=local", f"model.path={tmp_path / 'parts'}", "storage=gguf", "max_memory.cpu=1MiB"]
-    _same_tokens([*args, "over_budget=warn"], tmp_path)
-
-
 def test_quantized_residency_runs_with_the_in_memory_tokens_and_a_bad_value_is_one_line(gguf_file, tmp_path, capsys):
     args = ["model=local", f"model.path={gguf_file}", "storage=gguf", "storage.resident=quantized", "page_cache=0"]
     done = _same_tokens([*args, "max_memory.cpu=3MiB", "headroom=0"], tmp_path)

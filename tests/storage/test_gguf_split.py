@@ -57,6 +57,19 @@ def test_a_split_model_named_by_any_part_or_its_folder_is_the_whole_files_model(
             model.offload_state.release()
 
 
+def test_the_in_memory_model_of_the_parts_is_transformers_model_of_the_whole_file(split):
+    """What ``compare_in_memory=true`` compares with (transformers reads one file only): the model transformers
+    builds from the parts merged into one file."""
+    from transformers import AutoModelForCausalLM
+
+    from offload_core.loading.gguf_sources import transformers_gguf_model
+
+    first, reference = split
+    model = transformers_gguf_model(first, AutoModelForCausalLM, None)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
 def test_a_missing_part_is_one_line_naming_it_and_writes_nothing(split, tmp_path, monkeypatch):
     first, _ = split
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))

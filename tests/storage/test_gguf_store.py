@@ -63,6 +63,20 @@ def test_offloaded_gguf_is_transformers_in_memory_model_bit_for_bit(files, arch,
         model.offload_state.release()
 
 
+def test_a_gguf_without_its_suffix_as_ollama_keeps_it_runs(files, tmp_path, monkeypatch):
+    """Ollama keeps a model as ``blobs/sha256-<digest>``: a file that opens as a GGUF is one, whatever its name."""
+    path, reference = files["llama"]
+    blob = tmp_path / "blobs" / "sha256-6a0746a1ec1a"
+    blob.parent.mkdir()
+    blob.write_bytes(path.read_bytes())
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    model = offload_core.from_pretrained(blob, {"cpu": "1MiB"}, {"storage": "gguf", "over_budget": "warn"})
+    try:
+        assert torch.equal(_logits(model), _logits(reference))
+    finally:
+        model.offload_state.release()
+
+
 def test_a_folder_holding_the_file_and_the_default_store(files, tmp_path, monkeypatch):
     """A folder holding one GGUF plans as the file; the default store gets it converted once (float32 safetensors)
     and gives the same logits."""
