@@ -77,9 +77,9 @@ def gguf_meta_folder(gguf: Path) -> Path:
     return _cached_build(_target(gguf, "meta"), {**_fingerprint(gguf), "kind": "meta", "names": 1}, build)
 
 
-def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str]:
+def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any], model: Any = None) -> dict[str, str]:
     """``{GGUF tensor name: model name}`` as transformers' GGUF load names them (for the causal-LM model of
-    ``config``; ``parsed``: the config dict its tensor processor is given)."""
+    ``config``, or ``model``, that model on meta; ``parsed``: the config dict its tensor processor is given)."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     from offload_core.loading.gguf_checkpoint import naming_model, tensor_processor, transformers_reading
@@ -88,7 +88,7 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
 
     file = open_gguf(gguf)
     try:
-        model = naming_model(config)
+        model = naming_model(config) if model is None else model
         with transformers_reading(gguf), _parsed_once():  # as in every transformers read of the file here
             names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
         match_tensors(gguf, file, names, model)  # tensors that disagree with the metadata: refused before it is kept
@@ -97,9 +97,10 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any]) -> dict[str, str
         file.close()
 
 
-def _check_tensors(gguf: Path, config: Any) -> None:
+def _check_tensors(gguf: Path, config: Any, model: Any) -> None:
     """Refuse, in one line naming them, tensors of ``gguf`` that disagree with its metadata or are missing, before
-    converting it (where this reader names its tensors: the architectures it reads in place)."""
+    converting it (where this reader names its tensors: the architectures it reads in place; ``model``: the model of
+    ``config`` on meta)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from offload_core.loading.gguf_checkpoint import tensor_processor, transformers_reading
@@ -111,7 +112,7 @@ def _check_tensors(gguf: Path, config: Any) -> None:
     file = open_gguf(gguf)
     file.close()  # its header (read as it opens) is all that is needed
     if reads_in_place(file.architecture, tensor_processor(file.architecture, parsed)):
-        gguf_names(gguf, config, parsed)
+        gguf_names(gguf, config, parsed, model)
 
 
 @contextmanager
@@ -172,7 +173,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     if is_split(gguf):
         state = split_state(gguf)
     else:
-        _check_tensors(gguf, config)
+        _check_tensors(gguf, config, model)
         with transformers_reading(gguf):
             tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
         state = {key: torch.as_tensor(value).to(torch.float32).contiguous() for key, value in tensors.items()}
