@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 
 from offload_core.errors import ConfigError
 from offload_core.loading.hub_gguf import pick_gguf, split_tag
+from offload_core.loading.ollama import PREFIX, resolve_ollama
 from offload_core.loading.sources import ModelSourceError
 from offload_core.values import read_fields
 
@@ -89,11 +90,14 @@ def resolve_model_path(
     (configs, tokenizer and the weights in one format: safetensors where the repo has them, else ``.bin``) with
     huggingface_hub's progress bars (``progress``), the token ``token`` or ``HF_TOKEN`` / the saved login. ``what``
     names the argument in error lines. Of a GGUF repo the answer is the file of the GGUF model the run takes
-    (``org/name:TAG``: :mod:`offload_core.loading.hub_gguf`), and only that model's files are downloaded.
+    (``org/name:TAG``: :mod:`offload_core.loading.hub_gguf`), and only that model's files are downloaded. A model
+    Ollama has pulled, ``ollama:name:tag``, is its GGUF blob (:mod:`offload_core.loading.ollama`).
     """
     local = Path(path).expanduser()
     if local.exists():
         return local
+    if str(path).startswith(PREFIX):
+        return resolve_ollama(str(path)[len(PREFIX) :], what)
     name, tag = split_tag(str(path))
     if not looks_like_repo_id(name):
         raise ConfigError(
