@@ -72,8 +72,8 @@ def from_pretrained(
 
     ``dtype`` None runs in the checkpoint's dtype. ``path`` may also be a GGUF file (or a folder holding one), read in
     place with ``storage="gguf"`` and converted once into a float32 safetensors folder for the other stores; or a
-    Hugging Face Hub repo id (``"org/name"``; of a GGUF repo ``"org/name:Q8_0"`` names the quantization), as in
-    transformers: an existing local path wins; otherwise the repo's
+    Hugging Face Hub repo id (``"org/name"``; of a GGUF repo ``"org/name:Q8_0"`` names the quantization; a model
+    Ollama has pulled is ``"ollama:name:tag"``), as in transformers: an existing local path wins; otherwise the repo's
     snapshot folder in the Hub cache at ``hub``'s revision (a :class:`~offload_core.Hub` or a dict:
     ``revision``, ``token``, ``local_files_only``, ``cache_dir``) is used, downloaded first (with huggingface_hub's
     progress bars) unless ``HF_HUB_OFFLINE=1`` or ``local_files_only`` forbid it.
