@@ -54,6 +54,7 @@ def test_an_ollama_model_runs_from_its_blob(ollama, storage):
     assert snapshot(ollama.parent / "ollama") == before  # Ollama's files are only read
 
 
+@pytest.mark.slow  # a run.py process
 def test_as_a_process_it_answers_with_the_in_memory_tokens(ollama, tmp_path):
     command = [sys.executable, "run.py", "model=local", "model.path=ollama:tiny:q8", "storage=gguf", "progress=false"]
     command += ["max_memory.cpu=1MiB", "over_budget=warn", "compare_in_memory=true", "max_new_tokens=4"]

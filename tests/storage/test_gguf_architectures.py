@@ -12,6 +12,8 @@ from gguf import GGMLQuantizationType as T
 import offload_core
 from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
 
+pytestmark = pytest.mark.slow
+
 IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
 LAYERS = 2
 

@@ -17,6 +17,9 @@ from offload_core.module_hooks.experts import ExpertsConfig, is_fused_experts
 from offload_core.module_hooks.experts.policy import Experts
 from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
 
+# whole runs of every policy (the quick subset stays under a minute)
+pytestmark = pytest.mark.slow
+
 #: the experts' projections of several types (down of another type than gate and up, as llama.cpp's mixes do)
 TYPES = {"ffn_down_exps": int(T.Q6_K), "ffn_gate_exps": int(T.Q4_K), "ffn_up_exps": int(T.Q4_K)}
 IDS = torch.tensor([[256, 5, 77, 100, 258, 259, 33, 40]])
@@ -122,7 +125,6 @@ def test_hook_experts_moves_each_routed_experts_quantized_bytes(moe, tmp_path):
         model.offload_state.release()
 
 
-@pytest.mark.slow
 def test_qwen2moe_with_its_shared_expert_reads_in_place_and_converts_alike(tmp_path, monkeypatch):
     """qwen2moe's shared expert and its gate (a vector in the file, a row in the model): in place under
     ``hook=experts``, and converted once by the default store, both transformers' model bit for bit."""
@@ -150,7 +152,6 @@ def test_experts_that_disagree_with_the_metadata_are_one_line(tmp_path, monkeypa
     assert "\n" not in message and str(path) in message and "written for another configuration" in message
 
 
-@pytest.mark.slow  # whole runs on the fake GPU
 @pytest.mark.parametrize("policy", ["experts", "prefetch"])
 def test_on_a_gpu_the_experts_cross_as_the_host_dequantizes_them(moe, policy, fake_gpu):
     """A GPU run (the fake accelerator): the merged experts are dequantized on the host (no device kernel gives
