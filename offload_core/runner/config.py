@@ -29,8 +29,9 @@ class ModelConfig:
 
     #: smollm2 (embedded default), synthetic (random Llama of a preset size) or local (needs path)
     name: str = "smollm2"
-    #: a checkpoint folder (a Hub cache snapshot folder too) or a Hub repo id such as org/name (an existing local path
-    #: wins): taken from the Hugging Face cache, downloaded first unless HF_HUB_OFFLINE=1
+    #: a checkpoint folder (a Hub cache snapshot folder too), a GGUF file, or a Hub repo id such as org/name (an
+    #: existing local path wins): taken from the Hugging Face cache, downloaded first unless HF_HUB_OFFLINE=1; a GGUF
+    #: repo's quantization after a colon (org/name-GGUF:Q4_K_M); a model Ollama pulled as ollama:name:tag
     path: Optional[str] = None
     #: the branch, tag or commit of a Hub repo id given as path (default: main)
     revision: Optional[str] = None

@@ -27,7 +27,8 @@ MODEL_OPTIONS = {
     "synthetic": (
         "a random Llama of a preset size (model.preset=tiny|small|0.3b|1.1b|30b), built once into the model cache"
     ),
-    "local": "any local Hugging Face checkpoint folder or Hub repo id (model.path=/a/folder or org/name)",
+    "local": "a checkpoint folder, GGUF file, Hub repo id or Ollama model (model.path=/a/folder, org/name, "
+    "org/name-GGUF:Q4_K_M or ollama:name:tag)",
 }
 
 
