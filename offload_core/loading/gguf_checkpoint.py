@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -241,15 +241,16 @@ class GGUFCheckpoint(Checkpoint):
         tensors through its numpy code), so that loading reads it into the memory that holds it."""
         return self.converted_in_place(key) or key in self.merged
 
-    def read_into(self, key: str, out: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
-        """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it (``raw``:
-        its quantized blocks where held elsewhere than the mapped file; a list of its parts' for a merged one)."""
+    def read_into(self, key: str, out: torch.Tensor, held: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Dequantize ``key`` into ``out`` (its shape, any floating dtype) as transformers' load computes it (``held``:
+        the quantized blocks of each of its parts, as :meth:`blocks` lists them, where held elsewhere than the mapped
+        file)."""
         if key in self.merged:
             for expert in range(out.shape[0]):
-                self.read_expert_into(key, expert, out[expert], raw)
+                self.read_expert_into(key, expert, out[expert], held)
             return out
         entry = self.file.entries[self.sources[key]]
-        raw = self.file.raw(entry.name) if raw is None else raw
+        raw = self.file.raw(entry.name) if held is None else held[0]
         if out.dtype == torch.float32 and out.is_contiguous():
             if self.converted_in_place(key):
                 return dequantize_into(raw, entry.kind, out)
@@ -264,21 +265,21 @@ class GGUFCheckpoint(Checkpoint):
         (:meth:`read_expert_into`): a merged tensor, or a 3-D one converted as it lies."""
         return key in self.merged or (len(self.shape(key)) == 3 and self.converted_in_place(key))
 
-    def expert_blocks(self, key: str, expert: int, raw: Any = None) -> list[torch.Tensor]:
-        """The quantized blocks of expert ``expert`` in each of ``key``'s parts (``raw``: the parts' blocks where held
-        elsewhere than the mapped file)."""
+    def expert_blocks(self, key: str, expert: int, held: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The quantized blocks of expert ``expert`` in each of ``key``'s parts (``held``: as :meth:`read_into`)."""
         experts = self.shape(key)[0]
-        raws = self.blocks(key) if raw is None else [raw] if isinstance(raw, torch.Tensor) else list(raw)
-        return [blocks.reshape(experts, -1)[expert] for blocks in raws]
+        return [blocks.reshape(experts, -1)[expert] for blocks in (self.blocks(key) if held is None else held)]
 
-    def read_expert_into(self, key: str, expert: int, out: torch.Tensor, raw: Any = None) -> torch.Tensor:
+    def read_expert_into(
+        self, key: str, expert: int, out: torch.Tensor, held: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Dequantize expert ``expert`` of ``key`` (see :meth:`reads_experts`) into ``out`` (its shape without the
         experts' dimension, any floating dtype), reading only that expert's blocks; a merged tensor's parts one
         after another along its first dimension, as transformers' processor concatenates them."""
         target = out if out.dtype == torch.float32 and out.is_contiguous() else held_buffer(out.numel(), out.device)
         target = target.view(out.shape)
         start = 0
-        for part, blocks in zip(self.gguf_parts(key), self.expert_blocks(key, expert, raw), strict=True):
+        for part, blocks in zip(self.gguf_parts(key), self.expert_blocks(key, expert, held), strict=True):
             rows = self.file.entries[part].shape[1]
             dequantize_into(blocks, self.file.entries[part].kind, target[start : start + rows])
             start += rows

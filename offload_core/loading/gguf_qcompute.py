@@ -6,7 +6,7 @@ loaded and moved packed; every other tensor keeps the exact path."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -73,11 +73,11 @@ class QuantizedGGUFCheckpoint(GGUFCheckpoint):
         """A packed tensor is packed a pass of rows at a time into the buffer it is read into."""
         return key in self.packed or super().fills(key)
 
-    def read_into(self, key: str, out: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
+    def read_into(self, key: str, out: torch.Tensor, held: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         if key in self.packed:
             _, part, spec = self.packed[key]
-            return pack_into(self.raw(key) if raw is None else raw, spec, part, out)
-        return super().read_into(key, out, raw)
+            return pack_into(self.raw(key) if held is None else held[0], spec, part, out)
+        return super().read_into(key, out, held)
 
     def get(self, key: str) -> torch.Tensor:
         if key in self.packed:

@@ -105,10 +105,8 @@ class GGUFStore(Store):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Dequantize ``name`` into ``out`` (the caller's buffer, its shape and the run's dtype)."""
-        key = self._refs[name]
-        held = self._held.get(name)
         with torch.inference_mode(False):
-            self.checkpoint.read_into(key, out, held if key in self.checkpoint.merged else self._raw(name))
+            self.checkpoint.read_into(self._refs[name], out, self._held.get(name))
 
     def packed(self, name: str) -> DeviceBlocks | None:
         """``name``'s quantized blocks, for a GPU run to dequantize on the device, where that gives what
