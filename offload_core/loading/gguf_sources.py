@@ -200,18 +200,16 @@ def transformers_gguf_model(gguf: Path, model_class: Any, dtype: torch.dtype | N
 
     from offload_core.loading.gguf_checkpoint import gguf_config, transformers_reading
 
-    if is_split(gguf):
-        model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
-        model.load_state_dict(split_state(gguf), strict=False)
-        model.tie_weights()
-        return model
-    if importlib.util.find_spec("accelerate") is not None:
+    if not is_split(gguf) and importlib.util.find_spec("accelerate") is not None:
         with transformers_reading(gguf):
             return model_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     model = model_class.from_config(gguf_config(gguf), dtype=dtype or torch.float32)
-    with transformers_reading(gguf):
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)
-    tensors = tensors["tensors"]
+    if is_split(gguf):
+        tensors = split_state(gguf)
+    else:
+        with transformers_reading(gguf):
+            tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model, torch_dtype=dtype)
+        tensors = tensors["tensors"]
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     return model
