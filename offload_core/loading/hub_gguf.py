@@ -10,6 +10,7 @@ import sys
 from pathlib import PurePosixPath
 
 from offload_core.errors import ConfigError
+from offload_core.storage.gguf.split import PART, split_paths
 
 __all__ = ["DEFAULT_TAG", "pick_gguf", "split_tag"]
 
@@ -17,8 +18,6 @@ __all__ = ["DEFAULT_TAG", "pick_gguf", "split_tag"]
 DEFAULT_TAG = "Q4_K_M"
 #: ``org/name:TAG``
 _TAGGED = re.compile(r"^(?P<repo>[^:]+):(?P<tag>[A-Za-z0-9_.-]+)$")
-#: a part of a split model (gguf-split's names)
-_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 #: a quantization's name in a file name (``Q4_K_M``, ``IQ4_XS``, ``Q8_0``, ``F16``, ``BF16``, ``UD-Q2_K_XL``, ...)
 _QUANT = re.compile(r"(?<![A-Za-z0-9])((?:UD-)?(?:I?Q\d[A-Z0-9_]*|BF16|F16|F32))(?![A-Za-z0-9])", re.IGNORECASE)
 
@@ -37,16 +36,15 @@ def _models(files: list[str]) -> dict[str, list[str]]:
         path = PurePosixPath(file)
         if path.suffix.lower() != ".gguf" or path.name.lower().startswith("mmproj"):
             continue
-        part = _PART.search(path.name)
-        first = str(path.with_name(_PART.sub(f"-00001-of-{part[2]}.gguf", path.name))) if part else file
-        models.setdefault(first, []).append(file)
+        parts = split_paths(path)
+        models.setdefault(str(parts[0]) if parts else file, []).append(file)
     return models
 
 
 def _quant(model: str) -> str:
     """The quantization ``model``'s file name says (its last), else its name."""
-    name = _PART.sub(".gguf", PurePosixPath(model).name)
-    found = _QUANT.findall(name)
+    name = PurePosixPath(model).name
+    found = _QUANT.findall(PART.sub(r"\g<stem>", name))
     return found[-1].upper() if found else name
 
 

@@ -5,8 +5,8 @@ file: its header is the first's, its tensors those of every part, each read from
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePath
+from typing import Any, TypeVar
 
 import torch
 
@@ -15,13 +15,15 @@ from offload_core.storage.gguf.file import GGUFEntry, GGUFFile
 
 __all__ = ["GGUFSplit", "open_gguf", "split_paths"]
 
+_P = TypeVar("_P", bound=PurePath)
 #: how gguf-split names the parts of a model
 PART = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 
-def split_paths(path: Path) -> list[Path] | None:
+def split_paths(path: _P) -> list[_P] | None:
     """Every part of the split GGUF model ``path`` is named as a part of (in order, the first holding the metadata),
-    whether they exist or not; None for a file not named as a part of two or more."""
+    whether they exist or not (``path`` a file's, or a name in a Hub repo's listing); None for a file not named as a
+    part of two or more."""
     named = PART.match(path.name)
     if named is None or int(named["count"]) < 2:
         return None
