@@ -180,7 +180,8 @@ def _run(system: str, args, folder: Path, budget: int | None, scratch: str) -> d
         scratch,
     ]
     began = time.perf_counter()
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:

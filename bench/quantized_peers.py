@@ -149,7 +149,7 @@ def _short(error: str) -> str:
 
 
 def run(spec: dict, timeout: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         env=env,

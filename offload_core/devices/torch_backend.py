@@ -40,6 +40,14 @@ def page_aligned(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(private, dtype=torch.uint8)[:nbytes]
 
 
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a runtime call of ours failed and was handled: left set, it would surface at the
+    caller's next kernel launch check as that kernel's error (an "invalid argument" in an unrelated ``.to()``)."""
+    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -121,9 +129,7 @@ class TorchAccelerator(Accelerator):
                 log.info(
                     "cudaHostRegister of %d bytes failed (error %s): using torch's pinned allocator", nbytes, int(error)
                 )
-                clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
-                if clear is not None:  # the failure must not surface at the next kernel launch check
-                    clear()
+                _clear_cuda_error()
             except (AttributeError, AssertionError, RuntimeError, TypeError) as error:
                 log.info("cudaHostRegister unavailable (%s): using torch's pinned allocator", error)
         tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -143,8 +149,9 @@ class TorchAccelerator(Accelerator):
                 return
             self._pinned -= held[1]
         self.synchronize()  # no copy may still read it
-        if held[2]:
-            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+        if held[2] and int(torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())) != 0:
+            log.warning("cudaHostUnregister of a pinned arena failed: its pages stay registered while it lives")
+            _clear_cuda_error()
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.is_pinned()
