@@ -47,7 +47,8 @@ def offload_register_storages(register: Register) -> None:
     Called once when the plugin manager is built, for every plugin. A storage's factory subclasses
     :class:`~offload_core.registry.contracts.Storage`, whose members say what each does and its default:
     ``open`` (required), ``converts_on_read``, ``pinned``, ``reads_from``, ``reads_gguf``, ``quantized_compute``,
-    ``decode_scratch``, ``decode_scratch_for``, ``predicted_stored``, ``holds_stored``, ``pools_copies``.
+    ``decode_scratch``, ``decode_scratch_for``, ``decodes_experts``, ``predicted_stored``, ``holds_stored``,
+    ``pools_copies``.
     ``register(name, factory, config)`` adds one storage. All implementations are called; results are ignored
     (use ``register``).
     """

@@ -78,6 +78,8 @@ class GGUFStorage(Storage):
         """Offloaded tensors are read from the checkpoint's file in place, or from memory where held."""
         return "memory" if self.holds_stored else "checkpoint"
 
+    decodes_experts = True  # a routed expert's quantized blocks (GGUFStore.packed_experts)
+
     @property
     def decode_scratch(self) -> int:  # type: ignore[override]
         """A GPU run copies the offloaded tensors' quantized blocks and dequantizes them on the device, through

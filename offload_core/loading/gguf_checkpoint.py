@@ -265,6 +265,10 @@ class GGUFCheckpoint(Checkpoint):
         (:meth:`read_expert_into`): a merged tensor, or a 3-D one converted as it lies."""
         return key in self.merged or (len(self.shape(key)) == 3 and self.converted_in_place(key))
 
+    def expert_parts(self, key: str) -> list[tuple[int, int, int]]:
+        """``(GGML type, rows, columns)`` of one expert in each of ``key``'s parts (see :meth:`reads_experts`)."""
+        return [(int(e.kind), *e.shape[1:]) for e in (self.file.entries[part] for part in self.gguf_parts(key))]
+
     def expert_blocks(self, key: str, expert: int, held: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The quantized blocks of expert ``expert`` in each of ``key``'s parts (``held``: as :meth:`read_into`)."""
         experts = self.shape(key)[0]

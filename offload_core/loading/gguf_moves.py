@@ -12,7 +12,7 @@ from torch import nn
 
 from offload_core.registry.contracts import Policy
 from offload_core.storage.checkpoint import Checkpoint
-from offload_core.storage.gguf.device import device_form, pass_elements
+from offload_core.storage.gguf.device import device_form, experts_form, pass_elements
 from offload_core.values import parse_dtype
 
 
@@ -28,7 +28,7 @@ def dequant_rows(
 ) -> list[dict[str, Any]]:
     """Per GGML type of the offloaded tensors (and whether they take transformers' processor's extra pass,
     ``converted``: llama's q and k, or every tensor of a run in another dtype than float32; ``device``: dequantized on
-    the device of a GPU run, a tensor read whole whose type has a torch kernel, never a routed expert's rows):
+    the device of a GPU run, a type with a torch kernel, read whole or a routed expert's rows at a time):
     ``tensors`` offloaded, ``read_bytes`` (quantized) and ``dequant_bytes`` (float32) per generated token. Empty
     unless ``checkpoint`` is a GGUF file the store reads in place (``stored``: its quantized bytes per key)."""
     from offload_core.loading.moves import unit_reads
@@ -48,10 +48,12 @@ def dequant_rows(
     in_float32 = dtype in (None, torch.float32)
     elements = pass_elements(max((math.prod(checkpoint.shape(key)) for key in offloaded), default=0))
     groups: dict[tuple[str, bool, bool], set[str]] = {}
-    routed = {tensors.offloaded[name] for name in shares if name in tensors.offloaded}  # read by expert, on the host
+    routed = {tensors.offloaded[name] for name in shares if name in tensors.offloaded}  # read by expert
     for key in offloaded:
         converted = not (in_float32 and checkpoint.fills(key))
-        device = key not in routed and device_form(checkpoint, key, dtype or torch.float32, elements) is not None
+        run_dtype = dtype or torch.float32  # read whole as it lies, else an expert at a time (a merged one too)
+        whole = key not in routed and device_form(checkpoint, key, run_dtype, elements) is not None
+        device = whole or experts_form(checkpoint, key, run_dtype, elements) is not None
         groups.setdefault((checkpoint.tensor_type(key), converted, device), set()).add(key)
 
     def per_token(sizes: dict[str, int]) -> int:

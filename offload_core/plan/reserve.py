@@ -27,6 +27,7 @@ def reservation(policy: Policy, storage: Storage, need: InFlight, converts: bool
         store_converts=(converts and storage.converts_on_read) or scratch > 0,
         store_pinned=storage.pinned,
         store_scratch=scratch,
+        experts_scratch=storage.decode_scratch_for(largest_expert(need.model)) if storage.decodes_experts else 0,
         store_maps=storage.reads_from in ("offload_folder", "checkpoint", "memory"),
     )
     return dict(policy.reserve(need))
@@ -134,6 +135,23 @@ class Reserver:
     def copies_of(self, offloaded: Mapping[str, str]) -> int:
         """The spliced copies the store holds where ``offloaded`` are the tensors offloaded."""
         return sum(size for name, size in (self.spliced or {}).items() if name in offloaded)
+
+
+def largest_expert(model: nn.Module | None) -> int | None:
+    """Elements of one expert's rows of the largest fused expert tensor of ``model`` (what a pass decoding a routed
+    expert takes); None without a model."""
+    from offload_core.module_hooks.experts.loader import is_fused_experts
+
+    if model is None:
+        return None
+    rows = [
+        tensor[0].numel()
+        for module in model.modules()
+        if is_fused_experts(module)
+        for tensor in module.parameters(recurse=False)
+        if tensor.dim() == 3
+    ]
+    return max(rows, default=0)
 
 
 def largest_tensor(model: nn.Module | None, offloaded: Mapping[str, str] | None) -> int | None:

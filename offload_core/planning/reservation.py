@@ -24,6 +24,9 @@ class InFlight:
     store_converts: bool = False  # the store hands out converted copies, not views, of some tensors
     store_pinned: bool = False  # the store's memory is page-locked: copies to a GPU need no staging
     store_scratch: int = 0  # device bytes a policy that decodes the store's packed tensors there takes for it
+    #: device bytes of one scratch that decodes routed experts of fused expert tensors the store packs, for a policy
+    #: that reads them an expert at a time (0: their rows cross as the store hands them out)
+    experts_scratch: int = 0
     model: Any = None  # the model being planned (on the meta device), for policies that size by its modules
     dtype: Any = None  # the run's dtype (None: each tensor's own)
     cpu_budget: int | None = None  # the cpu budget the placement fills (None: not known)

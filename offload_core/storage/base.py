@@ -218,6 +218,13 @@ class Store(Mapping):
         default) where ``store[name]`` is what a read moves."""
         return None
 
+    def packed_experts(self, name: str) -> Any:
+        """A fused expert tensor ``name`` as the store holds it, for a module hook to copy routed experts as they are
+        and decode them on its execution device (``decode_expert(expert, out, scratch)``, with ``expert_nbytes()`` moved
+        an expert, and a ``new_scratch``); None (the default) where a routed expert's rows are what :meth:`read_expert`
+        gives."""
+        return None
+
     def drop(self, name: str) -> bool:
         """Drop ``name``'s bytes from memory after use (the page cache included), so that streaming it
         never evicts what is kept. Returns False where the store cannot (the default: nothing is done)."""
@@ -317,6 +324,10 @@ class Storage(StrategyBase):
     #: bytes of device scratch a GPU run that decodes the store's packed tensors on the device takes
     #: (:meth:`Store.packed`; 0: the store packs nothing)
     decode_scratch: int = 0
+
+    #: a GPU run's routed experts cross as the store packs them (:meth:`Store.packed_experts`) and are decoded on the
+    #: device, through scratch of ``decode_scratch_for``'s size for each stream that decodes them
+    decodes_experts: bool = False
 
     def decode_scratch_for(self, largest: int | None) -> int:
         """:attr:`decode_scratch` where the largest offloaded tensor has ``largest`` elements (None: not known); the

@@ -142,7 +142,8 @@ class PinnedStore(MappingStore):
 def make_device_layers(store, device, count: int = 1, cache_slots: int = 0, ahead: int = 2, router=None):
     """``count`` :class:`DeviceLayer` over ``store`` on ``device`` sharing one :class:`DeviceExperts`, each the next
     of the one before (``router``: every layer's guess of the next)."""
-    from offload_core.module_hooks.experts.device import DeviceExperts, DeviceLayer
+    from offload_core.module_hooks.experts.device import DeviceLayer
+    from offload_core.module_hooks.experts.slots import DeviceExperts
 
     shared = DeviceExperts(torch.device(device), cache_slots, ahead)
     counters = ExpertCounters(stats=TransferStats())

@@ -15,7 +15,9 @@ from offload_core.errors import CheckpointError
 from offload_core.loading.gguf_checkpoint import GGUFCheckpoint
 from offload_core.module_hooks.experts import ExpertsConfig, is_fused_experts
 from offload_core.module_hooks.experts.policy import Experts
+from offload_core.storage.gguf.device import ExpertBlocks
 from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
+from tests.gpu_budgets import on_gpu
 
 # whole runs of every policy (the quick subset stays under a minute)
 pytestmark = pytest.mark.slow
@@ -153,10 +155,11 @@ def test_experts_that_disagree_with_the_metadata_are_one_line(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("policy", ["experts", "prefetch"])
-def test_on_a_gpu_the_experts_cross_as_the_host_dequantizes_them(moe, policy, fake_gpu):
-    """A GPU run (the fake accelerator): the merged experts are dequantized on the host (no device kernel gives
-    transformers' concatenation), a tensor as it lies may be decoded on the device; the logits are the same. The
-    plan prices a routed expert's rows on the host."""
+def test_on_a_gpu_the_experts_cross_quantized_and_are_dequantized_there(moe, policy, fake_gpu):
+    """A GPU run (the fake accelerator): every offloaded tensor crosses as its quantized blocks, the merged gate and
+    up too (decoded expert by expert into transformers' concatenation), a routed expert's alone under ``experts``;
+    the logits and tokens are the same, the plan prices every type's dequantization on the device, and the device
+    stays within its budget with the decoding scratch the plan reserved."""
     path, reference = moe
     fake = fake_gpu(count=1, memory="1GiB")
     on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map(LAYERS).items()}
@@ -164,12 +167,96 @@ def test_on_a_gpu_the_experts_cross_as_the_host_dequantizes_them(moe, policy, fa
     model = offload_core.from_pretrained(path, offload={**offload, "progress": False}, max_memory={0: "64MiB"})
     try:
         with torch.no_grad():
-            assert torch.equal(model(IDS.to(fake.device(0))).logits.cpu(), reference(IDS).logits)
+            ids = IDS.to(fake.device(0))
+            assert torch.equal(model(ids).logits.cpu(), reference(IDS).logits)
+            want = reference.generate(IDS, max_new_tokens=4, do_sample=False)
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False).cpu(), want)
         store = model.offload_state.store
-        assert all(store.packed(key) is None for key in store if key in store.checkpoint.merged)
+        merged = [key for key in store if key in store.checkpoint.merged]
+        assert merged and all(isinstance(store.packed(key), ExpertBlocks) for key in merged)
         on_device = {row["type"]: row["device"] for row in model.offload_plan.dequant}
-        # gate and up (Q4_K) merged: on the host; down (Q6_K) as it lies: on the device when read whole, on the host
-        # when hook=experts reads a routed expert's rows; the attention's (Q8_0) and the norms (F32) on the device
-        assert on_device == {"Q4_K": False, "Q6_K": policy == "prefetch", "Q8_0": True, "F32": True}
+        assert on_device == {"Q4_K": True, "Q6_K": True, "Q8_0": True, "F32": True}
+        if policy == "experts":
+            layers = model.offload_state.handle.layers
+            assert layers and all(layer.packed is not None for layer in layers)
+        assert fake.max_memory_allocated(0) <= 64 * 2**20
     finally:
         model.offload_state.release()
+
+
+def test_on_a_gpu_a_routed_expert_moves_its_quantized_bytes(moe, fake_gpu):
+    """Without a cache or guesses, each expert a token routes to crosses as its blocks: the counters count those
+    bytes, and the rows decoded on the device are transformers' (the logits)."""
+    path, reference = moe
+    fake = fake_gpu(count=1, memory="1GiB")
+    on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map(LAYERS).items()}
+    policy = Experts(ExpertsConfig(cache_slots=0, guess="none", whole_fraction=1.0))
+    offload = {"storage": "gguf", "policy": policy, "device_map": on_device, "execution_device": fake.device(0)}
+    model = offload_core.from_pretrained(path, offload={**offload, "progress": False}, max_memory={0: "64MiB"})
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(IDS[:, :1].to(fake.device(0))).logits.cpu(), reference(IDS[:, :1]).logits)
+        counters = model.offload_state.handle.counters()
+        checkpoint = model.offload_state.store.checkpoint
+        module = next(
+            m for name, m in model.named_modules() if is_fused_experts(m) and name.startswith("model.layers.1")
+        )
+        keys = [f"model.layers.1.mlp.experts.{name}" for name, p in module.named_parameters() if p.dim() == 3]
+        quantized = sum(checkpoint.stored_nbytes(key) for key in keys) // module.num_experts
+        assert counters["expert_bytes"] == counters["expert_misses"] * quantized > 0
+    finally:
+        model.offload_state.release()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("elements", [256, 3000, 2**22])
+def test_the_device_passes_decode_an_expert_as_the_host_does(moe, dtype, elements):
+    """An expert's rows decoded through scratch of any size (a run of rows a pass, whole experts a pass) are what the
+    host's read of that expert gives, for the merged gate and up and for down; so is the whole tensor."""
+    path, _ = moe
+    storage = offload_core.registry.manager.get_registry().create("storage", "gguf", {})
+    offload = {"storage": storage, "device_map": half_offloaded_map(LAYERS), "over_budget": "warn"}
+    model = offload_core.from_pretrained(path, {"cpu": "3MiB"}, offload, dtype=dtype)
+    try:
+        store = model.offload_state.store
+        keys = [key for key in store if key.endswith(("gate_up_proj", "down_proj"))]
+        assert keys
+        for key in keys:
+            packed = store.packed_experts(key)
+            scratch = packed.new_scratch(torch.device("cpu"), max(elements, packed.cols))
+            shape, _ = store.spec(key)
+            whole = torch.full(shape, float("nan"), dtype=dtype)
+            packed.decode_on_device(whole, scratch, key)
+            for expert in range(shape[0]):
+                got, want = torch.full(shape[1:], float("nan"), dtype=dtype), torch.empty(shape[1:], dtype=dtype)
+                packed.decode_expert(expert, got, scratch)
+                store.read_expert(key, expert, want)
+                assert torch.equal(got, want) and torch.equal(whole[expert], want)
+    finally:
+        model.offload_state.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["experts", "prefetch"])
+def test_on_cuda_the_experts_cross_quantized_and_give_the_gpu_models_logits(moe, policy):
+    """On CUDA: half the MoE model streamed as its quantized blocks (a routed expert's alone under ``experts``) and
+    dequantized on the GPU gives the logits and tokens of transformers' own model of the file on that GPU."""
+    path, _ = moe
+    reference = transformers_model(path).to("cuda")
+    ids = IDS.to("cuda")
+    with torch.no_grad():
+        logits = reference(ids).logits
+        tokens = reference.generate(ids, max_new_tokens=4, do_sample=False)
+    del reference
+    on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map(LAYERS).items()}
+    offload = {"storage": "gguf", "policy": policy, "device_map": on_device, "execution_device": "cuda:0"}
+    model = offload_core.from_pretrained(path, offload=offload, max_memory={0: on_gpu(128 * 2**20), "cpu": "1GiB"})
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+        if policy == "experts":
+            assert all(layer.packed is not None for layer in model.offload_state.handle.layers)
+    finally:
+        model.offload_state.remove()

@@ -9,7 +9,9 @@ only the rows of the routed experts are filled, as :class:`ExpertLayer` does. He
 - a read-ahead slot, filled on the copy stream while the previous layer computed (the next layer's router on
   this layer's hidden state, or what it selected last); the compute stream waits for its event, the host never;
 - host memory for the rest: straight from a page-locked store (its rows already are pinned memory: one copy per
-  run of adjacent experts per tensor, no staging) or, from any other store, gathered into pinned staging first
+  run of adjacent experts per tensor, no staging); from a store that packs them (a GGUF file's quantized blocks,
+  :meth:`Store.packed_experts`) as the store holds them, dequantized on the device through scratch of its own (one
+  for the compute stream, one for the copy stream); or, from any other store, gathered into pinned staging first
   (one copy per tensor and run).
 
 The routing and the guess for the next layer reach the host in one transfer per layer: the only host wait.
@@ -17,96 +19,18 @@ The routing and the guess for the next layer reach the host in one transfer per 
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
-from offload_core.module_hooks.experts.cache import ExpertCache
-from offload_core.module_hooks.experts.loader import Buffers, ExpertLayer, read_expert, read_whole
+from offload_core.module_hooks.experts.loader import ExpertLayer, read_expert, read_whole
+from offload_core.module_hooks.experts.slots import DeviceExperts, DeviceRows, packed_experts, runs
 
 
 #: the share of routed experts guesses must hit to be read ahead on an accelerator: a wrong guess costs a copy on the
 #: copy stream while the previous layer computes (PCIe time that is otherwise idle), a right one a copy that no longer
 #: delays this layer, so guesses pay at a far lower accuracy than on a CPU run (where a wrong one costs a read)
 DEVICE_GUESS_PAYS = 0.3
-
-
-@dataclass(eq=False)
-class DeviceRows:
-    """One expert's rows of each expert tensor of a layer, on the device: a cache slot or a read-ahead slot."""
-
-    rows: list[torch.Tensor]
-    signature: tuple = ()  # each row's (shape, dtype): the layers whose experts it can hold
-    written: Any = None  # the copy stream's event after it filled the rows (None: filled on the compute stream)
-    used: Any = None  # the compute stream's event after its last use of the rows
-    future: Future | None = None  # a read-ahead from an unpinned store under way on the reader thread (-> event)
-
-
-def runs(experts: list[int]) -> list[tuple[int, int]]:
-    """Sorted ``experts`` as runs of adjacent ones, ``(first, end)``: each run is one copy per tensor."""
-    out: list[tuple[int, int]] = []
-    for expert in experts:
-        if out and out[-1][1] == expert:
-            out[-1] = (out[-1][0], expert + 1)
-        else:
-            out.append((expert, expert + 1))
-    return out
-
-
-@dataclass(eq=False)
-class DeviceExperts:
-    """What the MoE layers of one accelerator run share: the compute buffers, the copy stream, the device expert cache
-    (``cache_slots`` experts over all layers, keyed ``(layer, expert)``) and ``ahead`` read-ahead slots per shape."""
-
-    device: torch.device
-    cache_slots: int
-    ahead: int
-    accelerator: Any = None
-    buffers: Buffers = field(init=False)
-    cache: ExpertCache = field(init=False)
-    free: dict = field(default_factory=dict)  # shape signature -> read-ahead slots not in use
-    made: dict = field(default_factory=dict)  # shape signature -> read-ahead slots made
-    stream: Any = None  # the copy stream (made on first use)
-
-    def __post_init__(self) -> None:
-        from offload_core import devices
-
-        self.accelerator = self.accelerator or devices.for_device(self.device)
-        self.buffers = Buffers(self.device)
-        self.cache = ExpertCache(self.cache_slots)
-
-    def copy_stream(self) -> Any:
-        if self.stream is None:
-            self.stream = self.accelerator.new_stream(self.device)
-        return self.stream
-
-    def new_rows(self, signature: tuple) -> DeviceRows:
-        with torch.inference_mode(False):
-            rows = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in signature]
-        return DeviceRows(rows, signature)
-
-    def take(self, signature: tuple) -> DeviceRows | None:
-        """A free read-ahead slot of ``signature`` (made up to ``ahead`` of them), or None."""
-        free = self.free.setdefault(signature, [])
-        if free:
-            return free.pop()
-        if self.made.get(signature, 0) >= self.ahead:
-            return None
-        self.made[signature] = self.made.get(signature, 0) + 1
-        return self.new_rows(signature)
-
-    def give(self, signature: tuple, rows: DeviceRows) -> None:
-        self.free.setdefault(signature, []).append(rows)
-
-    def close(self) -> None:
-        """Let go of every slot once the copies into them are done (the device memory goes back)."""
-        if self.stream is not None:
-            self.accelerator.synchronize_stream(self.stream)
-        self.cache.resident.clear()
-        self.free.clear()
-        self.made.clear()
 
 
 class DeviceLayer(ExpertLayer):
@@ -128,11 +52,24 @@ class DeviceLayer(ExpertLayer):
         self.index = index
         self.keys = list(self.specs)
         self.signature = tuple((shape[1:], dtype) for shape, dtype in self.specs.values())
-        #: what a routed expert moves to the device: its rows as the store hands them out (dequantized)
-        self.row_bytes = sum(shape[1:].numel() * dtype.itemsize for shape, dtype in self.specs.values())
+        #: each tensor as the store packs it (a GGUF file's quantized blocks), decoded on the device; None: every
+        #: tensor's routed rows cross as the store hands them out
+        self.packed = packed_experts(store, self.keys)
+        #: what a routed expert moves to the device: its packed bytes, or its rows as the store hands them out
+        self.row_bytes = (
+            sum(shape[1:].numel() * dtype.itemsize for shape, dtype in self.specs.values())
+            if self.packed is None
+            else sum(packed.expert_nbytes() for packed in self.packed.values())
+        )
+        #: a decoding pass's elements: one expert's rows of the largest tensor (the store's pass where smaller)
+        self.decode_elements = max(shape[1:].numel() for shape, _ in self.specs.values())
         self.guess: dict[int, DeviceRows] = {}
         # a page-locked store: its rows are copied to the device as they lie
-        self.direct = self.store.pinned and all(self.accelerator.is_pinned(store[key]) for key in self.keys)
+        self.direct = (
+            self.packed is None
+            and self.store.pinned
+            and all(self.accelerator.is_pinned(store[key]) for key in self.keys)
+        )
 
     # -- the routing ------------------------------------------------------------------------------
     def route(self, args: tuple, kwargs: dict) -> tuple[list[int], list[int]]:
@@ -258,7 +195,9 @@ class DeviceLayer(ExpertLayer):
         copy per tensor and run of adjacent experts, from the page-locked store itself or from pinned staging
         gathered on this thread."""
         nbytes = self.row_bytes * len(missing)
-        if self.direct:
+        if self.packed is not None:
+            self.decode(missing, buffers, "compute")
+        elif self.direct:
             sources = [self.store[key] for key in self.keys]
             for first, end in runs(missing):
                 for buffer, source in zip(buffers, sources):
@@ -273,6 +212,18 @@ class DeviceLayer(ExpertLayer):
                     self.counters.transfers += 1
                 at += end - first
         self.counters.add_bytes(len(self.keys) * len(missing), nbytes)
+
+    def decode(self, experts: list[int], outs: list[torch.Tensor], stream: str, row: bool = False) -> None:
+        """``experts``' packed bytes copied and decoded on the device into ``outs`` (one per tensor: the whole
+        tensor's buffer, or with ``row`` the one expert's rows), through the scratch of ``stream``, on the current
+        stream."""
+        assert self.packed is not None
+        for key, out in zip(self.keys, outs):
+            packed = self.packed[key]
+            scratch = self.shared.scratch(stream, packed, min(self.decode_elements, packed.elements))
+            for expert in experts:
+                packed.decode_expert(expert, out if row else out[expert], scratch)
+            self.counters.transfers += len(packed.parts) * len(experts)
 
     def _host_row(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host memory of ``shape`` from the caching pinned allocator (copied from asynchronously)."""
@@ -294,7 +245,12 @@ class DeviceLayer(ExpertLayer):
         """Most experts routed (a prompt): each whole tensor in one copy from a page-locked store, else as
         :func:`read_whole` reads it."""
         for key, buffer in tensors.items():
-            if self.direct:
+            if self.packed is not None:
+                packed = self.packed[key]
+                scratch = self.shared.scratch("compute", packed, min(self.decode_elements, packed.elements))
+                packed.decode_on_device(buffer, scratch, key)
+                self.counters.transfers += len(packed.parts)
+            elif self.direct:
                 buffer.copy_(self.store[key], non_blocking=True)
                 self.counters.transfers += 1
             else:
@@ -342,11 +298,13 @@ class DeviceLayer(ExpertLayer):
         self.counters.add_bytes(len(self.keys) * len(taken), self.row_bytes * len(taken))
 
     def stage_ahead(self, expert: int, rows: DeviceRows, stream: Any) -> Any:
-        """On the reader thread: stage ``expert``'s rows from an unpinned store and copy them on the copy stream;
-        the event after the copies."""
-        staged = self.stage([expert])
+        """On the reader thread: stage ``expert``'s rows from an unpinned store and copy them on the copy stream (or
+        copy and decode its packed bytes there); the event after the copies."""
+        staged = self.stage([expert]) if self.packed is None else []
         with self.accelerator.on_stream(stream):
             self.accelerator.wait_event(stream, rows.used)
+            if self.packed is not None:
+                self.decode([expert], rows.rows, "ahead", row=True)
             for row, source in zip(rows.rows, staged):
                 row.copy_(source[0], non_blocking=True)
                 self.counters.transfers += 1

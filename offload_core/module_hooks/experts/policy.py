@@ -27,7 +27,8 @@ from offload_core.module_hooks.experts.loader import (
     is_fused_experts,
     most_experts,
 )
-from offload_core.module_hooks.experts.device import DEVICE_GUESS_PAYS, DeviceExperts, DeviceLayer
+from offload_core.module_hooks.experts.device import DEVICE_GUESS_PAYS, DeviceLayer
+from offload_core.module_hooks.experts.slots import DeviceExperts
 from offload_core.module_hooks.experts.mapped import MappedLayer, mapped_views
 from offload_core.module_hooks.experts.router import router_guess
 from offload_core.module_hooks.experts.sizes import (
@@ -262,13 +263,16 @@ class Experts(Prefetch):
         """On an accelerator: the fused experts' read-ahead slots on the device (:mod:`.device`) and their cache:
         ``cache_slots`` per MoE layer held back here, or by default no reservation: the cache takes what the device
         budget has left once the placement has put its weights there (:meth:`_device_experts`), so weights every token
-        reads stay on the device first. Host memory only to stage the rows of a store that is not page-locked."""
+        reads stay on the device first; a store that packs the experts, scratch to decode them there (one per stream).
+        Host memory only to stage the rows of a store that is not page-locked."""
         (row, layers), (listed_row, listed_layers) = fused, listed
         gpu = budget_key(need.execution_device)
         self.ahead = top_k if self.config.guess != "none" else 0
         self.device_slots = None if self.config.cache_slots is None else self.config.cache_slots * layers
         cache = (self.device_slots or 0) * row
         reserve[gpu] = reserve.get(gpu, 0) + cache + self.ahead * row + self.slots * listed_row * listed_layers
+        decoding = need.experts_scratch * (2 if self.ahead else 1)  # the packed experts' decoding, one per stream
+        reserve[gpu] += decoding
         if need.offloaded is None:  # a bound for any map: the buffers of every expert tensor's shape
             reserve[gpu] += every_expert(need.model, need.dtype).buffers
         self.device_left = (need.device_budget, reserve[gpu], row, layers)
@@ -283,6 +287,7 @@ class Experts(Prefetch):
         self.cache_note = (
             f"expert cache on {need.execution_device}: {held}, experts of {format_size(row)}; {self.ahead} read-ahead "
             f"slots ({format_size(self.ahead * row)}); {format_size(staging)} of host memory to stage rows"
+            + (f"; {format_size(decoding)} to dequantize the routed experts there" if decoding else "")
         )
         return reserve
 

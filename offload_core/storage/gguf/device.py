@@ -145,3 +145,78 @@ class DeviceBlocks:
     ) -> torch.Tensor:
         """Rows ``row`` to ``row + count`` dequantized into the scratch's values."""
         return self._values(scratch.blocks(blocks[row * per_row : (row + count) * per_row]), count * cols, scratch)
+
+
+def experts_form(checkpoint: Any, key: str, dtype: torch.dtype, elements: int) -> list[tuple[int, int, int]] | None:
+    """``[(GGML type, rows, columns)]`` per GGUF part of a fused expert tensor ``key`` whose experts a run in
+    ``dtype`` can dequantize on a device one at a time, in passes of ``elements``, and get what the checkpoint's
+    ``read_expert_into`` gives (each part's expert rows one after another); None for the others."""
+    if not dtype.is_floating_point or checkpoint.computes_quantized(key) or not checkpoint.reads_experts(key):
+        return None
+    form = []
+    for kind, rows, cols in checkpoint.expert_parts(key):
+        if not decodes_on_device(kind, (rows, cols), None, elements) or cols % block_shape(kind)[0] or cols > elements:
+            return None
+        form.append((kind, rows, cols))
+    return form
+
+
+@dataclass
+class ExpertBlocks:
+    """A fused expert tensor's quantized blocks (experts first) in one GGUF part, or in two whose rows each expert
+    concatenates (gate and up, as transformers' MoE processor merges them), decoded on a device whole (a block read
+    whole) or one expert at a time (:meth:`decode_expert`: a routed expert's rows)."""
+
+    parts: list[tuple[torch.Tensor, int, int]]  # each part's blocks (uint8, experts first), GGML type, rows an expert
+    experts: int
+    cols: int
+    dtype: torch.dtype = torch.float32
+    elements: int = DEVICE_PASS
+    kind: ClassVar[str] = "gguf"
+
+    def new_scratch(self, device: torch.device, elements: int | None = None) -> DeviceScratch:
+        """Scratch on ``device`` for passes of ``elements`` (default: the store's pass; an expert's rows of a part at
+        the least where smaller: the passes take what the scratch holds)."""
+        return DeviceScratch(device, elements or self.elements)
+
+    def expert_nbytes(self) -> int:
+        """The quantized bytes of one expert (what crossing to the device moves for it)."""
+        return sum(raw.numel() for raw, _, _ in self.parts) // self.experts
+
+    def decode_on_device(self, out: torch.Tensor, scratch: DeviceScratch, name: str) -> None:
+        self._decode(out.view(self.dtype).view(self.experts, -1, self.cols), 0, self.experts, scratch)
+
+    def decode_expert(self, expert: int, out: torch.Tensor, scratch: DeviceScratch) -> None:
+        """Expert ``expert``'s rows into ``out`` (its rows of every part, on the scratch's device), queued on the
+        current stream."""
+        self._decode(out.view(1, -1, self.cols), expert, expert + 1, scratch)
+
+    def _decode(self, values: torch.Tensor, first: int, end: int, scratch: DeviceScratch) -> None:
+        """Experts ``first`` to ``end`` into ``values`` (``(end - first, rows of all parts, cols)``): each pass
+        dequantizes whole experts' rows of a part into the scratch (or a run of one expert's rows, for an expert
+        larger than a pass), then moves them into place, rounded to the run's dtype."""
+        start, elements = 0, scratch.elements
+        with torch.inference_mode(False), buffers_in(scratch.kernels):
+            for raw, ggml, rows in self.parts:
+                per_block, nbytes = block_shape(ggml)
+                blocks = raw.reshape(self.experts, -1, nbytes)
+                size = rows * self.cols
+                if size <= elements:
+                    group = elements // size
+                    for at in range(first, end, group):
+                        last = min(at + group, end)
+                        chunk = self._pass(blocks[at:last].reshape(-1, nbytes), (last - at) * size, ggml, scratch)
+                        values[at - first : last - first, start : start + rows].copy_(chunk.view(-1, rows, self.cols))
+                else:
+                    step, per_row = max(elements // self.cols, 1), self.cols // per_block
+                    for expert in range(first, end):
+                        for row in range(0, rows, step):
+                            count = min(step, rows - row)
+                            part = blocks[expert, row * per_row : (row + count) * per_row]
+                            chunk = self._pass(part, count * self.cols, ggml, scratch)
+                            values[expert - first, start + row : start + row + count].copy_(chunk.view(count, -1))
+                start += rows
+
+    @staticmethod
+    def _pass(blocks: torch.Tensor, count: int, ggml: int, scratch: DeviceScratch) -> torch.Tensor:
+        return dequantize_into(scratch.blocks(blocks), ggml, scratch.values[:count])

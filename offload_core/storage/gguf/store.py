@@ -14,7 +14,7 @@ from offload_core.errors import StorageError
 from offload_core.storage.base import Store, StoreContext
 from offload_core.storage.checkpoint import Checkpoint
 from offload_core.storage.gguf.buffers import BufferPool
-from offload_core.storage.gguf.device import DeviceBlocks, device_form, pass_elements
+from offload_core.storage.gguf.device import DeviceBlocks, ExpertBlocks, device_form, experts_form, pass_elements
 from offload_core.storage.pagecache import drop_named, span_of, will_need
 
 
@@ -117,14 +117,28 @@ class GGUFStore(Store):
             self._packed[name] = self._device_blocks(name)
         return self._packed[name]
 
-    def _device_blocks(self, name: str) -> DeviceBlocks | None:
+    def _device_blocks(self, name: str) -> DeviceBlocks | ExpertBlocks | None:
         key = self._refs[name]
+        if key in self.checkpoint.merged:  # decoded expert by expert, each one's parts in turn
+            return self.packed_experts(name)
         form = device_form(self.checkpoint, key, self.dtype, self.pass_elements)
         if form is None:
             return None
         raw = self._raw(name)
         raw = self.checkpoint.raw(key) if raw is None else raw
         return DeviceBlocks(raw, *form, dtype=self.dtype, elements=self.pass_elements)
+
+    def packed_experts(self, name: str) -> ExpertBlocks | None:
+        """A fused expert tensor's quantized blocks, for a GPU run to dequantize routed experts (or the whole tensor) on
+        the device, where that gives what :meth:`read_expert` gives; None for the others."""
+        key = self._refs[name]
+        form = experts_form(self.checkpoint, key, self.dtype, self.pass_elements)
+        if form is None:
+            return None
+        held = self._held.get(name) or self.checkpoint.blocks(key)
+        parts = [(raw, kind, rows) for raw, (kind, rows, _) in zip(held, form, strict=True)]
+        experts = self.checkpoint.shape(key)[0]
+        return ExpertBlocks(parts, experts, form[0][2], dtype=self.dtype, elements=self.pass_elements)
 
     def held_nbytes(self) -> int:
         """Bytes of quantized blocks held in memory (0 unless ``hold``)."""
