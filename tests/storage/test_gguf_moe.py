@@ -154,17 +154,29 @@ def test_experts_that_disagree_with_the_metadata_are_one_line(tmp_path, monkeypa
     assert "\n" not in message and str(path) in message and "written for another configuration" in message
 
 
-@pytest.mark.parametrize("policy", ["experts", "prefetch"])
-def test_on_a_gpu_the_experts_cross_quantized_and_are_dequantized_there(moe, policy, fake_gpu):
+@pytest.mark.parametrize(
+    ("policy", "resident", "dtype"),
+    [
+        ("experts", "dequantized", torch.float32),
+        ("experts", "quantized", torch.bfloat16),  # held in page-locked memory, rounded on the device
+        ("prefetch", "dequantized", torch.float32),
+    ],
+)
+def test_on_a_gpu_the_experts_cross_quantized_and_are_dequantized_there(moe, policy, resident, dtype, fake_gpu):
     """A GPU run (the fake accelerator): every offloaded tensor crosses as its quantized blocks, the merged gate and
     up too (decoded expert by expert into transformers' concatenation), a routed expert's alone under ``experts``;
     the logits and tokens are the same, the plan prices every type's dequantization on the device, and the device
     stays within its budget with the decoding scratch the plan reserved."""
     path, reference = moe
+    if dtype != torch.float32:
+        reference = transformers_model(path, dtype)
     fake = fake_gpu(count=1, memory="1GiB")
     on_device = {name: 0 if where == "cpu" else "cpu" for name, where in half_offloaded_map(LAYERS).items()}
-    offload = {"storage": "gguf", "policy": policy, "device_map": on_device, "execution_device": fake.device(0)}
-    model = offload_core.from_pretrained(path, offload={**offload, "progress": False}, max_memory={0: "64MiB"})
+    storage = offload_core.registry.manager.get_registry().create("storage", "gguf", {"resident": resident})
+    offload = {"storage": storage, "policy": policy, "device_map": on_device, "execution_device": fake.device(0)}
+    model = offload_core.from_pretrained(
+        path, offload={**offload, "progress": False}, max_memory={0: "64MiB"}, dtype=dtype
+    )
     try:
         with torch.no_grad():
             ids = IDS.to(fake.device(0))
