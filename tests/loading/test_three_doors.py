@@ -141,9 +141,12 @@ def test_each_door_reads_its_defaults_from_one_module(compose_run):
     assert Generation() == Generation(defaults.MAX_NEW_TOKENS, defaults.BATCH_SIZE, defaults.PROMPT_TOKENS)
 
 
-def test_auto_chooses_from_python_what_it_chooses_for_run_py(saved, compose_run, tmp_path, capsys):
+def test_auto_chooses_from_python_what_it_chooses_for_run_py(saved, compose_run, tmp_path, capsys, monkeypatch):
     from offload_core.plan.auto import choose
 
+    # both doors read the same learned corrections: this test's own, not those other tests' runs of the same tiny
+    # model update between the two choices
+    monkeypatch.setenv("OFFLOAD_CORE_CORRECTIONS", str(tmp_path / "corrections.json"))
     path, budget = saved("llama").path, BUDGETS["llama"]
     overrides = ["model=local", "model.tokenizer=bytes", f"model.path={path}", f"max_memory.cpu={budget}"]
     overrides += ["execution_device=cpu", "progress=false", "auto=true", "storage=memmap"]
