@@ -47,8 +47,9 @@ IMPORT_TIME = re.compile(
 )
 #: set by ``run(..., nested=True)``: the ``sys.executable`` its child sees (the shim)
 EXECUTABLE_ENV = "OFFLOAD_CORE_TEST_PRELOADED_EXECUTABLE"
-#: handled by the child itself, as a fresh interpreter would
-CHILD_HANDLES = {"PYTHONPATH", "PYTHONUNBUFFERED"}
+#: handled by the child itself, as a fresh interpreter would (tokenizers reads TOKENIZERS_PARALLELISM when it first
+#: splits work, not while it is imported: bench/diffusion.py gives its runs that value, and they fork too)
+CHILD_HANDLES = {"PYTHONPATH", "PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM"}
 
 SERVER = r"""
 import importlib, sys
