@@ -169,7 +169,8 @@ class _Preloaded:
 
 #: this worker's preloaded interpreters by the import-time environment they were started with, the latest last
 _servers: dict[tuple, _Preloaded] = {}
-#: how many it keeps (a test that sets such a variable starts one; a worker whose environment changed, another)
+#: how many it keeps (a test that sets such a variable starts one; a worker whose environment changed, another); the
+#: one of the worker's own environment, which most commands use, is the last to go
 KEPT = 3
 
 
@@ -183,8 +184,9 @@ def server(env: dict[str, str] | None = None) -> _Preloaded:
         found = _Preloaded(env)
         atexit.register(found.close)
     _servers[key] = found
+    own = _key(dict(os.environ))
     while len(_servers) > KEPT:
-        _servers.pop(next(iter(_servers))).close()
+        _servers.pop(next((k for k in _servers if k != own), next(iter(_servers)))).close()
     return found
 
 
