@@ -1,7 +1,7 @@
 """``run(command, ...)``: ``subprocess.run`` for the tests, where a ``python <script>.py …`` or ``python -m
 offload_core …`` child starts from an interpreter that has already imported what every job imports; ``shim(env)``:
 the ``python`` with which a shell (the docs' blocks, conftest.py) or a ``Popen`` (the serve tests' servers) gets the
-same.
+same, its ``python -c …`` too.
 
 A job's process spends about 4 of its 5 CPU seconds importing torch, transformers' modelling code, Hydra and
 offload_core; the suite starts a few hundred. Each test worker keeps a *preloaded* interpreter per import-time
@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 from tests import ROOT
@@ -47,8 +48,9 @@ IMPORT_TIME = re.compile(
 )
 #: set by ``run(..., nested=True)``: the ``sys.executable`` its child sees (the shim)
 EXECUTABLE_ENV = "OFFLOAD_CORE_TEST_PRELOADED_EXECUTABLE"
-#: handled by the child itself, as a fresh interpreter would
-CHILD_HANDLES = {"PYTHONPATH", "PYTHONUNBUFFERED"}
+#: handled by the child itself, as a fresh interpreter would (tokenizers reads TOKENIZERS_PARALLELISM when it first
+#: splits work, not while it is imported: bench/diffusion.py gives its runs that value, and they fork too)
+CHILD_HANDLES = {"PYTHONPATH", "PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM"}
 
 SERVER = r"""
 import importlib, sys
@@ -168,7 +170,8 @@ class _Preloaded:
 
 #: this worker's preloaded interpreters by the import-time environment they were started with, the latest last
 _servers: dict[tuple, _Preloaded] = {}
-#: how many it keeps (a test that sets such a variable starts one; a worker whose environment changed, another)
+#: how many it keeps (a test that sets such a variable starts one; a worker whose environment changed, another); the
+#: one of the worker's own environment, which most commands use, is the last to go
 KEPT = 3
 
 
@@ -182,8 +185,9 @@ def server(env: dict[str, str] | None = None) -> _Preloaded:
         found = _Preloaded(env)
         atexit.register(found.close)
     _servers[key] = found
+    own = _key(dict(os.environ))
     while len(_servers) > KEPT:
-        _servers.pop(next(iter(_servers))).close()
+        _servers.pop(next((k for k in _servers if k != own), next(iter(_servers)))).close()
     return found
 
 
@@ -260,15 +264,20 @@ def _child(request: dict, fds: list[int], base_path: list[str], imported_env: di
     importlib.invalidate_caches()  # what was installed since the interpreter started is found, as afresh
     argv = request["argv"]
     module = argv[1] if argv[0] == "-m" else None
-    first = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
+    source = argv[1] if argv[0] == "-c" else None  # ``python -c`` (a docs block's): its folder is "", as afresh
+    first = "" if source is not None else os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
     extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *base_path]
-    sys.argv = argv[1:] if module else list(argv)
+    sys.argv = argv[1:] if module else ["-c", *argv[2:]] if source is not None else list(argv)
     sys.executable = env.get(EXECUTABLE_ENV, sys.executable)
     code = 0
     try:
         if module:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
+        elif source is not None:
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(source, "<string>", "exec"), main.__dict__)
         else:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exit_:

@@ -15,8 +15,12 @@ SOCKET_ENV = "OFFLOAD_CORE_TEST_PRELOADED"
 MODULES = {"offload_core"}
 
 
-def routable(argv: list[str]) -> bool:
-    """``python <script>.py …`` and ``python -m offload_core …``: what the preloaded interpreter runs."""
+def routable(argv: list[str], code: bool = False) -> bool:
+    """``python <script>.py …`` and ``python -m offload_core …``: what the preloaded interpreter runs; ``code``:
+    ``python -c …`` too (the docs' shell blocks build their tiny models so; a test's own ``-c`` measures a fresh
+    process)."""
+    if code and len(argv) > 1 and argv[0] == "-c":
+        return True
     return bool(argv) and (argv[0].endswith(".py") or (argv[0] == "-m" and len(argv) > 1 and argv[1] in MODULES))
 
 

@@ -1,7 +1,8 @@
 """``python`` for the docs' shell blocks (copied, behind a ``#!`` line naming the real interpreter, as ``python`` into a
-folder first on their ``PATH``): ``python <script>.py …`` / ``python -m offload_core …`` run in a child of the preloaded
-interpreter (tests/preloaded.py) with this process's streams, folder and environment; the signals this process gets
-go to that child, and it exits as the child did. Anything else, or a declined command, is the real interpreter."""
+folder first on their ``PATH``): ``python <script>.py …`` / ``python -m offload_core …`` / ``python -c …`` run in a
+child of the preloaded interpreter (tests/preloaded.py) with this process's streams, folder and environment; the
+signals this process gets go to that child, and it exits as the child did. Anything else, or a declined command, is
+the real interpreter."""
 
 import os
 import signal
@@ -18,7 +19,7 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 def main() -> None:
     argv = sys.argv[1:]
     path = os.environ.get(client.SOCKET_ENV)
-    if not path or not client.routable(argv):
+    if not path or not client.routable(argv, code=True):
         os.execv(REAL, [REAL, *argv])
     pending: list[int] = []
     child = [0]

@@ -71,12 +71,12 @@ def test_a_variable_read_while_importing_is_the_commands_own(tmp_path):
 
 def test_a_shell_finds_the_preloaded_python_which_passes_on_streams_signals_and_exit_status(script, tmp_path):
     """What the docs' shell blocks run (conftest.py): ``python`` first on their PATH forwards a signal to its child
-    and ends as the child did; ``python -c`` is the real interpreter."""
+    and ends as the child did; ``python -c`` forks too, its arguments and path as a fresh one's."""
     (tmp_path / "wait.py").write_text("import time\nprint('waiting', flush=True)\ntime.sleep(60)\n")
     python, env = preloaded.shim({**os.environ, "PRELOADED_TEST": "shell"})
     shell = f"""
         python {script} 4 arg <<< 'typed' || echo "exit $?"
-        python -c 'import sys; print("real", "tests.preloaded" not in sys.modules)'
+        python -c 'import sys; print("forked", "tests.preloaded" in sys.modules, sys.path[0] == "", sys.argv)' a
         python {tmp_path / "wait.py"} > {tmp_path / "out"} & child=$!
         until grep -q waiting {tmp_path / "out"}; do sleep 0.1; done
         kill -TERM $child; wait $child || echo "ended $?"
@@ -86,7 +86,8 @@ def test_a_shell_finds_the_preloaded_python_which_passes_on_streams_signals_and_
     lines = done.stdout.splitlines()
     assert lines[0] == "argv ['4', 'arg'] main __main__ file script.py"
     assert f"cwd {tmp_path} env shell stdin typed" in lines and "exit 4" in lines and "to stderr" in done.stderr
-    assert "thread joined" in lines and "atexit ran" in lines and "real True" in lines and lines[-1] == "ended 143"
+    assert "thread joined" in lines and "atexit ran" in lines and lines[-1] == "ended 143"
+    assert "forked True True ['-c', 'a']" in lines
 
 
 def test_a_killed_client_takes_its_child_with_it(tmp_path):

@@ -114,11 +114,23 @@ def test_a_folder_without_its_tokenizer_stops_with_the_documented_line(tmp_path)
     assert "holds no tokenizer" in (ROOT / "docs" / "recipes" / "tasks.md").read_text(encoding="utf-8")
 
 
-def test_a_repo_id_the_cache_lacks_offline_stops_with_the_documented_line(tmp_path):
-    """The table's own repo id (``org/name``), an empty Hugging Face cache, ``HF_HUB_OFFLINE=1``."""
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory) -> tuple[Path, Path]:
+    """(``HF_HOME``, snapshot folder): a Hugging Face cache holding only a tiny Mixtral as ``acme/tiny-mixtral``, only
+    read by the runs below (one environment for them all: one interpreter's imports)."""
+    from offload_core.testing import tiny_mixtral
+
+    model, home = tmp_path_factory.mktemp("tiny-mixtral"), tmp_path_factory.mktemp("hf-home")
+    tiny_mixtral(model)
+    return home, hub_snapshot(model, home / "hub", "acme/tiny-mixtral")
+
+
+def test_a_repo_id_the_cache_lacks_offline_stops_with_the_documented_line(hf_home, tmp_path):
+    """The table's own repo id (``org/name``), a Hugging Face cache without it, ``HF_HUB_OFFLINE=1``."""
     first, *messages = documented("Hub repo id")
     repo = re.search(r"model\.path='([^']+)'", messages[0]).group(1)
-    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    assert repo != "acme/tiny-mixtral"
+    env = {"HF_HOME": str(hf_home[0]), "HF_HUB_OFFLINE": "1"}
     done = run(["model=local", f"model.path={repo}", "max_new_tokens=2", "progress=false"], tmp_path, env)
     assert_documented(done, messages)
 
@@ -141,15 +153,12 @@ def hub_snapshot(folder: Path, hub: Path, repo: str) -> Path:
     return snapshot
 
 
-def test_a_hub_cache_snapshot_runs_by_its_folder_and_by_its_repo_id_offline(tmp_path):
+def test_a_hub_cache_snapshot_runs_by_its_folder_and_by_its_repo_id_offline(hf_home, tmp_path):
     """The table: a checkpoint's own links, as in a Hugging Face cache snapshot, are read (its shard names still may
     not leave the folder); a repo id in the cache runs offline. The same tokens as transformers' in-memory run."""
-    from offload_core.testing import tiny_mixtral
-
     assert "as in a Hugging Face cache snapshot, are read" in table_row("shard names leave the checkpoint folder")[1]
-    tiny_mixtral(tmp_path / "model")
-    snapshot = hub_snapshot(tmp_path / "model", tmp_path / "hf" / "hub", "acme/tiny-mixtral")
-    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    home, snapshot = hf_home
+    env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     for path in (snapshot, "acme/tiny-mixtral"):
         args = ["model=local", f"model.path={path}", "max_new_tokens=2", "max_memory.cpu=1.5MiB", "progress=false"]
         done = run([*args, "compare_in_memory=true", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env)

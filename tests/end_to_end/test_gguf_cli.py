@@ -29,11 +29,15 @@ def _same_tokens(args, tmp_path):
     return done
 
 
+def _tiny_gguf(folder):
+    types = {"ffn_down": int(T.Q4_K), "attn_v": int(T.Q6_K), "token_embd": int(T.Q8_0)}
+    folder.mkdir()
+    return write_gguf(folder / "tiny.gguf", "qwen2", types, default=int(T.Q4_0))
+
+
 @pytest.fixture
 def gguf_file(tmp_path):
-    types = {"ffn_down": int(T.Q4_K), "attn_v": int(T.Q6_K), "token_embd": int(T.Q8_0)}
-    (tmp_path / "model").mkdir()
-    return write_gguf(tmp_path / "model" / "tiny.gguf", "qwen2", types, default=int(T.Q4_0))
+    return _tiny_gguf(tmp_path / "model")
 
 
 def test_a_gguf_file_runs_in_place_with_the_in_memory_tokens(gguf_file, tmp_path):
@@ -102,14 +106,23 @@ def test_the_main_job_from_the_shipped_gguf(tmp_path):
     assert "gguf, offloaded: read quantized in place, dequantized before each use: " in done.stdout
 
 
-@pytest.mark.parametrize("storage", ["gguf", "safetensors"])
-def test_a_gguf_repo_in_the_hub_cache_runs_by_repo_id_offline(gguf_file, tmp_path, storage):
-    """A repo of one GGUF file laid out as huggingface_hub leaves it (links into blobs/), run by its id with
-    HF_HUB_OFFLINE=1: read in place (storage=gguf) or converted once (the default store), the in-memory tokens."""
+@pytest.fixture(scope="module")
+def gguf_hub(tmp_path_factory):
+    """A Hugging Face cache holding a repo of one GGUF file laid out as huggingface_hub leaves it (links into blobs/),
+    only read by the runs below (one environment for both: one interpreter's imports)."""
     from tests.hub_cache import as_hub_cache
 
-    hub = tmp_path / "hf" / "hub"
-    as_hub_cache(gguf_file.parent, hub, "acme/tiny-gguf")
+    folder = tmp_path_factory.mktemp("gguf-hub")
+    hub = folder / "hf" / "hub"
+    as_hub_cache(_tiny_gguf(folder / "model").parent, hub, "acme/tiny-gguf")
+    return hub
+
+
+@pytest.mark.parametrize("storage", ["gguf", "safetensors"])
+def test_a_gguf_repo_in_the_hub_cache_runs_by_repo_id_offline(gguf_hub, tmp_path, storage):
+    """A repo of one GGUF file in the Hub cache, run by its id with HF_HUB_OFFLINE=1: read in place (storage=gguf) or
+    converted once (the default store), the in-memory tokens."""
+    hub = gguf_hub
     before = snapshot(hub)
     args = ["model=local", "model.path=acme/tiny-gguf", f"storage={storage}", "max_memory.cpu=1MiB", "headroom=0"]
     args.append("over_budget=warn")  # a tiny budget: most of the model read from the file

@@ -88,11 +88,13 @@ def test_smollm2_in_the_hub_cache_runs_offloaded_with_transformers_tokens(by, sm
         assert metrics["token_ids"] == expected_tokens(SMOLLM2, cache, 8)
 
 
-def test_a_repo_the_cache_lacks_offline_ends_in_one_line(tmp_path):
-    (tmp_path / "hub").mkdir()
+def test_a_repo_the_cache_lacks_offline_ends_in_one_line(smollm2_cache, tmp_path):
+    """The cache above, which lacks the repo (and gives the run the environment of the runs above: no new imports)."""
+    cache, _ = smollm2_cache
+    before, state = sorted(cache.rglob("*")), cache_state(cache)
     args = [sys.executable, str(ROOT / "run.py"), "model=local", "model.path=acme/nope", "model.revision=v1"]
     args += ["plan_only=true", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = preloaded.run(args, cwd=tmp_path, env=hub_env(tmp_path / "hub"), capture_output=True, text=True, timeout=300)
+    done = preloaded.run(args, cwd=tmp_path, env=hub_env(cache), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert_one_line(
         done.stderr,
@@ -101,7 +103,7 @@ def test_a_repo_the_cache_lacks_offline_ends_in_one_line(tmp_path):
         "set model.path to a checkpoint folder, unset HF_HUB_OFFLINE",
         "hf download acme/nope --revision v1",
     )
-    assert list((tmp_path / "hub").iterdir()) == []
+    assert sorted(cache.rglob("*")) == before and cache_state(cache) == state  # nothing added, nothing written
 
 
 def test_a_tagged_revision_of_sharded_bin_files_runs_by_repo_id(tmp_path, capsys, monkeypatch):

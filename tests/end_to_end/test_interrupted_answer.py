@@ -1,6 +1,6 @@
 """Ctrl-C in the middle of an answer, as a user presses it (SIGINT to the process): the tokens generated so far are
-printed and kept in ``metrics.json``, marked as interrupted, they are the first tokens of the uninterrupted answer, and
-the run exits with the interrupt's code."""
+printed and kept in ``metrics.json``, marked as interrupted, they are the first tokens of the uninterrupted answer, the
+run's temporary offload folder is removed, and the run exits with the interrupt's code in one line."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 from offload_core.loading import sources
+from offload_core.storage.folder import INDEX
 from tests import ROOT
 from tests.end_to_end.helpers import child_env, cli, run_args, wait_for_line
 
@@ -35,7 +36,8 @@ _ANNOUNCING = textwrap.dedent("""
 
 def test_ctrl_c_mid_answer_prints_and_keeps_the_partial_answer(tmp_path, capsys):
     tiny = sources.synthetic_checkpoint(**sources.synthetic_preset("tiny"))
-    run = tmp_path / "run"
+    run, scratch = tmp_path / "run", tmp_path / "tmp"  # the run's temporary files: its offloaded weights
+    scratch.mkdir()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -49,12 +51,13 @@ def test_ctrl_c_mid_answer_prints_and_keeps_the_partial_answer(tmp_path, capsys)
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=child_env(),
+        env={**child_env(), "TMPDIR": str(scratch)},
         cwd=ROOT,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's foreground job
     )
     try:
         wait_for_line(proc, "THREE TOKENS")
+        assert any((p / INDEX).exists() for p in scratch.glob("offload_core-*")), "no temporary store to remove"
         proc.send_signal(signal.SIGINT)
         proc._line_reader[0].join(timeout=60)  # stdout closes as the process exits
         proc.wait(timeout=60)
@@ -74,6 +77,7 @@ def test_ctrl_c_mid_answer_prints_and_keeps_the_partial_answer(tmp_path, capsys)
     )
     assert lines[-1] == "offload_core: interrupted (Ctrl-C); temporary files were removed"
     assert "Traceback" not in err
+    assert not list(scratch.glob("offload_core-*"))
     printed = list(proc._line_reader[1].queue)  # what it printed after the third token (None: the end of stdout)
     assert f"{metrics['text']}\n" in printed
     # the same run, not interrupted, starts with the kept tokens

@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 
 from offload_core.loading import sources
-from tests import ROOT
+from tests import ROOT, preloaded
 from tests.checkpoints import minilm_folder
 from tests.end_to_end.helpers import child_env, run_args
 
@@ -112,18 +112,19 @@ _FAILS_WHILE_LOADING = textwrap.dedent("""
 
 
 def test_an_error_line_in_a_log_file_starts_its_own_line_after_a_cleared_progress_bar(tmp_path):
+    """The run's stderr a file, as a log is (forked from the preloaded interpreter: what it prints after its imports
+    is the same as a fresh process's)."""
     tiny = sources.synthetic_checkpoint(**sources.synthetic_preset("tiny"))
-    log = tmp_path / "run.log"
-    with log.open("w") as stderr:
-        done = subprocess.run(
-            [sys.executable, "-c", _FAILS_WHILE_LOADING, *run_args(tiny), "progress=true", f"hydra.run.dir={tmp_path}"],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env=child_env(),
-            cwd=ROOT,
-            timeout=300,
-        )
-    text = log.read_bytes().decode()  # as written: read_text would make each carriage return a newline
+    script = tmp_path / "fails_while_loading.py"
+    script.write_text(_FAILS_WHILE_LOADING)
+    done = preloaded.run(
+        [sys.executable, str(script), *run_args(tiny), "progress=true", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,  # into files: stderr is a file, as a log's is
+        env=child_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    text = done.stderr.decode()  # as written: text mode would make each carriage return a newline
     assert done.returncode == 2, text
     assert "loading:" in text  # the bar was drawn, then cleared in place
     errors = [line for line in text.split("\n") if "offload_core: error:" in line]

@@ -27,7 +27,6 @@ from tests.end_to_end.helpers import (
     cli,
     run_args,
     run_metrics,
-    signal_after_load,
     snapshot,
     wait_for_line,
 )
@@ -192,12 +191,7 @@ def test_disk_full_in_an_existing_folder_keeps_the_users_files(tmp_path, monkeyp
 # -- Ctrl-C -------------------------------------------------------------------------------------
 
 
-def test_ctrl_c_during_generation_exits_cleanly_and_removes_temporary_files(tiny, tmp_path):
-    returncode, err, scratch = signal_after_load(tiny, tmp_path, signal.SIGINT)
-    assert returncode == 130, err
-    assert err.strip().splitlines()[-1] == "offload_core: interrupted (Ctrl-C); temporary files were removed"
-    assert "Traceback" not in err
-    assert not list(scratch.glob("offload_core-*"))
+# Ctrl-C during generation (exit 130, one line, the temporary files removed): test_interrupted_answer.py
 
 
 def test_ctrl_c_during_loading_removes_the_temporary_folder(tiny, tmp_path, capsys, monkeypatch):

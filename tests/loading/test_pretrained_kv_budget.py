@@ -24,7 +24,7 @@ BUDGET = 64 * 2**20
 #: what the process takes beside the plan on its first generation (torch's kernels' workspaces, the allocator's
 #: rounding, tokens and logits lists): the runner's end-to-end budget test measured 7 MiB of such pages
 ALLOWANCE = 8 * 2**20
-GENERATION = {"max_new_tokens": 64, "batch_size": 2, "prompt_tokens": 256}
+GENERATION = {"max_new_tokens": 16, "batch_size": 2, "prompt_tokens": 256}
 
 #: load and generate in a fresh process, the peak anonymous RSS sampled from before the load
 _MEASURE = SAMPLING + textwrap.dedent("""

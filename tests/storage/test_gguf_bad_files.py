@@ -53,6 +53,12 @@ def test_header_cut_short(good):
     _refused(good, "truncated or damaged")
 
 
+def test_header_cut_inside_the_tokenizers_strings(good):
+    data = good.read_bytes()  # 259 tokens: skipped one length at a time, each checked
+    good.write_bytes(data[: data.index(b"tokenizer.ggml.tokens") + 1000])
+    _refused(good, "truncated or damaged")
+
+
 def test_not_a_gguf_file(good):
     good.write_bytes(b"PK\x03\x04" + good.read_bytes()[4:])
     _refused(good, "is not a GGUF file")

@@ -71,6 +71,19 @@ class _Cursor:
         self.at += length
         return raw.decode("utf-8", errors="replace")
 
+    def skip_strings(self, count: int) -> None:
+        """Past ``count`` strings, each checked to lie inside the data as :meth:`string` checks it."""
+        data, at, end, length_of = self.data, self.at, len(self.data), struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if at + 8 > end:
+                raise _Truncated(f"at byte {at}")
+            (length,) = length_of(data, at)
+            at += 8
+            if at + length > end:
+                raise _Truncated(f"a string of {length} bytes at byte {at}")
+            at += length
+        self.at = at
+
     def value(self, kind: int, key: str) -> Any:
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
@@ -85,6 +98,9 @@ class _Cursor:
                 values = struct.unpack_from(f"<{count}{_SCALARS[inner][1]}", self.data, self.at) if count < 64 else ()
                 self.at += width * count
                 return list(values) if count < 64 else count
+            if inner == 8 and count >= 64:  # a tokenizer's strings: skipped one length at a time, none decoded
+                self.skip_strings(count)
+                return count
             items = [self.value(inner, key) for _ in range(count)]
             return items if count < 64 else count
         raise _Truncated(f"field {key!r} has unknown value type {kind}")
