@@ -1,0 +1,51 @@
+"""What a user may plausibly give on the way to a model (a cache folder that cannot be written, a Hub tag, an Ollama
+name, a folder as a download leaves it, a damaged GGUF header) ends in one ``offload_core: error:`` line saying what
+to do, or runs; never a traceback, and nothing of theirs is changed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import offload_core
+from offload_core.errors import OffloadError
+from tests import ROOT
+from tests.end_to_end.helpers import assert_one_line, child_env, cli, snapshot
+from tests.gguf_files import write_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    return write_gguf(folder / "tiny-Q8_0.gguf", "llama", default=int(T.Q8_0), layers=2)
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_line_naming_it(tiny_gguf, tmp_path, monkeypatch, capsys):
+    taken = tmp_path / "not-a-folder"
+    taken.write_text("the user's own file\n")
+    for cache in (taken, taken / "below"):  # a file where the cache goes, a folder below a file
+        monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(cache))
+        for offload in ({"storage": "gguf"}, {}):  # its metadata folder; its converted float32 folder
+            with pytest.raises(OffloadError, match="the model cache .* cannot be written .*set OFFLOAD_CORE_CACHE"):
+                offload_core.from_pretrained(str(tiny_gguf), {"cpu": "1GiB"}, offload)
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(taken))
+    code, err = cli(["model=local", f"model.path={tiny_gguf}", "storage=gguf"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, f"the model cache {taken} cannot be written", "OFFLOAD_CORE_CACHE")
+    assert taken.read_text() == "the user's own file\n"
+
+
+@pytest.mark.slow  # a run.py process
+def test_as_a_process_an_unwritable_cache_is_one_line_and_exit_2(tiny_gguf, tmp_path):
+    taken = tmp_path / "cache-file"
+    taken.write_text("x")
+    before = snapshot(tiny_gguf.parent)
+    command = [sys.executable, "run.py", "model=local", f"model.path={tiny_gguf}", "progress=false"]
+    env = {**child_env(), "OFFLOAD_CORE_CACHE": str(taken)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert_one_line(done.stderr, "cannot be written", "OFFLOAD_CORE_CACHE")
+    assert taken.read_text() == "x" and snapshot(tiny_gguf.parent) == before
