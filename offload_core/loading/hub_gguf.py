@@ -49,7 +49,12 @@ def _quant(model: str) -> str:
 
 
 def _tagged(models: dict[str, list[str]], tag: str) -> list[str]:
-    mark = re.compile(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])", re.IGNORECASE)  # Q4_K is not Q4_K_M
+    """The models ``tag`` names: those whose quantization it is, where any is (``Q4_K_M`` is not ``UD-Q4_K_M``),
+    else those whose name holds it whole (``Q4_K`` is not ``Q4_K_M``)."""
+    exact = [model for model in models if _quant(model) == tag.upper()]
+    if exact:
+        return exact
+    mark = re.compile(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])", re.IGNORECASE)
     return [model for model in models if mark.search(model)]
 
 
@@ -62,9 +67,13 @@ def pick_gguf(repo: str, files: list[str], tag: str | None, what: str = "model.p
     held = ", ".join(sorted({_quant(model) for model in models})) or "no GGUF files"
     if tag is not None:
         found = _tagged(models, tag)
-        if len(found) != 1:
-            how = "no GGUF model" if not found else f"{len(found)} GGUF models ({', '.join(found[:4])})"
-            raise ConfigError(f"{what}={repo}:{tag}: the repo holds {how} tagged {tag}; it holds: {held}")
+        if not found:
+            raise ConfigError(f"{what}={repo}:{tag}: the repo holds no GGUF model tagged {tag}; it holds: {held}")
+        if len(found) > 1:
+            raise ConfigError(
+                f"{what}={repo}:{tag}: the repo holds {len(found)} GGUF models tagged {tag} ({', '.join(found[:4])}); "
+                f"download the one to run (hf download {repo} {' '.join(models[found[0]])}) and give its path"
+            )
         return models[found[0]]
     if not models or any(file.endswith((".safetensors", ".bin")) for file in files):
         return None

@@ -49,3 +49,16 @@ def test_as_a_process_an_unwritable_cache_is_one_line_and_exit_2(tiny_gguf, tmp_
     assert done.returncode == 2, done.stderr
     assert_one_line(done.stderr, "cannot be written", "OFFLOAD_CORE_CACHE")
     assert taken.read_text() == "x" and snapshot(tiny_gguf.parent) == before
+
+
+def test_a_hub_tag_names_the_quantization_it_is_before_those_it_is_part_of():
+    from offload_core.errors import ConfigError
+    from offload_core.loading.hub_gguf import pick_gguf
+
+    files = ["M-Q4_K_M.gguf", "M-UD-Q4_K_M.gguf", "M-Q8_0.gguf", "M-UD-Q4_K_XL.gguf"]
+    for tag in ("Q4_K_M", "q4_k_m", None):  # None: the default quantization, Q4_K_M, taken
+        assert pick_gguf("acme/m-GGUF", files, tag) == ["M-Q4_K_M.gguf"]
+    assert pick_gguf("acme/m-GGUF", files, "ud-q4_k_m") == ["M-UD-Q4_K_M.gguf"]
+    two = ["Base-Q8_0.gguf", "Instruct-Q8_0.gguf"]  # the tag cannot tell them apart: said how to take one
+    with pytest.raises(ConfigError, match=r"holds 2 GGUF models tagged Q8_0 .*\(hf download acme/m Base-Q8_0.gguf\)"):
+        pick_gguf("acme/m", two, "Q8_0")
