@@ -24,6 +24,8 @@ __all__ = ["Hub", "resolve_model_path", "looks_like_repo_id", "probe_folder"]
 READ = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 #: a diffusers variant of a weight file (``diffusion_pytorch_model.fp16.safetensors``): left out where the plain one is
 _VARIANT = re.compile(r"\.(fp16|fp32|bf16|ema|non_ema)(?=\.(safetensors|bin)$)")
+#: a Hub address before a repo id (``hf.co/org/name:TAG``, as Ollama takes it; ``https://huggingface.co/org/name``)
+_HUB_URL = re.compile(r"^(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)/(?:models/)?")
 #: file endings of a path that names a file, never a repo
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".gguf")
 
@@ -99,6 +101,9 @@ def resolve_model_path(
     if str(path).startswith(PREFIX):
         return resolve_ollama(str(path)[len(PREFIX) :], what)
     name, tag = split_tag(str(path))
+    bare = _HUB_URL.sub("", str(path)).rstrip("/")
+    if bare != str(path) and looks_like_repo_id(split_tag(bare)[0]):
+        raise ConfigError(f"{what}={str(path)!r} names a Hub repo by its address: give its id alone, {what}={bare}")
     if not looks_like_repo_id(name):
         raise ConfigError(
             f"{what}={str(path)!r} does not exist: give a local Hugging Face checkpoint folder or a Hub repo id "

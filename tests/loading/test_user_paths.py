@@ -62,3 +62,22 @@ def test_a_hub_tag_names_the_quantization_it_is_before_those_it_is_part_of():
     two = ["Base-Q8_0.gguf", "Instruct-Q8_0.gguf"]  # the tag cannot tell them apart: said how to take one
     with pytest.raises(ConfigError, match=r"holds 2 GGUF models tagged Q8_0 .*\(hf download acme/m Base-Q8_0.gguf\)"):
         pick_gguf("acme/m", two, "Q8_0")
+
+
+def test_a_hub_repo_named_by_its_address_is_one_line_giving_its_id(tmp_path, monkeypatch, capsys):
+    from offload_core.errors import ConfigError
+    from offload_core.loading.hub import resolve_model_path
+
+    monkeypatch.chdir(tmp_path)  # no such local folder
+    for given, bare in [
+        ("hf.co/acme/m-GGUF:Q8_0", "acme/m-GGUF:Q8_0"),  # as Ollama names it
+        ("https://huggingface.co/acme/m-GGUF/", "acme/m-GGUF"),
+        ("huggingface.co/acme/tiny", "acme/tiny"),
+    ]:
+        with pytest.raises(
+            ConfigError, match=rf"names a Hub repo by its address: give its id alone, model.path={bare}$"
+        ):
+            resolve_model_path(given)
+    code, err = cli(["model=local", "model.path=hf.co/acme/m-GGUF:Q8_0"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "give its id alone, model.path=acme/m-GGUF:Q8_0")
