@@ -25,12 +25,13 @@ __all__ = ["GGUFCheckpoint", "find_gguf", "gguf_config", "gguf_tokenizer"]
 def find_gguf(path: str | os.PathLike[str]) -> Path | None:
     """The GGUF file ``path`` names: itself when it is a ``.gguf`` file or any file that opens as one (Ollama keeps
     its models as ``blobs/sha256-…``; the first part of a split model for any of its parts), the one ``.gguf`` (or
-    split model) of a folder without Hugging Face weights or config; None otherwise. A folder holding several is a
-    one-line error naming them."""
+    split model) of a folder without Hugging Face weights (a ``config.json`` beside it, as some GGUF repos hold, is
+    not read: the file's metadata is its config); None otherwise. A folder holding several is a one-line error naming
+    them."""
     path = Path(path).expanduser()
     if path.is_file():
         return _first_part(path) if path.suffix.lower() == ".gguf" or _opens_as_gguf(path) else None
-    if not path.is_dir() or (path / "config.json").is_file() or (path / "model_index.json").is_file():
+    if not path.is_dir() or (path / "model_index.json").is_file():
         return None
     if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
         return None

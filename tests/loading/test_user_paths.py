@@ -81,3 +81,63 @@ def test_a_hub_repo_named_by_its_address_is_one_line_giving_its_id(tmp_path, mon
     code, err = cli(["model=local", "model.path=hf.co/acme/m-GGUF:Q8_0"], tmp_path, capsys)
     assert code == 2
     assert_one_line(err, "give its id alone, model.path=acme/m-GGUF:Q8_0")
+
+
+def test_a_folder_of_a_gguf_file_and_a_config_json_runs_the_file(tiny_gguf, tmp_path, monkeypatch):
+    """Some GGUF repos hold a ``config.json`` beside the file (downloaded with ``--local-dir``, the folder is that):
+    the GGUF file runs, its metadata its config, whatever the ``config.json`` says."""
+    import torch
+
+    from tests.gguf_files import transformers_model
+
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "download"
+    folder.mkdir()
+    (folder / tiny_gguf.name).write_bytes(tiny_gguf.read_bytes())
+    (folder / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64}')
+    before = snapshot(folder)
+    ids = torch.tensor([[256, 5, 77, 100]])
+    expected = transformers_model(tiny_gguf)(ids).logits
+    for offload in ({"storage": "gguf"}, {}):
+        model = offload_core.from_pretrained(str(folder), {"cpu": "1GiB"}, offload)
+        try:
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, expected)
+        finally:
+            model.offload_state.release()
+    assert snapshot(folder) == before
+
+
+def _pulled(models, name: str, tag: str, data: bytes, registry: str = "registry.ollama.ai/library") -> None:
+    """``name:tag`` laid out in Ollama's ``models`` folder as ``ollama pull`` leaves it, its weights ``data``."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(data).hexdigest()
+    (models / "blobs").mkdir(parents=True, exist_ok=True)
+    (models / "blobs" / f"sha256-{digest}").write_bytes(data)
+    manifest = models / "manifests" / registry / name / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    layer = {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": len(data)}
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [layer]}))
+
+
+def test_ollama_names_in_any_case_and_blobs_that_are_not_gguf(tiny_gguf, tmp_path, monkeypatch, capsys):
+    from offload_core.errors import ConfigError
+    from offload_core.loading.hub import resolve_model_path
+
+    models = tmp_path / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(models))
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    _pulled(models, "tiny", "q6_K", tiny_gguf.read_bytes())
+    _pulled(models, "Repo-GGUF", "Q8_0", tiny_gguf.read_bytes(), "hf.co/acme")
+    _pulled(models, "broken", "latest", b"\x00\x01 not weights")
+    before = snapshot(models)
+    for name in ("tiny:q6_K", "tiny:Q6_k", "TINY:q6_k", "hf.co/acme/repo-gguf:q8_0"):  # Ollama's names: any case
+        assert resolve_model_path(f"ollama:{name}").read_bytes()[:4] == b"GGUF", name
+    with pytest.raises(ConfigError, match=r"is no Ollama model name"):
+        resolve_model_path("ollama:tiny:../../x")
+    code, err = cli(["model=local", "model.path=ollama:broken", "storage=gguf"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "ollama:broken: its weights blob", "is not a GGUF file", "`ollama pull broken`")
+    assert snapshot(models) == before
