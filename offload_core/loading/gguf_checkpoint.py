@@ -82,14 +82,33 @@ def gguf_config(path: Path) -> Any:
     builds it; one line when the file is damaged or its architecture unknown to transformers."""
     from transformers import AutoConfig
 
+    from huggingface_hub.errors import StrictDataclassError
+
     file = open_gguf(path)  # its header checked first: a damaged file is named as such
     file.close()
-    with transformers_reading(path):
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    for key in (f"{file.architecture}.{count}" for count in _COUNTS):
+        if isinstance(file.field(key), int) and file.field(key) < 1:
+            raise _no_config(path, f"{key} is {file.field(key)}")
+    try:
+        with transformers_reading(path):
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ArithmeticError, StrictDataclassError) as error:  # numbers the config's own checks refuse
+        raise _no_config(path, str(error).strip().splitlines()[-1].strip()) from None
     # a split model: transformers ties the LM head to the embedding when the first part holds no head of its own
     if isinstance(file, GGUFSplit) and file.architecture not in ("falcon", "bloom"):  # (these two: always)
         config.tie_word_embeddings = "output.weight" not in file.entries
     return config
+
+
+#: numbers of a GGUF header (after its architecture's name) that a model cannot have fewer than one of
+_COUNTS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv")
+
+
+def _no_config(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: its metadata makes no model transformers can build ({why}); the file is damaged or was written for "
+        "another configuration: re-download or re-convert it"
+    )
 
 
 def gguf_tokenizer(path: Path) -> Any:

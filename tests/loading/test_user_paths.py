@@ -141,3 +141,23 @@ def test_ollama_names_in_any_case_and_blobs_that_are_not_gguf(tiny_gguf, tmp_pat
     assert code == 2
     assert_one_line(err, "ollama:broken: its weights blob", "is not a GGUF file", "`ollama pull broken`")
     assert snapshot(models) == before
+
+
+@pytest.mark.parametrize(
+    "numbers, said",
+    [
+        ({"attention.head_count": 0}, "llama.attention.head_count is 0"),
+        ({"attention.head_count_kv": 0}, "llama.attention.head_count_kv is 0"),
+        ({"attention.head_count": 3}, "not a multiple of the number of attention heads"),  # transformers' own check
+        ({"block_count": 0}, "llama.block_count is 0"),  # it held two layers' tensors, and ran none
+    ],
+)
+def test_a_gguf_header_whose_numbers_make_no_model_is_one_line(numbers, said, tmp_path, monkeypatch):
+    from offload_core.errors import CheckpointError
+
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    bad = write_gguf(tmp_path / "bad.gguf", "llama", default=int(T.Q8_0), layers=2, metadata=numbers)
+    for offload in ({"storage": "gguf"}, {}):
+        with pytest.raises(CheckpointError, match="its metadata makes no model transformers can build") as error:
+            offload_core.from_pretrained(str(bad), {"cpu": "1GiB"}, offload)
+        assert said in str(error.value) and "\n" not in str(error.value)
