@@ -98,10 +98,10 @@ def decode(tokenizer: Any, tokens: list[int], skip_special_tokens: bool = True) 
 
 def read_prompts(path: str | Path) -> list[str]:
     """The prompts in ``path``: one per line, or JSON lines each holding a ``prompt`` string; blank lines are
-    skipped."""
+    skipped, and a byte-order mark before the first (as Windows editors save UTF-8)."""
     file = Path(path).expanduser()
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        lines = file.read_text(encoding="utf-8-sig").splitlines()
     except OSError as exc:
         raise ConfigError(
             f"prompts={str(path)!r} cannot be read ({exc.strerror}); give a text file with one prompt per line"
@@ -125,6 +125,8 @@ def read_prompts(path: str | Path) -> list[str]:
                     f'prompts file {str(path)!r} line {number} is not a JSON object with a "prompt" string; '
                     "fix that line"
                 )
+            if not record["prompt"].strip():
+                raise ConfigError(f"prompts file {str(path)!r} line {number} holds an empty prompt; give it some text")
             prompts.append(record["prompt"])
         else:
             prompts.append(line)
