@@ -161,3 +161,16 @@ def test_a_gguf_header_whose_numbers_make_no_model_is_one_line(numbers, said, tm
         with pytest.raises(CheckpointError, match="its metadata makes no model transformers can build") as error:
             offload_core.from_pretrained(str(bad), {"cpu": "1GiB"}, offload)
         assert said in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_checkpoint_given_to_load_checkpoint_and_dispatch_names_gguf_among_what_it_takes(tmp_path):
+    import transformers
+
+    from offload_core.errors import CheckpointError
+    from offload_core.loading.empty import init_empty_weights
+    from tests.gguf_files import tiny_config
+
+    with init_empty_weights():
+        model = transformers.LlamaForCausalLM(tiny_config("llama", layers=1))
+    with pytest.raises(CheckpointError, match=r"does not exist; give a checkpoint directory or a .* or .gguf file"):
+        offload_core.load_checkpoint_and_dispatch(model, tmp_path / "model-Q8_0.gguf", device_map="auto")
