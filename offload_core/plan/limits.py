@@ -66,9 +66,10 @@ def check_reserve_in_budget(
             f"block is {format_size(block)}), over max_memory.{dev}={format_size(given)}"
             + (" less headroom" if budgets[dev] != given else "")
         )
-        remedy = (
-            f"raise max_memory.{dev} to at least {needed} ({format_size(needed)}), or choose a policy that holds fewer "
-            "units (hook.depth, hook=align_per_call)"
+        remedy = f"raise max_memory.{dev} to at least {needed} ({format_size(needed)})" + (
+            " (hook=align_per_call holds one unit at a time, the fewest of any policy)"
+            if policy_name == "align_per_call"
+            else ", or choose a policy that holds fewer units (hook.depth, hook=align_per_call)"
         )
         over = format_size(held - budgets[dev])
         if over_budget == "refuse":

@@ -174,3 +174,17 @@ def test_a_missing_checkpoint_given_to_load_checkpoint_and_dispatch_names_gguf_a
         model = transformers.LlamaForCausalLM(tiny_config("llama", layers=1))
     with pytest.raises(CheckpointError, match=r"does not exist; give a checkpoint directory or a .* or .gguf file"):
         offload_core.load_checkpoint_and_dispatch(model, tmp_path / "model-Q8_0.gguf", device_map="auto")
+
+
+def test_a_budget_too_small_for_align_per_call_does_not_advise_align_per_call(tiny_gguf, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    args = ["model=local", f"model.path={tiny_gguf}", "storage=gguf", "max_memory.cpu=1MiB"]
+    code, err = cli([*args, "hook=align_per_call", "storage.resident=quantized"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "hook=align_per_call holds", "raise max_memory.cpu to at least")
+    assert "choose a policy" not in err
+    code, err = cli([*args, "hook=prefetch"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(
+        err, "hook=prefetch holds", "choose a policy that holds fewer units (hook.depth, hook=align_per_call)"
+    )
