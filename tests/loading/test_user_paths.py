@@ -188,3 +188,6 @@ def test_a_budget_too_small_for_align_per_call_does_not_advise_align_per_call(ti
     assert_one_line(
         err, "hook=prefetch holds", "choose a policy that holds fewer units (hook.depth, hook=align_per_call)"
     )
+    code, err = cli([*args, "hook=chained"], tmp_path, capsys)  # no hook.depth of its own
+    assert code == 2
+    assert_one_line(err, "hook=chained holds", "choose a policy that holds fewer units (hook=align_per_call)")
