@@ -126,6 +126,7 @@ def resolve_model_path(
             f"{what}={name!r} is neither a local folder nor a model in the Hugging Face cache ({cache}){at}, and "
             f"{why} forbids downloading it; set {what} to a checkpoint folder, {undo} to download it, or download it "
             f"first: hf download {name}{f' --revision {revision}' if revision else ''}"
+            + (f' --include "*{tag}*"' if tag else "")  # that quantization only, not the repo's every one
         )
     return _download(name, tag, revision, token, cache if cache_dir is not None else None, progress, what, at)
 
@@ -217,6 +218,7 @@ def _download(
         raise ModelSourceError(
             f"{what}={repo_id!r} is no local folder and could not be downloaded{at} ({reason}); check the network "
             f"(or set {what} to a checkpoint folder), then run again or download it first: hf download {repo_id}"
+            + (f' --include "*{tag}*"' if tag else "")
         ) from None
 
 

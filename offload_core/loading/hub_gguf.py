@@ -67,6 +67,8 @@ def pick_gguf(repo: str, files: list[str], tag: str | None, what: str = "model.p
     held = ", ".join(sorted({_quant(model) for model in models})) or "no GGUF files"
     if tag is not None:
         found = _tagged(models, tag)
+        if not models:
+            raise ConfigError(f"{what}={repo}:{tag}: the repo holds no GGUF files; drop the tag: {what}={repo}")
         if not found:
             raise ConfigError(f"{what}={repo}:{tag}: the repo holds no GGUF model tagged {tag}; it holds: {held}")
         if len(found) > 1:

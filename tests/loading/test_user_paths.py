@@ -191,3 +191,30 @@ def test_a_budget_too_small_for_align_per_call_does_not_advise_align_per_call(ti
     code, err = cli([*args, "hook=chained"], tmp_path, capsys)  # no hook.depth of its own
     assert code == 2
     assert_one_line(err, "hook=chained holds", "choose a policy that holds fewer units (hook=align_per_call)")
+
+
+def test_offline_a_tagged_repo_not_cached_says_to_download_that_quantization_only(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from offload_core.errors import ConfigError
+    from offload_core.loading.hub import resolve_model_path
+    from offload_core.loading.hub_gguf import pick_gguf
+    from offload_core.loading.sources import ModelSourceError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelSourceError, match=r'HF_HUB_OFFLINE=1 .*hf download acme/big-GGUF --include "\*Q8_0\*"$'):
+        resolve_model_path("acme/big-GGUF:Q8_0")
+    with pytest.raises(
+        ConfigError, match=r"acme/plain:Q8_0: the repo holds no GGUF files; drop the tag: .*=acme/plain$"
+    ):
+        pick_gguf("acme/plain", ["config.json", "model.safetensors"], "Q8_0")
+
+
+def test_a_gguf_named_as_a_part_that_is_none_says_so(tiny_gguf, tmp_path):
+    from offload_core.errors import CheckpointError
+
+    for no in (1, 2):  # a whole model's file, renamed as gguf-split names its parts
+        (tmp_path / f"tiny-0000{no}-of-00002.gguf").write_bytes(tiny_gguf.read_bytes())
+    with pytest.raises(CheckpointError, match="tiny-00001-of-00002.gguf holds no split.no and split.count: it is no"):
+        offload_core.from_pretrained(str(tmp_path / "tiny-00002-of-00002.gguf"), {"cpu": "1GiB"}, {"storage": "gguf"})
