@@ -26,8 +26,8 @@ def find_gguf(path: str | os.PathLike[str]) -> Path | None:
     """The GGUF file ``path`` names: itself when it is a ``.gguf`` file or any file that opens as one (Ollama keeps
     its models as ``blobs/sha256-…``; the first part of a split model for any of its parts), the one ``.gguf`` (or
     split model) of a folder without Hugging Face weights (a ``config.json`` beside it, as some GGUF repos hold, is
-    not read: the file's metadata is its config); None otherwise. A folder holding several is a one-line error naming
-    them."""
+    not read: the file's metadata is its config; nor is a vision projector, ``mmproj…``); None otherwise. A folder
+    holding several is a one-line error naming them."""
     path = Path(path).expanduser()
     if path.is_file():
         return _first_part(path) if path.suffix.lower() == ".gguf" or _opens_as_gguf(path) else None
@@ -35,7 +35,10 @@ def find_gguf(path: str | os.PathLike[str]) -> Path | None:
         return None
     if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
         return None
-    found = sorted({_first_part(p) for p in path.glob("*.gguf") if p.is_file()})
+    from offload_core.loading.hub_gguf import is_projector
+
+    files = [p for p in path.iterdir() if p.suffix.lower() == ".gguf" and not is_projector(p.name) and p.is_file()]
+    found = sorted({_first_part(p) for p in files})
     if len(found) > 1:
         names = ", ".join(p.name for p in found[:4])
         raise ConfigError(f"{path} holds {len(found)} GGUF files ({names}); give the path of the one to run")

@@ -28,13 +28,19 @@ def split_tag(name: str) -> tuple[str, str | None]:
     return (tagged["repo"], tagged["tag"]) if tagged else (name, None)
 
 
+def is_projector(name: str) -> bool:
+    """Whether GGUF file ``name`` is a vision projector (``mmproj…``, beside a model in its repo or folder): no model
+    to run."""
+    return name.lower().startswith("mmproj")
+
+
 def _models(files: list[str]) -> dict[str, list[str]]:
     """The GGUF models among a repo's ``files``: each by its file (a split model's first part) with all its files;
     a vision projector (``mmproj…``) is no model."""
     models: dict[str, list[str]] = {}
     for file in sorted(files):
         path = PurePosixPath(file)
-        if path.suffix.lower() != ".gguf" or path.name.lower().startswith("mmproj"):
+        if path.suffix.lower() != ".gguf" or is_projector(path.name):
             continue
         parts = split_paths(path)
         models.setdefault(str(parts[0]) if parts else file, []).append(file)

@@ -218,3 +218,13 @@ def test_a_gguf_named_as_a_part_that_is_none_says_so(tiny_gguf, tmp_path):
         (tmp_path / f"tiny-0000{no}-of-00002.gguf").write_bytes(tiny_gguf.read_bytes())
     with pytest.raises(CheckpointError, match="tiny-00001-of-00002.gguf holds no split.no and split.count: it is no"):
         offload_core.from_pretrained(str(tmp_path / "tiny-00002-of-00002.gguf"), {"cpu": "1GiB"}, {"storage": "gguf"})
+
+
+def test_a_folder_as_lm_studio_keeps_a_model_runs_its_gguf_whatever_the_case_beside_its_projector(tiny_gguf, tmp_path):
+    from offload_core.loading.gguf_checkpoint import find_gguf
+
+    folder = tmp_path / "lmstudio" / "acme" / "Tiny-GGUF"
+    folder.mkdir(parents=True)
+    (folder / "Tiny-Q8_0.GGUF").write_bytes(tiny_gguf.read_bytes())
+    (folder / "mmproj-Tiny-F16.gguf").write_bytes(tiny_gguf.read_bytes())  # a vision projector: no model
+    assert find_gguf(folder) == folder / "Tiny-Q8_0.GGUF"
