@@ -4,11 +4,15 @@ are read as meant, or refused in one line naming the line; never a traceback, ne
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import pytest
 from gguf import GGMLQuantizationType as T
 
 from offload_core.runner.inputs import read_prompts
-from tests.end_to_end.helpers import assert_one_line, cli
+from tests import ROOT
+from tests.end_to_end.helpers import assert_one_line, child_env, cli, snapshot
 from tests.gguf_files import write_gguf
 
 
@@ -28,3 +32,20 @@ def test_an_empty_prompt_in_json_lines_is_one_line_naming_it(tmp_path, monkeypat
     code, err = cli(["model=local", f"model.path={gguf}", "storage=gguf", f"prompts={prompts}"], tmp_path, capsys)
     assert code == 2
     assert_one_line(err, "line 2 holds an empty prompt")
+
+
+@pytest.mark.slow  # a run.py process: Hydra's own files are made only there
+def test_resume_of_a_folder_no_prompts_run_made_writes_nothing_there(tmp_path):
+    mine = tmp_path / "my-notes"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\n")
+    before = snapshot(mine)
+    command = [sys.executable, "run.py", "progress=false", "model=synthetic", f"prompts={prompts}", f"resume={mine}"]
+    env = {**child_env(), "OFFLOAD_CORE_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert_one_line(done.stderr, f"resume={mine}: the folder holds no generations.run.json")
+    assert snapshot(mine) == before  # no log of the run made there
+    assert "predicted" not in done.stdout  # refused before the model is opened
