@@ -228,3 +228,16 @@ def test_a_folder_as_lm_studio_keeps_a_model_runs_its_gguf_whatever_the_case_bes
     (folder / "Tiny-Q8_0.GGUF").write_bytes(tiny_gguf.read_bytes())
     (folder / "mmproj-Tiny-F16.gguf").write_bytes(tiny_gguf.read_bytes())  # a vision projector: no model
     assert find_gguf(folder) == folder / "Tiny-Q8_0.GGUF"
+
+
+def test_an_offload_folder_of_the_users_own_files_and_links_is_refused_as_theirs(tiny_gguf, tmp_path, capsys):
+    mine = tmp_path / "models"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    (mine / "current.gguf").symlink_to(tiny_gguf)  # a link of theirs: not ours to ask them to remove
+    before = snapshot(mine)
+    args = ["model=local", f"model.path={tiny_gguf}", "storage=memmap", f"offload_folder={mine}"]
+    code, err = cli([*args, "max_memory.cpu=1MiB", "over_budget=warn"], tmp_path, capsys)
+    assert code == 2
+    assert_one_line(err, "holds files offload_core did not create (current.gguf, notes.txt); give an empty or new")
+    assert "remove the link" not in err and snapshot(mine) == before and (mine / "current.gguf").is_symlink()
