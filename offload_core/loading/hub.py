@@ -95,6 +95,10 @@ def resolve_model_path(
     (``org/name:TAG``: :mod:`offload_core.loading.hub_gguf`), and only that model's files are downloaded. A model
     Ollama has pulled, ``ollama:name:tag``, is its GGUF blob (:mod:`offload_core.loading.ollama`).
     """
+    if path is None or not str(path).strip():  # Path("") is the working folder
+        raise ConfigError(
+            f"{what} is empty: give a checkpoint folder, a GGUF file, a Hub repo id (org/name) or ollama:<name>"
+        )
     local = Path(path).expanduser()
     if local.exists():
         return local

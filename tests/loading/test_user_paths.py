@@ -241,3 +241,37 @@ def test_an_offload_folder_of_the_users_own_files_and_links_is_refused_as_theirs
     assert code == 2
     assert_one_line(err, "holds files offload_core did not create (current.gguf, notes.txt); give an empty or new")
     assert "remove the link" not in err and snapshot(mine) == before and (mine / "current.gguf").is_symlink()
+
+
+def test_a_store_given_as_a_dict_of_its_name_and_options_is_built_from_them(tiny_gguf, tmp_path, monkeypatch):
+    import torch
+
+    from offload_core.errors import ConfigError, PluginError
+    from tests.gguf_files import transformers_model
+
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    ids = torch.tensor([[256, 5, 77, 100]])
+    store = {"name": "gguf", "resident": "quantized"}  # as speculative takes a dict, and run.py's storage.resident=
+    model = offload_core.from_pretrained(str(tiny_gguf), {"cpu": "3MiB"}, {"storage": store, "over_budget": "warn"})
+    try:
+        assert model.offload_state.store.held_nbytes() > 0  # the offloaded blocks held in memory
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, transformers_model(tiny_gguf)(ids).logits)
+    finally:
+        model.offload_state.release()
+    with pytest.raises(PluginError, match="storage 'gguf' has no option"):
+        offload_core.from_pretrained(str(tiny_gguf), None, {"storage": {"name": "gguf", "resident_": "quantized"}})
+    with pytest.raises(ConfigError, match=r"storage=\{'resident': 'quantized'\} names no storage: give its name"):
+        offload_core.from_pretrained(str(tiny_gguf), None, {"storage": {"resident": "quantized"}})
+
+
+def test_an_empty_path_or_an_integer_dtype_is_one_line_naming_it(tiny_gguf):
+    import torch
+
+    from offload_core.errors import ConfigError
+
+    for empty in ("", " ", None):  # "" was the working folder, read as a checkpoint
+        with pytest.raises(ConfigError, match="^path is empty: give a checkpoint folder, a GGUF file"):
+            offload_core.from_pretrained(empty, {"cpu": "1GiB"})
+    with pytest.raises(ConfigError, match=r"^dtype=torch.int8 is no floating-point dtype"):  # it named the task
+        offload_core.from_pretrained(str(tiny_gguf), {"cpu": "1GiB"}, dtype=torch.int8)
