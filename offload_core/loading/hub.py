@@ -138,7 +138,7 @@ def resolve_model_path(
 def _chosen(folder: Path, repo: str, tag: str | None, what: str) -> Path:
     """The snapshot ``folder`` of ``repo``, or the GGUF model in it the run takes (:func:`pick_gguf`)."""
     files = [str(path.relative_to(folder).as_posix()) for path in folder.rglob("*") if not path.is_dir()]
-    picked = pick_gguf(repo, files, tag, what)
+    picked = pick_gguf(repo, files, tag, what, cached=True)
     return folder / picked[0] if picked else folder
 
 

@@ -64,15 +64,23 @@ def _tagged(models: dict[str, list[str]], tag: str) -> list[str]:
     return [model for model in models if mark.search(model)]
 
 
-def pick_gguf(repo: str, files: list[str], tag: str | None, what: str = "model.path") -> list[str] | None:
+def pick_gguf(
+    repo: str, files: list[str], tag: str | None, what: str = "model.path", cached: bool = False
+) -> list[str] | None:
     """The files of the GGUF model of ``repo`` (whose files are ``files``) a run takes: the one ``tag`` names, else
     its only one, else its :data:`DEFAULT_TAG` one (said on stderr), where it holds no transformers weights; None for
     a repo without GGUF models (or, untagged, with transformers weights: those are read). A tag that names none or
-    several, or several models and no ``Q4_K_M``, is one line listing what the repo holds."""
+    several, or several models and no ``Q4_K_M``, is one line listing what the repo holds (``cached``: ``files`` are
+    those of its snapshot in the Hugging Face cache, which holds only what was downloaded)."""
     models = _models(files)
     held = ", ".join(sorted({_quant(model) for model in models})) or "no GGUF files"
     if tag is not None:
         found = _tagged(models, tag)
+        if cached and not found:
+            raise ConfigError(
+                f"{what}={repo}:{tag}: the Hugging Face cache's copy of the repo holds no GGUF model tagged {tag} "
+                f'(it holds: {held}); download it first: hf download {repo} --include "*{tag}*"'
+            )
         if not models:
             raise ConfigError(f"{what}={repo}:{tag}: the repo holds no GGUF files; drop the tag: {what}={repo}")
         if not found:

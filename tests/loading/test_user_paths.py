@@ -275,3 +275,22 @@ def test_an_empty_path_or_an_integer_dtype_is_one_line_naming_it(tiny_gguf):
             offload_core.from_pretrained(empty, {"cpu": "1GiB"})
     with pytest.raises(ConfigError, match=r"^dtype=torch.int8 is no floating-point dtype"):  # it named the task
         offload_core.from_pretrained(str(tiny_gguf), {"cpu": "1GiB"}, dtype=torch.int8)
+
+
+def test_offline_a_tag_the_cache_lacks_is_said_of_the_cache_not_of_the_repo(tiny_gguf, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from offload_core.errors import ConfigError
+    from offload_core.loading.hub import resolve_model_path
+    from tests.hub_cache import as_hub_cache
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    downloaded = tmp_path / "downloaded"  # only the quantization run before was downloaded
+    downloaded.mkdir()
+    (downloaded / "Tiny-Q8_0.gguf").write_bytes(tiny_gguf.read_bytes())
+    snapshot_folder = as_hub_cache(downloaded, cache, "acme/tiny-GGUF")
+    assert resolve_model_path("acme/tiny-GGUF:Q8_0") == snapshot_folder / "Tiny-Q8_0.gguf"
+    with pytest.raises(ConfigError, match=r"cache's copy of the repo holds no GGUF model tagged Q4_K_M \(it holds: "):
+        resolve_model_path("acme/tiny-GGUF:Q4_K_M")
