@@ -18,9 +18,9 @@ from typing import Any, BinaryIO
 
 from offload_core.atomic import fsync_path
 from offload_core.errors import ConfigError
+from offload_core.plan.batches import RUN_FILE
 
 GENERATIONS = "generations.jsonl"
-RUN_FILE = "generations.run.json"
 #: settings whose change changes the generated tokens: a resumed run must have the same ones
 SAME_SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "batch_size", "dtype")
 

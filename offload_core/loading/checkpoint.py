@@ -118,7 +118,7 @@ class Checkpoint:
         path = Path(path).expanduser()
         if not path.exists():
             raise CheckpointError(
-                f"checkpoint {path} does not exist; give a checkpoint directory or a .safetensors/.bin file"
+                f"checkpoint {path} does not exist; give a checkpoint directory or a .safetensors, .bin or .gguf file"
             )
         from offload_core.loading.gguf_checkpoint import GGUFCheckpoint, find_gguf
 

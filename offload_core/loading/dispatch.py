@@ -15,6 +15,7 @@ from torch import nn
 
 from offload_core import defaults, devices
 from offload_core.alignment import maps_checkpoint
+from offload_core.errors import ConfigError
 from offload_core.module_hooks.base import no_auto_compile
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import tensor_nbytes
@@ -89,11 +90,20 @@ class OffloadState:
 
 
 def resolve_strategy(kind: str, value: Any, config: Any = None) -> Any:
-    """The ``kind`` strategy (placement, storage or policy) ``value`` names, built with ``config``; a built one as
+    """The ``kind`` strategy (placement, storage or policy) ``value`` names, built with ``config``; or a dict of its
+    name and options (``{"name": "gguf", "resident": "quantized"}``, as ``speculative`` takes one); a built one as
     given."""
-    if isinstance(value, str):
-        from offload_core.registry.manager import get_registry
+    from offload_core.registry.manager import get_registry
 
+    if isinstance(value, Mapping):
+        options = {key: option for key, option in value.items() if key != "name"}
+        if not isinstance(value.get("name"), str):
+            raise ConfigError(
+                f"{kind}={dict(value)!r} names no {kind}: give its name and options, e.g. "
+                f"{{'name': {get_registry().names(kind)[0]!r}, ...}}"
+            )
+        return get_registry().create(kind, value["name"], {**dict(config or {}), **options})
+    if isinstance(value, str):
         return get_registry().create(kind, value, config)
     return value
 
@@ -127,7 +137,7 @@ def _policy(policy: str | Any, skip_keys: str | list[str] | None, preload: list[
         config["skip_keys"] = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys)
     if preload and policy == "align_per_call":
         config["granularity"] = "block"
-    return resolve_strategy("policy", policy, config or None) if isinstance(policy, str) else policy
+    return resolve_strategy("policy", policy, config or None) if isinstance(policy, (str, Mapping)) else policy
 
 
 def _encoder_io_hook(model: nn.Module) -> list:

@@ -25,16 +25,20 @@ __all__ = ["GGUFCheckpoint", "find_gguf", "gguf_config", "gguf_tokenizer"]
 def find_gguf(path: str | os.PathLike[str]) -> Path | None:
     """The GGUF file ``path`` names: itself when it is a ``.gguf`` file or any file that opens as one (Ollama keeps
     its models as ``blobs/sha256-…``; the first part of a split model for any of its parts), the one ``.gguf`` (or
-    split model) of a folder without Hugging Face weights or config; None otherwise. A folder holding several is a
-    one-line error naming them."""
+    split model) of a folder without Hugging Face weights (a ``config.json`` beside it, as some GGUF repos hold, is
+    not read: the file's metadata is its config; nor is a vision projector, ``mmproj…``); None otherwise. A folder
+    holding several is a one-line error naming them."""
     path = Path(path).expanduser()
     if path.is_file():
         return _first_part(path) if path.suffix.lower() == ".gguf" or _opens_as_gguf(path) else None
-    if not path.is_dir() or (path / "config.json").is_file() or (path / "model_index.json").is_file():
+    if not path.is_dir() or (path / "model_index.json").is_file():
         return None
     if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
         return None
-    found = sorted({_first_part(p) for p in path.glob("*.gguf") if p.is_file()})
+    from offload_core.loading.hub_gguf import is_projector
+
+    files = [p for p in path.iterdir() if p.suffix.lower() == ".gguf" and not is_projector(p.name) and p.is_file()]
+    found = sorted({_first_part(p) for p in files})
     if len(found) > 1:
         names = ", ".join(p.name for p in found[:4])
         raise ConfigError(f"{path} holds {len(found)} GGUF files ({names}); give the path of the one to run")
@@ -81,14 +85,33 @@ def gguf_config(path: Path) -> Any:
     builds it; one line when the file is damaged or its architecture unknown to transformers."""
     from transformers import AutoConfig
 
+    from huggingface_hub.errors import StrictDataclassError
+
     file = open_gguf(path)  # its header checked first: a damaged file is named as such
     file.close()
-    with transformers_reading(path):
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    for key in (f"{file.architecture}.{count}" for count in _COUNTS):
+        if isinstance(file.field(key), int) and file.field(key) < 1:
+            raise _no_config(path, f"{key} is {file.field(key)}")
+    try:
+        with transformers_reading(path):
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ArithmeticError, StrictDataclassError) as error:  # numbers the config's own checks refuse
+        raise _no_config(path, str(error).strip().splitlines()[-1].strip()) from None
     # a split model: transformers ties the LM head to the embedding when the first part holds no head of its own
     if isinstance(file, GGUFSplit) and file.architecture not in ("falcon", "bloom"):  # (these two: always)
         config.tie_word_embeddings = "output.weight" not in file.entries
     return config
+
+
+#: numbers of a GGUF header (after its architecture's name) that a model cannot have fewer than one of
+_COUNTS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv")
+
+
+def _no_config(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: its metadata makes no model transformers can build ({why}); the file is damaged or was written for "
+        "another configuration: re-download or re-convert it"
+    )
 
 
 def gguf_tokenizer(path: Path) -> Any:

@@ -24,6 +24,8 @@ __all__ = ["Hub", "resolve_model_path", "looks_like_repo_id", "probe_folder"]
 READ = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 #: a diffusers variant of a weight file (``diffusion_pytorch_model.fp16.safetensors``): left out where the plain one is
 _VARIANT = re.compile(r"\.(fp16|fp32|bf16|ema|non_ema)(?=\.(safetensors|bin)$)")
+#: a Hub address before a repo id (``hf.co/org/name:TAG``, as Ollama takes it; ``https://huggingface.co/org/name``)
+_HUB_URL = re.compile(r"^(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)/(?:models/)?")
 #: file endings of a path that names a file, never a repo
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".gguf")
 
@@ -93,12 +95,19 @@ def resolve_model_path(
     (``org/name:TAG``: :mod:`offload_core.loading.hub_gguf`), and only that model's files are downloaded. A model
     Ollama has pulled, ``ollama:name:tag``, is its GGUF blob (:mod:`offload_core.loading.ollama`).
     """
+    if path is None or not str(path).strip():  # Path("") is the working folder
+        raise ConfigError(
+            f"{what} is empty: give a checkpoint folder, a GGUF file, a Hub repo id (org/name) or ollama:<name>"
+        )
     local = Path(path).expanduser()
     if local.exists():
         return local
     if str(path).startswith(PREFIX):
         return resolve_ollama(str(path)[len(PREFIX) :], what)
     name, tag = split_tag(str(path))
+    bare = _HUB_URL.sub("", str(path)).rstrip("/")
+    if bare != str(path) and looks_like_repo_id(split_tag(bare)[0]):
+        raise ConfigError(f"{what}={str(path)!r} names a Hub repo by its address: give its id alone, {what}={bare}")
     if not looks_like_repo_id(name):
         raise ConfigError(
             f"{what}={str(path)!r} does not exist: give a local Hugging Face checkpoint folder or a Hub repo id "
@@ -121,6 +130,7 @@ def resolve_model_path(
             f"{what}={name!r} is neither a local folder nor a model in the Hugging Face cache ({cache}){at}, and "
             f"{why} forbids downloading it; set {what} to a checkpoint folder, {undo} to download it, or download it "
             f"first: hf download {name}{f' --revision {revision}' if revision else ''}"
+            + (f' --include "*{tag}*"' if tag else "")  # that quantization only, not the repo's every one
         )
     return _download(name, tag, revision, token, cache if cache_dir is not None else None, progress, what, at)
 
@@ -128,7 +138,7 @@ def resolve_model_path(
 def _chosen(folder: Path, repo: str, tag: str | None, what: str) -> Path:
     """The snapshot ``folder`` of ``repo``, or the GGUF model in it the run takes (:func:`pick_gguf`)."""
     files = [str(path.relative_to(folder).as_posix()) for path in folder.rglob("*") if not path.is_dir()]
-    picked = pick_gguf(repo, files, tag, what)
+    picked = pick_gguf(repo, files, tag, what, cached=True)
     return folder / picked[0] if picked else folder
 
 
@@ -212,6 +222,7 @@ def _download(
         raise ModelSourceError(
             f"{what}={repo_id!r} is no local folder and could not be downloaded{at} ({reason}); check the network "
             f"(or set {what} to a checkpoint folder), then run again or download it first: hf download {repo_id}"
+            + (f' --include "*{tag}*"' if tag else "")
         ) from None
 
 

@@ -28,13 +28,19 @@ def split_tag(name: str) -> tuple[str, str | None]:
     return (tagged["repo"], tagged["tag"]) if tagged else (name, None)
 
 
+def is_projector(name: str) -> bool:
+    """Whether GGUF file ``name`` is a vision projector (``mmproj…``, beside a model in its repo or folder): no model
+    to run."""
+    return name.lower().startswith("mmproj")
+
+
 def _models(files: list[str]) -> dict[str, list[str]]:
     """The GGUF models among a repo's ``files``: each by its file (a split model's first part) with all its files;
     a vision projector (``mmproj…``) is no model."""
     models: dict[str, list[str]] = {}
     for file in sorted(files):
         path = PurePosixPath(file)
-        if path.suffix.lower() != ".gguf" or path.name.lower().startswith("mmproj"):
+        if path.suffix.lower() != ".gguf" or is_projector(path.name):
             continue
         parts = split_paths(path)
         models.setdefault(str(parts[0]) if parts else file, []).append(file)
@@ -49,22 +55,41 @@ def _quant(model: str) -> str:
 
 
 def _tagged(models: dict[str, list[str]], tag: str) -> list[str]:
-    mark = re.compile(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])", re.IGNORECASE)  # Q4_K is not Q4_K_M
+    """The models ``tag`` names: those whose quantization it is, where any is (``Q4_K_M`` is not ``UD-Q4_K_M``),
+    else those whose name holds it whole (``Q4_K`` is not ``Q4_K_M``)."""
+    exact = [model for model in models if _quant(model) == tag.upper()]
+    if exact:
+        return exact
+    mark = re.compile(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])", re.IGNORECASE)
     return [model for model in models if mark.search(model)]
 
 
-def pick_gguf(repo: str, files: list[str], tag: str | None, what: str = "model.path") -> list[str] | None:
+def pick_gguf(
+    repo: str, files: list[str], tag: str | None, what: str = "model.path", cached: bool = False
+) -> list[str] | None:
     """The files of the GGUF model of ``repo`` (whose files are ``files``) a run takes: the one ``tag`` names, else
     its only one, else its :data:`DEFAULT_TAG` one (said on stderr), where it holds no transformers weights; None for
     a repo without GGUF models (or, untagged, with transformers weights: those are read). A tag that names none or
-    several, or several models and no ``Q4_K_M``, is one line listing what the repo holds."""
+    several, or several models and no ``Q4_K_M``, is one line listing what the repo holds (``cached``: ``files`` are
+    those of its snapshot in the Hugging Face cache, which holds only what was downloaded)."""
     models = _models(files)
     held = ", ".join(sorted({_quant(model) for model in models})) or "no GGUF files"
     if tag is not None:
         found = _tagged(models, tag)
-        if len(found) != 1:
-            how = "no GGUF model" if not found else f"{len(found)} GGUF models ({', '.join(found[:4])})"
-            raise ConfigError(f"{what}={repo}:{tag}: the repo holds {how} tagged {tag}; it holds: {held}")
+        if cached and not found:
+            raise ConfigError(
+                f"{what}={repo}:{tag}: the Hugging Face cache's copy of the repo holds no GGUF model tagged {tag} "
+                f'(it holds: {held}); download it first: hf download {repo} --include "*{tag}*"'
+            )
+        if not models:
+            raise ConfigError(f"{what}={repo}:{tag}: the repo holds no GGUF files; drop the tag: {what}={repo}")
+        if not found:
+            raise ConfigError(f"{what}={repo}:{tag}: the repo holds no GGUF model tagged {tag}; it holds: {held}")
+        if len(found) > 1:
+            raise ConfigError(
+                f"{what}={repo}:{tag}: the repo holds {len(found)} GGUF models tagged {tag} ({', '.join(found[:4])}); "
+                f"download the one to run (hf download {repo} {' '.join(models[found[0]])}) and give its path"
+            )
         return models[found[0]]
     if not models or any(file.endswith((".safetensors", ".bin")) for file in files):
         return None

@@ -18,6 +18,8 @@ __all__ = ["PREFIX", "resolve_ollama"]
 PREFIX = "ollama:"
 #: the manifest layer that holds the weights
 MODEL_LAYER = "application/vnd.ollama.image.model"
+#: an Ollama tag (an OCI reference's)
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 #: where Ollama pulls from unless the name says otherwise
 REGISTRY = "registry.ollama.ai"
 
@@ -31,13 +33,25 @@ def _manifest(name: str, what: str) -> Path:
     """The manifest file of Ollama model ``name`` (``[registry/][namespace/]model[:tag]``)."""
     model, _, tag = name.partition(":")
     parts = [p for p in model.split("/") if p]
-    if not parts or (":" in name and not tag.strip()) or any(p in (".", "..") for p in parts):
+    if not parts or (":" in name and not _TAG.fullmatch(tag)) or any(p in (".", "..") for p in parts):
         raise ConfigError(f"{what}={PREFIX}{name!r} is no Ollama model name; give one as `ollama list` shows it")
     if len(parts) == 1:
         parts = [REGISTRY, "library", *parts]
     elif len(parts) == 2:
         parts = [REGISTRY, *parts]
-    return models_folder().joinpath("manifests", *parts, tag or "latest")
+    return _any_case(models_folder() / "manifests", [*parts, tag or "latest"])
+
+
+def _any_case(folder: Path, names: list[str]) -> Path:
+    """``folder/names...``, each name matched in any case where only one entry of its folder matches it (Ollama's
+    names are case-insensitive: ``qwen3:8B`` is ``qwen3:8b``); as given where none does."""
+    path = folder
+    for name in names:
+        if not (path / name).exists() and path.is_dir():
+            found = [entry for entry in path.iterdir() if entry.name.lower() == name.lower()]
+            name = found[0].name if len(found) == 1 else name
+        path = path / name
+    return path
 
 
 def resolve_ollama(name: str, what: str = "model.path") -> Path:
@@ -65,5 +79,15 @@ def resolve_ollama(name: str, what: str = "model.path") -> Path:
         raise ConfigError(
             f"{what}={PREFIX}{name}: its weights ({blob.name}) are missing from {blob.parent}; pull the model again "
             f"(`ollama pull {name}`)"
+        )
+    try:
+        with open(blob, "rb") as handle:
+            head = handle.read(4)
+    except OSError as error:
+        raise ConfigError(f"{what}={PREFIX}{name}: its weights blob {blob} cannot be read ({error.strerror})") from None
+    if head != b"GGUF":
+        raise ConfigError(
+            f"{what}={PREFIX}{name}: its weights blob {blob} is not a GGUF file (it opens with {head!r}); pull the "
+            f"model again (`ollama pull {name}`)"
         )
     return blob

@@ -86,8 +86,8 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
                 "remove it yourself or choose another cache dir (OFFLOAD_CORE_CACHE)"
             )
         shutil.rmtree(target)  # ours, and interrupted or out of date
-    target.parent.mkdir(parents=True, exist_ok=True)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(target, folder=True) as tmp:
             (tmp / CACHE_TAG).write_text("made by offload_core; safe to delete\n", encoding="utf-8")
             build(tmp)
@@ -95,10 +95,22 @@ def _cached_build(target: Path, fingerprint: dict[str, Any], build: Callable[[Pa
             marker = tmp / COMPLETE_MARKER
             marker.write_text(json.dumps(fingerprint, sort_keys=True) + "\n", encoding="utf-8")
             fsync_path(marker)
-    except OSError:
+    except OSError as error:
         if _read_marker(target) != fingerprint:  # not a concurrent build that won the race
-            raise
+            raise _unwritable(target, error) from None
     return target
+
+
+def _unwritable(target: Path, error: OSError) -> OSError | ModelSourceError:
+    """``error`` (raised building the cache folder ``target``) as one line naming the cache, where it was writing
+    there that failed (a full disk, a read-only folder, a file where a folder goes); else ``error`` itself."""
+    failed = Path(error.filename) if error.filename else None
+    if failed is not None and failed != target.parent and target.parent not in failed.parents:
+        return error
+    return ModelSourceError(
+        f"the model cache {target.parent} cannot be written ({error.strerror or error}); free space there, or set "
+        "OFFLOAD_CORE_CACHE to a folder this user can write"
+    )
 
 
 # -- SmolLM2 -------------------------------------------------------------------------------------

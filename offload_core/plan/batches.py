@@ -78,13 +78,22 @@ def plan_batches(settings: Settings, run_model: Any, batches: Batches) -> tuple[
     return settings, dataclasses.replace(batches, memory=need)
 
 
+#: what a prompts run writes in its folder first (:mod:`offload_core.jobs.journal`): a folder to resume holds it
+RUN_FILE = "generations.run.json"
+
+
 def resume_folder(value: Any) -> Path:
-    """``resume``'s run folder, which must exist."""
+    """``resume``'s run folder, which must exist and be a prompts run's (nothing is written in another folder)."""
     folder = Path(str(value)).expanduser()
     if not folder.is_dir():
         raise ConfigError(
             f"resume={value} is not a folder: give the folder of the run to go on with "
             "(e.g. resume=outputs/2026-01-31/12-00-00)"
+        )
+    if not (folder / RUN_FILE).is_file():
+        raise ConfigError(
+            f"resume={value}: the folder holds no {RUN_FILE}, so it is not a prompts run's folder; give the folder "
+            "of the run to go on with"
         )
     return folder
 

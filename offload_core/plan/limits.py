@@ -5,6 +5,7 @@ warning line naming by how much."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Mapping
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from offload_core import defaults
-from offload_core.errors import ConfigError
+from offload_core.errors import ConfigError, OffloadError
 from offload_core.planning.budgets import check_over_budget
 from offload_core.registry.contracts import Policy, Storage
 from offload_core.registry.manager import get_registry
@@ -66,9 +67,10 @@ def check_reserve_in_budget(
             f"block is {format_size(block)}), over max_memory.{dev}={format_size(given)}"
             + (" less headroom" if budgets[dev] != given else "")
         )
-        remedy = (
-            f"raise max_memory.{dev} to at least {needed} ({format_size(needed)}), or choose a policy that holds fewer "
-            "units (hook.depth, hook=align_per_call)"
+        remedy = f"raise max_memory.{dev} to at least {needed} ({format_size(needed)})" + (
+            " (hook=align_per_call holds one unit at a time, the fewest of any policy)"
+            if policy_name == "align_per_call"
+            else f", or choose a policy that holds fewer units ({_fewer(policy_name)}hook=align_per_call)"
         )
         over = format_size(held - budgets[dev])
         if over_budget == "refuse":
@@ -76,6 +78,15 @@ def check_reserve_in_budget(
         log.warning(
             "%s: the run will go over it by %s; %s (over_budget=refuse refuses such a plan)", what, over, remedy
         )
+
+
+def _fewer(policy_name: str) -> str:
+    """``"hook.depth, "`` where policy ``policy_name`` has that option (a shallower look-ahead holds fewer units)."""
+    try:
+        config = get_registry().get("policy", policy_name).config
+    except OffloadError:
+        return ""
+    return "hook.depth, " if "depth" in {field.name for field in dataclasses.fields(config)} else ""
 
 
 def check_own_map_budgets(

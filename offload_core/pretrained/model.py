@@ -93,6 +93,10 @@ def from_pretrained(
     blocks on the host while the others stream in. ``model.offload_state.remove()`` undoes the offloading.
     """
     offload, hub = read_offload(offload), read_hub(hub)
+    if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+        raise ConfigError(
+            f"dtype={dtype} is no floating-point dtype: give torch.float32, torch.bfloat16 or torch.float16"
+        )
     path = resolve_model_path(path, **vars(hub), what="path")
     if is_pipeline_folder(path):
         check_pipeline_request(path, offload, generation)

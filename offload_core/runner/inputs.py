@@ -22,13 +22,20 @@ def read_tokenizer(checkpoint: Path, source: str | None = None) -> Any:
     """The tokenizer a run reads text with: ``source`` (``model.tokenizer``: a folder or repo id) when given, else the
     one in ``checkpoint``; None for ``bytes`` and for a model the project generated without one (``synthetic.json``).
     A folder holding no tokenizer is one line saying what to do, never a prompt silently read one id per byte."""
-    from offload_core.loading.sources import load_tokenizer
+    from offload_core.loading.sources import cache_root, load_tokenizer
 
     if source == BYTES:
         return None
     if source:
         return _named_tokenizer(source)
     tokenizer = load_tokenizer(checkpoint)
+    converted = checkpoint.parent == cache_root() and checkpoint.name.startswith("gguf-")
+    if tokenizer is None and (checkpoint.is_file() or converted):
+        raise ConfigError(  # a GGUF file read in place, or converted into the model cache (not the user's folder)
+            "the model's GGUF file carries no tokenizer (no tokenizer.ggml.* metadata), so the prompt cannot be read "
+            "as text: give model.tokenizer=<a folder or Hub repo id holding the model's tokenizer> (from Python, "
+            "pass token ids)"
+        )
     if tokenizer is None and not (checkpoint / "synthetic.json").is_file():
         raise ConfigError(
             f"the checkpoint folder {str(checkpoint)!r} holds no tokenizer ({', '.join(TOKENIZER_FILES)}), so the "
@@ -98,10 +105,10 @@ def decode(tokenizer: Any, tokens: list[int], skip_special_tokens: bool = True) 
 
 def read_prompts(path: str | Path) -> list[str]:
     """The prompts in ``path``: one per line, or JSON lines each holding a ``prompt`` string; blank lines are
-    skipped."""
+    skipped, and a byte-order mark before the first (as Windows editors save UTF-8)."""
     file = Path(path).expanduser()
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        lines = file.read_text(encoding="utf-8-sig").splitlines()
     except OSError as exc:
         raise ConfigError(
             f"prompts={str(path)!r} cannot be read ({exc.strerror}); give a text file with one prompt per line"
@@ -125,6 +132,8 @@ def read_prompts(path: str | Path) -> list[str]:
                     f'prompts file {str(path)!r} line {number} is not a JSON object with a "prompt" string; '
                     "fix that line"
                 )
+            if not record["prompt"].strip():
+                raise ConfigError(f"prompts file {str(path)!r} line {number} holds an empty prompt; give it some text")
             prompts.append(record["prompt"])
         else:
             prompts.append(line)

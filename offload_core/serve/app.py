@@ -90,7 +90,7 @@ def build_app(engine: Engine, served: Served) -> Starlette:
         return response
 
     async def generate(request: HttpRequest, body: Any, ids: list[int], chat: bool, echo: str = "") -> Response:
-        limit = plan_tokens(len(ids), body.limit(), served)
+        limit = plan_tokens(len(ids), body.limit(), served, "messages" if chat else "prompt")
         params = Params(limit, body.temperature, body.top_p, body.seed, body.stops(), body.top())
         job = Request(ids, params)
         events = follow(engine, job, request)
@@ -167,15 +167,16 @@ async def read_json(request: HttpRequest) -> Any:
         raise ApiError(400, f"the request body is not valid JSON ({error}); send a JSON object") from None
 
 
-def plan_tokens(prompt: int, asked: int | None, served: Served) -> int:
-    """The tokens a request may generate: what it asked for (default ``serve.max_tokens``) within the context."""
+def plan_tokens(prompt: int, asked: int | None, served: Served, field: str = "messages") -> int:
+    """The tokens a request may generate: what it asked for (default ``serve.max_tokens``) within the context
+    (``field``: the request's field the prompt came in)."""
     room = served.context - prompt
     if room < 1:
         raise ApiError(
             400,
             f"the prompt holds {prompt} tokens, which fills the context of {served.context} tokens "
             "each request may hold (serve.context); shorten it",
-            "messages",
+            field,
         )
     if asked is None:
         return min(served.max_tokens, room)

@@ -111,7 +111,7 @@ class FolderStore(FileMaps, Store):
             ) from None
         if not os.access(folder, os.W_OK | os.X_OK):
             raise StorageError(f"offload_folder {folder} is not writable; choose a folder you can write to")
-        self._refuse_foreign(entries(folder))  # before the lock: a foreign folder is left exactly as it was
+        self._refuse_foreign(entries(folder, links=True))  # before the lock: a foreign folder is left as it was
         self._lock = FolderLock(folder)
         weakref.finalize(self, self._lock.release)  # a store dropped without close() lets the folder go
         try:

@@ -45,12 +45,12 @@ def symlink_error(path: Path) -> StorageError:
     )
 
 
-def entries(folder: Path) -> set[str]:
-    """The names in ``folder``; a symlink among them is refused with one line."""
+def entries(folder: Path, links: bool = False) -> set[str]:
+    """The names in ``folder``; a symlink among them is refused with one line (unless ``links``: listed)."""
     names = set()
     with os.scandir(folder) as scan:
         for entry in scan:
-            if entry.is_symlink():
+            if entry.is_symlink() and not links:
                 raise symlink_error(folder / entry.name)
             names.add(entry.name)
     return names

@@ -196,3 +196,14 @@ def test_the_api_key_is_checked_on_every_route_but_health(server, client):
         client.chat.completions.create(model="other", messages=QUESTION)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_prompt_that_fills_the_context_names_the_field_it_came_in(server):
+    long = "Paris is " * 80  # past serve.context=96
+    for route, body, field in (
+        ("/v1/completions", {"model": "tiny", "prompt": long}, "prompt"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": long}]}, "messages"),
+    ):
+        got, answer = call(server, "POST", route, body, key=KEY)
+        assert got == 400 and "fills the context of 96 tokens" in answer["error"]["message"]
+        assert answer["error"]["param"] == field, route

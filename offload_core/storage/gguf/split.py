@@ -87,6 +87,10 @@ class GGUFSplit:
     def _check(self) -> None:
         for no, file in enumerate(self.files):
             number, count = file.field("split.no"), file.field("split.count")
+            if number is None or count is None:
+                raise self._damaged(
+                    f"{file.path.name} holds no split.no and split.count: it is no part of a split model"
+                )
             if number != no or count != len(self.files):
                 raise self._damaged(
                     f"{file.path.name} says it is part {number} of {count}; its name says {no + 1} of {len(self.files)}"
