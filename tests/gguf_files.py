@@ -281,7 +281,9 @@ def _gguf_tensors(state: dict, names, config, arch: str) -> Iterator[tuple[str, 
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the embedding's
         name = _gguf_name(names, hf_name)
-        yield name + ".weight" * name.endswith("attn_sinks"), _llama_cpp_layout(arch, name, data, config)
+        if name.endswith("attn_sinks"):  # gpt-oss's: llama.cpp names it a weight (transformers looks for it bare)
+            name += ".weight"
+        yield name, _llama_cpp_layout(arch, name, data, config)
         if name == "token_embd.weight" and arch in HEAD_COPIED:
             yield "output.weight", data
 
