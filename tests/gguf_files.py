@@ -63,6 +63,7 @@ class Arch:
     header: str
     numbers: dict = field(default_factory=dict)
     name: str | None = None  # the header's general.name (``tiny <arch>`` unless given)
+    mapping: str | None = None  # transformers' GGUF config mapping of the header (the key's unless given)
 
 
 #: the architectures :func:`write_gguf` writes (the MoE ones with transformers' defaults for the expert sizes it does
@@ -116,6 +117,15 @@ ARCHS = {
     # fused q/k/v interleaved per head (regrouped in the file); LM head tied, the file holds a copy as output
     "bloom": Arch("BloomConfig", "BloomForCausalLM", "BLOOM", "bloom", {"tie_word_embeddings": True}),
     "falcon": Arch("FalconConfig", "FalconForCausalLM", "FALCON", "falcon", {"tie_word_embeddings": True}),
+    # Falcon-40B's and -180B's grouped q/k/v, which transformers does not tell from falcon-7b's in a GGUF header
+    "falcon_40b": Arch(
+        "FalconConfig",
+        "FalconForCausalLM",
+        "FALCON",
+        "falcon",
+        {"tie_word_embeddings": True, "new_decoder_architecture": True, "num_kv_heads": 2, "num_key_value_heads": 2},
+        mapping="falcon",
+    ),
     "nemotron": Arch("NemotronConfig", "NemotronForCausalLM", "NEMOTRON", "nemotron", {"norm_eps": 1e-5}),
     "mamba": Arch("MambaConfig", "MambaForCausalLM", "MAMBA", "mamba", {"state_size": 16}),
     "lfm2": Arch(
@@ -151,7 +161,7 @@ ARCHS = {
 
 #: the architectures whose LM head transformers ties to the embedding whatever the file holds, and of which llama.cpp
 #: writes the embedding twice (as ``output.weight`` too)
-HEAD_COPIED = ("bloom", "falcon")
+HEAD_COPIED = ("bloom", "falcon", "falcon_40b")
 
 
 def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
@@ -205,7 +215,8 @@ def write_gguf(
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, spec.gguf), layers)
     arch_name = arch_name or spec.header
     writer = gguf.GGUFWriter(str(path), arch_name, split_max_tensors=split_tensors)
-    numbers = {key: _config_value(config, attr) for key, attr in GGUF_CONFIG_MAPPING[arch].items() if attr}
+    mapping = GGUF_CONFIG_MAPPING[spec.mapping or arch]
+    numbers = {key: _config_value(config, attr) for key, attr in mapping.items() if attr}
     if arch == "lfm2":  # a count per layer, none on the convolution ones: how llama.cpp tells them apart
         kv_heads = config.num_key_value_heads
         numbers["attention.head_count_kv"] = [kv_heads * (kind != "conv") for kind in config.layer_types]

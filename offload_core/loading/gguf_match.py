@@ -113,7 +113,8 @@ def _match(
                 raise _unconverted(path, file, how)
             raise CheckpointError(
                 f"{path}: tensor {names[0]!r} has shape {list(parts[0])}, but the file's metadata (its config) makes "
-                f"{target!r} {list(shape)}; the file is damaged or was written for another configuration"
+                f"{target!r} {list(shape)}; the file is damaged or was written for another configuration, or is a "
+                f"variant of {file.architecture!r} whose config transformers does not rebuild from GGUF metadata"
             )
         sources[target] = names[0]
         shapes[target] = shape

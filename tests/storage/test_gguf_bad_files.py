@@ -112,6 +112,14 @@ def test_gpt_oss_whose_experts_transformers_does_not_load_is_not_called_damaged(
     _refused(path, "cannot load GGUF files of architecture 'gpt-oss'", told, "original model's safetensors")
 
 
+def test_a_falcon_40b_whose_grouped_attention_transformers_takes_for_falcon_7b_is_one_line(tmp_path, monkeypatch):
+    """transformers builds every falcon GGUF's model as falcon-7b's (one key and value head): a Falcon-40B file's
+    q/k/v disagrees with it, which may be that and not damage."""
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "falcon-40b.gguf", "falcon_40b", default=int(T.Q8_0), layers=2)
+    _refused(path, "blk.0.attn_qkv.weight", "[512, 256]", "a variant of 'falcon' whose config transformers does not")
+
+
 def test_shape_disagreeing_with_the_metadata(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "wide.gguf", "llama", layers=2, metadata={"feed_forward_length": 384})
