@@ -45,14 +45,14 @@ def reads_in_place(architecture: str, processor: Any) -> bool:
 
 
 def check_in_place(path: Path, architecture: str, processor: Any, split: bool = False) -> None:
-    """One line for a file whose tensors transformers merges or splits at load, or loads through its newer GGUF path
-    (``split``: a model split across files, which only this reader reads: merged into one file first)."""
+    """One line for a file whose tensors transformers transposes, merges or splits at load, or loads through its newer
+    GGUF path (``split``: a model split across files, which only this reader reads: merged into one file first)."""
     if reads_in_place(architecture, processor):
         return
     how = (
         "loads it through its own GGUF path"
         if _newer_path(architecture)
-        else "merges or splits its tensors as it loads"
+        else "changes the layout of its tensors as it loads (transposes, merges or splits them)"
     )
     if split:
         raise CheckpointError(

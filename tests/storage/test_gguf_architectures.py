@@ -26,7 +26,7 @@ IN_PLACE = [
     *("mistral", "bloom", "falcon", "nemotron", "mamba", "minimax_m2"),
 ]
 #: transformers changes their tensors as it loads them in ways this reader does not: converted only, and why
-CONVERTED_ONLY = {"gpt2": "merges or splits its tensors as it loads", "lfm2": "loads it through its own GGUF path"}
+CONVERTED_ONLY = {"gpt2": "changes the layout of its tensors as it loads", "lfm2": "loads it through its own GGUF path"}
 
 
 def _types(arch: str) -> tuple[dict[str, int], int]:
