@@ -155,6 +155,14 @@ ARCHS = {
             "intermediate_size": 256,
         },
     ),
+    # an encoder-decoder (transformers builds T5ForConditionalGeneration of it): gated feed-forward, as flan-t5's
+    "t5": Arch(
+        "T5Config",
+        "T5ForConditionalGeneration",
+        "T5",
+        "t5",
+        {"d_ff": 512, "d_kv": 64, "feed_forward_proj": "gated-gelu", "decoder_start_token_id": 0},
+    ),
     # DeciLM (Nemotron-NAS): a llama-like file transformers reads the config of, but has no model class for
     "deci": Arch("LlamaConfig", "LlamaForCausalLM", "DECI", "deci"),
 }
@@ -180,6 +188,8 @@ def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
         "bos_token_id": 256,
         "eos_token_id": 257,
     }
+    if arch == "t5":  # as many decoder layers as encoder ones (its default, taken before the name maps to it)
+        numbers.update(num_layers=layers, num_decoder_layers=layers)
     return getattr(transformers, ARCHS[arch].config)(**{**numbers, **ARCHS[arch].numbers})
 
 
@@ -229,9 +239,11 @@ def write_gguf(
             writer.add_array(f"{arch_name}.{key}", value)
     writer.add_name(spec.name or f"tiny {arch}")
     _add_tokenizer(writer)
+    written: set[str] = set()
     for name, data in _gguf_tensors(model.state_dict(), names, config, arch):
-        if name in drop:
+        if name in drop or name in written:  # (a tensor several names share: once)
             continue
+        written.add(name)
         kind = default if data.ndim >= 2 else int(T.F32)
         for part, chosen in (types or {}).items():
             if "." + part in "." + name and data.ndim >= 2:

@@ -164,16 +164,17 @@ def converted_gguf(gguf: Path, target: Path | None = None) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Write ``gguf`` into ``out`` as transformers' in-memory load holds it (float32 safetensors, config,
     tokenizer)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer, transformers_reading
+    from offload_core.loading.tasks import auto_class, infer_task
     from offload_core.loading.writer import write_sharded_safetensors
 
     config = gguf_config(gguf)
     tokenizer = gguf_tokenizer(gguf)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # the model of the file's kind: a causal LM's, T5's encoder-decoder ...
+        model = auto_class(infer_task(config)).from_config(config)
     if is_split(gguf):
         state = split_state(gguf)
     else:

@@ -3,8 +3,8 @@ norms shifted by one and their embedding tied to the LM head, starcoder2 and sta
 (a llama file by its name), bloom's regrouped q/k/v, falcon's and bloom's head written twice, nemotron's shifted norms,
 mamba's state-space layers and minimax-m2's experts: read in place by storage=gguf, part of the model offloaded, and
 converted once by the default store (with gpt2's transposed projections and lfm2's, which transformers loads through
-its own GGUF path: refused in place in one line), each gives transformers' own in-memory GGUF model's logits and
-tokens."""
+its own GGUF path: refused in place in one line), and t5's encoder-decoder, each gives transformers' own in-memory
+GGUF model's logits and tokens."""
 
 from __future__ import annotations
 
@@ -97,6 +97,29 @@ def test_an_architecture_transformers_changes_as_it_loads_is_refused_in_place_in
     message = str(error.value)
     assert "\n" not in message and str(path) in message and CONVERTED_ONLY[arch] in message
     assert "leave storage at its default" in message
+
+
+def test_t5_read_in_place_and_converted_is_transformers_in_memory_encoder_decoder(tmp_path, monkeypatch):
+    """A T5 file (an encoder-decoder: transformers' ``AutoModelForSeq2SeqLM`` of it), its layers offloaded by the
+    placement under a small budget, read in place and converted once."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "t5.gguf", "t5", {"attn_o": int(T.Q4_K)}, default=int(T.Q5_0), layers=LAYERS)
+    reference = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path), gguf_file=path.name).eval()
+    decoded = torch.tensor([[0, 5, 9, 77]])
+    for storage in ("gguf", None):
+        offload = {"over_budget": "warn", **({"storage": storage} if storage else {})}
+        model = offload_core.from_pretrained(path, {"cpu": "1MiB"}, offload)
+        try:
+            assert type(model).__name__ == "T5ForConditionalGeneration" and "disk" in model.hf_device_map.values()
+            with torch.no_grad():
+                got = model(input_ids=IDS, decoder_input_ids=decoded).logits
+                assert torch.equal(got, reference(input_ids=IDS, decoder_input_ids=decoded).logits)
+                want = reference.generate(IDS, max_new_tokens=4, do_sample=False)
+                assert torch.equal(model.generate(IDS, max_new_tokens=4, do_sample=False), want)
+        finally:
+            model.offload_state.release()
 
 
 def test_a_tied_head_converted_once_is_transformers_in_memory_model(tmp_path, monkeypatch):
