@@ -163,6 +163,15 @@ ARCHS = {
         "t5",
         {"d_ff": 512, "d_kv": 64, "feed_forward_proj": "gated-gelu", "decoder_start_token_id": 0},
     ),
+    # a relative attention bias in every layer; a t5 file transformers tells apart by "umt5" in its name
+    "umt5": Arch(
+        "UMT5Config",
+        "UMT5ForConditionalGeneration",
+        "T5",
+        "t5",
+        {"d_ff": 512, "d_kv": 64, "feed_forward_proj": "gated-gelu", "decoder_start_token_id": 0},
+        "tiny umt5",
+    ),
     # DeciLM (Nemotron-NAS): a llama-like file transformers reads the config of, but has no model class for
     "deci": Arch("LlamaConfig", "LlamaForCausalLM", "DECI", "deci"),
 }
@@ -188,7 +197,7 @@ def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
         "bos_token_id": 256,
         "eos_token_id": 257,
     }
-    if arch == "t5":  # as many decoder layers as encoder ones (its default, taken before the name maps to it)
+    if arch in ("t5", "umt5"):  # as many decoder layers as encoder ones (its default, taken before the name maps to it)
         numbers.update(num_layers=layers, num_decoder_layers=layers)
     return getattr(transformers, ARCHS[arch].config)(**{**numbers, **ARCHS[arch].numbers})
 

@@ -3,8 +3,8 @@ norms shifted by one and their embedding tied to the LM head, starcoder2 and sta
 (a llama file by its name), bloom's regrouped q/k/v, falcon's and bloom's head written twice, nemotron's shifted norms,
 mamba's state-space layers and minimax-m2's experts: read in place by storage=gguf, part of the model offloaded, and
 converted once by the default store (with gpt2's transposed projections and lfm2's, which transformers loads through
-its own GGUF path: refused in place in one line), and t5's encoder-decoder, each gives transformers' own in-memory
-GGUF model's logits and tokens."""
+its own GGUF path: refused in place in one line), and t5's and umt5's encoder-decoders, each gives transformers'
+own in-memory GGUF model's logits and tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 
 import offload_core
 from offload_core.errors import CheckpointError
-from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
+from tests.gguf_files import ARCHS, half_offloaded_map, transformers_model, write_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -99,20 +99,22 @@ def test_an_architecture_transformers_changes_as_it_loads_is_refused_in_place_in
     assert "leave storage at its default" in message
 
 
-def test_t5_read_in_place_and_converted_is_transformers_in_memory_encoder_decoder(tmp_path, monkeypatch):
-    """A T5 file (an encoder-decoder: transformers' ``AutoModelForSeq2SeqLM`` of it), its layers offloaded by the
-    placement under a small budget, read in place and converted once."""
+@pytest.mark.parametrize("arch", ["t5", "umt5"])
+def test_t5_read_in_place_and_converted_is_transformers_in_memory_encoder_decoder(arch, tmp_path, monkeypatch):
+    """A T5 (or UMT5) file, an encoder-decoder: transformers' ``AutoModelForSeq2SeqLM`` of it, its layers offloaded
+    by the placement under a small budget, read in place and converted once."""
     from transformers import AutoModelForSeq2SeqLM
 
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "t5.gguf", "t5", {"attn_o": int(T.Q4_K)}, default=int(T.Q5_0), layers=LAYERS)
+    path = write_gguf(tmp_path / "t5.gguf", arch, {"attn_o": int(T.Q4_K)}, default=int(T.Q5_0), layers=LAYERS)
     reference = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path), gguf_file=path.name).eval()
+    assert type(reference).__name__ == ARCHS[arch].model
     decoded = torch.tensor([[0, 5, 9, 77]])
     for storage in ("gguf", None):
         offload = {"over_budget": "warn", **({"storage": storage} if storage else {})}
         model = offload_core.from_pretrained(path, {"cpu": "1MiB"}, offload)
         try:
-            assert type(model).__name__ == "T5ForConditionalGeneration" and "disk" in model.hf_device_map.values()
+            assert type(model).__name__ == ARCHS[arch].model and "disk" in model.hf_device_map.values()
             with torch.no_grad():
                 got = model(input_ids=IDS, decoder_input_ids=decoded).logits
                 assert torch.equal(got, reference(input_ids=IDS, decoder_input_ids=decoded).logits)
