@@ -62,6 +62,8 @@ class Arch:
     gguf: str
     header: str
     numbers: dict = field(default_factory=dict)
+    name: str | None = None  # the header's general.name (``tiny <arch>`` unless given)
+    mapping: str | None = None  # transformers' GGUF config mapping of the header (the key's unless given)
 
 
 #: the architectures :func:`write_gguf` writes (the MoE ones with transformers' defaults for the expert sizes it does
@@ -106,7 +108,77 @@ ARCHS = {
             "shared_expert_intermediate_size": 5632,
         },
     ),
+    # a Mistral file as llama.cpp writes it: llama's architecture, told apart by its name alone
+    "mistral": Arch(
+        "MistralConfig", "MistralForCausalLM", "LLAMA", "llama", {"sliding_window": None}, "Mistral 7B Instruct v0.3"
+    ),
+    # Conv1D weights (transposed in the file), learned positions (as many as transformers' default context)
+    "gpt2": Arch("GPT2Config", "GPT2LMHeadModel", "GPT2", "gpt2", {"max_position_embeddings": 1024}),
+    # fused q/k/v interleaved per head (regrouped in the file); LM head tied, the file holds a copy as output
+    "bloom": Arch("BloomConfig", "BloomForCausalLM", "BLOOM", "bloom", {"tie_word_embeddings": True}),
+    "falcon": Arch("FalconConfig", "FalconForCausalLM", "FALCON", "falcon", {"tie_word_embeddings": True}),
+    # Falcon-40B's and -180B's grouped q/k/v, which transformers does not tell from falcon-7b's in a GGUF header
+    "falcon_40b": Arch(
+        "FalconConfig",
+        "FalconForCausalLM",
+        "FALCON",
+        "falcon",
+        {"tie_word_embeddings": True, "new_decoder_architecture": True, "num_kv_heads": 2, "num_key_value_heads": 2},
+        mapping="falcon",
+    ),
+    "nemotron": Arch("NemotronConfig", "NemotronForCausalLM", "NEMOTRON", "nemotron", {"norm_eps": 1e-5}),
+    "mamba": Arch("MambaConfig", "MambaForCausalLM", "MAMBA", "mamba", {"state_size": 16}),
+    "lfm2": Arch(
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        "LFM2",
+        "lfm2",
+        {"full_attn_idxs": [1], "norm_eps": 1e-5, "conv_L_cache": 3, "block_auto_adjust_ff_dim": False},
+    ),
+    "minimax_m2": Arch(
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        "MINIMAXM2",
+        "minimax-m2",
+        {"head_dim": 64, "rotary_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "gpt_oss": Arch(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        "GPT_OSS",
+        "gpt-oss",
+        {
+            "head_dim": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 64,
+            "intermediate_size": 256,
+        },
+    ),
+    # an encoder-decoder (transformers builds T5ForConditionalGeneration of it): gated feed-forward, as flan-t5's
+    "t5": Arch(
+        "T5Config",
+        "T5ForConditionalGeneration",
+        "T5",
+        "t5",
+        {"d_ff": 512, "d_kv": 64, "feed_forward_proj": "gated-gelu", "decoder_start_token_id": 0},
+    ),
+    # a relative attention bias in every layer; a t5 file transformers tells apart by "umt5" in its name
+    "umt5": Arch(
+        "UMT5Config",
+        "UMT5ForConditionalGeneration",
+        "T5",
+        "t5",
+        {"d_ff": 512, "d_kv": 64, "feed_forward_proj": "gated-gelu", "decoder_start_token_id": 0},
+        "tiny umt5",
+    ),
+    # DeciLM (Nemotron-NAS): a llama-like file transformers reads the config of, but has no model class for
+    "deci": Arch("LlamaConfig", "LlamaForCausalLM", "DECI", "deci"),
 }
+
+#: the architectures whose LM head transformers ties to the embedding whatever the file holds, and of which llama.cpp
+#: writes the embedding twice (as ``output.weight`` too)
+HEAD_COPIED = ("bloom", "falcon", "falcon_40b")
 
 
 def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
@@ -125,6 +197,8 @@ def tiny_config(arch: str, layers: int = 3, hidden: int = 256):
         "bos_token_id": 256,
         "eos_token_id": 257,
     }
+    if arch in ("t5", "umt5"):  # as many decoder layers as encoder ones (its default, taken before the name maps to it)
+        numbers.update(num_layers=layers, num_decoder_layers=layers)
     return getattr(transformers, ARCHS[arch].config)(**{**numbers, **ARCHS[arch].numbers})
 
 
@@ -160,21 +234,31 @@ def write_gguf(
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, spec.gguf), layers)
     arch_name = arch_name or spec.header
     writer = gguf.GGUFWriter(str(path), arch_name, split_max_tensors=split_tensors)
-    numbers = {key: _config_value(config, attr) for key, attr in GGUF_CONFIG_MAPPING[arch].items() if attr}
+    mapping = GGUF_CONFIG_MAPPING[spec.mapping or arch]
+    numbers = {key: _config_value(config, attr) for key, attr in mapping.items() if attr}
+    if arch == "lfm2":  # a count per layer, none on the convolution ones: how llama.cpp tells them apart
+        kv_heads = config.num_key_value_heads
+        numbers["attention.head_count_kv"] = [kv_heads * (kind != "conv") for kind in config.layer_types]
     for key, value in {**numbers, **(metadata or {})}.items():
         if isinstance(value, float):
             writer.add_float32(f"{arch_name}.{key}", value)
         elif isinstance(value, int):
             writer.add_uint32(f"{arch_name}.{key}", value)
-    writer.add_name(f"tiny {arch}")
+        elif isinstance(value, list):
+            writer.add_array(f"{arch_name}.{key}", value)
+    writer.add_name(spec.name or f"tiny {arch}")
     _add_tokenizer(writer)
+    written: set[str] = set()
     for name, data in _gguf_tensors(model.state_dict(), names, config, arch):
-        if name in drop:
+        if name in drop or name in written:  # (a tensor several names share: once)
             continue
+        written.add(name)
         kind = default if data.ndim >= 2 else int(T.F32)
         for part, chosen in (types or {}).items():
             if "." + part in "." + name and data.ndim >= 2:
                 kind = chosen
+        if data.shape[-1] % gguf.GGML_QUANT_SIZES[T(kind)][0]:  # rows too short for its blocks: llama.cpp's F32
+            kind = int(T.F32)
         _add(writer, name, data, kind, rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -191,36 +275,70 @@ def _config_value(config, attr: str) -> int | float | None:
     return getattr(config, attr, None)
 
 
+def _gguf_name(names, hf_name: str) -> str:
+    """``hf_name``'s GGUF name: its module's with the ``.weight`` / ``.bias`` suffix, or the whole name's for a bare
+    parameter (mamba's ``A_log``); a module under the base model named as gguf-py knows it (bloom's embedding norm)."""
+    base, _, suffix = hf_name.rpartition(".")
+    tries = [(base, "." + suffix)] if suffix in ("weight", "bias") else []
+    for key, tail in [*tries, (hf_name, "")]:
+        for candidate in (key, key.partition(".")[2]):
+            found = names.get_name(candidate)
+            if found is not None:
+                return found + tail
+    raise KeyError(f"no GGUF name for {hf_name}")
+
+
 def _gguf_tensors(state: dict, names, config, arch: str) -> Iterator[tuple[str, np.ndarray]]:
     """``state``'s tensors under their GGUF names, as llama.cpp's converter writes them: llama's q and k permuted, a
-    fused expert tensor as one tensor per projection, the shared expert's gate as a vector."""
+    fused expert tensor as one tensor per projection, the shared expert's gate as a vector, the other layouts of
+    :func:`_llama_cpp_layout`."""
     for hf_name, tensor in state.items():
         data = tensor.float().numpy()
-        experts = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", hf_name)
+        experts = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias)?", hf_name)
         if experts is not None:
-            block, kind = experts.groups()
+            block, kind, bias = experts.groups()
+            suffix = ".bias" if bias else ".weight"
+            if arch == "gpt_oss" and not bias:  # (experts, in, out), gate and up interleaved: llama.cpp's (out, in)
+                data = data.swapaxes(1, 2)
             if kind == "down":
-                yield f"blk.{block}.ffn_down_exps.weight", data
+                yield f"blk.{block}.ffn_down_exps{suffix}", data
             else:
-                gate, up = np.split(data, 2, axis=1)
-                yield f"blk.{block}.ffn_gate_exps.weight", gate
-                yield f"blk.{block}.ffn_up_exps.weight", up
+                gate, up = (data[:, ::2], data[:, 1::2]) if arch == "gpt_oss" else np.split(data, 2, axis=1)
+                yield f"blk.{block}.ffn_gate_exps{suffix}", gate
+                yield f"blk.{block}.ffn_up_exps{suffix}", up
             continue
-        base, suffix = hf_name.rsplit(".", 1)
+        if hf_name.endswith(".mlp.e_score_correction_bias"):  # minimax-m2's routing bias
+            yield f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", data
+            continue
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the embedding's
-        name = names.get_name(base) + "." + suffix
-        if arch == "llama" and ".attn_q." in name:
-            data = _permute(data, config.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in name:
-            data = _permute(data, config.num_key_value_heads)
-        elif arch in ("gemma2", "gemma3") and name.endswith(
-            "norm.weight"
-        ):  # transformers subtracts the one llama.cpp adds
-            data = data + 1
-        elif name.endswith("ffn_gate_inp_shexp.weight"):
-            data = data.reshape(-1)
-        yield name, data
+        name = _gguf_name(names, hf_name)
+        if name.endswith("attn_sinks"):  # gpt-oss's: llama.cpp names it a weight (transformers looks for it bare)
+            name += ".weight"
+        yield name, _llama_cpp_layout(arch, name, data, config)
+        if name == "token_embd.weight" and arch in HEAD_COPIED:
+            yield "output.weight", data
+
+
+def _llama_cpp_layout(arch: str, name: str, data: np.ndarray, config) -> np.ndarray:
+    """Tensor ``name`` of ``arch`` as llama.cpp's converter writes it (transformers' tensor processor undoes it)."""
+    if arch in ("llama", "mistral") and ".attn_q." in name:
+        return _permute(data, config.num_attention_heads)
+    if arch in ("llama", "mistral") and ".attn_k." in name:
+        return _permute(data, config.num_key_value_heads)
+    if arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
+        return data + 1  # transformers subtracts the one llama.cpp adds
+    if name.endswith("ffn_gate_inp_shexp.weight"):
+        return data.reshape(-1)
+    if arch == "gpt2" and name.endswith(("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")):
+        return data.T  # Conv1D's (in, out) as a linear layer's (out, in)
+    if arch == "bloom" and ".attn_qkv." in name:  # q, k, v of each head in turn: all q first, then k, then v
+        return data.reshape(config.n_head, 3, -1, *data.shape[1:]).swapaxes(0, 1).reshape(data.shape)
+    if name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight")):
+        return data.squeeze(1)
+    if name.endswith("ssm_a"):
+        return -np.exp(data)
+    return data
 
 
 def _add(writer, name: str, data: np.ndarray, kind: int, rng: np.random.Generator) -> None:
@@ -271,13 +389,26 @@ def transformers_model(path: Path, dtype: torch.dtype | None = None):
     return model
 
 
-def half_offloaded_map(layers: int = 3) -> dict[str, str]:
-    """A device map of :func:`write_gguf`'s model with its first layers and the embedding resident, the later layers
-    and the LM head offloaded (read from the file, or held by the store)."""
-    return {
-        "model.embed_tokens": "cpu",
-        **{f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)},
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "disk",
-    }
+def half_offloaded_map(layers: int = 3, arch: str | None = None) -> dict[str, str]:
+    """A device map of :func:`write_gguf`'s model (of ``arch``: a llama-like one's unless given) with its first layers
+    and the embedding resident, the later layers and the LM head offloaded (read from the file, or held by the
+    store)."""
+    if arch is None:
+        return {
+            "model.embed_tokens": "cpu",
+            **{f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)},
+            "model.norm": "cpu",
+            "model.rotary_emb": "cpu",
+            "lm_head": "disk",
+        }
+    import transformers
+
+    with torch.device("meta"):
+        model = getattr(transformers, ARCHS[arch].model)(tiny_config(arch, layers, 64))
+    base = model.base_model_prefix  # ``model``, ``transformer``, ``backbone``
+    stack = next(
+        name for name, child in getattr(model, base).named_children() if isinstance(child, torch.nn.ModuleList)
+    )
+    found = {f"{base}.{name}": "cpu" for name, _ in getattr(model, base).named_children() if name != stack}
+    found.update({f"{base}.{stack}.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)})
+    return {**found, **{name: "disk" for name, _ in model.named_children() if name != base}}

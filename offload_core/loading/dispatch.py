@@ -345,12 +345,12 @@ def dispatch_model(
     reserve = None
     if isinstance(device_map, str):  # the placement holds back what the policy keeps in flight
         from offload_core.plan.reserve import reservation
-        from offload_core.planning import largest_block_size
+        from offload_core.planning import largest_block_size, largest_module_size
         from offload_core.planning.reservation import InFlight
 
         blocks = [*no_split, *(preload_module_classes or [])]
         device = resolve_execution_device(main_device, None)
-        need = InFlight(device, largest_block_size(model, blocks), largest_block_size(model, []), model=model)
+        need = InFlight(device, largest_block_size(model, blocks), largest_module_size(model), model=model)
         reserve = reservation(policy, storage, need)
     device_map = _prepare_device_map(model, device_map, max_memory, no_split, None, reserve)
     execution_device = resolve_execution_device(main_device, device_map)

@@ -253,8 +253,8 @@ class GGUFCheckpoint(Checkpoint):
         tensor of an architecture without a processor; all but q and k for llama's, which permutes those two).
         Other processors' tensors go through the processor's own numpy code."""
         kind = type(self.processor).__name__
-        if kind in ("TensorProcessor", "Qwen2MoeTensorProcessor"):  # the MoE one reshapes a vector, merges experts'
-            return key not in self.merged
+        if kind in ("TensorProcessor", "Qwen2MoeTensorProcessor", "MiniMaxM2TensorProcessor"):
+            return key not in self.merged  # (the MoE ones merge experts', and reshape a vector the view reshapes)
         name = self.sources[key]
         return kind == "LlamaTensorProcessor" and ".attn_q." not in name and ".attn_k." not in name
 

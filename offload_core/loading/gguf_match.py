@@ -25,6 +25,7 @@ PER_TENSOR_PROCESSORS = (
     "NemotronTensorProcessor",
     "Gemma2TensorProcessor",
     "Qwen2MoeTensorProcessor",  # a fused expert tensor of two (gate and up, concatenated per expert): read by parts
+    "MiniMaxM2TensorProcessor",  # the same experts' merge, and its routing bias named by a fallback
 )
 
 
@@ -44,14 +45,14 @@ def reads_in_place(architecture: str, processor: Any) -> bool:
 
 
 def check_in_place(path: Path, architecture: str, processor: Any, split: bool = False) -> None:
-    """One line for a file whose tensors transformers merges or splits at load, or loads through its newer GGUF path
-    (``split``: a model split across files, which only this reader reads: merged into one file first)."""
+    """One line for a file whose tensors transformers transposes, merges or splits at load, or loads through its newer
+    GGUF path (``split``: a model split across files, which only this reader reads: merged into one file first)."""
     if reads_in_place(architecture, processor):
         return
     how = (
         "loads it through its own GGUF path"
         if _newer_path(architecture)
-        else "merges or splits its tensors as it loads"
+        else "changes the layout of its tensors as it loads (transposes, merges or splits them)"
     )
     if split:
         raise CheckpointError(
@@ -107,16 +108,36 @@ def _match(
         elif int(np.prod(shape, dtype=np.int64)) != file.entries[names[0]].numel or (
             len(parts[0]) == len(shape) and parts[0] != shape
         ):
+            if sorted(parts[0]) == sorted(shape):  # its dimensions in another order: transformers' layout, not damage
+                how = f"reads tensor {names[0]!r} of shape {list(parts[0])} into {target!r} of {list(shape)} as it lies"
+                raise _unconverted(path, file, how)
             raise CheckpointError(
                 f"{path}: tensor {names[0]!r} has shape {list(parts[0])}, but the file's metadata (its config) makes "
-                f"{target!r} {list(shape)}; the file is damaged or was written for another configuration"
+                f"{target!r} {list(shape)}; the file is damaged or was written for another configuration, or is a "
+                f"variant of {file.architecture!r} whose config transformers does not rebuild from GGUF metadata"
             )
         sources[target] = names[0]
         shapes[target] = shape
     missing = [names[0] for names in groups if not any(name in sources for name in names)]
+    unnamed = [name for name in file.entries if name not in mapping and name.removesuffix(".weight") not in mapping]
+    experts = [name for name in unnamed if "_exps." in name]
+    if missing and experts:  # experts its GGUF loader names after no weight of the model (gpt-oss's): not damage
+        raise _unconverted(path, file, f"names no weight after {experts[0]!r} and leaves {missing[0]!r} unloaded")
     if missing:
         raise CheckpointError(
             f"{path} holds {len(file.entries)} tensors but its metadata (its config) needs {len(missing)} more, such "
             f"as {missing[0]!r}; the file is damaged or incomplete: re-download or re-convert it"
         )
     return sources, shapes, merged
+
+
+def _unconverted(path: Path, file: GGUFFile | GGUFSplit, how: str) -> CheckpointError:
+    """One line for a file of an architecture whose tensors transformers' GGUF loader does not bring into its model
+    (``how``: what its load does instead, leaving a weight wrong or newly initialized): the file is not damaged."""
+    import transformers
+
+    return CheckpointError(
+        f"{path}: transformers {transformers.__version__} cannot load GGUF files of architecture "
+        f"{file.architecture!r} (its GGUF loader {how}); run the original model's safetensors checkpoint instead, "
+        "or a transformers that loads this architecture from GGUF"
+    )

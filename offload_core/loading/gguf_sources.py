@@ -83,15 +83,19 @@ def gguf_names(gguf: Path, config: Any, parsed: dict[str, Any], model: Any = Non
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     from offload_core.loading.gguf_checkpoint import naming_model, tensor_processor, transformers_reading
-    from offload_core.loading.gguf_match import match_tensors
+    from offload_core.loading.gguf_match import match_tensors, reads_in_place
     from offload_core.storage.gguf.split import open_gguf
 
     file = open_gguf(gguf)
     try:
         model = naming_model(config) if model is None else model
+        processor = tensor_processor(file.architecture, parsed)
         with transformers_reading(gguf), _parsed_once():  # as in every transformers read of the file here
-            names = get_gguf_hf_weights_map(model, tensor_processor(file.architecture, parsed))
-        match_tensors(gguf, file, names, model)  # tensors that disagree with the metadata: refused before it is kept
+            names = get_gguf_hf_weights_map(model, processor)
+        # tensors that disagree with the metadata: refused before it is kept (where this reader reads them: the
+        # others, gpt2's transposed ones say, are checked by transformers' own load as the file is converted)
+        if reads_in_place(file.architecture, processor):
+            match_tensors(gguf, file, names, model)
         return names
     finally:
         file.close()
@@ -160,16 +164,17 @@ def converted_gguf(gguf: Path, target: Path | None = None) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Write ``gguf`` into ``out`` as transformers' in-memory load holds it (float32 safetensors, config,
     tokenizer)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from offload_core.loading.gguf_checkpoint import gguf_config, gguf_tokenizer, transformers_reading
+    from offload_core.loading.tasks import auto_class, infer_task
     from offload_core.loading.writer import write_sharded_safetensors
 
     config = gguf_config(gguf)
     tokenizer = gguf_tokenizer(gguf)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # the model of the file's kind: a causal LM's, T5's encoder-decoder ...
+        model = auto_class(infer_task(config)).from_config(config)
     if is_split(gguf):
         state = split_state(gguf)
     else:

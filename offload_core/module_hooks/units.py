@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
+from offload_core.planning.sizing import reads_its_children
 from offload_core.storage.base import as_store, moved_bytes
 
 
@@ -220,17 +221,23 @@ def find_units(
     """Group offloaded tensors into units, in module order.
 
     ``granularity="module"``: each module that owns offloaded tensors is a unit of its direct tensors
-    (one transfer per module). ``"block"``: each no-split block (or leaf module) is one unit of
-    every offloaded tensor below it — fewer, larger transfers; tensors owned directly by containers
-    above the blocks form units of their own.
+    (one transfer per module); one that reads its children's weights itself, a unit of its subtree's
+    (:func:`~offload_core.planning.sizing.reads_its_children`). ``"block"``: each no-split block (or leaf
+    module) is one unit of every offloaded tensor below it — fewer, larger transfers; tensors owned
+    directly by containers above the blocks form units of their own.
     """
     check_granularity(granularity)
     units: list[Unit] = []
     if not offloaded:
         return units
     if granularity == "module":
+        whole: list[str] = []  # modules that read their children's weights: one unit with their subtree
         for name, module in model.named_modules():
-            slots = _direct_slots(name, module, offloaded)
+            if any(name.startswith(prefix + ".") for prefix in whole):
+                continue
+            if reads_its_children(module):
+                whole.append(name)
+            slots = subtree_slots(name, module, offloaded) if name in whole else _direct_slots(name, module, offloaded)
             if slots:
                 units.append(Unit(name, module, slots))
         return units

@@ -70,7 +70,7 @@ class Reserver:
         device_budget: int | None = None,
     ) -> Reserver:
         from offload_core.loading.conversion import key_conversion
-        from offload_core.planning import largest_block_size
+        from offload_core.planning import largest_block_size, largest_module_size
         from offload_core.storage.base import converts
 
         # A tensor stored in another dtype, or built from several checkpoint tensors (per-expert MoE weights),
@@ -92,7 +92,7 @@ class Reserver:
             dtype,
             cpu_budget,
             block=largest_block_size(model, no_split, dtype=dtype),
-            module_bytes=largest_block_size(model, [], dtype=dtype),
+            module_bytes=largest_module_size(model, dtype=dtype),
             stored_differs=stored_differs,
             copies=sum(spliced.values()),
             copied=copied_names(model, checkpoint, execution_device, dtype) if stored_differs else frozenset(),

@@ -160,6 +160,22 @@ def largest_block_size(
     return get_max_layer_size(units, sizes, no_split_module_classes)[0]
 
 
+def reads_its_children(module: nn.Module) -> bool:
+    """Whether ``module``'s forward may read its submodules' weights itself rather than through their forward: it
+    owns parameters beside submodules that hold some (a state-space mixer's ``A_log`` beside the ``dt_proj`` whose
+    weight it multiplies by). Such a module's tensors are brought in together, its subtree's with its own."""
+    return any(True for _ in module.parameters(recurse=False)) and any(
+        any(True for _ in child.parameters()) for child in module.children()
+    )
+
+
+def largest_module_size(model: nn.Module, dtype: torch.dtype | str | None = None) -> int:
+    """Bytes of the largest unit a module-by-module policy brings in: a leaf module, a direct tensor, or a module that
+    :func:`reads_its_children` with its whole subtree."""
+    whole = {type(module).__name__ for module in model.modules() if reads_its_children(module)}
+    return largest_block_size(model, sorted(whole), dtype=dtype)
+
+
 def no_split_classes(model: nn.Module, given: Iterable[str] | None = None) -> list[str]:
     """The module classes never split across devices: ``given`` when it names any, else the model's own
     ``_no_split_modules`` (transformers' rule, and accelerate's)."""

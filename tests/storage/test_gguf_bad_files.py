@@ -1,6 +1,7 @@
 """A GGUF file that cannot be read as it claims is one line naming what is wrong, before anything is written, whether
 it is read in place or converted: truncated, damaged, a tensor of an unknown type, an architecture transformers cannot
-map or fails to read, tensors that disagree with the metadata (a shape, a missing tensor, the tensor count)."""
+map, fails to read or has no model for, one whose tensors it does not load (gpt-oss's experts), tensors that disagree
+with the metadata (a shape, a missing tensor, the tensor count)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,33 @@ def test_a_file_transformers_fails_to_read_is_one_line_for_the_conversion_too(go
 
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", unknown)
     _refused(good, "cannot map this GGUF file", "Unknown gguf model_type")
+
+
+def test_an_architecture_transformers_has_no_model_class_for(tmp_path, monkeypatch):
+    """deci (Nemotron-NAS): transformers maps its GGUF metadata but has no model of that type."""
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "deci.gguf", "deci", default=int(T.Q8_0), layers=2)
+    _refused(path, "cannot map this GGUF file", "`deci`")
+
+
+@pytest.mark.parametrize("hidden", [256, 128])
+def test_gpt_oss_whose_experts_transformers_does_not_load_is_not_called_damaged(tmp_path, monkeypatch, hidden):
+    """transformers' GGUF loader names none of gpt-oss's gate and up experts and reads its down experts unconverted
+    (as llama.cpp writes them: transposed): its own model of the file would hold newly initialized experts, so the
+    file is refused as an architecture transformers cannot load (experts as wide as the model: gpt-oss-20b's; or
+    not, when the down experts' shape gives it away)."""
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "gpt-oss.gguf", "gpt_oss", default=int(T.Q8_0), layers=2, hidden=hidden)
+    told = "ffn_gate_exps" if hidden == 256 else "ffn_down_exps"
+    _refused(path, "cannot load GGUF files of architecture 'gpt-oss'", told, "original model's safetensors")
+
+
+def test_a_falcon_40b_whose_grouped_attention_transformers_takes_for_falcon_7b_is_one_line(tmp_path, monkeypatch):
+    """transformers builds every falcon GGUF's model as falcon-7b's (one key and value head): a Falcon-40B file's
+    q/k/v disagrees with it, which may be that and not damage."""
+    monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "falcon-40b.gguf", "falcon_40b", default=int(T.Q8_0), layers=2)
+    _refused(path, "blk.0.attn_qkv.weight", "[512, 256]", "a variant of 'falcon' whose config transformers does not")
 
 
 def test_shape_disagreeing_with_the_metadata(tmp_path, monkeypatch):
