@@ -38,6 +38,7 @@ def test_the_mixer_is_one_unit_of_its_subtree_and_the_plan_reserves_it(mamba):
     assert largest_module_size(model) >= compute_module_sizes(model)["backbone.layers.1.mixer"]
 
 
+@pytest.mark.slow  # whole runs (the unit above stays in the quick subset)
 @pytest.mark.parametrize("policy", ["align_per_call", "functional_call", "prefetch"])
 def test_mamba_offloaded_is_transformers_in_memory_model(mamba, policy, tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
