@@ -162,10 +162,14 @@ def largest_block_size(
 
 def reads_its_children(module: nn.Module) -> bool:
     """Whether ``module``'s forward may read its submodules' weights itself rather than through their forward: it
-    owns parameters beside submodules that hold some (a state-space mixer's ``A_log`` beside the ``dt_proj`` whose
-    weight it multiplies by). Such a module's tensors are brought in together, its subtree's with its own."""
-    return any(True for _ in module.parameters(recurse=False)) and any(
-        any(True for _ in child.parameters()) for child in module.children()
+    owns parameters beside leaf submodules that hold some, and holds no deeper ones (a state-space mixer's ``A_log``
+    beside the ``dt_proj`` whose weight it multiplies by; not a model owning a ``logit_scale`` beside its towers).
+    Such a module's tensors are brought in together, its subtree's with its own."""
+    holding = [child for child in module.children() if any(True for _ in child.parameters())]
+    return (
+        any(True for _ in module.parameters(recurse=False))
+        and bool(holding)
+        and not any(True for child in holding for _ in child.children())
     )
 
 

@@ -38,6 +38,17 @@ def test_the_mixer_is_one_unit_of_its_subtree_and_the_plan_reserves_it(mamba):
     assert largest_module_size(model) >= compute_module_sizes(model)["backbone.layers.1.mixer"]
 
 
+def test_a_module_owning_a_scale_beside_deeper_towers_is_not_read_whole():
+    """A model with a parameter of its own (CLIP's ``logit_scale``) beside towers of layers stays split in units."""
+    towers = torch.nn.Module()
+    towers.tower = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    towers.logit_scale = torch.nn.Parameter(torch.ones(()))
+    assert not reads_its_children(towers)
+    offloaded = {name: name for name, _ in towers.named_parameters()}
+    assert {unit.name for unit in find_units(towers, offloaded)} == {"", "tower.0", "tower.1"}
+
+
+@pytest.mark.slow  # whole runs (the unit above stays in the quick subset)
 @pytest.mark.parametrize("policy", ["align_per_call", "functional_call", "prefetch"])
 def test_mamba_offloaded_is_transformers_in_memory_model(mamba, policy, tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_CACHE", str(tmp_path / "cache"))
