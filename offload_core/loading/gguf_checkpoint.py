@@ -85,8 +85,6 @@ def gguf_config(path: Path) -> Any:
     builds it; one line when the file is damaged or its architecture unknown to transformers."""
     from transformers import AutoConfig
 
-    from huggingface_hub.errors import StrictDataclassError
-
     file = open_gguf(path)  # its header checked first: a damaged file is named as such
     file.close()
     for key in (f"{file.architecture}.{count}" for count in _COUNTS):
@@ -95,7 +93,7 @@ def gguf_config(path: Path) -> Any:
     try:
         with transformers_reading(path):
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (ArithmeticError, StrictDataclassError) as error:  # numbers the config's own checks refuse
+    except _refused() as error:  # numbers the config's own checks refuse
         raise _no_config(path, str(error).strip().splitlines()[-1].strip()) from None
     # a split model: transformers ties the LM head to the embedding when the first part holds no head of its own
     if isinstance(file, GGUFSplit) and file.architecture not in ("falcon", "bloom"):  # (these two: always)
@@ -105,6 +103,16 @@ def gguf_config(path: Path) -> Any:
 
 #: numbers of a GGUF header (after its architecture's name) that a model cannot have fewer than one of
 _COUNTS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv")
+
+
+def _refused() -> tuple[type[Exception], ...]:
+    """What building a config from numbers it cannot take raises: a division by zero, or huggingface_hub's strict
+    dataclass check (where this huggingface_hub has one)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (ArithmeticError,)
+    return (ArithmeticError, StrictDataclassError)
 
 
 def _no_config(path: Path, why: str) -> CheckpointError:
