@@ -259,6 +259,12 @@ def test_a_store_given_as_a_dict_of_its_name_and_options_is_built_from_them(tiny
             assert torch.equal(model(ids).logits, transformers_model(tiny_gguf)(ids).logits)
     finally:
         model.offload_state.release()
+    auto = {"storage": store, "over_budget": "warn", "auto": True}  # ranked with the options it was given
+    model = offload_core.from_pretrained(str(tiny_gguf), {"cpu": "3MiB"}, auto)
+    try:
+        assert model.offload_state.store.held_nbytes() > 0
+    finally:
+        model.offload_state.release()
     with pytest.raises(PluginError, match="storage 'gguf' has no option"):
         offload_core.from_pretrained(str(tiny_gguf), None, {"storage": {"name": "gguf", "resident_": "quantized"}})
     with pytest.raises(ConfigError, match=r"storage=\{'resident': 'quantized'\} names no storage: give its name"):
