@@ -139,6 +139,13 @@ def _chosen(folder: Path, repo: str, tag: str | None, what: str) -> Path:
     """The snapshot ``folder`` of ``repo``, or the GGUF model in it the run takes (:func:`pick_gguf`)."""
     files = [str(path.relative_to(folder).as_posix()) for path in folder.rglob("*") if not path.is_dir()]
     picked = pick_gguf(repo, files, tag, what, cached=True)
+    missing = [name for name in picked or [] if not (folder / name).exists()]
+    if missing:  # a link to a blob an interrupted download or a cache clean-up left out
+        raise ModelSourceError(
+            f"{what}={repo}{f':{tag}' if tag else ''}: the Hugging Face cache holds {missing[0]} only as a link to a "
+            f"missing file (a download cut short, or the cache cleaned); download it again: hf download {repo} "
+            + " ".join(picked or [])
+        )
     return folder / picked[0] if picked else folder
 
 

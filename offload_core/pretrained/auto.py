@@ -66,6 +66,12 @@ def request_overrides(
 ) -> list[str]:
     """``run.py``'s overrides for the same request: the model, the budgets, the strategies named, the generation (a
     prompt of ``generation.prompt_tokens`` ids, one per byte; a batch as a prompts file in ``work``)."""
+    given: list[str] = []  # a strategy given as a dict of its name and options: its group and keys
+    for name, group in (("placement", "placement"), ("storage", "storage"), ("policy", "hook")):
+        value = getattr(offload, name)
+        if isinstance(value, Mapping) and isinstance(value.get("name"), str):
+            offload = dataclasses.replace(offload, **{name: value["name"]})
+            given += [f"{group}.{key}={option}" for key, option in value.items() if key != "name"]
     for name in ("placement", "storage", "policy", "speculative"):
         value = getattr(offload, name)
         if value is not None and not isinstance(value, str):
@@ -77,7 +83,7 @@ def request_overrides(
     overrides = ["model=local", f"model.path={path}", "model.tokenizer=bytes", "model.chat_template=false"]
     overrides += [f"{key}={value}" for key, value in budget_overrides(max_memory)]
     overrides += [f"placement={offload.placement}", f"storage={offload.storage}"]
-    overrides += [f"hook={offload.policy or defaults.POLICY}", f"page_cache={offload.page_cache or 'lru'}"]
+    overrides += [f"hook={offload.policy or defaults.POLICY}", f"page_cache={offload.page_cache or 'lru'}", *given]
     overrides += [f"headroom={offload.headroom}", f"over_budget={offload.over_budget}"]
     dtype, task = model
     overrides += [f"dtype={str(dtype).removeprefix('torch.') if dtype else 'auto'}", "progress=false", "auto=true"]

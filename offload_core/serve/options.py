@@ -54,6 +54,11 @@ def read_options(section: dict) -> ServeOptions:
         if not max_batch.isdigit() or int(max_batch) < 1:
             raise ConfigError(f"serve.max_batch={max_batch} must be auto or a number of requests of at least 1")
         options = dataclasses.replace(options, max_batch=int(max_batch))
+    if not options.host.strip():  # an empty address listens on every interface: never by accident
+        raise ConfigError(
+            "serve.host is empty: give the address to listen on (127.0.0.1: this machine only; 0.0.0.0: every "
+            "interface)"
+        )
     if not 0 <= options.port <= 65535:
         raise ConfigError(f"serve.port={options.port} is not a port: give 0 (any free port) to 65535")
     for key in ("context", "max_tokens"):

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from offload_core.serve.logprobs import CHAT_TOP, COMPLETION_TOP
 
@@ -103,6 +103,14 @@ class CompletionRequest(_Generation):
     prompt: Union[str, list[str]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=COMPLETION_TOP)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        """A prompt is text: token ids (which OpenAI's API also takes) are one clear line, not a union's."""
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+            return value
+        raise ValueError("give the prompt as text (a string); token ids are not read here")
 
     def top(self) -> int | None:
         return self.logprobs

@@ -259,6 +259,12 @@ def test_a_store_given_as_a_dict_of_its_name_and_options_is_built_from_them(tiny
             assert torch.equal(model(ids).logits, transformers_model(tiny_gguf)(ids).logits)
     finally:
         model.offload_state.release()
+    auto = {"storage": store, "over_budget": "warn", "auto": True}  # ranked with the options it was given
+    model = offload_core.from_pretrained(str(tiny_gguf), {"cpu": "3MiB"}, auto)
+    try:
+        assert model.offload_state.store.held_nbytes() > 0
+    finally:
+        model.offload_state.release()
     with pytest.raises(PluginError, match="storage 'gguf' has no option"):
         offload_core.from_pretrained(str(tiny_gguf), None, {"storage": {"name": "gguf", "resident_": "quantized"}})
     with pytest.raises(ConfigError, match=r"storage=\{'resident': 'quantized'\} names no storage: give its name"):
@@ -294,3 +300,22 @@ def test_offline_a_tag_the_cache_lacks_is_said_of_the_cache_not_of_the_repo(tiny
     assert resolve_model_path("acme/tiny-GGUF:Q8_0") == snapshot_folder / "Tiny-Q8_0.gguf"
     with pytest.raises(ConfigError, match=r"cache's copy of the repo holds no GGUF model tagged Q4_K_M \(it holds: "):
         resolve_model_path("acme/tiny-GGUF:Q4_K_M")
+
+
+def test_a_cached_gguf_whose_blob_is_gone_says_to_download_it_again(tiny_gguf, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from offload_core.loading.hub import resolve_model_path
+    from offload_core.loading.sources import ModelSourceError
+    from tests.hub_cache import as_hub_cache
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    (downloaded / "Tiny-Q8_0.gguf").write_bytes(tiny_gguf.read_bytes())
+    snapshot_folder = as_hub_cache(downloaded, cache, "acme/tiny-GGUF")
+    (snapshot_folder / "Tiny-Q8_0.gguf").resolve().unlink()  # the blob gone, its link left
+    with pytest.raises(ModelSourceError, match=r"holds Tiny-Q8_0.gguf only as a link to a missing file .* hf download"):
+        resolve_model_path("acme/tiny-GGUF:Q8_0")

@@ -88,3 +88,9 @@ def test_the_command_line_says_one_line(tiny, tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr.strip() == "offload_core: error: serve.max_queue=-1 must be 0 or more"
+
+
+def test_an_empty_host_is_refused_not_every_interface(compose_run, tiny, tmp_path):
+    for host in ("serve.host=", "serve.host=' '"):  # '' would listen on every interface
+        with pytest.raises(ConfigError, match="serve.host is empty: give the address to listen on"):
+            serve(compose_run, tiny, tmp_path, host)

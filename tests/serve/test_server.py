@@ -207,3 +207,6 @@ def test_a_prompt_that_fills_the_context_names_the_field_it_came_in(server):
         got, answer = call(server, "POST", route, body, key=KEY)
         assert got == 400 and "fills the context of 96 tokens" in answer["error"]["message"]
         assert answer["error"]["param"] == field, route
+    got, answer = call(server, "POST", "/v1/completions", {"model": "tiny", "prompt": [1, 2, 99999]}, key=KEY)
+    assert got == 400 and answer["error"]["param"] == "prompt"  # it was prompt.str, a member of the union
+    assert "give the prompt as text (a string); token ids are not read here" in answer["error"]["message"]
