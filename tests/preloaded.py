@@ -39,8 +39,18 @@ from pathlib import Path
 from tests import ROOT
 from tests import preloaded_client as client
 
-#: what every job imports before it reads its arguments (run.py's import, transformers' models)
-PRELOAD = ("offload_core.runner.cli", "transformers.modeling_utils")
+#: what every job imports before it reads its arguments (run.py's import, transformers' models), and what nearly
+#: every job imports next (its generation, the Auto classes, Llama's modelling, the runner's job: a fifth of a
+#: second a command, over a hundred commands a worker)
+PRELOAD = (
+    "offload_core.runner.cli",
+    "transformers.modeling_utils",
+    "transformers.generation.utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.modeling_llama",
+    "offload_core.runner.job",
+)
 #: variables that a preloaded module may read while it is imported: a command that sets another value runs fresh
 IMPORT_TIME = re.compile(
     r"^(HF_|HUGGINGFACE|TRANSFORMERS|TORCH|PYTORCH|OMP_|MKL_|KMP_|OPENBLAS|CUDA|TOKENIZERS|"

@@ -1,7 +1,7 @@
 """Runs as users run them: ``python run.py`` as a process of its own, on a transformers-saved Mixtral for every
 policy x store (one sweep of them all; the tokens of the in-memory model), and on SmolLM2 for every policy
 and every store (the answer printed), must exit by itself, within a bound of writing its metrics; the same for
-``python -m offload_core run`` and a two-job sweep."""
+``python -m offload_core run`` (one of SmolLM2's runs) and a two-job sweep."""
 
 from __future__ import annotations
 
@@ -38,17 +38,12 @@ def exit_bound() -> float:
 #: SmolLM2's runs: each store once (memmap's folder is sealed on a thread before the run exits), prefetch and experts
 #: (reader threads of their own) among the policies. Every policy x store runs as a process on the tiny Mixtral below,
 #: and on SmolLM2 in this process (tests/end_to_end/test_fidelity_smollm2.py): the real model's runs add its size, its
-#: tokenizer and its answer.
+#: tokenizer and its answer. Each by one of the commands users start it with.
 SMOLLM2_RUNS = [
-    ("functional_call", "pinned_cpu"),
-    ("prefetch", "memmap"),
-    ("experts", "safetensors"),
+    ("functional_call", "pinned_cpu", "run.py"),
+    ("prefetch", "memmap", "run.py"),
+    ("experts", "safetensors", "python -m offload_core run"),
 ]
-
-
-def _matrix(model: str, runs=None) -> list:
-    runs = runs or [(hook, store) for hook in HOOKS for store in STORES]
-    return [pytest.param(model, hook, store, id=f"{model}-{hook}-{store}") for hook, store in runs]
 
 
 def run_as_user(args: list[str], cwd: Path, done: Path) -> tuple[int, str, str]:
@@ -100,11 +95,14 @@ def mixtral(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model, hook, store", _matrix("smollm2", SMOLLM2_RUNS))
-def test_smollm2_run_exits_with_the_answer(model, hook, store, tmp_path):
+@pytest.mark.parametrize(
+    "hook, store, command", [pytest.param(*run, id=f"smollm2-{run[0]}-{run[1]}") for run in SMOLLM2_RUNS]
+)
+def test_smollm2_run_exits_with_the_answer(hook, store, command, tmp_path):
+    module = command.startswith("python -m")  # started in the repository's folder
     args = [
         sys.executable,
-        str(ROOT / "run.py"),
+        *(["-m", "offload_core", "run"] if module else [str(ROOT / "run.py")]),
         f"hook={hook}",
         f"storage={store}",
         "max_new_tokens=8",
@@ -112,7 +110,7 @@ def test_smollm2_run_exits_with_the_answer(model, hook, store, tmp_path):
         f"hydra.run.dir={tmp_path}",
         *(["over_budget=warn"] if store == "pinned_cpu" else []),  # it holds the disk tier in memory too
     ]
-    code, out, err = run_as_user(args, tmp_path, tmp_path / "metrics.json")
+    code, out, err = run_as_user(args, ROOT if module else tmp_path, tmp_path / "metrics.json")
     assert code == 0, err[-2000:]
     assert "Paris" in out and json.loads((tmp_path / "metrics.json").read_text())["devices"]["disk"]["bytes"] > 0
 
@@ -147,20 +145,6 @@ def test_moe_run_exits_with_the_in_memory_tokens(mixtral, tmp_path):
     assert ran == set(jobs)
     rows = (tmp_path / "summary.csv").read_text().splitlines()[1:]
     assert len(rows) == len(jobs) and all(",ok,True," in row for row in rows), rows
-
-
-def test_python_m_offload_core_run_exits_with_the_answer(tmp_path):
-    args = [
-        sys.executable,
-        "-m",
-        "offload_core",
-        "run",
-        "max_new_tokens=8",
-        "storage=safetensors",
-        f"hydra.run.dir={tmp_path}",
-    ]
-    code, out, err = run_as_user(args, ROOT, tmp_path / "metrics.json")
-    assert code == 0 and "Paris" in out, err[-2000:]
 
 
 def test_a_two_job_sweep_exits_with_its_summary(tmp_path):
