@@ -50,6 +50,15 @@ def _same_as(model, reference, ids=IDS):
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
 
 
+def _expert_bytes(model) -> tuple[int, int]:
+    """One expert of layer 1's fused tensors: its quantized bytes in the file, and its float32 rows' bytes."""
+    checkpoint = model.offload_state.store.checkpoint
+    module = next(m for name, m in model.named_modules() if is_fused_experts(m) and name.startswith("model.layers.1"))
+    keys = [f"model.layers.1.mlp.experts.{name}" for name, p in module.named_parameters() if p.dim() == 3]
+    quantized = sum(checkpoint.stored_nbytes(key) for key in keys) // module.num_experts
+    return quantized, sum(p[0].numel() * 4 for p in module.parameters() if p.dim() == 3)
+
+
 @pytest.mark.parametrize(
     ("policy", "resident"),
     [
@@ -114,13 +123,7 @@ def test_hook_experts_moves_each_routed_experts_quantized_bytes(moe, tmp_path):
         with torch.no_grad():
             assert torch.equal(model(IDS[:, :1]).logits, reference(IDS[:, :1]).logits)  # some experts, not all
         counters = model.offload_state.handle.counters()
-        checkpoint = model.offload_state.store.checkpoint
-        module = next(
-            m for name, m in model.named_modules() if is_fused_experts(m) and name.startswith("model.layers.1")
-        )
-        keys = [f"model.layers.1.mlp.experts.{name}" for name, p in module.named_parameters() if p.dim() == 3]
-        quantized = sum(checkpoint.stored_nbytes(key) for key in keys) // module.num_experts
-        dequantized = sum(p[0].numel() * 4 for p in module.parameters() if p.dim() == 3)
+        quantized, dequantized = _expert_bytes(model)
         assert counters["expert_bytes"] == counters["expert_misses"] * quantized > 0
         assert quantized * 3 < dequantized
     finally:
@@ -209,13 +212,7 @@ def test_on_a_gpu_a_routed_expert_moves_its_quantized_bytes(moe, fake_gpu):
         with torch.no_grad():
             assert torch.equal(model(IDS[:, :1].to(fake.device(0))).logits.cpu(), reference(IDS[:, :1]).logits)
         counters = model.offload_state.handle.counters()
-        checkpoint = model.offload_state.store.checkpoint
-        module = next(
-            m for name, m in model.named_modules() if is_fused_experts(m) and name.startswith("model.layers.1")
-        )
-        keys = [f"model.layers.1.mlp.experts.{name}" for name, p in module.named_parameters() if p.dim() == 3]
-        quantized = sum(checkpoint.stored_nbytes(key) for key in keys) // module.num_experts
-        assert counters["expert_bytes"] == counters["expert_misses"] * quantized > 0
+        assert counters["expert_bytes"] == counters["expert_misses"] * _expert_bytes(model)[0] > 0
     finally:
         model.offload_state.release()
 
