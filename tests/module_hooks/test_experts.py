@@ -278,6 +278,21 @@ def test_the_cpu_budget_holds_back_the_expert_cache_and_the_rows_being_read(save
     assert policy.plan_lines()[0].startswith(f"expert cache: 3 slots per layer x {len(experts)} MoE layers")
 
 
+def test_on_a_model_without_experts_the_plan_says_it_reads_as_prefetch(saved):
+    from offload_core.module_hooks.prefetch import Prefetch, PrefetchConfig
+    from offload_core.planning.reservation import InFlight
+
+    dense = saved("llama")
+    with init_empty_weights():
+        model = dense.auto.from_config(dense.config).eval()
+    need = InFlight(execution_device=torch.device("cpu"), block_bytes=1 << 20, module_bytes=1 << 20, model=model)
+    policy = Experts(ExpertsConfig())
+    assert policy.reserve(need) == dict(Prefetch(PrefetchConfig()).reserve(need))
+    assert policy.plan_lines() == [
+        "hook=experts: this model has no experts; its blocks are read as hook=prefetch reads them"
+    ]
+
+
 @pytest.mark.parametrize("spare_slots", [0, 1, 5])
 def test_the_cache_takes_as_many_slots_as_the_cpu_budget_holds(saved, spare_slots):
     from offload_core.module_hooks.experts.policy import AUTO_SLOTS

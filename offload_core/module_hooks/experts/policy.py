@@ -201,6 +201,9 @@ class Experts(Prefetch):
         runs: on a GPU run, on the device."""
         if need.model is None:
             return dict(super().reserve(need))
+        if not self.takes_part_in(need.model):
+            self.cache_note = "hook=experts: this model has no experts; its blocks are read as hook=prefetch reads them"
+            return dict(super().reserve(need))
         if need.offloaded is None:
             reserve = dict(super().reserve(need))
             (fused_row, fused_layers), (listed_row, listed_layers) = (
