@@ -94,6 +94,12 @@ def pick_gguf(
     if not models or any(file.endswith((".safetensors", ".bin")) for file in files):
         return None
     if len(models) == 1:
+        if cached:  # the one the cache holds, of how many the repo has: not told here
+            print(
+                f"offload_core: running {_quant(next(iter(models)))}, the GGUF model of {repo} in the Hugging Face "
+                f"cache (the repo may hold others: name one, {what}={repo}:Q8_0)",
+                file=sys.stderr,
+            )
         return next(iter(models.values()))
     found = _tagged(models, DEFAULT_TAG)
     if len(found) == 1:

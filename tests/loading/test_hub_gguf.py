@@ -49,6 +49,14 @@ def test_a_tag_names_one_quantization_whole_not_a_prefix_of_another(capsys):
     assert "holds 5 GGUF models (F16, IQ4_XS, Q4_K, Q4_K_M, Q8_0); running Q4_K_M" in said and f"{REPO}:Q8_0" in said
 
 
+def test_the_only_model_of_a_cached_copy_is_run_and_said_so(capsys):
+    only = ["README.md", "Tiny-3B-Instruct-Q8_0.gguf"]
+    assert pick_gguf(REPO, only, None) == ["Tiny-3B-Instruct-Q8_0.gguf"] and capsys.readouterr().err == ""
+    assert pick_gguf(REPO, only, None, cached=True) == ["Tiny-3B-Instruct-Q8_0.gguf"]
+    said = capsys.readouterr().err
+    assert f"running Q8_0, the GGUF model of {REPO} in the Hugging Face cache" in said and said.count("\n") == 1
+
+
 def test_a_split_model_in_a_folder_of_its_own_is_all_its_parts_first_part_first():
     parts = [f"Q4_K_M/Big-Q4_K_M-0000{i}-of-00003.gguf" for i in (2, 1, 3)]
     files = [*parts, "Q8_0/Big-Q8_0-00001-of-00002.gguf", "Q8_0/Big-Q8_0-00002-of-00002.gguf", "README.md"]
