@@ -52,3 +52,11 @@ class Offload:
 def read_offload(value: Offload | Mapping[str, Any] | None, what: str = "offload") -> Offload:
     """``value`` as an :class:`Offload`: itself, the defaults for None, or a dict of its fields."""
     return read_fields(Offload, value, what, "{'storage': 'memmap', 'policy': 'prefetch'}")
+
+
+def named_options(value: Any) -> tuple[str, dict[str, Any]] | None:
+    """A strategy given as a dict of its name and options (``{"name": "gguf", "resident": "quantized"}``): its name
+    and the options; None for any other value (a dict naming none too)."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("name"), str):
+        return None
+    return value["name"], {key: option for key, option in value.items() if key != "name"}

@@ -19,6 +19,7 @@ from offload_core.errors import ConfigError
 from offload_core.module_hooks.base import no_auto_compile
 from offload_core.module_hooks.policy import PolicyContext, PolicyHandle
 from offload_core.module_hooks.units import tensor_nbytes
+from offload_core.options import named_options
 from offload_core.planning import no_split_classes
 from offload_core.storage import Store, StoreContext
 from offload_core.storage.residency import Residency
@@ -96,13 +97,13 @@ def resolve_strategy(kind: str, value: Any, config: Any = None) -> Any:
     from offload_core.registry.manager import get_registry
 
     if isinstance(value, Mapping):
-        options = {key: option for key, option in value.items() if key != "name"}
-        if not isinstance(value.get("name"), str):
+        named = named_options(value)
+        if named is None:
             raise ConfigError(
                 f"{kind}={dict(value)!r} names no {kind}: give its name and options, e.g. "
                 f"{{'name': {get_registry().names(kind)[0]!r}, ...}}"
             )
-        return get_registry().create(kind, value["name"], {**dict(config or {}), **options})
+        return get_registry().create(kind, named[0], {**dict(config or {}), **named[1]})
     if isinstance(value, str):
         return get_registry().create(kind, value, config)
     return value

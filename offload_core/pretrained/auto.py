@@ -16,7 +16,7 @@ from hydra import initialize_config_dir
 
 from offload_core import defaults
 from offload_core.errors import ConfigError
-from offload_core.options import Offload
+from offload_core.options import Offload, named_options
 from offload_core.plan.auto import rank, settings_of
 from offload_core.planning import get_max_memory
 from offload_core.planning.generation import Generation
@@ -68,10 +68,10 @@ def request_overrides(
     prompt of ``generation.prompt_tokens`` ids, one per byte; a batch as a prompts file in ``work``)."""
     given: list[str] = []  # a strategy given as a dict of its name and options: its group and keys
     for name, group in (("placement", "placement"), ("storage", "storage"), ("policy", "hook")):
-        value = getattr(offload, name)
-        if isinstance(value, Mapping) and isinstance(value.get("name"), str):
-            offload = dataclasses.replace(offload, **{name: value["name"]})
-            given += [f"{group}.{key}={option}" for key, option in value.items() if key != "name"]
+        named = named_options(getattr(offload, name))
+        if named is not None:
+            offload = dataclasses.replace(offload, **{name: named[0]})
+            given += [f"{group}.{key}={option}" for key, option in named[1].items()]
     for name in ("placement", "storage", "policy", "speculative"):
         value = getattr(offload, name)
         if value is not None and not isinstance(value, str):
