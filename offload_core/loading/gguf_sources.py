@@ -40,11 +40,22 @@ def _fingerprint(gguf: Path) -> dict[str, Any]:
     return found
 
 
+#: how the model cache's folders made from a GGUF file begin (its metadata's, its conversion's)
+_MADE = "gguf-"
+
+
 def _target(gguf: Path, kind: str) -> Path:
     from offload_core.loading.sources import cache_root
 
     key = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:16]
-    return cache_root() / f"gguf-{kind}-{gguf.stem[:40]}-{key}"
+    return cache_root() / f"{_MADE}{kind}-{gguf.stem[:40]}-{key}"
+
+
+def made_from_gguf(folder: Path) -> bool:
+    """Whether ``folder`` is one of the model cache's folders made from a GGUF file (not a folder of the user's)."""
+    from offload_core.loading.sources import cache_root
+
+    return folder.parent == cache_root() and folder.name.startswith(_MADE)
 
 
 def gguf_meta_folder(gguf: Path) -> Path:

@@ -22,15 +22,15 @@ def read_tokenizer(checkpoint: Path, source: str | None = None) -> Any:
     """The tokenizer a run reads text with: ``source`` (``model.tokenizer``: a folder or repo id) when given, else the
     one in ``checkpoint``; None for ``bytes`` and for a model the project generated without one (``synthetic.json``).
     A folder holding no tokenizer is one line saying what to do, never a prompt silently read one id per byte."""
-    from offload_core.loading.sources import cache_root, load_tokenizer
+    from offload_core.loading.gguf_sources import made_from_gguf
+    from offload_core.loading.sources import load_tokenizer
 
     if source == BYTES:
         return None
     if source:
         return _named_tokenizer(source)
     tokenizer = load_tokenizer(checkpoint)
-    converted = checkpoint.parent == cache_root() and checkpoint.name.startswith("gguf-")
-    if tokenizer is None and (checkpoint.is_file() or converted):
+    if tokenizer is None and (checkpoint.is_file() or made_from_gguf(checkpoint)):
         raise ConfigError(  # a GGUF file read in place, or converted into the model cache (not the user's folder)
             "the model's GGUF file carries no tokenizer (no tokenizer.ggml.* metadata), so the prompt cannot be read "
             "as text: give model.tokenizer=<a folder or Hub repo id holding the model's tokenizer> (from Python, "
