@@ -220,10 +220,15 @@ class DeviceLayer(ExpertLayer):
         assert self.packed is not None
         for key, out in zip(self.keys, outs):
             packed = self.packed[key]
-            scratch = self.shared.scratch(stream, packed, min(self.decode_elements, packed.elements))
+            scratch = self.scratch(stream, packed)
             for expert in experts:
                 packed.decode_expert(expert, out if row else out[expert], scratch)
             self.counters.transfers += len(packed.parts) * len(experts)
+
+    def scratch(self, stream: str, packed: Any) -> Any:
+        """The shared decoding scratch of ``stream`` (``compute`` or ``ahead``), for passes of one expert's rows of
+        this layer's largest tensor (the store's pass where smaller)."""
+        return self.shared.scratch(stream, packed, min(self.decode_elements, packed.elements))
 
     def _host_row(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host memory of ``shape`` from the caching pinned allocator (copied from asynchronously)."""
@@ -247,8 +252,7 @@ class DeviceLayer(ExpertLayer):
         for key, buffer in tensors.items():
             if self.packed is not None:
                 packed = self.packed[key]
-                scratch = self.shared.scratch("compute", packed, min(self.decode_elements, packed.elements))
-                packed.decode_on_device(buffer, scratch, key)
+                packed.decode_on_device(buffer, self.scratch("compute", packed), key)
                 self.counters.transfers += len(packed.parts)
             elif self.direct:
                 buffer.copy_(self.store[key], non_blocking=True)
