@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from offload_core.errors import ConfigError
-from offload_core.loading.hub_gguf import pick_gguf, split_tag
+from offload_core.loading.hub_gguf import hf_download, pick_gguf, split_tag
 from offload_core.loading.ollama import PREFIX, resolve_ollama
 from offload_core.loading.sources import ModelSourceError
 from offload_core.values import read_fields
@@ -129,8 +129,7 @@ def resolve_model_path(
         raise ModelSourceError(
             f"{what}={name!r} is neither a local folder nor a model in the Hugging Face cache ({cache}){at}, and "
             f"{why} forbids downloading it; set {what} to a checkpoint folder, {undo} to download it, or download it "
-            f"first: hf download {name}{f' --revision {revision}' if revision else ''}"
-            + (f' --include "*{tag}*"' if tag else "")  # that quantization only, not the repo's every one
+            f"first: {hf_download(name, tag, revision)}"
         )
     return _download(name, tag, revision, token, cache if cache_dir is not None else None, progress, what, at)
 
@@ -228,8 +227,7 @@ def _download(
             return _chosen(found, repo_id, tag, what)
         raise ModelSourceError(
             f"{what}={repo_id!r} is no local folder and could not be downloaded{at} ({reason}); check the network "
-            f"(or set {what} to a checkpoint folder), then run again or download it first: hf download {repo_id}"
-            + (f' --include "*{tag}*"' if tag else "")
+            f"(or set {what} to a checkpoint folder), then run again or download it first: {hf_download(repo_id, tag)}"
         ) from None
 
 

@@ -28,6 +28,16 @@ def split_tag(name: str) -> tuple[str, str | None]:
     return (tagged["repo"], tagged["tag"]) if tagged else (name, None)
 
 
+def hf_download(repo: str, tag: str | None = None, revision: str | None = None) -> str:
+    """The command that downloads ``repo`` (at ``revision``; of a GGUF repo only the quantization ``tag`` names, not
+    its every one)."""
+    return (
+        f"hf download {repo}"
+        + (f" --revision {revision}" if revision else "")
+        + (f' --include "*{tag}*"' if tag else "")
+    )
+
+
 def is_projector(name: str) -> bool:
     """Whether GGUF file ``name`` is a vision projector (``mmproj…``, beside a model in its repo or folder): no model
     to run."""
@@ -79,7 +89,7 @@ def pick_gguf(
         if cached and not found:
             raise ConfigError(
                 f"{what}={repo}:{tag}: the Hugging Face cache's copy of the repo holds no GGUF model tagged {tag} "
-                f'(it holds: {held}); download it first: hf download {repo} --include "*{tag}*"'
+                f"(it holds: {held}); download it first: {hf_download(repo, tag)}"
             )
         if not models:
             raise ConfigError(f"{what}={repo}:{tag}: the repo holds no GGUF files; drop the tag: {what}={repo}")
