@@ -18,6 +18,7 @@ from offload_core.module_hooks.experts.policy import Experts
 from offload_core.storage.gguf.device import ExpertBlocks
 from tests.gguf_files import half_offloaded_map, transformers_model, write_gguf
 from tests.gpu_budgets import on_gpu
+from tests.outputs import assert_same_outputs
 
 # whole runs of every policy (the quick subset stays under a minute)
 pytestmark = pytest.mark.slow
@@ -41,13 +42,6 @@ def _load(path, policy, resident="dequantized", dtype=None):
     storage = offload_core.registry.manager.get_registry().create("storage", "gguf", {"resident": resident})
     offload = {"storage": storage, "policy": policy, "device_map": half_offloaded_map(LAYERS), "over_budget": "warn"}
     return offload_core.from_pretrained(path, {"cpu": "3MiB"}, offload, dtype=dtype)
-
-
-def _same_as(model, reference, ids=IDS):
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, reference(ids).logits)
-        want = reference.generate(ids, max_new_tokens=4, do_sample=False)
-        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
 
 
 def _expert_bytes(model) -> tuple[int, int]:
@@ -74,7 +68,7 @@ def test_an_moe_gguf_read_in_place_is_transformers_in_memory_model_bit_for_bit(m
     try:
         assert "disk" in set(model.hf_device_map.values())
         assert model.offload_state.store.checkpoint.merged  # gate and up read from their own tensors, not converted
-        _same_as(model, reference)
+        assert_same_outputs(model, reference, IDS)
     finally:
         model.offload_state.release()
 
@@ -84,7 +78,7 @@ def test_a_bfloat16_run_rounds_the_merged_experts_as_transformers_load_does(moe)
     reference = transformers_model(path, torch.bfloat16)
     model = _load(path, "experts", dtype=torch.bfloat16)
     try:
-        _same_as(model, reference)
+        assert_same_outputs(model, reference, IDS)
     finally:
         model.offload_state.release()
 
@@ -141,7 +135,7 @@ def test_qwen2moe_with_its_shared_expert_reads_in_place_and_converts_alike(tmp_p
         offload = {**offload, "device_map": half_offloaded_map(LAYERS), "over_budget": "warn"}
         model = offload_core.from_pretrained(path, {"cpu": "3MiB"}, offload)
         try:
-            _same_as(model, reference)
+            assert_same_outputs(model, reference, IDS)
         finally:
             model.offload_state.release()
 
