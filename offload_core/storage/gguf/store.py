@@ -108,11 +108,11 @@ class GGUFStore(Store):
         with torch.inference_mode(False):
             self.checkpoint.read_into(self._refs[name], out, self._held.get(name))
 
-    def packed(self, name: str) -> DeviceBlocks | None:
+    def packed(self, name: str) -> DeviceBlocks | ExpertBlocks | None:
         """``name``'s quantized blocks, for a GPU run to dequantize on the device, where that gives what
         :meth:`read_into` gives: a type with a torch kernel, a tensor transformers' processor leaves
-        as it is or un-permutes (llama's q and k); None for the others (dequantized on the host). Worked out once a
-        tensor."""
+        as it is or un-permutes (llama's q and k), or a fused expert tensor it merges from parts (decoded expert by
+        expert, :meth:`packed_experts`); None for the others (dequantized on the host). Worked out once a tensor."""
         if name not in self._packed:
             self._packed[name] = self._device_blocks(name)
         return self._packed[name]
