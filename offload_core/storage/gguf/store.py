@@ -57,7 +57,7 @@ class GGUFStore(Store):
         self.hold = hold
         self._held: dict[str, list[torch.Tensor]] = {}  # the blocks of each of a tensor's parts (one but a merged one)
         self._sources: dict[tuple, list[torch.Tensor]] = {}  # the held blocks by where they lie in the file
-        self._packed: dict[str, DeviceBlocks | None] = {}
+        self._packed: dict[str, DeviceBlocks | ExpertBlocks | None] = {}
         #: a device pass's elements: the largest tensor's where smaller than a pass (the plan's scratch is as large)
         largest = max((math.prod(checkpoint.shape(key)) for key in context.names if key in checkpoint), default=0)
         self.pass_elements = pass_elements(largest)
